@@ -1,0 +1,23 @@
+"""Pure GRPO math: advantages, the clipped policy loss, KL estimators, loss aggregation, reward shaping.
+
+Functions of tensors only: no process groups, no model. Every later part (trainer, PRM, engines) calls these.
+"""
+
+from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages
+from grpo_mega.algo.kl import KL_ESTIMATORS, kl_estimate
+from grpo_mega.algo.losses import LOSS_AGG_MODES, aggregate_loss, policy_loss
+from grpo_mega.algo.shaping import clip_advantages, clip_rewards, whiten
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
+    "clip_advantages",
+    "clip_rewards",
+    "kl_estimate",
+    "normalize_step_rewards",
+    "outcome_advantages",
+    "policy_loss",
+    "process_advantages",
+    "whiten",
+]
