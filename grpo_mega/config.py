@@ -1,0 +1,236 @@
+"""Run configuration: dataclasses with a docstring per field, loaded from YAML with ``key=value`` overrides.
+
+OmegaConf validates against the dataclasses, so an unknown key or a value of the wrong type fails at start-up
+with the key named. Checks that span fields live in :func:`validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES
+
+
+@dataclass
+class ModelConfig:
+    hf_config: str = "???"
+    """Folder holding the Hugging Face config.json of the architecture (Qwen2 or Llama family)."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder (HF format); defaults to ``hf_config``."""
+    init_from: Optional[str] = None
+    """Weights to start from: a Hugging Face folder (safetensors) or a grpo-mega checkpoint folder.
+    None starts from random weights (only sensible for SFT of a tiny model)."""
+    logprob_chunk_size: int = 1024
+    """Sequence chunk for the vocab-parallel log-prob / entropy computation (bounds peak memory)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size."""
+    pipeline: int = 1
+    """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget (rows x padded length) of one micro-batch."""
+    seed: int = 1234
+    """Seed of parameter init, sampling and data order."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the gradient to this global norm (over all model-parallel ranks); 0 disables."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the learning rate."""
+    decay_style: str = "cosine"
+    """``cosine``, ``linear`` or ``constant`` after the warm-up."""
+
+
+@dataclass
+class DataConfig:
+    train_file: str = "???"
+    """Prompt dataset: .jsonl or .parquet."""
+    eval_file: Optional[str] = None
+    """Held-out prompts evaluated on schedule and at the end."""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template."""
+    prompt_length: int = 256
+    """Longest prompt in tokens; longer rows are reported and handled per ``on_bad_row``."""
+    on_bad_row: str = "skip"
+    """``skip`` (report file:line and go on) or ``error`` (stop at start-up)."""
+    max_eval_prompts: int = 200
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """``hf`` (transformers generate, CPU) or ``vllm`` (GPU)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the completion keeps the stop string."""
+    generation_batch_size: int = 64
+    """Prompts per generate call (memory bound of the hf engine)."""
+    sync_bucket_mb: int = 256
+    """Weight sync streams tensors to the rollout engine in buckets of at most this many MiB."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "math_verify"
+    """A registered reward (``math_verify``, ``synthetic``, ``format``) or ``module:function``."""
+    format_weight: float = 0.0
+    """Weight of the format reward added to the main reward."""
+
+
+@dataclass
+class AlgorithmConfig:
+    rollout_batch_size: int = 32
+    """Prompts per GRPO step."""
+    num_return_sequences_in_group: int = 8
+    """G: completions sampled per prompt."""
+    response_length: int = 512
+    """Maximum new tokens per completion."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 0
+    """Prompts per optimizer step (all their G completions); 0 = the whole rollout batch (one update per epoch)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """``clip_high > clip_low`` is DAPO's clip-higher."""
+    dual_clip_loss: Optional[float] = None
+    """Dual-clip bound c > 1 for negative advantages; None disables."""
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_estimator: str = "k3"
+    loss_agg_mode: str = "token-mean"
+    scale_by_std: bool = True
+    """False is Dr. GRPO."""
+    whiten_advantages: bool = False
+    advantage_clip: Optional[float] = None
+    reward_clip: Optional[float] = None
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts to refill the batch (DAPO)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling gives up refilling after this many generation rounds per step."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: completions longer than response_length - buffer lose up to overlong_penalty."""
+    overlong_penalty: float = 1.0
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    run_dir: str = "runs/grpo"
+    total_steps: int = 100
+    eval_every: int = 0
+    """Evaluate held-out accuracy every N steps; 0 = only before and after."""
+    save_every: int = 0
+    """Save a checkpoint every N steps; 0 = only at the end."""
+    keep_last: int = 2
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in run_dir, if any), ``none``, or a checkpoint folder."""
+    eval_temperature: float = 0.0
+    """0 = greedy evaluation."""
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class GRPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used; the message names the key."""
+
+
+def _choice(value: str, allowed, key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: expected one of {tuple(allowed)}")
+
+
+def validate(cfg: GRPOConfig) -> None:
+    """Cross-field checks that typed fields cannot express."""
+    alg = cfg.algorithm
+    _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
+    _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
+    _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
+    _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    if alg.scale_by_std and alg.num_return_sequences_in_group < 2:
+        raise ConfigError("algorithm.num_return_sequences_in_group must be >= 2 with algorithm.scale_by_std=true")
+    if alg.mini_batch_size and alg.rollout_batch_size % alg.mini_batch_size:
+        raise ConfigError(
+            f"algorithm.mini_batch_size={alg.mini_batch_size} must divide "
+            f"algorithm.rollout_batch_size={alg.rollout_batch_size}"
+        )
+    if alg.dual_clip_loss is not None and alg.dual_clip_loss <= 1:
+        raise ConfigError(f"algorithm.dual_clip_loss={alg.dual_clip_loss} must be > 1")
+    if alg.overlong_buffer >= alg.response_length:
+        raise ConfigError("algorithm.overlong_buffer must be smaller than algorithm.response_length")
+    for key in ("response_length", "rollout_batch_size", "ppo_epochs"):
+        if getattr(alg, key) < 1:
+            raise ConfigError(f"algorithm.{key} must be >= 1")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 for sampling")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError("rollout.top_p must be in (0, 1]")
+
+
+def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:
+    """Merge ``schema`` defaults, the YAML file and ``key=value`` overrides; return the typed config object.
+
+    Raises ConfigError naming the file and key for unknown keys, wrong types and missing required values.
+    """
+    base = OmegaConf.structured(schema)
+    source = "defaults"
+    try:
+        if path is not None:
+            source = str(path)
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            base = OmegaConf.merge(base, OmegaConf.load(path))
+        source = "command-line overrides"
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"required config keys not set: {', '.join(missing)}")
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        reason = str(error).splitlines()[0]
+        raise ConfigError(f"{source}: bad config key {key!r}: {reason}") from None
+    if validator is not None:
+        validator(cfg)
+    return cfg
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config next to the run's outputs, so a run can be reproduced and resumed."""
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

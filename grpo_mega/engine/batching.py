@@ -1,0 +1,82 @@
+"""Splitting a global batch of variable-length rows across data-parallel ranks and into micro-batches.
+
+Rows are padded only to the longest row of their own micro-batch. Micro-batches are filled by a token budget
+(rows x padded length), longest rows first, so rows of similar length share a micro-batch and padding stays small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Row indices of each micro-batch and the padded length each is cut to."""
+
+    rows: list[torch.Tensor]
+    lengths: list[int]
+    real_tokens: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(len(r) * n for r, n in zip(self.rows, self.lengths))
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of computed token slots that are padding."""
+        return 1.0 - self.real_tokens / max(self.padded_tokens, 1)
+
+
+def shard_rows_for_data_parallel(lengths: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """Row indices owned by ``dp_rank``: longest rows first, each to the rank with the fewest tokens so far
+    (every rank gets at least one row; token totals differ by at most the longest row). Every rank computes the
+    same deal from the same lengths, so no communication is needed."""
+    if lengths.numel() < dp_size:
+        raise ValueError(f"a batch of {lengths.numel()} rows cannot feed data_parallel={dp_size} ranks")
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    loads = [0] * dp_size
+    owned: list[list[int]] = [[] for _ in range(dp_size)]
+    for index in order:
+        rank = min(range(dp_size), key=lambda r: (loads[r], len(owned[r]), r))
+        owned[rank].append(index)
+        loads[rank] += int(lengths[index])
+    return torch.tensor(sorted(owned[dp_rank]), dtype=torch.long)
+
+
+def plan_micro_batches(lengths: torch.Tensor, max_tokens_per_micro_batch: int) -> MicroBatchPlan:
+    """Group rows into micro-batches whose padded size ``rows x longest row`` stays within the budget.
+
+    A row longer than the budget gets a micro-batch of its own (it cannot be split).
+    """
+    if max_tokens_per_micro_batch < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    order = torch.argsort(lengths, descending=True, stable=True)
+    rows: list[list[int]] = []
+    padded_lengths: list[int] = []
+    for index in order.tolist():
+        length = int(lengths[index])
+        if rows and (len(rows[-1]) + 1) * padded_lengths[-1] <= max_tokens_per_micro_batch:
+            rows[-1].append(index)
+        else:
+            rows.append([index])
+            padded_lengths.append(length)
+    return MicroBatchPlan(
+        rows=[torch.tensor(r, dtype=torch.long) for r in rows],
+        lengths=padded_lengths,
+        real_tokens=int(lengths.sum()),
+    )
+
+
+def slice_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+    """Select ``rows`` of every [B, ...] tensor and cut the per-token ones ([B, L, ...], L the length of
+    ``batch["input_ids"]``) to ``length`` columns; other tensors ([B] or [B, K]) keep their columns."""
+    seq_len = batch["input_ids"].shape[1]
+    out = {}
+    for name, value in batch.items():
+        value = value.index_select(0, rows)
+        if value.dim() >= 2 and value.shape[1] == seq_len:
+            value = value[:, :length]
+        out[name] = value.contiguous()
+    return out

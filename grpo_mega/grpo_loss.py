@@ -1,0 +1,75 @@
+"""The GRPO loss as a :data:`~grpo_mega.engine.base.LossFn`: policy loss + KL + entropy bonus on one micro-batch.
+
+All math comes from :mod:`grpo_mega.algo`; this module only wires the batch fields to it and turns per-micro-batch
+means into shares of the global batch (so the step is independent of how the batch is split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo_mega.algo import aggregate_loss, kl_estimate, policy_loss
+from grpo_mega.engine.base import LossScale
+
+
+@dataclass(frozen=True)
+class GRPOLossSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    loss_agg_mode: str = "token-mean"
+    norm_length: float | None = None
+    kl_coef: float = 0.0
+    """0 disables the KL term (``use_kl_loss: false``)."""
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+
+def grpo_loss_fn(settings: GRPOLossSettings):
+    """Build ``loss_fn(head_outputs, micro_batch, scale)`` for the engine.
+
+    Reads ``loss_mask``, ``advantages`` [B, L], ``old_logprobs`` and (with KL) ``ref_logprobs`` from the micro-batch;
+    ``head_outputs`` holds ``logprobs`` and ``entropy``.
+    ``loss = aggregate(l_pg + kl_coef * kl - entropy_coef * entropy)`` over the global batch.
+    """
+
+    def loss_fn(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], scale: LossScale):
+        logp, entropy = outputs["logprobs"], outputs["entropy"]
+        mask = micro["loss_mask"].to(logp.dtype)
+        per_token, pg_metrics = policy_loss(
+            logp,
+            micro["old_logprobs"].to(logp.dtype),
+            micro["advantages"].to(logp.dtype),
+            mask,
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            dual_clip=settings.dual_clip,
+        )
+        aggregate = dict(
+            mode=settings.loss_agg_mode,
+            norm_length=settings.norm_length,
+            global_tokens=scale.global_tokens,
+            global_seqs=scale.global_seqs,
+        )
+        pg_loss = aggregate_loss(per_token, mask, **aggregate)
+        loss = pg_loss
+        token_share = mask.sum() / scale.global_tokens
+        metrics = {
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/pg_clipfrac": pg_metrics["clipfrac"] * token_share,
+            "actor/ppo_kl": pg_metrics["approx_kl"] * token_share,
+            "actor/pg_clipfrac_lower": pg_metrics["dual_clipfrac"] * token_share,
+            "actor/entropy": (entropy.detach() * mask).sum() / scale.global_tokens,
+        }
+        if settings.kl_coef:
+            kl = kl_estimate(logp, micro["ref_logprobs"].to(logp.dtype), settings.kl_estimator)
+            kl_loss = aggregate_loss(kl, mask, **aggregate)
+            loss = loss + settings.kl_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        if settings.entropy_coef:
+            loss = loss - settings.entropy_coef * aggregate_loss(entropy, mask, **aggregate)
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,23 @@
+"""Rollout: generation engines (``hf`` on CPU, ``vllm`` on GPU) and weight sync from the trainer to them.
+
+The trainer builds an engine with :func:`build_rollout_engine`, samples with ``engine.generate(prompt_ids,
+SamplingConfig(...))`` and pushes new weights with :func:`sync_weights`.
+"""
+
+from grpo_mega.rollout.base import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    build_rollout_engine,
+)
+from grpo_mega.rollout.weight_sync import SyncStats, iter_buckets, sync_weights
+
+__all__ = [
+    "Completion",
+    "RolloutEngine",
+    "SamplingConfig",
+    "SyncStats",
+    "build_rollout_engine",
+    "iter_buckets",
+    "sync_weights",
+]

@@ -1,0 +1,307 @@
+"""The ``hf`` rollout engine: transformers ``generate`` (KV cache, batched, left-padded prompts), CPU or one GPU.
+
+Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
+the full vocabulary (no top-p / top-k renormalisation), the trainer's definition: a logits processor placed
+before the temperature / top-k / top-p warpers keeps one step's log-softmax and gathers it at the token sampled
+from it, so memory stays at one [rows, vocab] tensor instead of all logits of the response.
+
+Sampling is defined by :class:`SamplingConfig` alone: the engine replaces the model's ``generation_config``
+(a checkpoint's ``generation_config.json`` often sets top_k / top_p / repetition_penalty, and transformers fills
+unset values with top_k=50), keeping only its EOS ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from grpo_mega.rollout.base import (
+    Completion,
+    SamplingConfig,
+    check_prompts,
+    decode_response,
+    derive_seed,
+    has_weight_files,
+    load_hf_tokenizer,
+    resolve_dtype,
+)
+from grpo_mega.rollout.stopping import StopStringsOnText, cut_response
+from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
+
+
+class SampledTokenLogprobs(LogitsProcessor):
+    """Records ``log_softmax(logits / T)[sampled token]`` per step; must run first among the logits processors.
+
+    At step t it sees the raw logits of step t and the tokens up to step t-1, so it keeps step t's log-softmax
+    and gathers it one call later at the token then appended; :meth:`finish` gathers the last step.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self._pending: torch.Tensor | None = None
+        self._steps: list[torch.Tensor] = []
+
+    def _gather_pending(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self._steps.append(self._pending.gather(1, tokens[:, None]).squeeze(1))
+            self._pending = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Leaves ``scores`` unchanged; records the previous step's log-prob."""
+        self._gather_pending(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, generated tokens] log-probs of the tokens in ``sequences`` after the prompt."""
+        self._gather_pending(sequences[:, -1])
+        if not self._steps:
+            return torch.zeros(sequences.shape[0], 0)
+        return torch.stack(self._steps, dim=1).cpu()
+
+
+def _sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
+    """Temperature, top-k, top-p (transformers' own warpers, in transformers' order); none when greedy."""
+    if sampling.greedy:
+        return []
+    warpers: list[LogitsProcessor] = []
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+    return warpers
+
+
+def _eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> set[int]:
+    """The tokenizer's EOS plus the checkpoint's generation_config EOS ids (chat models end turns with those)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids.update(int(i) for i in ([configured] if isinstance(configured, int) else configured))
+    if not ids:
+        raise ValueError("hf rollout engine: neither the tokenizer nor the model config defines an EOS token")
+    return ids
+
+
+class HFRolloutEngine:
+    """Rollout engine around a transformers causal LM; weights arrive from the trainer by weight sync."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        generation_batch_size: int = 64,
+        weights_ready: bool = True,
+    ):
+        """``model``: a transformers ``*ForCausalLM``; ``tokenizer``: a transformers tokenizer or its folder.
+
+        ``generation_batch_size`` is the number of prompts per ``generate`` call (each call holds
+        ``prompts x n`` rows of KV cache). ``weights_ready=False`` marks placeholder weights: ``generate`` refuses
+        to run until a complete weight update has arrived.
+        """
+        if generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
+        self.model = model.eval()
+        self.tokenizer = load_hf_tokenizer(tokenizer)
+        self.generation_batch_size = generation_batch_size
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids)
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=sorted(self.eos_token_ids), pad_token_id=self.pad_token_id
+        )
+        # keep_vars=True: the Parameter objects themselves, so copying into them updates the model in place.
+        self._weights = WeightUpdateTracker(model.state_dict(keep_vars=True))
+        self._weights_ready = weights_ready
+        self._calls = 0
+        self.weight_version = 0
+        """Complete weight updates received so far."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        tokenizer: Any,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device | None = None,
+        generation_batch_size: int = 64,
+    ) -> "HFRolloutEngine":
+        """Engine for the HF folder ``model_path``: its weights if it has any, else placeholder weights from its
+        config.json that must be replaced by a weight update before generating. ``device`` defaults to the
+        current CUDA device when CUDA is present, else the CPU."""
+        torch_dtype = resolve_dtype(dtype)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if has_weight_files(model_path):
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
+            weights_ready = True
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)), dtype=torch_dtype)
+            weights_ready = False
+        return cls(
+            model.to(device),
+            tokenizer,
+            generation_batch_size=generation_batch_size,
+            weights_ready=weights_ready,
+        )
+
+    # ----------------------------------------------------------------------------------------------- generation
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        """n completions per prompt, grouped contiguously: completions[p*n:(p+1)*n] answer prompt p.
+
+        Reproducible: the seed of call k is derived from (sampling.seed, k), so the same engine state, prompts and
+        settings give the same completions, and successive calls draw fresh samples. The caller's RNG state is
+        left as it was. With temperature 0 (greedy) the n completions of a prompt are identical.
+        """
+        if not self._weights_ready:
+            raise RuntimeError(
+                "hf rollout engine has placeholder weights (model folder without weights, or an incomplete "
+                "weight update): run a full weight sync before generate"
+            )
+        check_prompts(prompt_ids, self.model.get_input_embeddings().num_embeddings)
+        self._check_length(prompt_ids, sampling.max_new_tokens)
+        seed = derive_seed(sampling.seed, self._calls)
+        self._calls += 1
+        completions: list[Completion] = []
+        cuda_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
+            # Seed only the generator of the model's device, inside fork_rng, so the trainer's RNG is untouched.
+            if cuda_devices:
+                torch.cuda.default_generators[self.device.index].manual_seed(seed)
+            else:
+                torch.random.default_generator.manual_seed(seed)
+            for start in range(0, len(prompt_ids), self.generation_batch_size):
+                chunk = prompt_ids[start : start + self.generation_batch_size]
+                completions.extend(self._generate_chunk(chunk, start, sampling))
+        return completions
+
+    def _check_length(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompt_ids)
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(
+                f"generate: longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's max_position_embeddings ({limit})"
+            )
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, L] input ids padded on the left (generation appends on the right) and the attention mask."""
+        length = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, length - len(prompt) :] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _generate_chunk(self, prompts: list[list[int]], first_index: int, sampling: SamplingConfig) -> list[Completion]:
+        input_ids, attention_mask = self._left_pad(prompts)
+        prompt_length = input_ids.shape[1]
+        # Greedy rows of one prompt are identical: generate once, copy n times.
+        samples = 1 if sampling.greedy else sampling.n
+        recorder = SampledTokenLogprobs(sampling.logprob_temperature)
+        stopping = StoppingCriteriaList()
+        if sampling.stop:
+            stopping.append(StopStringsOnText(sampling.stop, self._decode, prompt_length))
+        # temperature / top-k / top-p are applied by the warpers after the recorder, so the config keeps them off.
+        neutral = {} if sampling.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not sampling.greedy,
+            num_return_sequences=samples,
+            eos_token_id=sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+            **neutral,
+        )
+        sequences = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder, *_sampling_warpers(sampling)]),
+            stopping_criteria=stopping,
+        )
+        generated = sequences[:, prompt_length:].tolist()
+        logprobs = recorder.finish(sequences)
+        if logprobs.shape[1] != len(generated[0]):
+            raise RuntimeError(f"recorded {logprobs.shape[1]} log-prob steps for {len(generated[0])} generated tokens")
+        completions = []
+        for row, token_ids in enumerate(generated):
+            prompt_in_chunk = row // samples
+            cut = cut_response(
+                token_ids,
+                eos_token_ids=self.eos_token_ids,
+                stop=sampling.stop,
+                decode=self._decode,
+                max_new_tokens=sampling.max_new_tokens,
+            )
+            response = token_ids[: cut.length]
+            completion = Completion(
+                prompt_index=first_index + prompt_in_chunk,
+                prompt_ids=list(prompts[prompt_in_chunk]),
+                response_ids=response,
+                response_logprobs=logprobs[row, : cut.length].tolist(),
+                text=self._decode(response),
+                finish_reason=cut.finish_reason,
+            )
+            completions.extend([completion] if samples == sampling.n else self._copies(completion, sampling.n))
+        return completions
+
+    @staticmethod
+    def _copies(completion: Completion, n: int) -> list[Completion]:
+        return [
+            Completion(
+                prompt_index=completion.prompt_index,
+                prompt_ids=list(completion.prompt_ids),
+                response_ids=list(completion.response_ids),
+                response_logprobs=list(completion.response_logprobs),
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+            )
+            for _ in range(n)
+        ]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return decode_response(self.tokenizer, token_ids)
+
+    # ---------------------------------------------------------------------------------------------- weight sync
+
+    def begin_weight_update(self) -> None:
+        """Start a weight update; generate is refused until finish_weight_update succeeds."""
+        self._weights_ready = False
+        self._weights.begin()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named full tensors into the model in place (a subset per call is fine).
+
+        Raises ValueError for an unknown name or a wrong shape, RuntimeError outside begin/finish.
+        """
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                self._weights.accept(name, tensor).copy_(tensor)  # casts to the model's dtype and device
+
+    def finish_weight_update(self) -> None:
+        """Check that every parameter arrived since begin_weight_update (ValueError listing the missing ones)."""
+        self._weights.finish()
+        self._weights_ready = True
+        self.weight_version += 1
