@@ -8,6 +8,7 @@ The same code runs with NCCL on GPUs and with gloo on CPUs (``grpo_mega.parallel
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -255,6 +256,7 @@ class MegatronEngine:
         """Write the model with megatron dist_checkpointing (collective); loadable at any TP / PP."""
         from megatron.core import dist_checkpointing
 
+        Path(directory).mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(self.stage.sharded_state_dict(), directory)
 
     def load_model_weights(self, directory: str) -> None:
