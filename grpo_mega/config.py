@@ -96,9 +96,11 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     function: str = "math_verify"
-    """A registered reward (``math_verify``, ``synthetic``, ``format``) or ``module:function``."""
+    """The verifier: a registered reward (``math_verify``, ``synthetic``) or ``package.module:function``."""
+    format_function: str = "step_format"
+    """Format reward (``step_format``, ``boxed_format`` or ``module:function``), used when format_weight != 0."""
     format_weight: float = 0.0
-    """Weight of the format reward added to the main reward."""
+    """Weight of the format reward added to the verifier's reward."""
 
 
 @dataclass
@@ -234,3 +236,46 @@ def load_config(schema: type, path: str | Path | None, overrides: list[str] = ()
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config next to the run's outputs, so a run can be reproduced and resumed."""
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+@dataclass
+class SFTDataConfig:
+    train_file: str = "???"
+    """jsonl / parquet rows with a prompt and a target response."""
+    prompt_field: str = "prompt"
+    response_field: str = "solution"
+    max_length: int = 512
+    """Longest prompt + response in tokens; longer rows are reported and handled per ``on_bad_row``."""
+    on_bad_row: str = "skip"
+
+
+@dataclass
+class SFTTrainerConfig:
+    run_dir: str = "runs/sft"
+    total_steps: int = 1000
+    batch_size: int = 64
+    """Sequences per optimizer step."""
+    save_every: int = 0
+    """0 = only at the end."""
+    keep_last: int = 2
+    resume: str = "auto"
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+
+
+def validate_sft(cfg: SFTConfig) -> None:
+    """Cross-field checks of an SFT config."""
+    _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    for key in ("total_steps", "batch_size"):
+        if getattr(cfg.trainer, key) < 1:
+            raise ConfigError(f"trainer.{key} must be >= 1")

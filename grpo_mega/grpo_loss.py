@@ -25,12 +25,16 @@ class GRPOLossSettings:
     """0 disables the KL term (``use_kl_loss: false``)."""
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    on_policy: bool = False
+    """The policy has not moved since sampling (one update per rollout batch): old log-probs are the current
+    ones, detached, so the ratio is exactly 1 and no extra forward pass is spent on them."""
 
 
 def grpo_loss_fn(settings: GRPOLossSettings):
     """Build ``loss_fn(head_outputs, micro_batch, scale)`` for the engine.
 
-    Reads ``loss_mask``, ``advantages`` [B, L], ``old_logprobs`` and (with KL) ``ref_logprobs`` from the micro-batch;
+    Reads ``loss_mask``, ``advantages`` [B, L], ``old_logprobs`` (unless ``on_policy``) and (with KL)
+    ``ref_logprobs`` from the micro-batch;
     ``head_outputs`` holds ``logprobs`` and ``entropy``.
     ``loss = aggregate(l_pg + kl_coef * kl - entropy_coef * entropy)`` over the global batch.
     """
@@ -38,9 +42,10 @@ def grpo_loss_fn(settings: GRPOLossSettings):
     def loss_fn(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], scale: LossScale):
         logp, entropy = outputs["logprobs"], outputs["entropy"]
         mask = micro["loss_mask"].to(logp.dtype)
+        old_logp = logp.detach() if settings.on_policy else micro["old_logprobs"].to(logp.dtype)
         per_token, pg_metrics = policy_loss(
             logp,
-            micro["old_logprobs"].to(logp.dtype),
+            old_logp,
             micro["advantages"].to(logp.dtype),
             mask,
             clip_low=settings.clip_low,

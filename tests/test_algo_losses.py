@@ -139,3 +139,12 @@ def test_shaping():
     torch.testing.assert_close(whiten(values, mask, shift_mean=False, eps=0.0), torch.tensor([1.0, 2.0, 3.0, 0.0]))
     with pytest.raises(ValueError, match="at least 2"):
         whiten(values, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_overlong_penalty_is_linear_in_the_buffer():
+    from grpo_mega.algo import overlong_penalty
+
+    lengths = torch.tensor([10, 12, 14, 16])
+    torch.testing.assert_close(overlong_penalty(lengths, 16, 4, 1.0), torch.tensor([0.0, 0.0, -0.5, -1.0]))
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(lengths, 16, 16, 1.0)

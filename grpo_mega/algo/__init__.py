@@ -6,7 +6,7 @@ Functions of tensors only: no process groups, no model. Every later part (traine
 from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages
 from grpo_mega.algo.kl import KL_ESTIMATORS, kl_estimate
 from grpo_mega.algo.losses import LOSS_AGG_MODES, aggregate_loss, policy_loss
-from grpo_mega.algo.shaping import clip_advantages, clip_rewards, whiten
+from grpo_mega.algo.shaping import clip_advantages, clip_rewards, overlong_penalty, whiten
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -17,6 +17,7 @@ __all__ = [
     "kl_estimate",
     "normalize_step_rewards",
     "outcome_advantages",
+    "overlong_penalty",
     "policy_loss",
     "process_advantages",
     "whiten",

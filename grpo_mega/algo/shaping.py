@@ -39,3 +39,16 @@ def whiten(
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, a reward term <= 0 per completion.
+
+    With ``start = max_length - buffer``: 0 for ``L <= start``, ``-factor * (L - start) / buffer`` up to
+    ``max_length`` (so ``-factor`` at the limit).
+    """
+    if buffer <= 0 or buffer >= max_length:
+        raise ValueError(f"overlong buffer must be in (0, max_length={max_length}), got {buffer}")
+    start = max_length - buffer
+    excess = (response_lengths.to(torch.float32) - start).clamp(min=0, max=buffer)
+    return -factor * excess / buffer

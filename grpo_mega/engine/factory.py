@@ -39,16 +39,15 @@ def build_engine(
             backbone.head = head_factory()
         return backbone
 
-    engine = MegatronEngine(
+    return MegatronEngine(
         provider,
         optim=optim,
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         output_names=output_names,
         next_token_head=next_token_head,
+        hf_config=hf_config,
     )
-    engine.gpt_config = gpt_config
-    return engine
 
 
 def build_policy_engine(

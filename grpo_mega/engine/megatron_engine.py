@@ -52,6 +52,7 @@ class MegatronEngine:
         output_names: names of the per-token outputs of the head (known on every stage).
         next_token_head: the head's value at position t is about token t + 1 (an LM head); the engine
             re-aligns it so that position t is about token t.
+        hf_config: the Hugging Face config of the backbone (names and layouts for HF export).
     """
 
     def __init__(
@@ -63,12 +64,14 @@ class MegatronEngine:
         max_tokens_per_micro_batch: int,
         output_names: tuple[str, ...],
         next_token_head: bool,
+        hf_config=None,
     ):
         self.device = get_device()
         self.pre_process = mpu.is_pipeline_first_stage()
         self.post_process = mpu.is_pipeline_last_stage()
         self.output_names = tuple(output_names)
         self.next_token_head = next_token_head
+        self.hf_config = hf_config
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         module = stage_model_provider(self.pre_process, self.post_process).to(self.device)
         self.config = module.config
@@ -245,6 +248,12 @@ class MegatronEngine:
         dist.all_reduce(values, group=mpu.get_data_parallel_group())
         dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())
         return dict(zip(names[0], values.tolist()))
+
+    def export_hf_weights(self):
+        """(HF name, full tensor) one at a time, gathered over TP / PP; collective (every rank iterates)."""
+        from grpo_mega.checkpoint.hf_convert import export_hf_weights
+
+        return export_hf_weights(self.stage, self.hf_config)
 
     # ----------------------------------------------------------------- model weights (sharded, any layout)
     @property

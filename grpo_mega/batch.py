@@ -1,0 +1,49 @@
+"""Turning token sequences into the engine's batch layout (``grpo_mega.engine.base``): right-padded rows of
+``prompt + response`` with masks aligned to token positions."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def sequences_to_batch(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Rows ``prompt + response`` right-padded with ``pad_id``.
+
+    Returns ``input_ids`` [B, L], ``attention_mask`` [B, L] (real tokens), ``loss_mask`` [B, L] (response
+    tokens), ``prompt_lengths`` [B] and ``response_lengths`` [B]. Position ``prompt_lengths[b] + k`` holds the k-th
+    response token of row b.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    response_lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
+    if (prompt_lengths == 0).any():
+        raise ValueError(f"row {int((prompt_lengths == 0).nonzero()[0])} has an empty prompt")
+    total = prompt_lengths + response_lengths
+    width = int(total.max())
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[row, : len(prompt) + len(response)] = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+    positions = torch.arange(width)
+    attention_mask = (positions < total[:, None]).long()
+    loss_mask = ((positions >= prompt_lengths[:, None]) & (positions < total[:, None])).long()
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+    )
+
+
+def response_values_to_tokens(batch: dict[str, torch.Tensor], values: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Place per-response-token values (e.g. sampling log-probs) at their positions in a [B, L] tensor."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for row, row_values in enumerate(values):
+        start = int(batch["prompt_lengths"][row])
+        out[row, start : start + len(row_values)] = torch.tensor(list(row_values), dtype=torch.float32)
+    return out

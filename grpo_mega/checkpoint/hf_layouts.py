@@ -1,0 +1,457 @@
+"""HF <-> megatron-core weight tables: one declarative table per architecture, layouts as named transforms.
+
+A table row (`WeightMapping`) says: this megatron-core parameter (its name relative to `GPTModel`
+built with the local layer spec) is made of these Hugging Face tensors, of these shapes, with this
+layout. A layout is a named, invertible transform between the full HF tensors and one tensor-parallel
+(TP) shard of the megatron parameter:
+
+  replicated   every TP rank holds the whole tensor (norm weights, biases of row-parallel linears)
+  row          split along dim 1, the input features (row-parallel linear)
+  vocab_rows   rows zero-padded up to the padded vocabulary, then split along dim 0; export trims
+  qkv_grouped  q, k, v merged per query group g as [q heads of g | k_g | v_g], then split along dim 0
+               (each TP rank holds whole groups)
+  gate_up      gate and up projections merged so that TP shard i is [gate_i; up_i]
+
+Layer rows carry "{layer}": the global (HF) layer index in HF names, the index local to the pipeline
+stage in megatron names (`stage_layers` gives a stage's global layers). Column-parallel weights of
+these architectures are all merged ones (qkv_grouped, gate_up).
+
+Megatron names are those of the local layer spec; with Transformer Engine's spec the two pre-norms
+are fused into the next linear and carry other names (`model_tensor_name`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the layouts need, read from an HF config (`read_model_dims`)."""
+
+    num_layers: int
+    """num_hidden_layers."""
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """num_key_value_heads (GQA groups); equals num_attention_heads without GQA."""
+    head_dim: int
+    """head_dim from the config, else hidden_size / num_attention_heads."""
+    ffn_hidden_size: int
+    """intermediate_size."""
+    vocab_size: int
+    """The tokenizer's vocabulary: rows of the HF embedding and lm_head."""
+    padded_vocab_size: int
+    """Rows of the megatron embedding and output layer: vocab_size rounded up so TP splits it evenly."""
+    tie_word_embeddings: bool
+    """The LM head reuses the input embedding (no lm_head.weight / output_layer.weight of its own)."""
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def q_size(self) -> int:
+        """Rows of q_proj: num_attention_heads * head_dim."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of k_proj and of v_proj: num_query_groups * head_dim."""
+        return self.num_query_groups * self.head_dim
+
+
+def read_model_dims(hf_config: Any, padded_vocab_size: int) -> ModelDims:
+    """Read `ModelDims` from a transformers config (Qwen2Config, LlamaConfig, ...).
+
+    Raises ValueError naming the field when a size is missing or inconsistent (heads not a multiple of
+    key/value heads, a padded vocabulary smaller than the vocabulary).
+    """
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                "vocab_size")
+    missing = [field for field in required if getattr(hf_config, field, None) is None]
+    if missing:
+        raise ValueError(f"HF config ({_model_type(hf_config)}) lacks field(s) {missing}")
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if heads % groups != 0:
+        raise ValueError(
+            f"HF config: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"
+        )
+    if padded_vocab_size < hf_config.vocab_size:
+        raise ValueError(
+            f"padded_vocab_size={padded_vocab_size} is smaller than vocab_size={hf_config.vocab_size}"
+        )
+    return ModelDims(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        ffn_hidden_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+
+
+def _model_type(hf_config: Any) -> str:
+    return getattr(hf_config, "model_type", None) or type(hf_config).__name__
+
+
+def _part_size(total: int, tp_size: int, what: str) -> int:
+    """total / tp_size, or a ValueError naming what does not split."""
+    if total % tp_size != 0:
+        raise ValueError(f"tensor_parallel={tp_size} does not divide {what}={total}")
+    return total // tp_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: named transforms between full HF tensors and one TP shard
+
+
+class Layout(ABC):
+    """A named transform: `to_mcore` builds TP shard `tp_rank`, `to_hf` inverts from all shards."""
+
+    name = "layout"
+    split = True
+    """False when every TP rank holds the whole tensor (then export needs no gather)."""
+
+    @abstractmethod
+    def to_mcore(
+        self, hf: Sequence[torch.Tensor], dims: ModelDims, tp_rank: int, tp_size: int
+    ) -> torch.Tensor:
+        """Return TP shard `tp_rank` of `tp_size` of the megatron tensor made from the HF tensors."""
+
+    @abstractmethod
+    def to_hf(self, shards: Sequence[torch.Tensor], dims: ModelDims) -> tuple[torch.Tensor, ...]:
+        """Return the full HF tensors from the megatron TP shards, given in TP rank order."""
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Replicated(Layout):
+    """Every TP rank holds the whole tensor."""
+
+    name = "replicated"
+    split = False
+
+    def to_mcore(self, hf, dims, tp_rank, tp_size):
+        """A copy of the HF tensor: shard == full tensor."""
+        return hf[0].clone()
+
+    def to_hf(self, shards, dims):
+        """A copy of any rank's tensor (the first), never the parameter itself."""
+        return (shards[0].clone(),)
+
+
+class SplitDim(Layout):
+    """Split along one dimension into `tp_size` equal contiguous parts (row-parallel: dim 1)."""
+
+    def __init__(self, name: str, dim: int) -> None:
+        self.name, self.dim = name, dim
+
+    def to_mcore(self, hf, dims, tp_rank, tp_size):
+        """Part `tp_rank` of hf[0] along `dim` (a copy, so the full tensor can be freed)."""
+        full = hf[0]
+        part = _part_size(full.shape[self.dim], tp_size, f"{self.name} dim {self.dim} size")
+        return full.narrow(self.dim, tp_rank * part, part).clone()
+
+    def to_hf(self, shards, dims):
+        """Concatenation of the shards along `dim`."""
+        return (torch.cat(list(shards), dim=self.dim),)
+
+
+class VocabRows(Layout):
+    """Rows = tokens: zero-pad to `padded_vocab_size`, split along dim 0; export drops the padding."""
+
+    name = "vocab_rows"
+
+    def to_mcore(self, hf, dims, tp_rank, tp_size):
+        """Rows [r*P/tp, (r+1)*P/tp) of the table padded with zero rows to P = padded_vocab_size."""
+        full = hf[0]
+        part = _part_size(dims.padded_vocab_size, tp_size, "padded_vocab_size")
+        start, stop = tp_rank * part, (tp_rank + 1) * part
+        shard = full.new_zeros((part, *full.shape[1:]))
+        real = max(0, min(stop, dims.vocab_size) - start)
+        shard[:real] = full[start : start + real]
+        return shard
+
+    def to_hf(self, shards, dims):
+        """All shards stacked, the first vocab_size rows (padding rows trimmed)."""
+        return (torch.cat(list(shards), dim=0)[: dims.vocab_size].contiguous(),)
+
+
+class QKVGrouped(Layout):
+    """q, k, v merged per query group: rows [q_g (heads_per_group*head_dim) | k_g | v_g] for each g.
+
+    Works for weights [rows, hidden] and biases [rows]. TP rank r holds groups
+    [r*G/tp, (r+1)*G/tp), so every rank has whole query groups with their key/value heads.
+    """
+
+    name = "qkv_grouped"
+
+    def to_mcore(self, hf, dims, tp_rank, tp_size):
+        """Interleave the query groups of this rank: cat over g of [q_g; k_g; v_g]."""
+        q, k, v = hf
+        groups = _part_size(dims.num_query_groups, tp_size, "num_query_groups (num_key_value_heads)")
+        rest = q.shape[1:]
+        first = tp_rank * groups
+        q = q.reshape(dims.num_query_groups, dims.heads_per_group * dims.head_dim, *rest)
+        k = k.reshape(dims.num_query_groups, dims.head_dim, *rest)
+        v = v.reshape(dims.num_query_groups, dims.head_dim, *rest)
+        mine = slice(first, first + groups)
+        return torch.cat([q[mine], k[mine], v[mine]], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, shards, dims):
+        """Split the concatenated groups back into q_proj, k_proj, v_proj rows."""
+        full = torch.cat(list(shards), dim=0)
+        rest = full.shape[1:]
+        grouped = full.reshape(dims.num_query_groups, (dims.heads_per_group + 2) * dims.head_dim, *rest)
+        q, k, v = grouped.split([dims.heads_per_group * dims.head_dim, dims.head_dim, dims.head_dim], 1)
+        return tuple(part.reshape(-1, *rest).contiguous() for part in (q, k, v))
+
+
+class GateUp(Layout):
+    """SwiGLU fc1: TP shard i is [gate_i; up_i], gate_i and up_i being part i of gate_proj and up_proj.
+
+    At TP=1 this is [gate; up], the order megatron's `glu` activation splits (first half gated by silu).
+    """
+
+    name = "gate_up"
+
+    def to_mcore(self, hf, dims, tp_rank, tp_size):
+        """cat(gate part tp_rank, up part tp_rank) along dim 0."""
+        gate, up = hf
+        part = _part_size(gate.shape[0], tp_size, "intermediate_size (ffn_hidden_size)")
+        rows = slice(tp_rank * part, (tp_rank + 1) * part)
+        return torch.cat([gate[rows], up[rows]], dim=0)
+
+    def to_hf(self, shards, dims):
+        """gate_proj = cat of the first halves of the shards, up_proj = cat of the second halves."""
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        gate = torch.cat([half[0] for half in halves], dim=0)
+        up = torch.cat([half[1] for half in halves], dim=0)
+        return gate, up
+
+
+REPLICATED = Replicated()
+ROW = SplitDim("row", 1)
+VOCAB_ROWS = VocabRows()
+QKV_GROUPED = QKVGrouped()
+GATE_UP = GateUp()
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """One megatron parameter and the HF tensors it is made of."""
+
+    mcore: str
+    """Name relative to GPTModel; "{layer}" = index local to the pipeline stage."""
+    hf: tuple[str, ...]
+    """HF names, in the order the layout takes them; "{layer}" = global layer index."""
+    shapes: tuple[tuple[str, ...], ...]
+    """Shape of each HF tensor, as names of `ModelDims` fields/properties."""
+    layout: Layout
+    stage: str
+    """Where the parameter lives: 'first' (pipeline stage 0), 'layer' (every stage), 'last'."""
+    only_if: str | None = None
+    """HF config boolean that must be true for the parameter to exist (e.g. 'attention_bias')."""
+    tied_to: str | None = None
+    """With tie_word_embeddings the HF checkpoint has no tensor of its own for this row: a megatron
+    copy on a stage without the embedding is built from this HF tensor, and export skips the row."""
+
+
+@dataclass(frozen=True)
+class ArchitectureTable:
+    """The weight table of one HF architecture (`model_type`)."""
+
+    model_type: str
+    mappings: tuple[WeightMapping, ...]
+
+
+_H, _Q, _KV, _F, _V = "hidden_size", "q_size", "kv_size", "ffn_hidden_size", "vocab_size"
+_ATTN = "model.layers.{layer}.self_attn."
+_MLP = "model.layers.{layer}.mlp."
+_LAYER = "decoder.layers.{layer}."
+
+_EMBEDDING = WeightMapping(
+    "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), ((_V, _H),), VOCAB_ROWS,
+    "first",
+)
+_LAYER_WEIGHTS = (
+    WeightMapping(_LAYER + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",),
+                  ((_H,),), REPLICATED, "layer"),
+    WeightMapping(_LAYER + "self_attention.linear_qkv.weight",
+                  (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"),
+                  ((_Q, _H), (_KV, _H), (_KV, _H)), QKV_GROUPED, "layer"),
+    WeightMapping(_LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",),
+                  ((_H, _Q),), ROW, "layer"),
+    WeightMapping(_LAYER + "pre_mlp_layernorm.weight",
+                  ("model.layers.{layer}.post_attention_layernorm.weight",), ((_H,),), REPLICATED,
+                  "layer"),
+    WeightMapping(_LAYER + "mlp.linear_fc1.weight", (_MLP + "gate_proj.weight", _MLP + "up_proj.weight"),
+                  ((_F, _H), (_F, _H)), GATE_UP, "layer"),
+    WeightMapping(_LAYER + "mlp.linear_fc2.weight", (_MLP + "down_proj.weight",), ((_H, _F),), ROW,
+                  "layer"),
+)
+_FINAL = (
+    WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), ((_H,),), REPLICATED,
+                  "last"),
+    WeightMapping("output_layer.weight", ("lm_head.weight",), ((_V, _H),), VOCAB_ROWS, "last",
+                  tied_to="model.embed_tokens.weight"),
+)
+
+
+def _qkv_bias(only_if: str | None) -> WeightMapping:
+    return WeightMapping(
+        _LAYER + "self_attention.linear_qkv.bias",
+        (_ATTN + "q_proj.bias", _ATTN + "k_proj.bias", _ATTN + "v_proj.bias"),
+        ((_Q,), (_KV,), (_KV,)), QKV_GROUPED, "layer", only_if=only_if,
+    )
+
+
+# Qwen2: q/k/v projections always have a bias, o_proj and the MLP never do.
+QWEN2 = ArchitectureTable("qwen2", (_EMBEDDING, *_LAYER_WEIGHTS, _qkv_bias(None), *_FINAL))
+
+# Llama: attention_bias puts a bias on q/k/v and o_proj, mlp_bias on gate/up/down (both off in the
+# released Llama models). A row-parallel bias is added once after the reduction: replicated.
+LLAMA = ArchitectureTable("llama", (
+    _EMBEDDING,
+    *_LAYER_WEIGHTS,
+    _qkv_bias("attention_bias"),
+    WeightMapping(_LAYER + "self_attention.linear_proj.bias", (_ATTN + "o_proj.bias",), ((_H,),),
+                  REPLICATED, "layer", only_if="attention_bias"),
+    WeightMapping(_LAYER + "mlp.linear_fc1.bias", (_MLP + "gate_proj.bias", _MLP + "up_proj.bias"),
+                  ((_F,), (_F,)), GATE_UP, "layer", only_if="mlp_bias"),
+    WeightMapping(_LAYER + "mlp.linear_fc2.bias", (_MLP + "down_proj.bias",), ((_H,),), REPLICATED,
+                  "layer", only_if="mlp_bias"),
+    *_FINAL,
+))
+
+ARCHITECTURES: dict[str, ArchitectureTable] = {table.model_type: table for table in (QWEN2, LLAMA)}
+
+
+# The GPTModel's own modules. Other submodules of a policy stage are heads (the engine's `head`,
+# e.g. the PRM step scorer): not part of the HF model, so conversion leaves them alone.
+BACKBONE_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+# Transformer Engine's layer spec fuses each pre-norm into the linear that follows it; the local spec
+# keeps separate norm modules. Same tensor, two names (megatron's own sharded_state_dict_keys_map
+# pairs them the same way).
+FUSED_NORM_NAMES = (
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+)
+
+
+def model_tensor_name(name: str, model_names: Container[str]) -> str:
+    """The name a table row's tensor has in a model: the local-spec `name` if the model has it, else
+    its Transformer Engine (fused pre-norm) alias if the model has that, else `name` unchanged."""
+    if name in model_names:
+        return name
+    for local, fused in FUSED_NORM_NAMES:
+        if name.endswith(local):
+            alias = name[: -len(local)] + fused
+            if alias in model_names:
+                return alias
+    return name
+
+
+def architecture_for(hf_config: Any) -> ArchitectureTable:
+    """The table for `hf_config.model_type`; ValueError naming the model_type when there is none."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"model_type {model_type!r} has no HF <-> megatron weight table; "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows of one pipeline stage, with concrete names
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """A `WeightMapping` resolved for one layer of one stage: concrete names and shapes."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    layout: Layout
+    exported: bool
+    """False for the tied output-layer copy: its HF tensor is the embedding, exported by stage 0."""
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """Global indices of the decoder layers on pipeline stage `pp_rank`: an even split.
+
+    Stage r holds layers [r*L/pp, (r+1)*L/pp), as megatron-core places them without an explicit
+    pipeline layout. Raises ValueError when pp_size does not divide num_layers.
+    """
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pipeline rank {pp_rank} is outside pipeline_parallel={pp_size}")
+    if num_layers % pp_size != 0:
+        raise ValueError(f"pipeline_parallel={pp_size} does not divide num_layers={num_layers}")
+    per_stage = num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def stage_rows(
+    table: ArchitectureTable,
+    hf_config: Any,
+    dims: ModelDims,
+    global_layers: Sequence[int],
+    is_first: bool,
+    is_last: bool,
+) -> list[StageRow]:
+    """The rows of one pipeline stage in HF order (embedding, layers, final norm, LM head).
+
+    `global_layers[i]` is the global index of the stage's local layer i. Rows whose `only_if` config
+    flag is false are left out; with tied embeddings the output layer exists only on a last stage that
+    is not also the first (megatron keeps a copy there) and is sourced from the embedding.
+    """
+    rows: list[StageRow] = []
+
+    def add(mapping: WeightMapping, local: int | None = None, global_layer: int | None = None):
+        hf_names = mapping.hf
+        exported = True
+        if mapping.tied_to is not None and dims.tie_word_embeddings:
+            if is_first:
+                return  # megatron reuses the embedding parameter itself: no separate tensor
+            hf_names, exported = (mapping.tied_to,), False
+        rows.append(StageRow(
+            mcore=mapping.mcore.format(layer=local),
+            hf=tuple(name.format(layer=global_layer) for name in hf_names),
+            shapes=tuple(tuple(getattr(dims, d) for d in shape) for shape in mapping.shapes),
+            layout=mapping.layout,
+            exported=exported,
+        ))
+
+    active = [m for m in table.mappings if m.only_if is None or getattr(hf_config, m.only_if, False)]
+    if is_first:
+        for mapping in (m for m in active if m.stage == "first"):
+            add(mapping)
+    for local, global_layer in enumerate(global_layers):
+        for mapping in (m for m in active if m.stage == "layer"):
+            add(mapping, local, global_layer)
+    if is_last:
+        for mapping in (m for m in active if m.stage == "last"):
+            add(mapping)
+    return rows

@@ -1,0 +1,399 @@
+"""Training checkpoints: save, and resume exactly, a run's model, optimizer, scheduler, RNG and data position.
+
+A save writes everything into ``<run_dir>/checkpoints/.tmp-step_N`` (megatron dist_checkpointing, torch_dist
+format, plus the files of ``training_files``); after every rank has finished, rank 0 writes ``complete.json``,
+renames the folder to ``step_N``, replaces ``latest`` and prunes to ``keep_last``. A crash at any moment leaves
+the previous checkpoint untouched and ``latest`` naming a complete checkpoint. Resuming checks ``complete.json``
+against the files on disk and never loads a checkpoint that fails the check.
+
+Model and optimizer tensors are stored with their global shapes, so a checkpoint loads at any TP / PP / DP
+(the padded vocabulary is the same at every TP, see ``grpo_mega.model.config_map.padded_vocab_size``).
+RNG states belong to one rank of one layout: they are restored when the layout matches, and the generators
+are reseeded (with a warning) when it does not.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+import yaml
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
+from grpo_mega.checkpoint.training_files import (
+    CHECKPOINTS_DIR,
+    COMPLETE_FILE,
+    CONFIG_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    TMP_PREFIX,
+    checkpoint_problem,
+    fsync_dir,
+    list_files,
+    read_checkpoint_state,
+    step_dir_name,
+    write_file_atomic,
+)
+
+logger = logging.getLogger(__name__)
+
+_RNG_KEY = "rng_state"
+
+T = TypeVar("T")
+
+
+class LoadedCheckpoint(NamedTuple):
+    """What :meth:`CheckpointManager.load` hands back to the trainer."""
+
+    step: int
+    """The trainer step the checkpoint was saved after."""
+    extra_state: dict
+    """The trainer's opaque state (e.g. the data-loader position), as passed to ``save``."""
+    config: dict
+    """The run config saved with the checkpoint."""
+
+
+# ----------------------------------------------------------------------------- collective helpers
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_rank0() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _rank0_decides(decide: Callable[[], T]) -> T:
+    """Run ``decide()`` on global rank 0 only and give its result, or its error, to every rank.
+
+    File-system decisions (which checkpoint, is it complete) are made once, so every rank acts on the same
+    answer even when their views of a network file system lag; an error is raised on every rank (a
+    ValueError stays a ValueError) instead of leaving the other ranks waiting in a collective.
+    """
+    if not _distributed():
+        return decide()
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", decide())
+        except Exception as caught:  # re-raised below, on every rank
+            error = caught
+            box[0] = ("value_error" if isinstance(caught, ValueError) else "error", f"{caught}")
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if error is not None:
+        raise error
+    if status == "value_error":
+        raise ValueError(value)
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "tensor": mpu.get_tensor_model_parallel_world_size(),
+        "pipeline": mpu.get_pipeline_model_parallel_world_size(),
+        "data": mpu.get_data_parallel_world_size(),
+    }
+
+
+def _rng_sharded_object(state: Any) -> ShardedObject:
+    """This rank's RNG state as one cell of a (PP, TP, DP) grid: every rank stores its own."""
+    layout = _layout()
+    return ShardedObject(
+        _RNG_KEY,
+        state,
+        (layout["pipeline"], layout["tensor"], layout["data"]),
+        (
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
+
+
+def _sharded_state(engine, *, with_optimizer: bool, is_loading: bool, rng_state: Any) -> dict:
+    """The dist_checkpointing state dict of an engine; ``rng_state=None`` leaves RNG out."""
+    model = engine.stage.sharded_state_dict()
+    state = {"model": model}
+    if with_optimizer:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(model, is_loading=is_loading)
+    if rng_state is not None:
+        state[_RNG_KEY] = _rng_sharded_object(rng_state)
+    return state
+
+
+def _check_weights_only_loadable(extra_state: dict) -> None:
+    """Fail at save time, not at resume: dist_checkpointing reads common.pt with torch.load(weights_only=True)."""
+    buffer = io.BytesIO()
+    torch.save(extra_state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as error:
+        raise ValueError(
+            "extra_state must hold only Python builtins and torch tensors (the checkpoint is read with "
+            f"torch.load(weights_only=True)): {error}"
+        ) from None
+
+
+def _config_yaml(config: dict) -> str:
+    try:
+        return yaml.safe_dump(config, sort_keys=False)
+    except yaml.YAMLError as error:
+        raise ValueError(f"config must hold only plain YAML values (dicts, lists, str, numbers): {error}") from None
+
+
+# ----------------------------------------------------------------------------- the manager
+class CheckpointManager:
+    """Saves training checkpoints under ``<run_dir>/checkpoints`` and finds the one to resume from.
+
+    ``save`` and ``load`` are collective (every rank calls them); ``find_resume`` may be called by every rank
+    (rank 0 decides) or in a single process. Keeps the ``keep_last`` newest complete checkpoints.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(
+                f"trainer.keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}"
+            )
+        self.run_dir = Path(run_dir)
+        self.keep_last = keep_last
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """``<run_dir>/checkpoints``."""
+        return self.run_dir / CHECKPOINTS_DIR
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Every ``step_N`` folder (complete or not) as (N, path), newest step first."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = [
+            (int(match.group(1)), entry)
+            for entry in self.checkpoints_dir.iterdir()
+            if entry.is_dir() and (match := STEP_DIR.match(entry.name))
+        ]
+        return sorted(found, reverse=True)
+
+    # ------------------------------------------------------------------------- save
+    def save(self, engine, step: int, extra_state: dict | None = None, config: dict | None = None) -> Path:
+        """Write a checkpoint of ``engine`` after trainer step ``step``; collective. Returns its folder.
+
+        Stores the model, the optimizer (once it has taken a step), the learning-rate scheduler, every rank's
+        RNG states, ``extra_state`` (the same on every rank: rank 0's copy is kept; builtins and tensors only)
+        and ``config`` (plain YAML values). Then publishes it atomically and prunes to ``keep_last``.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        extra_state = dict(extra_state or {})
+        _check_weights_only_loadable(extra_state)
+        config_text = _config_yaml(dict(config or {}))
+        # Captured before anything else runs, so saving cannot shift the streams a resumed run continues.
+        rng_state = capture_rng_state()
+        start = time.perf_counter()
+        final = self.checkpoints_dir / step_dir_name(step)
+        staging = self.checkpoints_dir / f"{TMP_PREFIX}{final.name}"
+        _rank0_decides(lambda: self._prepare_staging(staging))  # a broadcast: no rank writes before it is done
+
+        with_optimizer = engine.steps_done > 0  # before the first step the optimizer has no state to save
+        state = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=False, rng_state=rng_state)
+        state["scheduler"] = engine.scheduler.state_dict()
+        state["extra_state"] = extra_state
+        dist_checkpointing.save(state, str(staging))
+        if _distributed():
+            dist.barrier()  # every rank's files are on disk before rank 0 lists them
+        info = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "step": step,
+            "optimizer_steps": engine.steps_done,
+            "has_optimizer": with_optimizer,
+            "layout": _layout(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        _rank0_decides(lambda: self._publish(staging, final, info, config_text))
+        if _is_rank0():
+            logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - start)
+        return final
+
+    def _prepare_staging(self, staging: Path) -> None:
+        """Rank 0: an empty staging folder; leftovers of crashed saves or deletions go first."""
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.checkpoints_dir.glob(f"{TMP_PREFIX}*"):
+            logger.warning("removing %s, left by an interrupted save or deletion", leftover)
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
+        staging.mkdir()
+
+    def _publish(self, staging: Path, final: Path, info: dict, config_text: str) -> None:
+        """Rank 0: side files, completion marker (last), rename, ``latest``, pruning."""
+        (staging / STATE_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        (staging / CONFIG_FILE).write_text(config_text)
+        files = list_files(staging)
+        complete = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": info["step"], "files": files}
+        write_file_atomic(staging / COMPLETE_FILE, json.dumps(complete, indent=2) + "\n")
+        if final.exists():
+            # Saving a step again (a run resumed from an earlier checkpoint): set the old folder aside first.
+            replaced = self.checkpoints_dir / f"{TMP_PREFIX}replaced-{final.name}"
+            os.rename(final, replaced)
+            os.rename(staging, final)
+            shutil.rmtree(replaced)
+        else:
+            os.rename(staging, final)
+        fsync_dir(self.checkpoints_dir)
+        write_file_atomic(self.checkpoints_dir / LATEST_FILE, final.name + "\n")
+        self._prune(info["step"])
+
+    def _prune(self, newest_step: int) -> None:
+        """Rank 0: delete complete checkpoints older than the ``keep_last`` newest; the one just saved stays.
+
+        Incomplete folders are left alone (they are reported when resuming), and so are folders of later
+        steps, which come from before the run was resumed from an earlier checkpoint.
+        """
+        older_complete, newer = [], []
+        for step, path in self.step_dirs():
+            if step > newest_step:
+                newer.append(path)
+            elif step < newest_step and checkpoint_problem(path) is None:
+                older_complete.append(path)
+        for path in older_complete[self.keep_last - 1:]:
+            # Renamed first, so a crash mid-deletion leaves a staging leftover, not a truncated step folder.
+            doomed = self.checkpoints_dir / f"{TMP_PREFIX}deleting-{path.name}"
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+        if newer:
+            logger.warning(
+                "checkpoints %s are newer than the one just saved (step %d), from before this run went back; "
+                "left in place (resume: auto follows %s)", [p.name for p in newer], newest_step, LATEST_FILE,
+            )
+
+    # ------------------------------------------------------------------------- resume
+    def find_resume(self, resume: str) -> Path | None:
+        """The checkpoint to resume from, per ``trainer.resume``.
+
+        ``none``: None. ``auto``: the checkpoint ``latest`` names if it is complete, else the newest complete
+        ``step_N`` folder (each skipped folder is logged as a warning with the reason), else None.
+        Anything else is a checkpoint folder, which must be complete (ValueError with the reason otherwise).
+        """
+        if not isinstance(resume, str) or not resume:
+            raise ValueError(f"trainer.resume must be 'auto', 'none' or a checkpoint folder, got {resume!r}")
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return _rank0_decides(self._newest_complete)
+
+        def check_explicit() -> Path:
+            problem = checkpoint_problem(resume)
+            if problem is not None:
+                raise ValueError(f"trainer.resume={resume!r} is not a complete training checkpoint: {problem}")
+            return Path(resume)
+
+        return _rank0_decides(check_explicit)
+
+    def _newest_complete(self) -> Path | None:
+        latest_target = None
+        latest = self.checkpoints_dir / LATEST_FILE
+        if latest.is_file():
+            name = latest.read_text().strip()
+            if STEP_DIR.match(name):
+                latest_target = self.checkpoints_dir / name
+                problem = checkpoint_problem(latest_target)
+                if problem is None:
+                    return latest_target
+                logger.warning("%s names %s, which cannot be loaded: %s; looking for an older one",
+                               latest, name, problem)
+            else:
+                logger.warning("%s holds %r, not a checkpoint folder name; ignoring it", latest, name)
+        for _, path in self.step_dirs():
+            if path == latest_target:
+                continue
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
+    def load(self, engine, path: str | os.PathLike, *, seed: int) -> LoadedCheckpoint:
+        """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP); collective.
+
+        Model, optimizer and scheduler are restored at any layout (megatron reshards). RNG states are
+        restored rank for rank when the layout equals the saved one; otherwise every generator is reseeded
+        with ``seed + step`` (``grpo_mega.parallel.seed_everything``) and a warning says so. The scheduler
+        keeps the checkpoint's schedule (megatron's ``use_checkpoint_opt_param_scheduler``).
+        Raises ValueError when ``path`` is not a complete checkpoint.
+        """
+        from grpo_mega.parallel import seed_everything
+
+        path = Path(path)
+        info = _rank0_decides(lambda: read_checkpoint_state(path))
+        same_layout = info["layout"] == _layout()
+        # A template of the right structure; dist_checkpointing replaces it with the saved object.
+        rng_template = capture_rng_state() if same_layout else None
+        state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True, rng_state=rng_template)
+        loaded = dist_checkpointing.load(state, str(path))
+        engine.stage.load_state_dict(loaded["model"])
+        if info["has_optimizer"]:
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            engine.optimizer.reload_model_params()  # fp32 master copies (bf16) follow the loaded weights
+        # load_state_dict adds the saved step count to the current one: start from zero.
+        engine.scheduler.num_steps = 0
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+        engine.steps_done = info["optimizer_steps"]
+        step = info["step"]
+        if same_layout:
+            restore_rng_state(loaded[_RNG_KEY])
+        else:
+            seed_everything(seed + step)
+            if _is_rank0():
+                logger.warning(
+                    "checkpoint %s was saved at layout %s, this job runs %s: per-rank RNG states cannot be "
+                    "restored, reseeded with seed %d + step %d", path, info["layout"], _layout(), seed, step,
+                )
+        config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+        return LoadedCheckpoint(step=step, extra_state=loaded["extra_state"], config=config)
+
+
+def load_model_only(engine, path: str | os.PathLike) -> Path:
+    """Load only the model weights of a training checkpoint (``model.init_from``), at any layout; collective.
+
+    ``path`` is a checkpoint folder or a run directory (its newest complete checkpoint is used). Optimizer,
+    scheduler, RNG and step stay as they are: a new run starts from these weights. Returns the folder loaded.
+    Raises ValueError when there is no complete checkpoint there.
+    """
+    path = Path(path)
+
+    def locate() -> Path:
+        if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
+            newest = CheckpointManager(path)._newest_complete()
+            if newest is None:
+                raise ValueError(f"init_from: run directory {path} holds no complete checkpoint")
+            return newest
+        read_checkpoint_state(path)
+        return path
+
+    folder = _rank0_decides(locate)
+    # Only the model's keys are requested; the checkpoint's other entries stay on disk.
+    loaded = dist_checkpointing.load({"model": engine.stage.sharded_state_dict()}, str(folder))
+    engine.stage.load_state_dict(loaded["model"])
+    engine.optimizer.reload_model_params()  # fp32 master copies (bf16) follow the loaded weights
+    return folder

@@ -1,0 +1,152 @@
+"""A training checkpoint folder on disk: its file names, the completeness check, atomic small-file writes.
+
+Layout of a run directory::
+
+  <run_dir>/checkpoints/step_000042/     one complete checkpoint
+      metadata.json, .metadata, *.distcp, common.pt   megatron dist_checkpointing (torch_dist)
+      grpo_mega_checkpoint.json          what this is: step, optimizer steps, the TP/PP/DP it was saved at
+      config.yaml                        the run config
+      complete.json                      written last: the step and every file with its size
+  <run_dir>/checkpoints/latest           name of the newest complete checkpoint (replaced atomically)
+  <run_dir>/checkpoints/.tmp-*           a save in progress, or left by a crash: never loaded
+
+Completeness is checked against ``complete.json``'s listing of file sizes rather than content hashes:
+hashing a multi-GB model at rank 0 on every save and every resume would cost more than the save, while
+sizes catch what crashes and full disks do (missing and truncated files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE as MCORE_MODEL_INFO_FILE
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "grpo_mega_checkpoint.json"
+CONFIG_FILE = "config.yaml"
+COMPLETE_FILE = "complete.json"
+TMP_PREFIX = ".tmp-"
+FORMAT_NAME = "grpo_mega.training_checkpoint"
+FORMAT_VERSION = 1
+# dist_checkpointing writes this file last on a successful save; without it megatron cannot load at all.
+DIST_CHECKPOINT_METADATA = "metadata.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint of ``step``: ``step_000042`` (more digits past 999999)."""
+    return f"step_{step:06d}"
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a complete, loadable training checkpoint; None when it is.
+
+    Complete means: not a staging folder (``.tmp-*``); ``complete.json`` exists, parses, names this format
+    and (for a ``step_N`` folder) step N; every file it lists exists with its recorded size.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if path.name.startswith(TMP_PREFIX):
+        return f"{path.name} is the staging folder of a save that was not published"
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        return f"{COMPLETE_FILE} is missing (the save did not finish)"
+    try:
+        complete = json.loads(marker.read_text())
+        files = {str(name): int(size) for name, size in complete["files"].items()}
+        step = int(complete["step"])
+        kind = (complete["format"], complete["version"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"{COMPLETE_FILE} is unreadable ({type(error).__name__}: {error})"
+    if kind != (FORMAT_NAME, FORMAT_VERSION):
+        return f"{COMPLETE_FILE} names format {kind}, expected {(FORMAT_NAME, FORMAT_VERSION)}"
+    named = STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != step:
+        return f"{COMPLETE_FILE} records step {step}, but the folder is named {path.name}"
+    for required in (STATE_FILE, CONFIG_FILE, DIST_CHECKPOINT_METADATA):
+        if required not in files:
+            return f"{COMPLETE_FILE} does not list {required}"
+    for name, size in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, {COMPLETE_FILE} recorded {size} (truncated or overwritten)"
+    return None
+
+
+def read_checkpoint_state(path: str | os.PathLike) -> dict:
+    """``grpo_mega_checkpoint.json`` of a complete checkpoint; ValueError naming the folder and why otherwise."""
+    path = Path(path)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"{path} is not a complete training checkpoint: {problem}")
+    info = json.loads((path / STATE_FILE).read_text())
+    if (info.get("format"), info.get("version")) != (FORMAT_NAME, FORMAT_VERSION):
+        raise ValueError(
+            f"{path / STATE_FILE}: format {info.get('format')!r} version {info.get('version')!r}, "
+            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
+        )
+    return info
+
+
+def weights_format(path: str | os.PathLike) -> str:
+    """What kind of weights folder ``path`` is, for ``model.init_from``.
+
+    Returns ``training_checkpoint`` (a grpo-mega checkpoint folder), ``training_run`` (a grpo-mega run
+    directory with ``checkpoints/``), ``mcore_model`` (``grpo_mega.checkpoint.save_mcore_checkpoint``) or
+    ``hf`` (a Hugging Face folder: config.json and safetensors or .bin weights).
+    Raises ValueError naming the folder and what was looked for otherwise.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"init_from: {path} is not a directory")
+    if (path / COMPLETE_FILE).is_file() or (path / STATE_FILE).is_file():
+        return "training_checkpoint"
+    if (path / CHECKPOINTS_DIR).is_dir():
+        return "training_run"
+    if (path / MCORE_MODEL_INFO_FILE).is_file():
+        return "mcore_model"
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    if (path / "config.json").is_file() and has_weights:
+        return "hf"
+    raise ValueError(
+        f"init_from: {path} is none of: a grpo-mega checkpoint ({COMPLETE_FILE}), a grpo-mega run directory "
+        f"({CHECKPOINTS_DIR}/), a megatron model folder ({MCORE_MODEL_INFO_FILE}), a Hugging Face folder "
+        "(config.json with *.safetensors or pytorch_model*.bin)"
+    )
+
+
+def list_files(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` as {relative POSIX path: size in bytes} (the listing of ``complete.json``)."""
+    return {
+        file.relative_to(folder).as_posix(): file.stat().st_size
+        for file in sorted(folder.rglob("*"))
+        if file.is_file()
+    }
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in the folder ``path`` durable (POSIX needs an fsync of the folder)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_file_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: readers see old or new, never half."""
+    temporary = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    fsync_dir(path.parent)

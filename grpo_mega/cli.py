@@ -1,0 +1,81 @@
+"""``grpo-mega``: the command line.
+
+    grpo-mega train --config FILE [--nproc N] [key=value ...]   outcome-supervised GRPO
+    grpo-mega sft   --config FILE [--nproc N] [key=value ...]   supervised fine-tuning of the policy
+    grpo-mega quickstart [--run-dir DIR] [--fast]               the CPU quickstart: data -> SFT -> GRPO -> eval
+
+Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
+processes on this machine with torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-mega", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "outcome-supervised GRPO"), ("sft", "supervised fine-tuning")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--config", required=True, help="YAML config file")
+        command.add_argument("--nproc", type=int, default=1, help="processes to start here (ignored under torchrun/srun)")
+        command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-6")
+    quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> GRPO -> eval, with a summary")
+    quick.add_argument("--run-dir", default="runs/quickstart")
+    quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
+    return parser
+
+
+def _run_stage(args) -> int:
+    from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, load_config, validate, validate_sft
+
+    if args.nproc > 1 and not under_launcher():
+        return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
+    try:
+        if args.command == "sft":
+            cfg = load_config(SFTConfig, args.config, args.overrides, validate_sft)
+        else:
+            cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
+    except ConfigError as error:
+        print(f"grpo-mega {args.command}: {error}", file=sys.stderr)
+        return 2
+    if args.command == "sft":
+        from grpo_mega.sft import run_sft
+
+        run_sft(cfg)
+    else:
+        from grpo_mega.trainer import train
+
+        train(cfg)
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Keep the console for our progress and warnings: megatron logs every parameter name at INFO, and
+    megatron / torch.distributed.checkpoint repeat deprecation and "no Apex / Transformer Engine" warnings."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    for module in ("megatron", "torch.distributed.checkpoint", "torch.distributed._shard", "transformers"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    args = _parser().parse_args(argv)
+    if args.command == "quickstart":
+        from grpo_mega.quickstart import run_quickstart
+
+        return run_quickstart(args.run_dir, fast=args.fast)
+    return _run_stage(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

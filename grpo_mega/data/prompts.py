@@ -1,0 +1,244 @@
+"""Prompt datasets for GRPO: rows from jsonl or parquet files, formatted, tokenized, checked; resumable batches.
+
+A row needs a prompt field and (unless ``answer_field`` is None) an answer field; every other field is kept in
+``PromptRecord.extra`` for reward functions. Prompts are formatted with the tokenizer's chat template when it has
+one (and ``use_chat_template`` is on), otherwise with a plain format string such as ``"Q: {prompt} A:"``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+BAD_ROW_POLICIES = ("skip", "error")
+_MAX_SKIP_WARNINGS = 10  # per load; the summary line still counts every skipped row
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One usable row: the formatted prompt text and its token ids, the gold answer, the other fields."""
+
+    prompt: str
+    """The text the policy is given (after chat template or format string)."""
+    prompt_ids: list[int]
+    """Token ids of ``prompt``, special tokens included as the tokenizer adds them."""
+    answer: str | None
+    """Gold answer as text (numbers are converted with str()); None when the dataset has no answer field."""
+    raw_prompt: str
+    """The prompt field as stored in the file."""
+    source: str
+    """Where the row came from, ``file:line`` (jsonl) or ``file:row N`` (parquet)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's remaining fields, passed on to reward functions."""
+
+
+@dataclass
+class PromptDataset:
+    """Usable records in file order plus a message for every skipped row."""
+
+    records: list[PromptRecord]
+    skipped: list[str]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+class BadRowError(ValueError):
+    """A row of a prompt dataset is malformed or too long (raised when ``on_bad_row='error'``)."""
+
+
+def _rows_from_jsonl(path: Path) -> Iterator[tuple[str, Any, str | None]]:
+    """(location, row or None, parse error or None) for every non-blank line."""
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_number}"
+            try:
+                yield location, json.loads(line), None
+            except json.JSONDecodeError as error:
+                yield location, None, f"invalid JSON ({error.msg} at column {error.colno})"
+
+
+def _rows_from_parquet(path: Path) -> Iterator[tuple[str, Any, str | None]]:
+    """(location, row, None) for every row of a parquet file; needs pyarrow."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError as error:
+        raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from error
+    for row_number, row in enumerate(parquet.read_table(path).to_pylist(), start=1):
+        yield f"{path}:row {row_number}", row, None
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[str, Any, str | None]]:
+    """Rows of a ``.jsonl`` or ``.parquet`` file as (location, row, error); other suffixes raise ValueError."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt dataset file {path} does not exist")
+    if path.suffix == ".jsonl":
+        return _rows_from_jsonl(path)
+    if path.suffix == ".parquet":
+        return _rows_from_parquet(path)
+    raise ValueError(f"prompt dataset file {path}: unsupported suffix {path.suffix!r}; expected .jsonl or .parquet")
+
+
+class PromptFormatter:
+    """Turns a raw prompt into the policy's input text and ids: chat template if available, else a format string."""
+
+    def __init__(self, tokenizer, use_chat_template: bool = True, prompt_format: str = "{prompt}") -> None:
+        if "{prompt}" not in prompt_format:
+            raise ValueError(f"prompt_format must contain '{{prompt}}', got {prompt_format!r}")
+        self.tokenizer = tokenizer
+        self.prompt_format = prompt_format
+        self.uses_chat_template = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+
+    def __call__(self, raw_prompt: str) -> tuple[str, list[int]]:
+        """(formatted text, token ids). A chat template writes its own special tokens, so none are added then."""
+        if self.uses_chat_template:
+            messages = [{"role": "user", "content": raw_prompt}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = self.prompt_format.format(prompt=raw_prompt)
+        return text, list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _check_row(row: Any, prompt_field: str, answer_field: str | None) -> str | None:
+    """Why the row is unusable, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if prompt_field not in row:
+        return f"missing prompt field {prompt_field!r} (fields: {sorted(row)})"
+    if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
+        return f"prompt field {prompt_field!r} must be a non-empty string, got {row[prompt_field]!r:.60}"
+    if answer_field is not None:
+        if answer_field not in row:
+            return f"missing answer field {answer_field!r} (fields: {sorted(row)})"
+        if row[answer_field] is None or isinstance(row[answer_field], (dict, list)):
+            return f"answer field {answer_field!r} must be a string or number, got {row[answer_field]!r:.60}"
+    return None
+
+
+def load_prompt_dataset(
+    paths: str | Path | Sequence[str | Path],
+    tokenizer,
+    *,
+    prompt_length: int,
+    prompt_field: str = "prompt",
+    answer_field: str | None = "answer",
+    on_bad_row: str = "skip",
+    use_chat_template: bool = True,
+    prompt_format: str = "{prompt}",
+) -> PromptDataset:
+    """Read, format and tokenize prompt rows from jsonl/parquet files.
+
+    A row is bad when it is not valid JSON, not an object, lacks the prompt or answer field, or its formatted
+    prompt is longer than ``prompt_length`` tokens. With ``on_bad_row='error'`` the first bad row raises
+    BadRowError naming ``file:line``; with ``'skip'`` it is left out, logged, and listed in ``skipped``.
+    """
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+    if prompt_length <= 0:
+        raise ValueError(f"prompt_length must be positive, got {prompt_length}")
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not paths:
+        raise ValueError("load_prompt_dataset: no files given")
+    formatter = PromptFormatter(tokenizer, use_chat_template, prompt_format)
+    records: list[PromptRecord] = []
+    skipped: list[str] = []
+    for path in paths:
+        for location, row, error in read_rows(path):
+            error = error or _check_row(row, prompt_field, answer_field)
+            if error is None:
+                text, ids = formatter(row[prompt_field])
+                if len(ids) > prompt_length:
+                    error = f"prompt has {len(ids)} tokens, more than prompt_length={prompt_length}"
+            if error is not None:
+                if on_bad_row == "error":
+                    raise BadRowError(f"{location}: {error}")
+                if len(skipped) < _MAX_SKIP_WARNINGS:
+                    logger.warning("skipping %s: %s", location, error)
+                skipped.append(f"{location}: {error}")
+                continue
+            answer = None if answer_field is None else str(row[answer_field])
+            extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+            records.append(PromptRecord(text, ids, answer, row[prompt_field], location, extra))
+    if skipped:
+        logger.warning("skipped %d of %d rows in %s", len(skipped), len(skipped) + len(records), ", ".join(map(str, paths)))
+    if not records:
+        raise ValueError(f"no usable rows in {', '.join(map(str, paths))} ({len(skipped)} skipped; first: {skipped[:1]})")
+    return PromptDataset(records=records, skipped=skipped)
+
+
+class PromptBatches:
+    """Endless iterator over batches of ``records``, reshuffled every epoch, resumable from ``state_dict()``.
+
+    Epoch e visits the records in the order ``numpy.random.default_rng([seed, e]).permutation(n)`` (or file order
+    when ``shuffle`` is off) in batches of ``batch_size``; the last ``n % batch_size`` records of an epoch's order
+    are dropped so every batch is full, and a batch never spans two epochs.
+    """
+
+    def __init__(self, records: Sequence[PromptRecord], batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if len(records) < batch_size:
+            raise ValueError(f"batch_size={batch_size} is larger than the dataset ({len(records)} records)")
+        self.records = records
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0  # index into this epoch's order of the next batch's first record
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.records))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full batches in one epoch."""
+        return len(self.records) // self.batch_size
+
+    def __iter__(self) -> "PromptBatches":
+        return self
+
+    def __next__(self) -> list[PromptRecord]:
+        if self.position + self.batch_size > len(self.records):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._epoch_order(self.epoch)
+        indices = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [self.records[i] for i in indices]
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """Where the iterator stands, plus the settings it must be resumed with."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "num_records": len(self.records),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` left off; a different dataset size or batch settings raise ValueError."""
+        for key in ("seed", "shuffle", "batch_size", "num_records"):
+            current = len(self.records) if key == "num_records" else getattr(self, key)
+            if state.get(key) != current:
+                raise ValueError(
+                    f"PromptBatches.load_state_dict: saved {key}={state.get(key)!r} but this iterator has {current!r}; "
+                    "resuming would not continue at the same place"
+                )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)

@@ -1,0 +1,39 @@
+"""Held-out evaluation of the policy through the rollout engine: the mean verifier score (the accuracy for a 0/1
+verifier) of one completion per prompt, greedy unless a temperature is given."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from grpo_mega.data.prompts import PromptRecord
+from grpo_mega.reward import compute_rewards
+from grpo_mega.rollout.base import RolloutEngine, SamplingConfig
+from grpo_mega.rollout.distributed import generate_across_ranks
+
+
+def evaluate(
+    engine: RolloutEngine,
+    records: Sequence[PromptRecord],
+    reward_fn,
+    *,
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``{"eval/accuracy", "eval/response_length", "eval/num_prompts"}`` over ``records`` (collective)."""
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens, stop=list(stop), n=1)
+    completions = generate_across_ranks(engine, [r.prompt_ids for r in records], sampling, call_seed=seed)
+    scores = compute_rewards(
+        reward_fn,
+        [r.prompt for r in records],
+        [c.text for c in completions],
+        [r.answer for r in records],
+        [r.extra for r in records],
+    )
+    lengths = [len(c.response_ids) for c in completions]
+    return {
+        "eval/accuracy": float(scores.mean()),
+        "eval/response_length": sum(lengths) / len(lengths),
+        "eval/num_prompts": float(len(records)),
+    }

@@ -1,0 +1,105 @@
+"""Supervised fine-tuning of the policy on (prompt, response) rows, on the same Megatron engine as GRPO.
+
+``grpo-mega sft --config FILE [key=value ...]``: the loss is the token-mean negative log-likelihood of the
+response tokens (prompt tokens are context only), normalised over the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from grpo_mega.batch import sequences_to_batch
+from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+from grpo_mega.config import SFTConfig, save_config
+from grpo_mega.data.prompts import read_rows
+from grpo_mega.data.tokenizer import load_tokenizer
+from grpo_mega.engine import LossScale, build_policy_engine
+from grpo_mega.metrics import MetricsLogger
+from grpo_mega.parallel import destroy_distributed, init_distributed
+
+logger = logging.getLogger(__name__)
+
+
+def sft_loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], scale: LossScale):
+    """``-sum(log p(response tokens)) / global response tokens`` (this micro-batch's share)."""
+    mask = micro["loss_mask"].to(outputs["logprobs"].dtype)
+    loss = -(outputs["logprobs"] * mask).sum() / scale.global_tokens
+    return loss, {"sft/nll": loss.detach()}
+
+
+def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Tokenized (prompt, response + EOS) pairs; bad rows are reported with file:line and skipped or raised."""
+    prompts, responses, skipped = [], [], 0
+    for location, row, error in read_rows(cfg.data.train_file):
+        if error is None:
+            missing = [f for f in (cfg.data.prompt_field, cfg.data.response_field) if not isinstance(row, dict) or f not in row]
+            error = f"missing field(s) {missing}" if missing else None
+        if error is None:
+            prompt = tokenizer(row[cfg.data.prompt_field]).input_ids
+            response = tokenizer(row[cfg.data.response_field], add_special_tokens=False).input_ids
+            response = response + [tokenizer.eos_token_id]
+            if len(prompt) + len(response) > cfg.data.max_length:
+                error = f"{len(prompt) + len(response)} tokens, more than data.max_length={cfg.data.max_length}"
+        if error is not None:
+            if cfg.data.on_bad_row == "error":
+                raise ValueError(f"{location}: {error}")
+            skipped += 1
+            if skipped <= 10:
+                logger.warning("skipping %s: %s", location, error)
+            continue
+        prompts.append(prompt)
+        responses.append(response)
+    if not prompts:
+        raise ValueError(f"{cfg.data.train_file}: no usable rows ({skipped} skipped)")
+    return prompts, responses
+
+
+def run_sft(cfg: SFTConfig) -> Path:
+    """Train, checkpoint on schedule and at the end; returns the final checkpoint folder."""
+    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed)
+    is_rank0 = dist.get_rank() == 0
+    run_dir = Path(cfg.trainer.run_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
+    hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
+    engine = build_policy_engine(
+        hf_config,
+        optim=cfg.optim,
+        total_steps=cfg.trainer.total_steps,
+        max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+        logprob_chunk_size=cfg.model.logprob_chunk_size,
+    )
+    checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
+    start_step = 0
+    resume_from = checkpoints.find_resume(cfg.trainer.resume)
+    if resume_from is not None:
+        start_step = checkpoints.load(engine, resume_from, seed=cfg.parallel.seed).step
+    elif cfg.model.init_from:
+        load_model_only(engine, cfg.model.init_from)
+    if is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    prompts, responses = load_sft_examples(cfg, tokenizer)
+    metrics_log = MetricsLogger(
+        run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
+        tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar, bar_metric="sft/nll",
+    )
+    final = None
+    for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+        # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
+        rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(prompts), cfg.trainer.batch_size)
+        batch = sequences_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer.pad_token_id)
+        metrics = engine.train_step(batch, sft_loss)
+        metrics_log.log(step, metrics)
+        if step == cfg.trainer.total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+            final = checkpoints.save(engine, step, config=asdict(cfg))
+    metrics_log.close()
+    destroy_distributed()
+    return final if final is not None else checkpoints.find_resume("auto")

@@ -1,0 +1,178 @@
+"""Multi-process test helpers: spawn gloo workers, and give every layout the same weights.
+
+`run_distributed(fn, world_size, *args)` starts `world_size` fresh processes the way torchrun would
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment), runs `fn(*args)` in
+each and returns the list of their return values, indexed by rank. A worker's exception is raised
+again in the test process with the worker's traceback; a hang fails after `timeout` seconds.
+
+Identical weights at any layout: `save_reference_weights` builds the model at TP=1/PP=1 from a seed
+and saves it with megatron dist_checkpointing; `load_reference_weights` loads that checkpoint into a
+model built at another TP/PP layout (dist_checkpointing reshards, the SwiGLU fc1 layout included).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+# Spawned interpreters import torch and megatron from scratch (about 5-10 s), so the default is
+# generous; a deadlocked collective still fails the test instead of blocking CI forever.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple):
+    """One spawned rank: torchrun-like environment, one thread, run `fn`, pickle its result."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    # Two cores are shared by all ranks: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+    finally:
+        # Leave no process group behind, even on failure, so the other ranks see a clean exit.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            from grpo_mega.parallel import destroy_distributed
+
+            destroy_distributed()
+    with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as handle:
+        pickle.dump(result, handle)
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` fresh spawned processes and return their results by rank.
+
+    `fn` must be importable by name (a module-level function) and its result picklable. If a
+    worker raises, the first failure is raised here as
+    `torch.multiprocessing.ProcessRaisedException` carrying the worker's traceback, and the other
+    workers are terminated. If the workers have not all finished after `timeout` seconds, they are
+    killed and `TimeoutError` is raised.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="grpo_mega_dist_") as result_dir:
+        context = mp.start_processes(
+            _worker,
+            args=(fn, world_size, free_port(), result_dir, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=5.0):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks "
+                    f"within {timeout:.0f} s"
+                )
+        results = []
+        for rank in range(world_size):
+            with open(Path(result_dir) / f"rank{rank}.pkl", "rb") as handle:
+                results.append(pickle.load(handle))
+        return results
+
+
+def tiny_qwen2_config(*, tied: bool, vocab_size: int = 301, num_layers: int = 4):
+    """A Qwen2-shaped config small enough for CPU tests: hidden 64, 4 heads, 2 KV groups.
+
+    vocab_size is odd on purpose so that TP padding rows exist; initializer_range 0.2 spreads the
+    logits (near-uniform distributions would hide errors in log-prob comparisons).
+    """
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        tie_word_embeddings=tied,
+    )
+
+
+def build_model_for_layout(hf_config):
+    """Build this rank's stage of `hf_config` at megatron's current TP/PP layout."""
+    from megatron.core import parallel_state
+
+    from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+
+    config = gpt_config_from_hf(
+        hf_config,
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    return build_gpt_model(config)
+
+
+def save_reference_weights(hf_config, checkpoint_dir: str | Path, seed: int):
+    """Build `hf_config` at TP=1/PP=1 with seeded weights, save it with dist_checkpointing.
+
+    Returns the model.
+
+    Every parameter gets seeded noise on top of megatron's initialisation, so norm weights and qkv
+    biases differ from their trivial initial values (1 and 0). Call on every rank of a world
+    initialised at TP=1/PP=1 (DP ranks save one deduplicated copy).
+    """
+    import megatron.core.dist_checkpointing as dist_checkpointing
+    from megatron.core import parallel_state
+
+    if (
+        parallel_state.get_tensor_model_parallel_world_size() != 1
+        or parallel_state.get_pipeline_model_parallel_world_size() != 1
+    ):
+        raise ValueError("reference weights are built at TP=1/PP=1")
+    model = build_model_for_layout(hf_config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(checkpoint_dir))
+    return model
+
+
+def load_reference_weights(hf_config, checkpoint_dir: str | Path):
+    """Build `hf_config` at the current TP/PP layout and load a `save_reference_weights` checkpoint.
+
+    dist_checkpointing reshards the TP=1/PP=1 tensors into this rank's shards (QKV and SwiGLU fc1
+    layouts included).
+    """
+    import megatron.core.dist_checkpointing as dist_checkpointing
+
+    model = build_model_for_layout(hf_config)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(checkpoint_dir))
+    model.load_state_dict(state)
+    return model
