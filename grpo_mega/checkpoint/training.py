@@ -164,8 +164,9 @@ def _config_yaml(config: dict) -> str:
 class CheckpointManager:
     """Saves training checkpoints under ``<run_dir>/checkpoints`` and finds the one to resume from.
 
-    ``save`` and ``load`` are collective (every rank calls them); ``find_resume`` may be called by every rank
-    (rank 0 decides) or in a single process. Keeps the ``keep_last`` newest complete checkpoints.
+    ``save``, ``load`` and ``find_resume`` are collective in a distributed job (every rank calls them; rank 0
+    makes the file-system decisions); ``find_resume`` also works in a plain process. Keeps the ``keep_last``
+    newest complete checkpoints.
     """
 
     def __init__(self, run_dir: str | os.PathLike, keep_last: int = 2):
@@ -226,6 +227,7 @@ class CheckpointManager:
             "optimizer_steps": engine.steps_done,
             "has_optimizer": with_optimizer,
             "layout": _layout(),
+            "cuda_rng": torch.cuda.is_available(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         _rank0_decides(lambda: self._publish(staging, final, info, config_text))
@@ -336,16 +338,18 @@ class CheckpointManager:
         """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP); collective.
 
         Model, optimizer and scheduler are restored at any layout (megatron reshards). RNG states are
-        restored rank for rank when the layout equals the saved one; otherwise every generator is reseeded
-        with ``seed + step`` (``grpo_mega.parallel.seed_everything``) and a warning says so. The scheduler
-        keeps the checkpoint's schedule (megatron's ``use_checkpoint_opt_param_scheduler``).
+        restored rank for rank when the layout (and having CUDA or not) equals the saved one; otherwise every
+        generator is reseeded with ``seed + step`` (``grpo_mega.parallel.seed_everything``) and a warning says
+        so. The scheduler keeps the checkpoint's schedule (megatron's ``use_checkpoint_opt_param_scheduler``).
         Raises ValueError when ``path`` is not a complete checkpoint.
         """
         from grpo_mega.parallel import seed_everything
 
         path = Path(path)
         info = _rank0_decides(lambda: read_checkpoint_state(path))
-        same_layout = info["layout"] == _layout()
+        # A CPU-only process cannot take a CUDA generator state (or the other way round): reseed then too.
+        saved_cuda = info.get("cuda_rng", False)  # absent in the first checkpoints of this format: CPU runs
+        same_layout = info["layout"] == _layout() and saved_cuda == torch.cuda.is_available()
         # A template of the right structure; dist_checkpointing replaces it with the saved object.
         rng_template = capture_rng_state() if same_layout else None
         state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True, rng_state=rng_template)
@@ -366,8 +370,9 @@ class CheckpointManager:
             seed_everything(seed + step)
             if _is_rank0():
                 logger.warning(
-                    "checkpoint %s was saved at layout %s, this job runs %s: per-rank RNG states cannot be "
-                    "restored, reseeded with seed %d + step %d", path, info["layout"], _layout(), seed, step,
+                    "checkpoint %s was saved at layout %s (CUDA: %s), this job runs %s (CUDA: %s): per-rank RNG "
+                    "states cannot be restored, reseeded with seed %d + step %d",
+                    path, info["layout"], saved_cuda, _layout(), torch.cuda.is_available(), seed, step,
                 )
         config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
         return LoadedCheckpoint(step=step, extra_state=loaded["extra_state"], config=config)
