@@ -23,7 +23,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 class QuickstartPlan:
     """Sizes of the quickstart; ``fast`` shrinks them for the end-to-end test."""
 
-    num_train: int = 4000
+    num_train: int = 3000
     num_heldout: int = 200
     sft_steps: int | None = None  # None: configs/quickstart_sft.yaml decides
     grpo_steps: int | None = None

@@ -231,7 +231,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         metrics.update(_step_metrics(groups, advantages, batch, updates, alg))
         metrics.update(timer.seconds)
         metrics["timing_s/step"] = sum(timer.seconds.values())
-        metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / metrics["timing_s/step"]
+        metrics["perf/num_tokens"] = float(batch["attention_mask"].sum())
+        metrics["perf/num_response_tokens"] = float(batch["loss_mask"].sum())
+        metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps:
             checkpoints.save(policy, step, extra_state={"prompts": train_prompts.state_dict()}, config=asdict(cfg))
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
