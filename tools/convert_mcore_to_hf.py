@@ -1,0 +1,114 @@
+"""Convert a megatron-core checkpoint written by convert_hf_to_mcore back into a Hugging Face folder.
+
+Reads the checkpoint at --tp/--pp (any layout: dist_checkpointing reshards, whatever layout it was
+saved at) and writes safetensors shards, config.json and the tokenizer files, loadable with
+transformers.AutoModelForCausalLM.from_pretrained(OUT). Weights are gathered one tensor at a time
+(TP all-gather, PP broadcast) and written shard by shard, so rank 0 holds at most one shard extra.
+
+    python tools/convert_mcore_to_hf.py --ckpt ckpt/qwen0.5b --out qwen0.5b-hf [--tp 2 --pp 1]
+
+The tool starts tp*pp local processes itself; under torchrun / srun start exactly tp*pp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from _launch import fail, run_job
+
+TOOL = "convert_mcore_to_hf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog=TOOL, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder from convert_hf_to_mcore")
+    parser.add_argument("--out", required=True, type=Path, help="new or empty output folder")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel processes (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel processes (default 1)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="dtype written; auto = the dtype the checkpoint stores")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="largest safetensors file, in GiB (default 5, as save_pretrained)")
+    return parser.parse_args(argv)
+
+
+def preflight(args: argparse.Namespace) -> tuple[object, dict]:
+    """Check the inputs without starting processes; return (HF config, checkpoint info)."""
+    from grpo_mega.checkpoint import read_checkpoint_info
+    from grpo_mega.model import gpt_config_from_hf
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ValueError(f"--out {args.out} is not empty; choose a new folder")
+    if args.max_shard_gb <= 0:
+        raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    hf_config, info = read_checkpoint_info(args.ckpt)
+    gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32)
+    return hf_config, info
+
+
+def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_bytes: int) -> dict:
+    """One rank's part: load its stage, take part in every gather; rank 0 writes the files."""
+    import torch.distributed as dist
+
+    from grpo_mega.checkpoint import (
+        SafetensorsShardWriter,
+        copy_side_files,
+        export_hf_weights,
+        load_mcore_checkpoint,
+        read_checkpoint_info,
+    )
+    from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR
+    from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+    from grpo_mega.parallel import init_distributed
+
+    start = time.perf_counter()
+    init_distributed(tp, pp, seed=0)
+    hf_config, info = read_checkpoint_info(ckpt)
+    stored = getattr(torch, info["dtype"])
+    # The model is built in the stored dtype (float32 for anything else) so loading is exact.
+    build_dtype = stored if stored in (torch.float32, torch.bfloat16) else torch.float32
+    out_dtype = stored if dtype_name == "auto" else DTYPES[dtype_name]
+    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=build_dtype,
+                                    overrides={"perform_initialization": False})
+    model = build_gpt_model(gpt_config)
+    load_mcore_checkpoint(model, ckpt)
+    writer = SafetensorsShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
+    for name, tensor in export_hf_weights(model, hf_config):
+        if writer is not None:
+            writer.add(name, tensor.to(out_dtype))
+    if writer is None:
+        return {}
+    files = writer.close()
+    copy_side_files(ckpt / HF_FILES_DIR, out)
+    if out_dtype != stored:
+        hf_config.dtype = out_dtype
+        hf_config.save_pretrained(out)
+    return {"seconds": time.perf_counter() - start, "files": len(files),
+            "bytes": writer.total_bytes, "dtype": str(out_dtype)[6:]}
+
+
+def main(argv=None) -> None:
+    """Entry point: validate, then export on tp*pp ranks."""
+    args = parse_args(argv)
+    try:
+        hf_config, _ = preflight(args)
+    except ValueError as error:
+        fail(TOOL, error)
+    max_shard_bytes = int(args.max_shard_gb * 1024**3)
+    result = run_job(export, args.tp * args.pp, args.ckpt, args.out, args.tp, args.pp, args.dtype,
+                     max_shard_bytes)
+    if result:
+        print(f"{TOOL}: wrote {args.out} ({hf_config.model_type}, {result['dtype']}, "
+              f"{result['bytes'] / 1024**2:.1f} MiB in {result['files']} file(s)) "
+              f"in {result['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
