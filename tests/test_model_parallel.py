@@ -66,7 +66,7 @@ def test_qwen2_config_maps_every_field():
     assert config.tie_word_embeddings and config.model_type == "qwen2"
 
 
-def test_llama_config_reads_attention_bias_head_dim_and_llama3_rope():
+def test_llama_config_reads_head_dim_and_llama3_rope_and_rejects_attention_bias():
     rope = {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -90,18 +90,19 @@ def test_llama_config_reads_attention_bias_head_dim_and_llama3_rope():
     config = gpt_config_from_hf(hf)
     assert not config.transformer.add_qkv_bias and config.transformer.kv_channels == 32
     assert config.rotary_base == 5e5 and config.rope_scaling_factor == 8.0
-    with_bias = gpt_config_from_hf(
-        LlamaConfig(
-            vocab_size=1000,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            attention_bias=True,
-            rope_theta=1e4,
+    # HF's attention_bias also biases o_proj, which megatron-core cannot do without MLP biases.
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        gpt_config_from_hf(
+            LlamaConfig(
+                vocab_size=1000,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                attention_bias=True,
+                rope_theta=1e4,
+            )
         )
-    )
-    assert with_bias.transformer.add_qkv_bias and with_bias.transformer.num_query_groups == 4
 
 
 def test_config_from_transformers4_dict_with_rope_theta():

@@ -47,7 +47,7 @@ FAMILY_SETTINGS: dict[str, Any] = dict(
 # model_type -> whether q/k/v projections carry a bias.
 QKV_BIAS_BY_MODEL_TYPE: dict[str, Callable[[Any], bool]] = {
     "qwen2": lambda hf: True,
-    "llama": lambda hf: bool(getattr(hf, "attention_bias", False)),
+    "llama": lambda hf: False,  # attention_bias=True also biases o_proj, which _check_supported rejects
 }
 
 # megatron-core implements llama3 RoPE scaling with these constants fixed; only the factor is free.
@@ -129,6 +129,11 @@ def _check_supported(hf: Any) -> None:
         )
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (SwiGLU needs 'silu')")
+    if model_type == "llama" and getattr(hf, "attention_bias", False):
+        raise ValueError(
+            "llama attention_bias=True is not supported: HF then biases o_proj too, and megatron-core can "
+            "bias the output projection only together with the MLP (add_bias_linear)"
+        )
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported (megatron add_bias_linear=False)")
     if getattr(hf, "use_sliding_window", False):
