@@ -172,9 +172,11 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
         tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar,
     )
-    eval_metrics = run_eval(start_step)
-    if start_step == 0 and eval_metrics:
-        metrics_log.log(0, eval_metrics, advance=False)
+    eval_metrics: dict[str, float] = {}
+    if start_step == 0:  # the "before" of the run; a resumed run has it in its metrics already
+        eval_metrics = run_eval(0)
+        if eval_metrics:
+            metrics_log.log(0, eval_metrics, advance=False)
 
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         timer = Timer()
