@@ -1,4 +1,6 @@
-"""Convert a megatron-core checkpoint written by convert_hf_to_mcore back into a Hugging Face folder.
+"""Convert a megatron-core checkpoint back into a Hugging Face folder: one written by convert_hf_to_mcore, or a
+training checkpoint of `grpo-mega sft` / `grpo-mega train` (a checkpoint folder, or a run directory for its newest
+complete checkpoint; the architecture and tokenizer come from the run's model.hf_config folder).
 
 Reads the checkpoint at --tp/--pp (any layout: dist_checkpointing reshards, whatever layout it was
 saved at) and writes safetensors shards, config.json and the tokenizer files, loadable with
@@ -28,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=TOOL, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder from convert_hf_to_mcore")
+    parser.add_argument("--ckpt", required=True, type=Path,
+                        help="checkpoint folder from convert_hf_to_mcore, or a training checkpoint / run directory")
     parser.add_argument("--out", required=True, type=Path, help="new or empty output folder")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel processes (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel processes (default 1)")
@@ -39,46 +42,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def preflight(args: argparse.Namespace) -> tuple[object, dict]:
-    """Check the inputs without starting processes; return (HF config, checkpoint info)."""
+def read_source(ckpt: Path) -> tuple[object, Path, str, bool]:
+    """(HF config, folder of its config/tokenizer files, stored parameter dtype, is a training checkpoint)."""
+    from transformers import AutoConfig
+
     from grpo_mega.checkpoint import read_checkpoint_info
+    from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR
+    from grpo_mega.checkpoint.training import checkpoint_config, locate_checkpoint
+    from grpo_mega.checkpoint.training_files import read_checkpoint_state, weights_format
+
+    if weights_format(ckpt) not in ("training_checkpoint", "training_run"):
+        hf_config, info = read_checkpoint_info(ckpt)
+        return hf_config, ckpt / HF_FILES_DIR, info["dtype"], False
+    hf_dir = checkpoint_config(ckpt).get("model", {}).get("hf_config")
+    if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
+        raise ValueError(f"{ckpt}: the run's model.hf_config ({hf_dir!r}) has no config.json to describe the model")
+    dtype = read_checkpoint_state(locate_checkpoint(ckpt)).get("param_dtype", "float32")
+    return AutoConfig.from_pretrained(hf_dir), Path(hf_dir), dtype, True
+
+
+def preflight(args: argparse.Namespace) -> object:
+    """Check the inputs without starting processes; return the HF config."""
     from grpo_mega.model import gpt_config_from_hf
 
     if args.out.exists() and any(args.out.iterdir()):
         raise ValueError(f"--out {args.out} is not empty; choose a new folder")
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
-    hf_config, info = read_checkpoint_info(args.ckpt)
+    hf_config, _, _, _ = read_source(args.ckpt)
     gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32)
-    return hf_config, info
+    return hf_config
 
 
 def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_bytes: int) -> dict:
     """One rank's part: load its stage, take part in every gather; rank 0 writes the files."""
     import torch.distributed as dist
 
-    from grpo_mega.checkpoint import (
-        SafetensorsShardWriter,
-        copy_side_files,
-        export_hf_weights,
-        load_mcore_checkpoint,
-        read_checkpoint_info,
-    )
-    from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR
+    from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files, export_hf_weights, load_mcore_checkpoint
+    from grpo_mega.checkpoint.training import load_model_state
     from grpo_mega.model import build_gpt_model, gpt_config_from_hf
     from grpo_mega.parallel import init_distributed
 
     start = time.perf_counter()
     init_distributed(tp, pp, seed=0)
-    hf_config, info = read_checkpoint_info(ckpt)
-    stored = getattr(torch, info["dtype"])
+    hf_config, side_files, stored_name, is_training = read_source(ckpt)
+    stored = getattr(torch, stored_name)
     # The model is built in the stored dtype (float32 for anything else) so loading is exact.
     build_dtype = stored if stored in (torch.float32, torch.bfloat16) else torch.float32
     out_dtype = stored if dtype_name == "auto" else DTYPES[dtype_name]
     gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=build_dtype,
                                     overrides={"perform_initialization": False})
     model = build_gpt_model(gpt_config)
-    load_mcore_checkpoint(model, ckpt)
+    if is_training:
+        load_model_state(model, ckpt)
+    else:
+        load_mcore_checkpoint(model, ckpt)
     writer = SafetensorsShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
     for name, tensor in export_hf_weights(model, hf_config):
         if writer is not None:
@@ -86,7 +104,7 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
     if writer is None:
         return {}
     files = writer.close()
-    copy_side_files(ckpt / HF_FILES_DIR, out)
+    copy_side_files(side_files, out)
     if out_dtype != stored:
         hf_config.dtype = out_dtype
         hf_config.save_pretrained(out)
@@ -98,7 +116,7 @@ def main(argv=None) -> None:
     """Entry point: validate, then export on tp*pp ranks."""
     args = parse_args(argv)
     try:
-        hf_config, _ = preflight(args)
+        hf_config = preflight(args)
     except ValueError as error:
         fail(TOOL, error)
     max_shard_bytes = int(args.max_shard_gb * 1024**3)

@@ -228,6 +228,7 @@ class CheckpointManager:
             "has_optimizer": with_optimizer,
             "layout": _layout(),
             "cuda_rng": torch.cuda.is_available(),
+            "param_dtype": str(next(engine.stage.parameters()).dtype).removeprefix("torch."),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         _rank0_decides(lambda: self._publish(staging, final, info, config_text))
@@ -378,6 +379,38 @@ class CheckpointManager:
         return LoadedCheckpoint(step=step, extra_state=loaded["extra_state"], config=config)
 
 
+def locate_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete checkpoint folder meant by ``path``: the folder itself, or a run directory's newest complete
+    checkpoint. Rank 0 decides; raises ValueError when there is none."""
+    path = Path(path)
+
+    def locate() -> Path:
+        if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
+            newest = CheckpointManager(path)._newest_complete()
+            if newest is None:
+                raise ValueError(f"run directory {path} holds no complete checkpoint")
+            return newest
+        read_checkpoint_state(path)
+        return path
+
+    return _rank0_decides(locate)
+
+
+def load_model_state(model: torch.nn.Module, path: str | os.PathLike) -> Path:
+    """Load the model weights of a training checkpoint (or a run directory's newest) into a built model of this
+    job's layout; collective. Returns the folder loaded."""
+    folder = locate_checkpoint(path)
+    # Only the model's keys are requested; the checkpoint's other entries stay on disk.
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
+    model.load_state_dict(loaded["model"])
+    return folder
+
+
+def checkpoint_config(path: str | os.PathLike) -> dict:
+    """The run config stored with a training checkpoint (or a run directory's newest checkpoint)."""
+    return yaml.safe_load((locate_checkpoint(path) / CONFIG_FILE).read_text()) or {}
+
+
 def load_model_only(engine, path: str | os.PathLike) -> Path:
     """Load only the model weights of a training checkpoint (``model.init_from``), at any layout; collective.
 
@@ -385,20 +418,6 @@ def load_model_only(engine, path: str | os.PathLike) -> Path:
     scheduler, RNG and step stay as they are: a new run starts from these weights. Returns the folder loaded.
     Raises ValueError when there is no complete checkpoint there.
     """
-    path = Path(path)
-
-    def locate() -> Path:
-        if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
-            newest = CheckpointManager(path)._newest_complete()
-            if newest is None:
-                raise ValueError(f"init_from: run directory {path} holds no complete checkpoint")
-            return newest
-        read_checkpoint_state(path)
-        return path
-
-    folder = _rank0_decides(locate)
-    # Only the model's keys are requested; the checkpoint's other entries stay on disk.
-    loaded = dist_checkpointing.load({"model": engine.stage.sharded_state_dict()}, str(folder))
-    engine.stage.load_state_dict(loaded["model"])
+    folder = load_model_state(engine.stage, path)
     engine.optimizer.reload_model_params()  # fp32 master copies (bf16) follow the loaded weights
     return folder
