@@ -106,7 +106,3 @@ def training_batch(groups: ScoredGroups, advantages: torch.Tensor, pad_id: int) 
     batch["rollout_logprobs"] = response_values_to_tokens(batch, [c.response_logprobs for c in groups.completions])
     return batch
 
-
-def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The rows of a batch (a mini-batch), every field."""
-    return {name: value.index_select(0, rows) for name, value in batch.items()}

@@ -26,6 +26,7 @@ from grpo_mega.config import GRPOConfig, save_config
 from grpo_mega.data.prompts import PromptBatches, load_prompt_dataset
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine
+from grpo_mega.engine.batching import slice_rows
 from grpo_mega.evaluation import evaluate
 from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
 from grpo_mega.metrics import MetricsLogger
@@ -38,7 +39,6 @@ from grpo_mega.rollout_scoring import (
     concat_groups,
     keep_informative_groups,
     score_groups,
-    select_rows,
     take_groups,
     training_batch,
 )
@@ -223,7 +223,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             updates = []
             for epoch in range(alg.ppo_epochs):
                 for rows in _mini_batches(len(groups), G, cfg, epoch_seed=step * 1000 + epoch):
-                    updates.append(policy.train_step(select_rows(batch, rows), loss_fn))
+                    mini_batch = slice_rows(batch, rows, batch["input_ids"].shape[1])
+                    updates.append(policy.train_step(mini_batch, loss_fn))
 
         # 5. weight sync to the rollout engine
         with timer("sync"):
