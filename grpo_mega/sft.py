@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from grpo_mega.batch import sequences_to_batch
 from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
 from grpo_mega.config import SFTConfig, save_config
-from grpo_mega.data.prompts import read_rows
+from grpo_mega.data.prompts import BadRows, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
 from grpo_mega.metrics import MetricsLogger
@@ -36,7 +36,8 @@ def sft_loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], s
 
 def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """Tokenized (prompt, response + EOS) pairs; bad rows are reported with file:line and skipped or raised."""
-    prompts, responses, skipped = [], [], 0
+    prompts, responses = [], []
+    bad_rows = BadRows(cfg.data.on_bad_row)
     for location, row, error in read_rows(cfg.data.train_file):
         if error is None:
             missing = [f for f in (cfg.data.prompt_field, cfg.data.response_field) if not isinstance(row, dict) or f not in row]
@@ -48,16 +49,11 @@ def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[
             if len(prompt) + len(response) > cfg.data.max_length:
                 error = f"{len(prompt) + len(response)} tokens, more than data.max_length={cfg.data.max_length}"
         if error is not None:
-            if cfg.data.on_bad_row == "error":
-                raise ValueError(f"{location}: {error}")
-            skipped += 1
-            if skipped <= 10:
-                logger.warning("skipping %s: %s", location, error)
+            bad_rows.reject(location, error)
             continue
         prompts.append(prompt)
         responses.append(response)
-    if not prompts:
-        raise ValueError(f"{cfg.data.train_file}: no usable rows ({skipped} skipped)")
+    bad_rows.finish(len(prompts), str(cfg.data.train_file))
     return prompts, responses
 
 

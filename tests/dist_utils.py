@@ -13,58 +13,24 @@ model built at another TP/PP layout (dist_checkpointing reshards, the SwiGLU fc1
 from __future__ import annotations
 
 import os
-import pickle
-import socket
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from grpo_mega.launcher import spawn_local_ranks
 
 # Spawned interpreters import torch and megatron from scratch (about 5-10 s), so the default is
 # generous; a deadlocked collective still fails the test instead of blocking CI forever.
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def free_port() -> int:
-    """Return a TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple):
-    """One spawned rank: torchrun-like environment, one thread, run `fn`, pickle its result."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    # Two cores are shared by all ranks: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
-    try:
-        result = fn(*args)
-    finally:
-        # Leave no process group behind, even on failure, so the other ranks see a clean exit.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            from grpo_mega.parallel import destroy_distributed
-
-            destroy_distributed()
-    with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as handle:
-        pickle.dump(result, handle)
-
-
 def run_distributed(
     fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
 ) -> list[Any]:
-    """Run `fn(*args)` on `world_size` fresh spawned processes and return their results by rank.
+    """Run `fn(*args)` on `world_size` fresh spawned processes (one intra-op thread each: the cores are
+    shared by all ranks) and return their results by rank.
 
     `fn` must be importable by name (a module-level function) and its result picklable. If a
     worker raises, the first failure is raised here as
@@ -72,31 +38,7 @@ def run_distributed(
     workers are terminated. If the workers have not all finished after `timeout` seconds, they are
     killed and `TimeoutError` is raised.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    with tempfile.TemporaryDirectory(prefix="grpo_mega_dist_") as result_dir:
-        context = mp.start_processes(
-            _worker,
-            args=(fn, world_size, free_port(), result_dir, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=5.0):
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(
-                    f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks "
-                    f"within {timeout:.0f} s"
-                )
-        results = []
-        for rank in range(world_size):
-            with open(Path(result_dir) / f"rank{rank}.pkl", "rb") as handle:
-                results.append(pickle.load(handle))
-        return results
+    return spawn_local_ranks(fn, world_size, args, threads=1, timeout=timeout)
 
 
 def tiny_qwen2_config(*, tied: bool, vocab_size: int = 301, num_layers: int = 4):

@@ -176,3 +176,29 @@ def test_batches_reject_mismatched_state_and_bad_sizes():
         PromptBatches(list(range(10)), batch_size=2, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="larger than the dataset"):
         PromptBatches(list(range(3)), batch_size=4)
+
+
+def test_sft_examples_share_the_bad_row_policy(tmp_path, tokenizer):
+    from grpo_mega.config import SFTConfig
+    from grpo_mega.sft import load_sft_examples
+
+    path = write_lines(
+        tmp_path / "sft.jsonl",
+        [
+            json.dumps({"prompt": "Q: Start with 2. Add 3. A:", "solution": " Step 1: 2 + 3 = 5. The answer is 5."}),
+            '{"prompt": "Q:",',  # line 2: truncated JSON
+            json.dumps({"prompt": "Q: Start with 2. A:"}),  # line 3: no solution
+            json.dumps({"prompt": "Q: Start with 2. A:", "solution": " 1" * 200}),  # line 4: too long
+        ],
+    )
+    cfg = SFTConfig()
+    cfg.data.train_file, cfg.data.response_field, cfg.data.max_length = str(path), "solution", 64
+    prompts, responses = load_sft_examples(cfg, tokenizer)
+    assert len(prompts) == 1 and responses[0][-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(responses[0][:-1]) == " Step 1: 2 + 3 = 5. The answer is 5."
+    cfg.data.on_bad_row = "error"
+    with pytest.raises(BadRowError, match=r"sft.jsonl:2: invalid JSON"):
+        load_sft_examples(cfg, tokenizer)
+    cfg.data.on_bad_row, cfg.data.train_file = "skip", str(write_lines(tmp_path / "bad.jsonl", ["{"]))
+    with pytest.raises(ValueError, match="no usable rows in .*bad.jsonl"):
+        load_sft_examples(cfg, tokenizer)

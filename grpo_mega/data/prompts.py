@@ -109,6 +109,33 @@ class PromptFormatter:
         return text, list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+class BadRows:
+    """The ``data.on_bad_row`` policy for one load: ``error`` raises BadRowError naming ``file:line``; ``skip``
+    logs the first few, keeps every ``"file:line: why"`` in ``skipped`` and summarises at the end."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in BAD_ROW_POLICIES:
+            raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.skipped: list[str] = []
+
+    def reject(self, location: str, error: str) -> None:
+        """Handle one bad row: raise under ``error``, else record and (the first few) log it."""
+        if self.policy == "error":
+            raise BadRowError(f"{location}: {error}")
+        if len(self.skipped) < _MAX_SKIP_WARNINGS:
+            logger.warning("skipping %s: %s", location, error)
+        self.skipped.append(f"{location}: {error}")
+
+    def finish(self, kept: int, source: str) -> None:
+        """Log how many rows were skipped; raise when no row of ``source`` was usable."""
+        if self.skipped:
+            logger.warning("skipped %d of %d rows in %s", len(self.skipped), len(self.skipped) + kept, source)
+        if not kept:
+            first = self.skipped[:1]
+            raise ValueError(f"no usable rows in {source} ({len(self.skipped)} skipped; first: {first})")
+
+
 def _check_row(row: Any, prompt_field: str, answer_field: str | None) -> str | None:
     """Why the row is unusable, or None."""
     if not isinstance(row, dict):
@@ -142,8 +169,7 @@ def load_prompt_dataset(
     prompt is longer than ``prompt_length`` tokens. With ``on_bad_row='error'`` the first bad row raises
     BadRowError naming ``file:line``; with ``'skip'`` it is left out, logged, and listed in ``skipped``.
     """
-    if on_bad_row not in BAD_ROW_POLICIES:
-        raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+    bad_rows = BadRows(on_bad_row)
     if prompt_length <= 0:
         raise ValueError(f"prompt_length must be positive, got {prompt_length}")
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -151,7 +177,6 @@ def load_prompt_dataset(
         raise ValueError("load_prompt_dataset: no files given")
     formatter = PromptFormatter(tokenizer, use_chat_template, prompt_format)
     records: list[PromptRecord] = []
-    skipped: list[str] = []
     for path in paths:
         for location, row, error in read_rows(path):
             error = error or _check_row(row, prompt_field, answer_field)
@@ -160,20 +185,13 @@ def load_prompt_dataset(
                 if len(ids) > prompt_length:
                     error = f"prompt has {len(ids)} tokens, more than prompt_length={prompt_length}"
             if error is not None:
-                if on_bad_row == "error":
-                    raise BadRowError(f"{location}: {error}")
-                if len(skipped) < _MAX_SKIP_WARNINGS:
-                    logger.warning("skipping %s: %s", location, error)
-                skipped.append(f"{location}: {error}")
+                bad_rows.reject(location, error)
                 continue
             answer = None if answer_field is None else str(row[answer_field])
             extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
             records.append(PromptRecord(text, ids, answer, row[prompt_field], location, extra))
-    if skipped:
-        logger.warning("skipped %d of %d rows in %s", len(skipped), len(skipped) + len(records), ", ".join(map(str, paths)))
-    if not records:
-        raise ValueError(f"no usable rows in {', '.join(map(str, paths))} ({len(skipped)} skipped; first: {skipped[:1]})")
-    return PromptDataset(records=records, skipped=skipped)
+    bad_rows.finish(len(records), ", ".join(map(str, paths)))
+    return PromptDataset(records=records, skipped=bad_rows.skipped)
 
 
 class PromptBatches:
