@@ -7,8 +7,15 @@ from pathlib import Path
 from grpo_mega.metrics import read_metrics
 
 
+TRAIN_REWARD_KEY = "rollout/sampled_score/mean"
+
+
 def plot_reward_and_accuracy(metrics_path: str | Path, out_png: str | Path, title: str = "GRPO") -> Path:
-    """Training reward (``critic/score/mean``) and held-out accuracy (``eval/accuracy``) against step."""
+    """Training reward and held-out accuracy (``eval/accuracy``) against step.
+
+    The reward is the mean score of every sampled completion (``rollout/sampled_score/mean``), which dynamic
+    sampling does not bias; metrics files without it fall back to ``critic/score/mean``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -16,7 +23,8 @@ def plot_reward_and_accuracy(metrics_path: str | Path, out_png: str | Path, titl
 
     rows = read_metrics(metrics_path)
     figure, axis = plt.subplots(figsize=(7, 4))
-    for key, label, style in (("critic/score/mean", "train reward (mean score)", "-"),
+    reward_key = TRAIN_REWARD_KEY if any(TRAIN_REWARD_KEY in row for row in rows) else "critic/score/mean"
+    for key, label, style in ((reward_key, "train reward (mean score of samples)", "-"),
                               ("eval/accuracy", "held-out accuracy", "o-")):
         points = [(row["step"], row[key]) for row in rows if key in row]
         if points:

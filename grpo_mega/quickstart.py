@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_mega.metrics import read_metrics
+from grpo_mega.plots import TRAIN_REWARD_KEY, plot_reward_and_accuracy
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -117,12 +118,11 @@ def run_quickstart(run_dir: str | Path = "runs/quickstart", *, fast: bool = Fals
         "steps": rows[-1]["step"],
         "wall_seconds": round(time.perf_counter() - started, 1),
         "stage_seconds": {k: round(v, 1) for k, v in stage_seconds.items()},
-        "train_reward_first": next((r["critic/score/mean"] for r in rows if "critic/score/mean" in r), None),
-        "train_reward_last": next((r["critic/score/mean"] for r in reversed(rows) if "critic/score/mean" in r), None),
+        "train_reward_first": next((r[TRAIN_REWARD_KEY] for r in rows if TRAIN_REWARD_KEY in r), None),
+        "train_reward_last": next((r[TRAIN_REWARD_KEY] for r in reversed(rows) if TRAIN_REWARD_KEY in r), None),
         "eval_prompts": int(evals[-1]["eval/num_prompts"]),
         "run_dir": str(run_dir),
     }
-    from grpo_mega.plots import plot_reward_and_accuracy
 
     summary["plot"] = str(plot_reward_and_accuracy(grpo_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
                                                    title="quickstart: GRPO on synthetic arithmetic"))

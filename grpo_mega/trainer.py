@@ -184,7 +184,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
 
         # 1. prompts -> G completions -> rewards; dynamic sampling refills groups whose rewards were all equal
         with timer("gen"):
-            groups, sampled = None, 0
+            groups, sampled_scores = None, []
             for round_index in range(alg.max_sampling_rounds if alg.dynamic_sampling else 1):
                 records = next(train_prompts)
                 completions = generate_across_ranks(
@@ -193,14 +193,17 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 )
                 scored = score_groups(records, completions, reward_fn, group_size=G, algorithm=alg,
                                       format_fn=format_fn, format_weight=cfg.reward.format_weight)
-                sampled += len(scored)
+                sampled_scores.append(scored.scores)
                 if alg.dynamic_sampling:
                     scored = keep_informative_groups(scored, G)
                 groups = scored if groups is None else concat_groups(groups, scored)
                 if len(groups) >= alg.rollout_batch_size:
                     break
             groups = take_groups(groups, min(len(groups), alg.rollout_batch_size), G)
-        metrics["rollout/kept_group_fraction"] = len(groups) / max(sampled, 1)
+        sampled_scores = torch.cat(sampled_scores)
+        # critic/score/* describe the trained batch (after dynamic sampling, as in verl); this is every sample drawn.
+        metrics["rollout/sampled_score/mean"] = float(sampled_scores.mean())
+        metrics["rollout/kept_group_fraction"] = len(groups) * G / max(len(sampled_scores), 1)
         if len(groups) == 0:
             logger.warning("step %d: every sampled group had equal rewards; no update", step)
             metrics_log.log(step, metrics)

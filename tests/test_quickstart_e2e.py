@@ -28,7 +28,7 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines()]
     step_rows = [row for row in rows if row["step"] > 0]
     assert [row["step"] for row in step_rows] == [1, 2, 3]
-    for name in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "timing_s/gen",
+    for name in ("critic/score/mean", "rollout/sampled_score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "timing_s/gen",
                  "timing_s/update", "timing_s/sync", "perf/throughput", "response_length/mean"):
         assert name in step_rows[-1], name
     assert list((run_dir / "grpo" / "checkpoints").glob("step_000003"))
