@@ -3,6 +3,10 @@
 data + tokenizer -> tiny Qwen2-shaped policy -> SFT (TP=2, 2 gloo processes) -> outcome-supervised GRPO (TP=2)
 -> held-out evaluation before / after -> a table, a PNG plot and ``summary.json``; the last line printed is the
 path of ``summary.json``. Each training stage is a separate ``grpo-mega`` run with a YAML config from configs/.
+
+Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
+that mix worked solutions with bare answers: the SFT policy then works the steps on some prompts and guesses on
+others, and GRPO, rewarded on the final answer only, learns that working the steps is right more often.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 class QuickstartPlan:
     """Sizes of the quickstart; ``fast`` shrinks them for the end-to-end test."""
 
-    num_train: int = 3000
-    num_heldout: int = 200
+    num_train: int = 2700
+    num_heldout: int = 500
+    direct_answer_fraction: float = 0.5
+    """Share of SFT targets that state the answer without the steps (see build_synthetic_task)."""
     sft_steps: int | None = None  # None: configs/quickstart_sft.yaml decides
     grpo_steps: int | None = None
     eval_prompts: int | None = None
@@ -48,7 +54,8 @@ def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> 
     from grpo_mega.data.build import build_synthetic_task
     from grpo_mega.data.tokenizer import load_tokenizer
 
-    files = build_synthetic_task(run_dir / "data", num_train=plan.num_train, num_heldout=plan.num_heldout, seed=seed)
+    files = build_synthetic_task(run_dir / "data", num_train=plan.num_train, num_heldout=plan.num_heldout, seed=seed,
+                                 direct_answer_fraction=plan.direct_answer_fraction)
     tokenizer = load_tokenizer(files.tokenizer)
     model_dir = run_dir / "model"
     config = Qwen2Config(

@@ -152,7 +152,7 @@ def test_jsonl_round_trip(tmp_path):
     problems = generate_problems(20, seed=1)
     path = write_jsonl(problems, tmp_path / "train.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert set(rows[0]) == {"prompt", "answer", "steps", "solution"}
+    assert set(rows[0]) == {"prompt", "answer", "steps", "solution", "solution_style"}
     assert rows[0]["answer"] == str(problems[0].answer)
     assert read_jsonl(path) == problems
 
@@ -178,3 +178,29 @@ def test_build_synthetic_task_writes_loadable_files(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(files.tokenizer))
     text = heldout[0].prompt + heldout[0].solution
     assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) == text
+
+
+def test_direct_answer_fraction_mixes_sft_targets_of_the_train_split_only(tmp_path):
+    from grpo_mega.data.build import build_synthetic_task
+
+    files = build_synthetic_task(tmp_path / "a", num_train=200, num_heldout=20, seed=3, direct_answer_fraction=0.3)
+    rows = [json.loads(line) for line in files.train.read_text().splitlines()]
+    direct = [row for row in rows if row["solution_style"] == "direct"]
+    assert len(direct) == 60
+    for row in rows:
+        problem = Problem.from_record(row)
+        assert is_correct(problem, row["solution"])  # both styles state the right answer
+        expected = problem.direct_solution if row["solution_style"] == "direct" else problem.solution
+        assert row["solution"] == expected
+    assert direct[0]["solution"] == f" The answer is {direct[0]['answer']}."
+    assert step_labels(Problem.from_record(direct[0]), direct[0]["solution"]) == []  # no steps worked
+    assert {json.loads(line)["solution_style"] for line in files.heldout.read_text().splitlines()} == {"worked"}
+    # same seed, same choice of rows; the problems do not depend on the fraction
+    again = build_synthetic_task(tmp_path / "b", num_train=200, num_heldout=20, seed=3, direct_answer_fraction=0.3)
+    assert again.train.read_text() == files.train.read_text()
+    plain = build_synthetic_task(tmp_path / "c", num_train=200, num_heldout=20, seed=3)
+    assert [json.loads(line)["prompt"] for line in plain.train.read_text().splitlines()] == [r["prompt"] for r in rows]
+    with pytest.raises(ValueError, match="direct_answer_fraction"):
+        build_synthetic_task(tmp_path / "d", num_train=20, num_heldout=2, seed=3, direct_answer_fraction=1.5)
+    with pytest.raises(ValueError, match="solution_style"):
+        Problem.from_record(rows[0]).to_record("terse")

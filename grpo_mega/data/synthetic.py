@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 OPERATORS = ("+", "-", "*")
 # One fixed sentence per operator keeps the word -> symbol mapping trivially learnable.
 _OPERATOR_WORDS = {"+": "Add {x}.", "-": "Subtract {x}.", "*": "Multiply by {x}."}
+SOLUTION_STYLES = ("worked", "direct")
 _PROMPT_PREFIX = "Q:"
 _PROMPT_SUFFIX = " A:"
 
@@ -130,13 +131,23 @@ class Problem:
         parts = [f" Step {k}: {s.text()}." for k, s in enumerate(self.steps, start=1)]
         return "".join(parts) + f" The answer is {self.answer}."
 
-    def to_record(self) -> dict:
-        """The jsonl row: ``prompt``, ``answer`` (a string, as for real datasets), ``steps``, ``solution``."""
+    @property
+    def direct_solution(self) -> str:
+        """A completion that states the answer without working the steps, e.g. ``" The answer is 36."``."""
+        return f" The answer is {self.answer}."
+
+    def to_record(self, solution_style: str = "worked") -> dict:
+        """The jsonl row: ``prompt``, ``answer`` (a string, as for real datasets), ``steps``, ``solution`` (the
+        SFT target: ``solution`` when ``solution_style`` is "worked", ``direct_solution`` when "direct") and
+        ``solution_style``."""
+        if solution_style not in SOLUTION_STYLES:
+            raise ValueError(f"solution_style must be one of {SOLUTION_STYLES}, got {solution_style!r}")
         return {
             "prompt": self.prompt,
             "answer": str(self.answer),
             "steps": [{"lhs": s.lhs, "op": s.op, "rhs": s.rhs, "result": s.result} for s in self.steps],
-            "solution": self.solution,
+            "solution": self.solution if solution_style == "worked" else self.direct_solution,
+            "solution_style": solution_style,
         }
 
     @classmethod
@@ -333,13 +344,17 @@ def is_correct(problem: Problem, text: str) -> bool:
     return parse_solution(text).answer == problem.answer
 
 
-def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
-    """Write one ``Problem.to_record()`` per line; returns the path."""
+def write_jsonl(problems: Iterable[Problem], path: str | Path, styles: Sequence[str] | None = None) -> Path:
+    """Write one ``Problem.to_record(style)`` per line (every style "worked" unless ``styles`` is given)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    problems = list(problems)
+    styles = ["worked"] * len(problems) if styles is None else list(styles)
+    if len(styles) != len(problems):
+        raise ValueError(f"write_jsonl: {len(styles)} solution styles for {len(problems)} problems")
     with path.open("w", encoding="utf-8") as handle:
-        for problem in problems:
-            handle.write(json.dumps(problem.to_record()) + "\n")
+        for problem, style in zip(problems, styles):
+            handle.write(json.dumps(problem.to_record(style)) + "\n")
     return path
 
 
