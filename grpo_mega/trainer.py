@@ -178,6 +178,16 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         if eval_metrics:
             metrics_log.log(0, eval_metrics, advance=False)
 
+    def end_of_step(step: int, metrics: dict[str, float]) -> None:
+        """Checkpoint and evaluate on schedule (also after a step with nothing to train on), then log."""
+        nonlocal eval_metrics
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps:
+            checkpoints.save(policy, step, extra_state={"prompts": train_prompts.state_dict()}, config=asdict(cfg))
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
+            eval_metrics = run_eval(step)
+            metrics.update(eval_metrics)
+        metrics_log.log(step, metrics)
+
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         timer = Timer()
         metrics: dict[str, float] = {"timing_s/sync": sync_seconds}
@@ -206,7 +216,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         metrics["rollout/kept_group_fraction"] = len(groups) * G / max(len(sampled_scores), 1)
         if len(groups) == 0:
             logger.warning("step %d: every sampled group had equal rewards; no update", step)
-            metrics_log.log(step, metrics)
+            metrics.update(timer.seconds)
+            end_of_step(step, metrics)
             continue
 
         # 2. advantages -> the training batch
@@ -240,12 +251,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         metrics["perf/num_tokens"] = float(batch["attention_mask"].sum())
         metrics["perf/num_response_tokens"] = float(batch["loss_mask"].sum())
         metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps:
-            checkpoints.save(policy, step, extra_state={"prompts": train_prompts.state_dict()}, config=asdict(cfg))
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
-            eval_metrics = run_eval(step)
-            metrics.update(eval_metrics)
-        metrics_log.log(step, metrics)
+        end_of_step(step, metrics)
 
     metrics_log.close()
     destroy_distributed()
