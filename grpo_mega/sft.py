@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from grpo_mega.batch import sequences_to_batch
 from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
 from grpo_mega.config import SFTConfig, save_config
-from grpo_mega.data.prompts import BadRows, read_rows
+from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
 from grpo_mega.metrics import MetricsLogger
@@ -39,9 +39,9 @@ def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[
     prompts, responses = [], []
     bad_rows = BadRows(cfg.data.on_bad_row)
     for location, row, error in read_rows(cfg.data.train_file):
-        if error is None:
-            missing = [f for f in (cfg.data.prompt_field, cfg.data.response_field) if not isinstance(row, dict) or f not in row]
-            error = f"missing field(s) {missing}" if missing else None
+        error = error or check_row(row, cfg.data.prompt_field, cfg.data.response_field)
+        if error is None and not isinstance(row[cfg.data.response_field], str):
+            error = f"response field {cfg.data.response_field!r} must be a string, got {row[cfg.data.response_field]!r:.60}"
         if error is None:
             prompt = tokenizer(row[cfg.data.prompt_field]).input_ids
             response = tokenizer(row[cfg.data.response_field], add_special_tokens=False).input_ids

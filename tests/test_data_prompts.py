@@ -189,12 +189,18 @@ def test_sft_examples_share_the_bad_row_policy(tmp_path, tokenizer):
             '{"prompt": "Q:",',  # line 2: truncated JSON
             json.dumps({"prompt": "Q: Start with 2. A:"}),  # line 3: no solution
             json.dumps({"prompt": "Q: Start with 2. A:", "solution": " 1" * 200}),  # line 4: too long
+            json.dumps({"prompt": "Q: Start with 2. A:", "solution": 2}),  # line 5: not text
         ],
     )
     cfg = SFTConfig()
     cfg.data.train_file, cfg.data.response_field, cfg.data.max_length = str(path), "solution", 64
     prompts, responses = load_sft_examples(cfg, tokenizer)
     assert len(prompts) == 1 and responses[0][-1] == tokenizer.eos_token_id
+    cfg.data.on_bad_row = "error"
+    cfg.data.train_file = str(write_lines(tmp_path / "row5.jsonl", [path.read_text().splitlines()[4]]))
+    with pytest.raises(BadRowError, match=r"row5.jsonl:1: response field 'solution' must be a string, got 2"):
+        load_sft_examples(cfg, tokenizer)
+    cfg.data.train_file = str(path)
     assert tokenizer.decode(responses[0][:-1]) == " Step 1: 2 + 3 = 5. The answer is 5."
     cfg.data.on_bad_row = "error"
     with pytest.raises(BadRowError, match=r"sft.jsonl:2: invalid JSON"):

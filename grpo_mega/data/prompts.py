@@ -136,8 +136,8 @@ class BadRows:
             raise ValueError(f"no usable rows in {source} ({len(self.skipped)} skipped; first: {first})")
 
 
-def _check_row(row: Any, prompt_field: str, answer_field: str | None) -> str | None:
-    """Why the row is unusable, or None."""
+def check_row(row: Any, prompt_field: str, answer_field: str | None) -> str | None:
+    """Why the row is unusable (not an object, no non-empty string prompt, no scalar answer), or None."""
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
     if prompt_field not in row:
@@ -179,7 +179,7 @@ def load_prompt_dataset(
     records: list[PromptRecord] = []
     for path in paths:
         for location, row, error in read_rows(path):
-            error = error or _check_row(row, prompt_field, answer_field)
+            error = error or check_row(row, prompt_field, answer_field)
             if error is None:
                 text, ids = formatter(row[prompt_field])
                 if len(ids) > prompt_length:
