@@ -15,6 +15,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
 
 @dataclass
 class ModelConfig:
@@ -27,6 +29,9 @@ class ModelConfig:
     None starts from random weights (only sensible for SFT of a tiny model)."""
     logprob_chunk_size: int = 1024
     """Sequence chunk for the vocab-parallel log-prob / entropy computation (bounds peak memory)."""
+    logits_in_fp32: bool = True
+    """Compute each chunk's logits in fp32 before the softmax (bf16 models: rounding the logits to bf16 adds
+    sampler/trainer log-prob mismatch). No effect on fp32 models."""
 
 
 @dataclass
@@ -39,6 +44,9 @@ class ParallelConfig:
     """Token budget (rows x padded length) of one micro-batch."""
     seed: int = 1234
     """Seed of parameter init, sampling and data order."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``. With ``cuda`` a process uses the only
+    visible GPU when it sees one (``srun --gpus-per-task=1``), else ``cuda:LOCAL_RANK``."""
 
 
 @dataclass
@@ -101,6 +109,9 @@ class RewardConfig:
     """Format reward (``step_format``, ``boxed_format`` or ``module:function``), used when format_weight != 0."""
     format_weight: float = 0.0
     """Weight of the format reward added to the verifier's reward."""
+    on_error: str = "zero"
+    """A reward call that raises or returns a non-number: ``zero`` (reward 0, counted in ``reward/failures``)
+    or ``raise`` (stop the run naming the sample)."""
 
 
 @dataclass
@@ -123,6 +134,9 @@ class AlgorithmConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_estimator: str = "k3"
+    kl_log_ratio_clamp: float = 20.0
+    """The log-ratio ``logp_ref - logp`` is clamped to +-this before the KL estimator (verl: 20), so one token
+    with a vanishing probability cannot make k3 = exp(d) - d - 1 overflow."""
     loss_agg_mode: str = "token-mean"
     scale_by_std: bool = True
     """False is Dr. GRPO."""
@@ -137,6 +151,11 @@ class AlgorithmConfig:
     """DAPO overlong penalty: completions longer than response_length - buffer lose up to overlong_penalty."""
     overlong_penalty: float = 1.0
     entropy_coef: float = 0.0
+    rollout_is: str = "none"
+    """Correction for the sampler/trainer log-prob mismatch: ``none`` or ``tis`` (truncated importance sampling:
+    each token's loss is weighted by min(exp(old_logp - rollout_logp), rollout_is_cap), detached)."""
+    rollout_is_cap: float = 2.0
+    """Cap of the truncated importance weight (``rollout_is: tis``)."""
 
 
 @dataclass
@@ -154,6 +173,8 @@ class TrainerConfig:
     """0 = greedy evaluation."""
     progress_bar: bool = True
     tensorboard: bool = True
+    dump_rollouts: bool = False
+    """Write every step's prompts, completions and rewards to ``run_dir/rollouts/step_N.jsonl`` (rank 0)."""
 
 
 @dataclass
@@ -185,6 +206,13 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
+    _choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
+    _choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
+    if alg.rollout_is_cap <= 0:
+        raise ConfigError(f"algorithm.rollout_is_cap={alg.rollout_is_cap} must be > 0")
+    if alg.kl_log_ratio_clamp <= 0:
+        raise ConfigError(f"algorithm.kl_log_ratio_clamp={alg.kl_log_ratio_clamp} must be > 0")
     if alg.scale_by_std and alg.num_return_sequences_in_group < 2:
         raise ConfigError("algorithm.num_return_sequences_in_group must be >= 2 with algorithm.scale_by_std=true")
     if alg.mini_batch_size and alg.rollout_batch_size % alg.mini_batch_size:
@@ -276,6 +304,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     """Cross-field checks of an SFT config."""
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")
