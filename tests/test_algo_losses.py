@@ -33,6 +33,30 @@ def test_k3_is_nonnegative_and_zero_at_equality():
     assert torch.equal(kl_estimate(logp, logp, "k3"), torch.zeros(100))
 
 
+def test_kl_log_ratio_is_clamped_before_the_estimator():
+    # d = ref - logp: 100 (policy far below the reference), -100, and ordinary values.
+    ref = torch.tensor([0.0, -100.0, -1.0, -2.0, -0.3])
+    logp = torch.tensor([-100.0, 0.0, -1.5, -0.7, -0.3], requires_grad=True)
+    k3 = kl_estimate(logp, ref, "k3")
+    assert torch.isfinite(k3).all()
+    assert k3[0].item() == pytest.approx(math.exp(20) - 20 - 1, rel=1e-6)
+    assert k3[1].item() == pytest.approx(math.exp(-20) + 20 - 1, rel=1e-6)
+    k3.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    # Beyond the bound the estimate is constant: no gradient; within it, the k3 gradient 1 - pi_ref / pi.
+    assert logp.grad[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(logp.grad[2:], 1 - torch.exp(ref[2:] - logp.detach()[2:]))
+    for kind in ("k1", "k2", "k3"):
+        small = kl_estimate(logp[2:], ref[2:], kind)
+        assert torch.equal(small, kl_estimate(logp[2:], ref[2:], kind, log_ratio_clamp=None))
+    assert kl_estimate(logp[:1], ref[:1], "k1").item() == -20.0
+    assert kl_estimate(logp[:1], ref[:1], "k2", log_ratio_clamp=5.0).item() == 12.5
+    # Without the clamp, exp(100) overflows fp32: the step's loss would be inf.
+    assert torch.isinf(kl_estimate(logp[:1], ref[:1], "k3", log_ratio_clamp=None)).all()
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        kl_estimate(logp, ref, "k3", log_ratio_clamp=0.0)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04, 0.5])
 def test_grpo_gradient_matches_deepseekmath_coefficient(beta):
     """At rho = 1 the gradient of -(A rho) + beta k3 w.r.t. logp is -(A + beta (pi_ref / pi - 1))."""
