@@ -21,6 +21,7 @@ from grpo_mega.parallel import (
     get_device,
     layout_for_world,
     read_launch_env,
+    resolve_device,
     validate_layout,
 )
 from grpo_mega.parallel.launch_env import first_slurm_host
@@ -135,6 +136,52 @@ def test_first_slurm_host(nodelist, host):
 
 def test_device_is_the_cpu_without_cuda():
     assert get_device() == torch.device("cpu")
+    assert get_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "choice, cuda_available, device_count, local_rank, expected",
+    [
+        ("auto", False, 0, 3, "cpu"),
+        ("auto", True, 4, 3, "cuda:3"),  # torchrun: every process sees every GPU of the node
+        ("auto", True, 1, 3, "cuda:0"),  # srun --gpus-per-task=1: one visible GPU, whatever the local rank
+        ("cpu", True, 8, 2, "cpu"),  # pinned to the CPU on a GPU node
+        ("cuda", True, 2, 1, "cuda:1"),
+        ("cuda", True, 1, 5, "cuda:0"),
+    ],
+)
+def test_resolve_device(choice, cuda_available, device_count, local_rank, expected):
+    device = resolve_device(
+        choice, cuda_available=cuda_available, device_count=device_count, local_rank=local_rank
+    )
+    assert device == torch.device(expected)
+
+
+@pytest.mark.parametrize(
+    "choice, cuda_available, device_count, local_rank, message",
+    [
+        ("cuda", False, 0, 0, r"parallel.device='cuda' but this process sees no CUDA device"),
+        ("auto", True, 2, 2, r"local rank 2 has no GPU: this process sees 2 CUDA devices"),
+        ("cuda", True, 4, 7, r"local rank 7 has no GPU: this process sees 4 CUDA devices"),
+        ("gpu", True, 1, 0, r"parallel.device must be one of auto, cpu, cuda, got 'gpu'"),
+    ],
+)
+def test_resolve_device_errors_name_the_setting(choice, cuda_available, device_count, local_rank, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_device(
+            choice, cuda_available=cuda_available, device_count=device_count, local_rank=local_rank
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_init_distributed_refuses_cuda_without_a_gpu():
+    import torch.distributed as dist
+
+    from grpo_mega.parallel import init_distributed
+
+    with pytest.raises(ValueError, match="parallel.device='cuda'"):
+        init_distributed(1, 1, seed=0, device="cuda")
+    assert not dist.is_initialized()  # refused before creating any process group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +291,7 @@ def _training_job() -> dict:
         init_model_parallel,
     )
 
-    result = {"layout": init_distributed(2, 1, seed=5), "device": str(get_device())}
+    result = {"layout": init_distributed(2, 1, seed=5, device="cpu"), "device": str(get_device())}
     result["backend"] = torch.distributed.get_backend()
     # Megatron's tracker: the model-parallel stream differs across TP ranks, the default does not.
     with tensor_parallel.get_cuda_rng_tracker().fork():

@@ -7,6 +7,7 @@ from grpo_mega.parallel.distributed import (
     get_device,
     init_distributed,
     init_model_parallel,
+    resolve_device,
     seed_everything,
 )
 from grpo_mega.parallel.launch_env import LaunchEnv, read_launch_env
@@ -28,6 +29,7 @@ __all__ = [
     "init_model_parallel",
     "layout_for_world",
     "read_launch_env",
+    "resolve_device",
     "seed_everything",
     "validate_layout",
     "validate_model_split",

@@ -15,7 +15,9 @@ path. Three kinds of substitution, each listed in a table below with the reason 
    a torch function mode in which `t.cuda()` keeps a CPU tensor where it is and `t.type()` answers
    with the CUDA spelling, so megatron's fp32 checks still reject non-fp32 tensors.
 
-Nothing is patched when CUDA is available. The tables were checked against megatron-core 0.16.1 by
+`init_distributed` applies the layer when the process computes on the CPU: without CUDA, and with
+`parallel.device: cpu` also when CUDA is present (inside the patched modules `torch.cuda.is_available()`
+then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 by
 running TP=2, PP=2 (1F1B) and DP=2 training steps with DistributedDataParallel,
 get_megatron_optimizer, gradient clipping and dist_checkpointing save/load on gloo; another minor
 version raises instead of guessing.
@@ -122,6 +124,11 @@ class _CudaOnCpu:
         """Seed the CPU generator, the device generator on the CPU."""
         torch.manual_seed(seed)
 
+    @staticmethod
+    def is_available() -> bool:
+        """No GPU for the patched modules, even on a machine with one: they take their CPU-only paths."""
+        return False
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
 
@@ -210,11 +217,12 @@ def _check_megatron_version() -> None:
 def apply_cpu_compat() -> None:
     """Redirect megatron-core's CUDA-only call sites to the CPU; idempotent.
 
-    Does nothing when CUDA is available. Raises RuntimeError, naming the installed version, unless
+    Call it only in a process that computes on the CPU (``init_distributed`` decides): the patched
+    modules then allocate on the CPU even when CUDA is present. Raises RuntimeError, naming the installed version, unless
     megatron-core is 0.16.x, and when a listed call site is missing from the installed megatron.
     """
     global _applied
-    if _applied or torch.cuda.is_available():
+    if _applied:
         return
     _check_megatron_version()
     # Resolve every call site before patching any, so a moved one leaves megatron untouched.

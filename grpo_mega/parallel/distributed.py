@@ -1,8 +1,8 @@
 """Start and stop torch.distributed and megatron-core's model-parallel groups for one process.
 
-`init_distributed(tp, pp, seed=...)` is the one call a trainer makes before building a model: it
-reads the launcher environment, picks NCCL on cuda:LOCAL_RANK when CUDA is present and gloo on the
-CPU otherwise, applies the CPU compatibility layer for megatron-core, creates the process groups
+`init_distributed(tp, pp, seed=..., device=...)` is the one call a trainer makes before building a
+model: it reads the launcher environment, picks the device (`resolve_device`: NCCL on a GPU, or
+gloo on the CPU with the CPU compatibility layer for megatron-core), creates the process groups
 and seeds every random number generator the way Megatron-LM does.
 """
 
@@ -25,20 +25,61 @@ from grpo_mega.parallel.layout import ParallelLayout, layout_for_world
 # not draw identical initial weights; we keep its convention so runs are comparable.
 _PIPELINE_SEED_STRIDE = 100
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
 _device: torch.device | None = None
 
 
-def get_device() -> torch.device:
-    """The device this process computes on: cuda:LOCAL_RANK with CUDA, else the CPU.
+def resolve_device(choice: str, *, cuda_available: bool, device_count: int, local_rank: int) -> torch.device:
+    """The device a process computes on, from ``parallel.device`` and what the process sees (a pure function).
 
-    Before `init_distributed` it answers from the environment (LOCAL_RANK, SLURM_LOCALID).
+    ``auto``: CUDA when available, else the CPU. ``cpu``: the CPU even when CUDA is present (gloo and the
+    CPU compatibility layer; bit-for-bit tests pin this). ``cuda``: a GPU, ValueError when there is none.
+    On CUDA the GPU is ``cuda:0`` when the process sees exactly one (e.g. ``srun --gpus-per-task=1``,
+    where CUDA_VISIBLE_DEVICES holds one id), else ``cuda:<local_rank>``; ValueError when the local rank
+    has no GPU of its own.
     """
-    if _device is not None:
-        return _device
-    if torch.cuda.is_available():
-        local_rank = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-        return torch.device("cuda", int(local_rank))
-    return torch.device("cpu")
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"parallel.device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
+    if choice == "cpu" or (choice == "auto" and not cuda_available):
+        return torch.device("cpu")
+    if not cuda_available or device_count < 1:
+        raise ValueError(
+            "parallel.device='cuda' but this process sees no CUDA device (torch.cuda.is_available() is False); "
+            "set parallel.device to 'auto' or 'cpu', or run on a GPU node"
+        )
+    if device_count == 1:
+        return torch.device("cuda", 0)
+    if not 0 <= local_rank < device_count:
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: this process sees {device_count} CUDA devices "
+            "(start one process per GPU, or give each process one GPU with CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _local_rank_from_env() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
+def get_device(choice: str | None = None) -> torch.device:
+    """The device this process computes on.
+
+    Without ``choice``: the device ``init_distributed`` bound, or before it the ``auto`` choice. With a
+    choice (``auto``, ``cpu``, ``cuda``): what ``resolve_device`` gives for this process (LOCAL_RANK or
+    SLURM_LOCALID from the environment).
+    """
+    if choice is None:
+        if _device is not None:
+            return _device
+        choice = "auto"
+    cuda_available = torch.cuda.is_available()
+    return resolve_device(
+        choice,
+        cuda_available=cuda_available,
+        device_count=torch.cuda.device_count() if cuda_available else 0,
+        local_rank=_local_rank_from_env(),
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -60,34 +101,43 @@ def init_distributed(
     pp: int,
     *,
     seed: int,
+    device: str = "auto",
     backend: str | None = None,
     timeout_minutes: int = 30,
 ) -> ParallelLayout:
     """Initialise torch.distributed and megatron parallel_state for a TP x PP (x DP) layout.
 
     Reads the launcher environment (`grpo_mega.parallel.launch_env`), binds this process to its
-    device, creates the global process group (NCCL with CUDA, gloo without, unless `backend` says
-    otherwise), megatron's TP/PP/DP groups, and seeds (`seed_everything`). Returns the layout, with
-    dp = world_size / (tp * pp). Raises ValueError for a layout that does not fit the world size,
-    an unknown backend, NCCL without CUDA, or a second call without `destroy_distributed` between.
+    device (``device``: ``auto``, ``cpu`` or ``cuda``, see `resolve_device`), creates the global
+    process group (NCCL on a GPU, gloo on the CPU, unless `backend` says otherwise), megatron's
+    TP/PP/DP groups, and seeds (`seed_everything`). On the CPU the CPU compatibility layer is applied,
+    also when CUDA is present. Returns the layout, with dp = world_size / (tp * pp). Raises
+    ValueError for a layout that does not fit the world size, an unknown device or backend, NCCL on
+    the CPU, ``cuda`` without a GPU for this process, or a second call without `destroy_distributed`.
     """
     global _device
     if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
         raise ValueError("init_distributed was already called; call destroy_distributed first")
     env = read_launch_env()
     layout = layout_for_world(tp, pp, env.world_size)
-    has_cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if has_cuda else "gloo")
+    cuda_available = torch.cuda.is_available()
+    chosen = resolve_device(
+        device,
+        cuda_available=cuda_available,
+        device_count=torch.cuda.device_count() if cuda_available else 0,
+        local_rank=env.local_rank,
+    )
+    on_gpu = chosen.type == "cuda"
+    backend = backend or ("nccl" if on_gpu else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-    if backend == "nccl" and not has_cuda:
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
-    if has_cuda:
-        _device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(_device)
+    if backend == "nccl" and not on_gpu:
+        raise ValueError(f"backend='nccl' needs a GPU, and this process computes on the CPU (parallel.device={device!r})")
+    if on_gpu:
+        torch.cuda.set_device(chosen)
     else:
-        _device = torch.device("cpu")
         apply_cpu_compat()
+    _device = chosen
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
