@@ -10,8 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_mega.algo import aggregate_loss, kl_estimate, policy_loss
+from grpo_mega.algo import (
+    DEFAULT_LOG_RATIO_CLAMP,
+    aggregate_loss,
+    kl_estimate,
+    policy_loss,
+    truncated_importance_weights,
+)
 from grpo_mega.engine.base import LossScale
+
+ROLLOUT_IS_MODES = ("none", "tis")
 
 
 @dataclass(frozen=True)
@@ -24,19 +32,33 @@ class GRPOLossSettings:
     kl_coef: float = 0.0
     """0 disables the KL term (``use_kl_loss: false``)."""
     kl_estimator: str = "k3"
+    kl_log_ratio_clamp: float | None = DEFAULT_LOG_RATIO_CLAMP
+    """``ref_logp - logp`` is clamped to +-this before the KL estimator (None: no clamp)."""
     entropy_coef: float = 0.0
     on_policy: bool = False
     """The policy has not moved since sampling (one update per rollout batch): old log-probs are the current
     ones, detached, so the ratio is exactly 1 and no extra forward pass is spent on them."""
+    rollout_is: str = "none"
+    """Sampler/trainer mismatch correction: ``none``, or ``tis`` (truncated importance sampling: each token's
+    policy loss is multiplied by ``min(exp(old_logp - rollout_logp), rollout_is_cap)``, detached)."""
+    rollout_is_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.rollout_is not in ROLLOUT_IS_MODES:
+            raise ValueError(f"rollout_is={self.rollout_is!r}; expected one of {ROLLOUT_IS_MODES}")
+        if not self.rollout_is_cap > 0:
+            raise ValueError(f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
 
 
 def grpo_loss_fn(settings: GRPOLossSettings):
     """Build ``loss_fn(head_outputs, micro_batch, scale)`` for the engine.
 
-    Reads ``loss_mask``, ``advantages`` [B, L], ``old_logprobs`` (unless ``on_policy``) and (with KL)
-    ``ref_logprobs`` from the micro-batch;
+    Reads ``loss_mask``, ``advantages`` [B, L], ``old_logprobs`` (unless ``on_policy``), (with KL)
+    ``ref_logprobs`` and (with ``rollout_is="tis"``) ``rollout_logprobs`` (the sampler's) from the micro-batch;
     ``head_outputs`` holds ``logprobs`` and ``entropy``.
-    ``loss = aggregate(l_pg + kl_coef * kl - entropy_coef * entropy)`` over the global batch.
+    ``loss = aggregate(w * l_pg + kl_coef * kl - entropy_coef * entropy)`` over the global batch, with ``w = 1``
+    or, with TIS, ``w = min(exp(old_logp - rollout_logp), rollout_is_cap)`` (no gradient through ``w``; the KL
+    and entropy terms are not weighted, as in verl).
     """
 
     def loss_fn(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], scale: LossScale):
@@ -52,6 +74,12 @@ def grpo_loss_fn(settings: GRPOLossSettings):
             clip_high=settings.clip_high,
             dual_clip=settings.dual_clip,
         )
+        tis_weights = None
+        if settings.rollout_is == "tis":
+            if "rollout_logprobs" not in micro:
+                raise KeyError("rollout_is='tis' needs the sampler's log-probs: micro-batch field 'rollout_logprobs'")
+            tis_weights = truncated_importance_weights(old_logp, micro["rollout_logprobs"], settings.rollout_is_cap)
+            per_token = per_token * tis_weights
         aggregate = dict(
             mode=settings.loss_agg_mode,
             norm_length=settings.norm_length,
@@ -68,8 +96,17 @@ def grpo_loss_fn(settings: GRPOLossSettings):
             "actor/pg_clipfrac_lower": pg_metrics["dual_clipfrac"] * token_share,
             "actor/entropy": (entropy.detach() * mask).sum() / scale.global_tokens,
         }
+        if tis_weights is not None:
+            capped = (tis_weights >= settings.rollout_is_cap).to(mask.dtype)
+            metrics["actor/tis_weight_mean"] = (tis_weights * mask).sum() / scale.global_tokens
+            metrics["actor/tis_clipfrac"] = (capped * mask).sum() / scale.global_tokens
         if settings.kl_coef:
-            kl = kl_estimate(logp, micro["ref_logprobs"].to(logp.dtype), settings.kl_estimator)
+            kl = kl_estimate(
+                logp,
+                micro["ref_logprobs"].to(logp.dtype),
+                settings.kl_estimator,
+                log_ratio_clamp=settings.kl_log_ratio_clamp,
+            )
             kl_loss = aggregate_loss(kl, mask, **aggregate)
             loss = loss + settings.kl_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()

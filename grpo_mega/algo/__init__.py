@@ -1,14 +1,17 @@
-"""Pure GRPO math: advantages, the clipped policy loss, KL estimators, loss aggregation, reward shaping.
+"""Pure GRPO math: advantages, the clipped policy loss, KL estimators, loss aggregation, reward shaping, and the
+sampler/trainer mismatch (log-prob differences, truncated importance sampling).
 
 Functions of tensors only: no process groups, no model. Every later part (trainer, PRM, engines) calls these.
 """
 
 from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages
-from grpo_mega.algo.kl import KL_ESTIMATORS, kl_estimate
+from grpo_mega.algo.kl import DEFAULT_LOG_RATIO_CLAMP, KL_ESTIMATORS, kl_estimate
 from grpo_mega.algo.losses import LOSS_AGG_MODES, aggregate_loss, policy_loss
+from grpo_mega.algo.rollout_correction import rollout_logprob_diff, truncated_importance_weights
 from grpo_mega.algo.shaping import clip_advantages, clip_rewards, overlong_penalty, whiten
 
 __all__ = [
+    "DEFAULT_LOG_RATIO_CLAMP",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "aggregate_loss",
@@ -20,5 +23,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "process_advantages",
+    "rollout_logprob_diff",
+    "truncated_importance_weights",
     "whiten",
 ]
