@@ -47,7 +47,8 @@ class MetricsLogger:
         (the evaluation before the first step)."""
         if not self.active:
             return
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        # Non-finite values are kept (JSON ``NaN`` / ``Infinity``): a diverging run must show it, not hide it.
+        clean = {k: float(v) for k, v in metrics.items() if v is not None}
         self.file.write(json.dumps({"step": step, "time": time.time() - self.started, **clean}) + "\n")
         self.file.flush()
         if self.writer is not None:
@@ -56,7 +57,7 @@ class MetricsLogger:
         if self.bar is not None:
             if advance:
                 self.bar.update(1)
-            if self.bar_metric in clean:
+            if math.isfinite(clean.get(self.bar_metric, math.nan)):
                 self.bar.set_postfix({self.bar_metric.split("/")[-2]: f"{clean[self.bar_metric]:.3f}"})
 
     def close(self) -> None:

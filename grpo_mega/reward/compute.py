@@ -1,4 +1,10 @@
-"""Apply a reward function to a batch of completions, refusing anything that is not a finite number."""
+"""Apply a reward function to completions: one validated result per sample, per-step rewards included.
+
+A reward function returns a number (the completion's reward) or :class:`StepRewards` (the completion's reward and
+one reward per reasoning step). Anything else, NaN, infinity, or an exception, is a failure of that sample:
+``on_error="raise"`` stops with a :class:`RewardError` naming the sample; ``on_error="zero"`` gives the sample
+reward 0 (no steps) and counts it, so one flaky verifier call cannot kill a week-long run.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from grpo_mega.reward.registry import RewardFunction
+from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards
 
 _PROMPT_PREVIEW_CHARS = 80
+ON_ERROR_CHOICES = ("zero", "raise")
 
 
 class RewardError(RuntimeError):
@@ -31,6 +38,74 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
+def _validate(value: Any, text_length: int) -> SampleReward | str:
+    """A SampleReward from a reward function's return value, or the reason it is unusable."""
+    if isinstance(value, StepRewards):
+        score = _as_float(value.score)
+        steps = [_as_float(r) for r in value.step_rewards]
+        ends = list(value.step_ends)
+        if score is None or any(s is None for s in steps):
+            return "expected a finite score and finite step rewards"
+        if len(steps) != len(ends):
+            return f"expected as many step ends as step rewards, got {len(ends)} and {len(steps)}"
+        if any(not isinstance(e, int) or not 0 < e <= text_length for e in ends) or ends != sorted(set(ends)):
+            return f"expected step ends strictly increasing in (0, {text_length}]"
+        return SampleReward(score, steps, ends)
+    number = _as_float(value)
+    if number is None:
+        return "expected a finite number or StepRewards"
+    return SampleReward(number)
+
+
+def score_sample(
+    fn: RewardFunction, index: int, prompt: str, completion: str, answer: str | None,
+    extra: Mapping[str, Any] | None, *, on_error: str = "raise",
+) -> SampleReward:
+    """``fn(prompt, completion, answer, **extra)`` validated; ``index`` only names the sample in errors."""
+    if on_error not in ON_ERROR_CHOICES:
+        raise ValueError(f"reward.on_error={on_error!r}: expected one of {ON_ERROR_CHOICES}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        value = fn(prompt, completion, answer, **dict(extra or {}))
+        result = _validate(value, len(completion))
+    except Exception as error:
+        message = f"reward function {name} raised on sample {index} (prompt {_preview(prompt)}): {error!r}"
+        if on_error == "raise":
+            raise RewardError(message) from error
+        return SampleReward(0.0, failed=True, error=message)
+    if isinstance(result, SampleReward):
+        return result
+    message = f"reward function {name} returned {value!r} for sample {index} (prompt {_preview(prompt)}); {result}"
+    if on_error == "raise":
+        raise RewardError(message)
+    return SampleReward(0.0, failed=True, error=message)
+
+
+def score_samples(
+    fn: RewardFunction,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    answers: Sequence[str | None],
+    extras: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    on_error: str = "raise",
+    indices: Sequence[int] | None = None,
+) -> list[SampleReward]:
+    """:func:`score_sample` for every sample; ``indices`` (default 0..B-1) name the samples in errors."""
+    size = len(completions)
+    if len(prompts) != size or len(answers) != size or (extras is not None and len(extras) != size):
+        raise ValueError(
+            f"reward: batch sizes differ: {len(prompts)} prompts, {size} completions, {len(answers)} answers"
+            + (f", {len(extras)} extras" if extras is not None else "")
+        )
+    indices = range(size) if indices is None else indices
+    return [
+        score_sample(fn, indices[i], prompts[i], completions[i], answers[i], extras[i] if extras else None,
+                     on_error=on_error)
+        for i in range(size)
+    ]
+
+
 def compute_rewards(
     fn: RewardFunction,
     prompts: Sequence[str],
@@ -38,32 +113,10 @@ def compute_rewards(
     answers: Sequence[str | None],
     extras: Sequence[Mapping[str, Any]] | None = None,
 ) -> torch.Tensor:
-    """Float32 tensor [B] with ``fn(prompts[i], completions[i], answers[i], **extras[i])`` for each sample i.
+    """Float32 tensor [B] of the score of ``fn(prompts[i], completions[i], answers[i], **extras[i])``.
 
     A call that raises, or returns NaN, infinity or a non-number, raises RewardError naming the sample index and
     (truncated) prompt, so a broken user function fails loudly instead of silently poisoning the advantages.
     """
-    size = len(completions)
-    if len(prompts) != size or len(answers) != size or (extras is not None and len(extras) != size):
-        raise ValueError(
-            f"compute_rewards: batch sizes differ: {len(prompts)} prompts, {size} completions, {len(answers)} answers"
-            + (f", {len(extras)} extras" if extras is not None else "")
-        )
-    name = getattr(fn, "__qualname__", repr(fn))
-    rewards = []
-    for i in range(size):
-        extra = dict(extras[i]) if extras is not None else {}
-        try:
-            value = fn(prompts[i], completions[i], answers[i], **extra)
-        except Exception as error:
-            raise RewardError(
-                f"reward function {name} raised on sample {i} (prompt {_preview(prompts[i])}): {error!r}"
-            ) from error
-        number = _as_float(value)
-        if number is None:
-            raise RewardError(
-                f"reward function {name} returned {value!r} for sample {i} (prompt {_preview(prompts[i])}); "
-                "expected a finite number"
-            )
-        rewards.append(number)
-    return torch.tensor(rewards, dtype=torch.float32)
+    results = score_samples(fn, prompts, completions, answers, extras, on_error="raise")
+    return torch.tensor([r.score for r in results], dtype=torch.float32)

@@ -1,28 +1,25 @@
 """Reward functions by name: built-in rules, or user functions given as ``"package.module:function"``.
 
-Every reward function has the signature ``fn(prompt: str, completion: str, answer: str, **extra) -> float``,
-where ``extra`` carries the dataset row's other fields (for example the synthetic task's ``steps``).
+Every reward function has the signature ``fn(prompt: str, completion: str, answer: str, **extra)`` and returns a
+float or ``StepRewards`` (``grpo_mega.reward.types``); ``extra`` carries the dataset row's other fields (for example
+the synthetic task's ``steps``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Protocol
+from typing import Callable
 
 from grpo_mega.reward.format import boxed_format_reward, step_format_reward
 from grpo_mega.reward.math_answer import math_verify_reward
-from grpo_mega.reward.synthetic import synthetic_reward
-
-
-class RewardFunction(Protocol):
-    """What a reward function looks like."""
-
-    def __call__(self, prompt: str, completion: str, answer: str, **extra) -> float: ...
+from grpo_mega.reward.synthetic import synthetic_reward, synthetic_step_reward
+from grpo_mega.reward.types import RewardFunction
 
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "math_verify": math_verify_reward,
     "synthetic": synthetic_reward,
+    "synthetic_steps": synthetic_step_reward,
     "step_format": step_format_reward,
     "boxed_format": boxed_format_reward,
 }

@@ -53,7 +53,7 @@ class SamplingConfig:
     """Stop strings. The completion ends right after the token that completes the first stop string, and keeps
     the stop string in its tokens and text (like vLLM's include_stop_str_in_output=True)."""
     seed: int = 0
-    """Base seed; each generate call derives its own seed from it and the engine's call counter."""
+    """Seed of the call: the same seed, weights and prompts give the same completions (no hidden call counter)."""
     n: int = 1
     """Completions sampled per prompt (G of GRPO)."""
 
@@ -133,7 +133,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def derive_seed(*keys: int) -> int:
-    """A 31-bit seed from integer keys (e.g. base seed, call counter, prompt index), via numpy's SeedSequence,
+    """A 31-bit seed from integer keys (e.g. base seed, step, round, rank, prompt index), via numpy's SeedSequence,
     so nearby keys give unrelated streams."""
     if any(k < 0 for k in keys):
         raise ValueError(f"seed keys must be >= 0, got {keys}")

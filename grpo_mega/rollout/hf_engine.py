@@ -132,7 +132,6 @@ class HFRolloutEngine:
         # keep_vars=True: the Parameter objects themselves, so copying into them updates the model in place.
         self._weights = WeightUpdateTracker(model.state_dict(keep_vars=True))
         self._weights_ready = weights_ready
-        self._calls = 0
         self.weight_version = 0
         """Complete weight updates received so far."""
 
@@ -170,8 +169,9 @@ class HFRolloutEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         """n completions per prompt, grouped contiguously: completions[p*n:(p+1)*n] answer prompt p.
 
-        Reproducible: the seed of call k is derived from (sampling.seed, k), so the same engine state, prompts and
-        settings give the same completions, and successive calls draw fresh samples. The caller's RNG state is
+        Reproducible: the call samples with a seed derived from ``sampling.seed`` alone (no hidden call counter), so
+        the same weights, prompts and settings give the same completions, also after a restart; callers pass a new
+        ``sampling.seed`` for fresh samples (the trainer derives it from seed, step, round and rank). The caller's RNG state is
         left as it was. With temperature 0 (greedy) the n completions of a prompt are identical.
         """
         if not self._weights_ready:
@@ -181,8 +181,7 @@ class HFRolloutEngine:
             )
         check_prompts(prompt_ids, self.model.get_input_embeddings().num_embeddings)
         self._check_length(prompt_ids, sampling.max_new_tokens)
-        seed = derive_seed(sampling.seed, self._calls)
-        self._calls += 1
+        seed = derive_seed(sampling.seed)
         completions: list[Completion] = []
         cuda_devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():

@@ -192,25 +192,22 @@ class VLLMRolloutEngine:
         self._tokens_prompt = vllm.TokensPrompt
         self._enable_sleep_mode = enable_sleep_mode
         self._asleep = False
-        self._calls = 0
         self.weight_version = 0
         """Complete weight updates received so far."""
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         """n completions per prompt, grouped contiguously: completions[p*n:(p+1)*n] answer prompt p.
 
-        Prompt p of call k samples with the request seed derived from (sampling.seed, k, p); vLLM gives the
-        request's i-th sample seed + i.
+        Prompt p samples with the request seed derived from (sampling.seed, p), no hidden call counter, so a
+        restarted run samples the same; vLLM gives the request's i-th sample seed + i.
         """
         if not self._weights_ready:
             raise RuntimeError("vllm rollout engine has dummy weights: run a full weight sync before generate")
         check_prompts(prompt_ids)
         if self._asleep:
             self.wake_up()
-        call = self._calls
-        self._calls += 1
         params = [
-            self._sampling_params(**vllm_sampling_kwargs(sampling, derive_seed(sampling.seed, call, index)))
+            self._sampling_params(**vllm_sampling_kwargs(sampling, derive_seed(sampling.seed, index)))
             for index in range(len(prompt_ids))
         ]
         prompts = [self._tokens_prompt(prompt_token_ids=list(ids)) for ids in prompt_ids]

@@ -1,0 +1,37 @@
+"""The types a reward function deals in: its signature, per-step rewards, and one validated result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+class RewardFunction(Protocol):
+    """``fn(prompt, completion, answer, **extra) -> float | StepRewards``; ``extra`` carries the dataset row's
+    other fields (for example the synthetic task's ``steps``)."""
+
+    def __call__(self, prompt: str, completion: str, answer: str, **extra) -> "float | StepRewards": ...
+
+
+@dataclass(frozen=True)
+class StepRewards:
+    """What a reward function returns to reward each reasoning step, not just the completion.
+
+    ``step_ends[j]`` is the character offset in the completion text where step j ends (exclusive), strictly
+    increasing; the trainer maps it to the step's last response token. ``score`` is the completion's reward.
+    """
+
+    score: float
+    step_rewards: Sequence[float]
+    step_ends: Sequence[int]
+
+
+@dataclass(frozen=True)
+class SampleReward:
+    """The validated reward of one sample: its score and, when the function gave them, its step rewards."""
+
+    score: float
+    step_rewards: list[float] | None = None
+    step_ends: list[int] | None = None
+    failed: bool = False
+    error: str = field(default="", compare=False)
