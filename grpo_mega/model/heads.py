@@ -42,9 +42,16 @@ class LMHead(torch.nn.Module):
     with logits / temperature, where labels = batch["labels"] if given, else input_ids shifted left
     by one (then logprobs[:, -1] = 0: there is no next token); entropy[b, t] is the entropy of the
     same next-token distribution. Memory is bounded by chunk_size x V/tp (see `logprobs`).
+    With logits_in_fp32 (default), the logits h W^T of a bf16/fp16 model are computed in fp32
+    instead of being rounded to the model's dtype before the softmax; fp32 models are unaffected.
     """
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        temperature: float = 1.0,
+        logits_in_fp32: bool = True,
+    ) -> None:
         super().__init__()
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -52,6 +59,7 @@ class LMHead(torch.nn.Module):
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.chunk_size = chunk_size
         self.temperature = temperature
+        self.logits_in_fp32 = logits_in_fp32
 
     def forward(
         self,
@@ -77,6 +85,7 @@ class LMHead(torch.nn.Module):
             vocab_size=backbone.unpadded_vocab_size,
             chunk_size=self.chunk_size,
             temperature=self.temperature,
+            logits_in_fp32=self.logits_in_fp32,
         )
         logprobs, entropy = logprobs.t(), entropy.t()
         if shifted:

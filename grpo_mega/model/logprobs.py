@@ -20,6 +20,14 @@ and d z / d(W h) = 1 / T. The hidden-state gradient of each rank covers its voca
 all-reduce that sums them is megatron's `copy_to_tensor_model_parallel_region` backward. Megatron's
 own `vocab_parallel_cross_entropy` is not used: it keeps the [tokens, V/tp] softmax for backward
 (memory grows with the batch) and gives no entropy.
+
+Precision: everything after the product W h is fp32. With `logits_in_fp32` (the default) and a
+bf16/fp16 model, W h itself is computed in fp32 too: the low-precision h and W are upcast (exactly)
+and multiplied in fp32, so the logits are not rounded to bf16's 8 significant bits (a logit of 10
+would otherwise carry an error of up to 0.03, straight into log p). W is upcast `chunk_size` rows at
+a time, so the extra memory is a [chunk_size, H] fp32 block, not a copy of W; the backward product
+dL/dz W is accumulated in fp32 the same way. Gradients reach h and W in their own dtype. fp32
+models compute the same either way.
 """
 
 from __future__ import annotations
@@ -54,19 +62,56 @@ class _ShardGeometry:
         return local.clamp(0, max(self.real_rows - 1, 0)), in_shard
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits z = h W^T / T of one chunk over the real rows: one [chunk, V/tp] buffer."""
-    logits = torch.matmul(hidden, weight.t()).float()
+def _upcast_matmuls(hidden_dtype: torch.dtype, weight_dtype: torch.dtype, logits_in_fp32: bool) -> bool:
+    """Whether the products with the output matrix run on fp32 copies of low-precision operands."""
+    return logits_in_fp32 and (hidden_dtype != torch.float32 or weight_dtype != torch.float32)
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, logits_in_fp32: bool, block_rows: int
+) -> torch.Tensor:
+    """fp32 logits z = h W^T / T of one chunk over the real rows: one [chunk, V/tp] buffer.
+
+    With logits_in_fp32 and bf16/fp16 operands, the product itself is computed in fp32 (exact products of the
+    low-precision values, fp32 accumulation and result), `block_rows` rows of W upcast at a time; otherwise it is
+    computed in the operands' dtype and its result upcast (a bf16 matmul rounds every logit to 8 significant
+    bits). fp32 operands take the same plain matmul either way.
+    """
+    if _upcast_matmuls(hidden.dtype, weight.dtype, logits_in_fp32):
+        hidden32 = hidden.float()
+        logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+        for begin in range(0, weight.shape[0], block_rows):
+            block = weight[begin : begin + block_rows]
+            logits[:, begin : begin + block.shape[0]] = hidden32 @ block.float().t()
+    else:
+        logits = torch.matmul(hidden, weight.t()).float()
     if temperature != 1.0:
         logits /= temperature
     return logits
+
+
+def _chunk_grad_hidden(
+    grad_logits: torch.Tensor, weight: torch.Tensor, logits_in_fp32: bool, block_rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """dL/dh = dL/dz W of one chunk, returned in `dtype` (the hidden states').
+
+    With fp32 logits and low-precision W, accumulated in fp32 over blocks of `block_rows` rows of W and rounded
+    once; otherwise dL/dz is cast to W's dtype and multiplied there (as the forward product was).
+    """
+    if _upcast_matmuls(dtype, weight.dtype, logits_in_fp32):
+        grad = torch.zeros(grad_logits.shape[0], weight.shape[1], dtype=torch.float32, device=weight.device)
+        for begin in range(0, weight.shape[0], block_rows):
+            block = weight[begin : begin + block_rows]
+            grad.addmm_(grad_logits[:, begin : begin + block.shape[0]], block.float())
+        return grad.to(dtype)
+    return (grad_logits.to(weight.dtype) @ weight).to(dtype)
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     """Chunked log p(label) and entropy over a vocab-parallel output matrix (module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, chunk_size, temperature, group):
+    def forward(ctx, hidden, weight, labels, vocab_size, chunk_size, temperature, logits_in_fp32, group):
         shard = _ShardGeometry(weight, vocab_size, group)
         real_weight = weight[: shard.real_rows]
         tokens = hidden.shape[0]
@@ -76,7 +121,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         for begin in range(0, tokens, chunk_size):
             end = min(begin + chunk_size, tokens)
             rows = end - begin
-            shifted = _chunk_logits(hidden[begin:end], real_weight, temperature)
+            shifted = _chunk_logits(hidden[begin:end], real_weight, temperature, logits_in_fp32, chunk_size)
             if shard.real_rows > 0:
                 local_max = shifted.max(dim=-1).values
             else:
@@ -105,6 +150,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             log_normalizer[begin:end] = chunk_max + log_sum_exp
         ctx.save_for_backward(hidden, weight, labels, log_normalizer, entropy)
         ctx.shard, ctx.chunk_size, ctx.temperature = shard, chunk_size, temperature
+        ctx.logits_in_fp32 = logits_in_fp32
         return logprobs, entropy
 
     @staticmethod
@@ -123,7 +169,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             end = min(begin + ctx.chunk_size, hidden.shape[0])
             chunk_hidden = hidden[begin:end]
             g_logp = grad_logprobs[begin:end]
-            log_p = _chunk_logits(chunk_hidden, real_weight, ctx.temperature)
+            log_p = _chunk_logits(chunk_hidden, real_weight, ctx.temperature, ctx.logits_in_fp32, ctx.chunk_size)
             log_p -= log_normalizer[begin:end].unsqueeze(-1)
             probs = log_p.exp()
             # dL/dz_j = -p_j * (g_logp + g_entropy * (log p_j + H)) + g_logp * [j = label]
@@ -140,9 +186,11 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                 -1, local_labels.unsqueeze(-1), torch.where(in_shard, g_logp, 0.0).unsqueeze(-1)
             )
             grad_logits /= ctx.temperature
-            grad_hidden[begin:end] = grad_logits.to(weight.dtype) @ real_weight
+            grad_hidden[begin:end] = _chunk_grad_hidden(
+                grad_logits, real_weight, ctx.logits_in_fp32, ctx.chunk_size, hidden.dtype
+            )
             grad_weight[: shard.real_rows].addmm_(grad_logits.t(), chunk_hidden.float())
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_and_entropy(
@@ -153,13 +201,15 @@ def vocab_parallel_logprobs_and_entropy(
     vocab_size: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
+    logits_in_fp32: bool = True,
     tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each label and entropy of each next-token distribution, vocab-parallel.
 
     hidden_states [..., H] (the same on every TP rank), weight [V_padded / tp, H] (this rank's rows
     of the output matrix), labels [...] (global token ids in [0, vocab_size)). Logits are
-    h W^T / temperature over the first `vocab_size` rows of the full matrix (padding rows ignored).
+    h W^T / temperature over the first `vocab_size` rows of the full matrix (padding rows ignored);
+    with `logits_in_fp32`, h W^T is computed in fp32 even for bf16/fp16 inputs (module docstring).
     Returns (log p(label), entropy), both fp32 with the shape of labels; differentiable w.r.t.
     hidden_states and weight. Peak extra memory is O(chunk_size x V/tp) in forward and backward.
     tp_group defaults to megatron's tensor-parallel group. See the module docstring for the math.
@@ -189,6 +239,7 @@ def vocab_parallel_logprobs_and_entropy(
         vocab_size,
         chunk_size,
         float(temperature),
+        bool(logits_in_fp32),
         group,
     )
     return logprobs.view(labels.shape), entropy.view(labels.shape)
