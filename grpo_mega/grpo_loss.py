@@ -15,6 +15,7 @@ from grpo_mega.algo import (
     aggregate_loss,
     kl_estimate,
     policy_loss,
+    rollout_logprob_diff,
     truncated_importance_weights,
 )
 from grpo_mega.engine.base import LossScale
@@ -96,6 +97,11 @@ def grpo_loss_fn(settings: GRPOLossSettings):
             "actor/pg_clipfrac_lower": pg_metrics["dual_clipfrac"] * token_share,
             "actor/entropy": (entropy.detach() * mask).sum() / scale.global_tokens,
         }
+        if settings.on_policy and "rollout_logprobs" in micro:
+            # The logits of this forward pass are the ones that sampled: the sampler/trainer mismatch costs no
+            # extra pass. Means are shares of the global batch; ``*_max`` metrics are reduced by max (the engine).
+            for name, value in rollout_logprob_diff(logp, micro["rollout_logprobs"].to(logp.dtype), mask).items():
+                metrics[name] = value if name.endswith("_max") else value * token_share
         if tis_weights is not None:
             capped = (tis_weights >= settings.rollout_is_cap).to(mask.dtype)
             metrics["actor/tis_weight_mean"] = (tis_weights * mask).sum() / scale.global_tokens

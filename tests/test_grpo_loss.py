@@ -151,3 +151,16 @@ def test_settings_reject_unknown_correction_and_bad_cap():
     del micro["rollout_logprobs"]
     with pytest.raises(KeyError, match="rollout_logprobs"):
         grpo_loss_fn(GRPOLossSettings(rollout_is="tis"))(outputs, micro, SCALE)
+
+
+def test_on_policy_loss_reports_the_sampler_trainer_logprob_gap_of_its_tokens():
+    outputs, micro = _batch()
+    _, metrics = grpo_loss_fn(GRPOLossSettings(on_policy=True))(outputs, micro, SCALE)
+    mask = micro["loss_mask"].bool()
+    gap = (outputs["logprobs"].detach() - micro["rollout_logprobs"]).abs()[mask]
+    # the mean is a share of the global token count (summed over micro-batches); the max is this micro-batch's
+    torch.testing.assert_close(metrics["rollout/logprob_diff_mean"], gap.sum() / SCALE.global_tokens)
+    torch.testing.assert_close(metrics["rollout/logprob_diff_max"], gap.max())
+    # off-policy the trainer's old log-probs come from a separate pass, which reports the gap instead
+    _, off_policy = grpo_loss_fn(GRPOLossSettings())(outputs, micro, SCALE)
+    assert "rollout/logprob_diff_mean" not in off_policy
