@@ -52,9 +52,11 @@ def _worker(size: str, tp: int, pp: int, batch: int, seq: int, warmup: int, step
     data = dict(input_ids=input_ids, attention_mask=ones, loss_mask=ones)
     for _ in range(warmup):
         engine.train_step(data, sft_loss)
+        engine.lr_schedule_step()
     start = time.perf_counter()
     for _ in range(steps):
         engine.train_step(data, sft_loss)
+        engine.lr_schedule_step()
     seconds = time.perf_counter() - start
     return dict(seconds=seconds, params_on_rank=params,
                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)

@@ -39,8 +39,14 @@ def test_data_parallel_shards_partition_rows_with_balanced_tokens():
     tokens = [int(lengths[s].sum()) for s in shards]
     assert abs(tokens[0] - tokens[1]) <= int(lengths.max())
     assert abs(tokens[0] - tokens[1]) < 40  # round-robin dealing would give 59
-    with pytest.raises(ValueError, match="data_parallel=4"):
-        shard_rows_for_data_parallel(torch.tensor([1, 2]), 0, 4)
+
+
+def test_fewer_rows_than_data_parallel_ranks_leaves_later_ranks_empty():
+    # Dynamic sampling can leave fewer rows than DP ranks: each row still goes to exactly one rank, the first ones.
+    shards = [shard_rows_for_data_parallel(torch.tensor([3, 9]), r, 4).tolist() for r in range(4)]
+    assert shards == [[1], [0], [], []]
+    with pytest.raises(ValueError, match="outside data_parallel=4"):
+        shard_rows_for_data_parallel(torch.tensor([3, 9]), 4, 4)
 
 
 def test_slice_rows_cuts_only_per_token_fields():

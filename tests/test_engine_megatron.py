@@ -1,4 +1,5 @@
-"""The Megatron engine: one GRPO optimizer step is the same at every TP / PP / DP layout and micro-batch size."""
+"""The Megatron engine: one GRPO optimizer step is the same at every TP / PP / DP layout and micro-batch size,
+also for a batch with fewer rows than data-parallel ranks."""
 
 import pytest
 import torch
@@ -60,14 +61,14 @@ def _grpo_step(engine, ref_dir, out_dir=None):
 def _make_reference(ref_dir):
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(1, 1, seed=7)
+    init_distributed(1, 1, seed=7, device="cpu")
     _engine(1000).save_model_weights(ref_dir)
 
 
 def _step_at_layout(tp, pp, ref_dir, out_dir):
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(tp, pp, seed=7)
+    init_distributed(tp, pp, seed=7, device="cpu")
     # budget 24 tokens: micro-batches of 1-3 rows of different padded lengths
     return _grpo_step(_engine(24), ref_dir, out_dir)
 
@@ -75,7 +76,7 @@ def _step_at_layout(tp, pp, ref_dir, out_dir):
 def _params_of(directories):
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(1, 1, seed=7)
+    init_distributed(1, 1, seed=7, device="cpu")
     engine = _engine(1000)
     out = []
     for directory in directories:
@@ -114,7 +115,7 @@ def test_one_step_equal_across_layouts(reference, tmp_path):
 def _loss_and_grad_for_budgets(tp, pp, ref_dir, budgets):
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(tp, pp, seed=7)
+    init_distributed(tp, pp, seed=7, device="cpu")
     return [_grpo_step(_engine(budget), ref_dir) for budget in budgets]
 
 
@@ -127,3 +128,37 @@ def test_micro_batch_size_does_not_change_loss_or_gradient(reference, tp, pp, wo
         assert metrics["loss"] == pytest.approx(whole["loss"], abs=1e-6)
         assert metrics["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
         assert metrics["actor/pg_clipfrac"] == pytest.approx(whole["actor/pg_clipfrac"], abs=1e-6)
+
+
+def _one_row_step(ref_dir, row):
+    """forward_logprobs and one GRPO step on a batch of one row, at DP = world size."""
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(1, 1, seed=7, device="cpu")
+    engine = _engine(1000)
+    engine.load_model_weights(ref_dir)
+    batch = {name: value[row : row + 1] for name, value in _batch().items()}
+    logprobs, entropy = engine.forward_logprobs(batch)
+    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+
+    settings = GRPOLossSettings(clip_high=0.28, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean")
+    metrics = engine.train_step(batch, grpo_loss_fn(settings))
+    params = {name: p.detach().clone() for name, p in engine.stage.named_parameters()}
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "params": params}
+
+
+def test_batch_with_fewer_rows_than_data_parallel_ranks(reference):
+    """Dynamic sampling can leave 1 row for 2 DP ranks: the rank without rows computes a padding row that adds
+    nothing, so the step equals a single-process step on that row."""
+    single = run_distributed(_one_row_step, 1, reference, 2)[0]
+    dp2 = run_distributed(_one_row_step, 2, reference, 2)
+    assert single["metrics"]["loss"] != 0.0 and single["metrics"]["grad_norm"] > 0
+    for rank in dp2:
+        torch.testing.assert_close(rank["logprobs"], single["logprobs"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(rank["entropy"], single["entropy"], atol=1e-6, rtol=0)
+        assert rank["metrics"].keys() == single["metrics"].keys()
+        for name in ("loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl"):
+            assert rank["metrics"][name] == pytest.approx(single["metrics"][name], abs=1e-6), name
+        assert rank["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"], rel=1e-6)
+        for name, value in single["params"].items():
+            torch.testing.assert_close(rank["params"][name], value, atol=1e-6, rtol=0, msg=name)

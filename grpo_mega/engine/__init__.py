@@ -1,7 +1,26 @@
-"""Training engines behind one interface (:class:`TrainingEngine`): Megatron-core today."""
+"""Training engines behind one interface (:class:`TrainingEngine`), and forward-only engines
+(:class:`ForwardEngine`): Megatron-core today."""
 
-from grpo_mega.engine.base import LossFn, LossScale, TrainingEngine
-from grpo_mega.engine.factory import build_engine, build_policy_engine
+from grpo_mega.engine.base import ForwardEngine, LossFn, LossScale, NonFiniteError, TrainingEngine
+from grpo_mega.engine.factory import (
+    build_engine,
+    build_forward_engine,
+    build_policy_engine,
+    build_reference_engine,
+)
 from grpo_mega.engine.megatron_engine import MegatronEngine
+from grpo_mega.engine.stage_engine import MegatronForwardEngine
 
-__all__ = ["LossFn", "LossScale", "MegatronEngine", "TrainingEngine", "build_engine", "build_policy_engine"]
+__all__ = [
+    "ForwardEngine",
+    "LossFn",
+    "LossScale",
+    "MegatronEngine",
+    "MegatronForwardEngine",
+    "NonFiniteError",
+    "TrainingEngine",
+    "build_engine",
+    "build_forward_engine",
+    "build_policy_engine",
+    "build_reference_engine",
+]

@@ -31,10 +31,11 @@ class MicroBatchPlan:
 
 def shard_rows_for_data_parallel(lengths: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
     """Row indices owned by ``dp_rank``: longest rows first, each to the rank with the fewest tokens so far
-    (every rank gets at least one row; token totals differ by at most the longest row). Every rank computes the
-    same deal from the same lengths, so no communication is needed."""
-    if lengths.numel() < dp_size:
-        raise ValueError(f"a batch of {lengths.numel()} rows cannot feed data_parallel={dp_size} ranks")
+    (token totals differ by at most the longest row). Every rank computes the same deal from the same lengths, so
+    no communication is needed. With at least ``dp_size`` rows every rank gets one; with fewer, the ranks after
+    the first ``len(lengths)`` get none (the engine gives them a padding row)."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data-parallel rank {dp_rank} is outside data_parallel={dp_size}")
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
     loads = [0] * dp_size
     owned: list[list[int]] = [[] for _ in range(dp_size)]

@@ -1,4 +1,5 @@
-"""Build engines from an HF config: the policy (GPT backbone + LM head) today, other heads plug in the same way."""
+"""Build engines from an HF config: the policy (GPT backbone + LM head, trained), the KL reference (the same
+model, forward only); other heads plug in the same way."""
 
 from __future__ import annotations
 
@@ -8,24 +9,19 @@ import torch
 from megatron.core import parallel_state as mpu
 
 from grpo_mega.engine.megatron_engine import MegatronEngine
+from grpo_mega.engine.stage_engine import MegatronForwardEngine, StageModelProvider
 from grpo_mega.model import LMHead, build_gpt_model, gpt_config_from_hf
+from grpo_mega.parallel import get_device
 
 
-def build_engine(
-    hf_config: Any,
-    head_factory: Callable[[], torch.nn.Module],
-    *,
-    output_names: tuple[str, ...],
-    next_token_head: bool,
-    optim,
-    total_steps: int,
-    max_tokens_per_micro_batch: int,
-    dtype: torch.dtype | None = None,
-) -> MegatronEngine:
-    """A :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the last stage.
-
-    The TP / PP sizes come from megatron's parallel state (``grpo_mega.parallel.init_distributed``).
-    """
+def stage_provider(
+    hf_config: Any, head_factory: Callable[[], torch.nn.Module], dtype: torch.dtype | None = None
+) -> StageModelProvider:
+    """``provider(pre_process, post_process)`` of a GPT backbone from ``hf_config`` with ``head_factory()`` on
+    the last stage, at megatron's current TP / PP (``grpo_mega.parallel.init_distributed``). ``dtype`` None:
+    fp32 on the CPU, the model config's default (bf16) on a GPU."""
+    if dtype is None and get_device().type == "cpu":
+        dtype = torch.float32
     gpt_config = gpt_config_from_hf(
         hf_config,
         tp=mpu.get_tensor_model_parallel_world_size(),
@@ -39,8 +35,24 @@ def build_engine(
             backbone.head = head_factory()
         return backbone
 
+    return provider
+
+
+def build_engine(
+    hf_config: Any,
+    head_factory: Callable[[], torch.nn.Module],
+    *,
+    output_names: tuple[str, ...],
+    next_token_head: bool,
+    optim,
+    total_steps: int,
+    max_tokens_per_micro_batch: int,
+    dtype: torch.dtype | None = None,
+) -> MegatronEngine:
+    """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
+    last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps."""
     return MegatronEngine(
-        provider,
+        stage_provider(hf_config, head_factory, dtype),
         optim=optim,
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
@@ -48,6 +60,29 @@ def build_engine(
         next_token_head=next_token_head,
         hf_config=hf_config,
     )
+
+
+def build_forward_engine(
+    hf_config: Any,
+    head_factory: Callable[[], torch.nn.Module],
+    *,
+    output_names: tuple[str, ...],
+    next_token_head: bool,
+    max_tokens_per_micro_batch: int,
+    dtype: torch.dtype | None = None,
+) -> MegatronForwardEngine:
+    """A forward-only :class:`MegatronForwardEngine` (no optimizer, no gradients) of the same model."""
+    return MegatronForwardEngine(
+        stage_provider(hf_config, head_factory, dtype),
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        output_names=output_names,
+        next_token_head=next_token_head,
+        hf_config=hf_config,
+    )
+
+
+def _lm_head(logprob_chunk_size: int, temperature: float, logits_in_fp32: bool) -> Callable[[], torch.nn.Module]:
+    return lambda: LMHead(chunk_size=logprob_chunk_size, temperature=temperature, logits_in_fp32=logits_in_fp32)
 
 
 def build_policy_engine(
@@ -58,17 +93,40 @@ def build_policy_engine(
     max_tokens_per_micro_batch: int,
     logprob_chunk_size: int = 1024,
     temperature: float = 1.0,
+    logits_in_fp32: bool = True,
     dtype: torch.dtype | None = None,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
-    computed with ``logits / temperature`` so they match the sampler)."""
+    computed with ``logits / temperature`` so they match the sampler; ``logits_in_fp32``: the head's logits in
+    fp32 also when the model is bf16, ``model.logits_in_fp32``)."""
     return build_engine(
         hf_config,
-        lambda: LMHead(chunk_size=logprob_chunk_size, temperature=temperature),
+        _lm_head(logprob_chunk_size, temperature, logits_in_fp32),
         output_names=("logprobs", "entropy"),
         next_token_head=True,
         optim=optim,
         total_steps=total_steps,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        dtype=dtype,
+    )
+
+
+def build_reference_engine(
+    hf_config: Any,
+    *,
+    max_tokens_per_micro_batch: int,
+    logprob_chunk_size: int = 1024,
+    temperature: float = 1.0,
+    logits_in_fp32: bool = True,
+    dtype: torch.dtype | None = None,
+) -> MegatronForwardEngine:
+    """The KL reference: the policy's model and LM head on a forward-only engine (no optimizer, no DDP gradient
+    buffers, no gradients); load its weights with ``grpo_mega.checkpoint.initial_weights.load_initial_weights``."""
+    return build_forward_engine(
+        hf_config,
+        _lm_head(logprob_chunk_size, temperature, logits_in_fp32),
+        output_names=("logprobs", "entropy"),
+        next_token_head=True,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         dtype=dtype,
     )

@@ -3,51 +3,45 @@
 One engine trains any model made of a GPT backbone stage and, on the last pipeline stage, a pluggable head
 (the LM head for the policy, a step-scoring head for the PRM). The loss is pluggable too (``LossFn``).
 The same code runs with NCCL on GPUs and with gloo on CPUs (``grpo_mega.parallel`` applies the CPU layer).
+
+A step checks the loss and the global gradient norm before the optimizer touches anything: a NaN or Inf raises
+:class:`~grpo_mega.engine.base.NonFiniteError` on every rank with the parameters and optimizer state unchanged.
+The learning-rate schedule counts trainer steps (``lr_schedule_step``), not optimizer steps.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from grpo_mega.engine.base import LossFn, LossScale
-from grpo_mega.engine.batching import plan_micro_batches, shard_rows_for_data_parallel, slice_rows
-from grpo_mega.parallel import get_device
+from grpo_mega.engine.base import LossFn, LossScale, NonFiniteError
+from grpo_mega.engine.stage_engine import (  # noqa: F401  (align_to_tokens: re-exported for callers)
+    MegatronStageEngine,
+    StageModelProvider,
+    align_to_tokens,
+    is_padding,
+)
 
-StageModelProvider = Callable[[bool, bool], torch.nn.Module]
-"""``provider(pre_process, post_process)`` builds this rank's pipeline stage: a GPT backbone stage whose
-``forward(input_ids, position_ids, attention_mask)`` returns hidden states [S, B, H]. On the last stage it carries
-its head as the submodule ``head``, called as ``head(backbone, hidden, micro_batch) -> {name: [B, S]}``: a
-submodule of the backbone, so head parameters (if any) are trained, reduced and checkpointed with the rest, and
-megatron's schedules and gradient finalisation see a stock GPTModel."""
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+# Schedule settings compared on resume (the position, num_steps, is restored; these come from the config).
+_SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
 
 
-def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
-    """Shift [B, S] values about the *next* token (position t predicts t + 1) right by one, so out[:, t] is
-    about token t (the engine's convention); out[:, 0] = 0 (the first token has no prediction)."""
-    return torch.nn.functional.pad(next_token_values[:, :-1], (1, 0), value=0.0)
-
-
-class MegatronEngine:
+class MegatronEngine(MegatronStageEngine):
     """Megatron-core engine behind the :class:`~grpo_mega.engine.base.TrainingEngine` interface.
 
     Args:
         stage_model_provider: builds this rank's stage (see ``StageModelProvider``).
         optim: learning rate, AdamW and schedule settings (``grpo_mega.config.OptimConfig``).
-        total_steps: optimizer steps of the run (length of the learning-rate decay).
+        total_steps: length of the learning-rate schedule in schedule steps, i.e. trainer steps
+            (``lr_schedule_step`` advances it; ``train_step`` does not).
         max_tokens_per_micro_batch: token budget of a micro-batch (rows x padded length).
         output_names: names of the per-token outputs of the head (known on every stage).
         next_token_head: the head's value at position t is about token t + 1 (an LM head); the engine
@@ -66,17 +60,13 @@ class MegatronEngine:
         next_token_head: bool,
         hf_config=None,
     ):
-        self.device = get_device()
-        self.pre_process = mpu.is_pipeline_first_stage()
-        self.post_process = mpu.is_pipeline_last_stage()
-        self.output_names = tuple(output_names)
-        self.next_token_head = next_token_head
-        self.hf_config = hf_config
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
-        module = stage_model_provider(self.pre_process, self.post_process).to(self.device)
-        self.config = module.config
-        # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
-        self.config.variable_seq_lengths = True
+        module = self._build_stage(
+            stage_model_provider,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            output_names=output_names,
+            next_token_head=next_token_head,
+            hf_config=hf_config,
+        )
         self.config.finalize_model_grads_func = finalize_model_grads
         self.model = DistributedDataParallel(
             config=self.config,
@@ -86,6 +76,7 @@ class MegatronEngine:
             module=module,
         )
         bf16 = self.config.bf16
+        self.clip_grad = optim.clip_grad
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -120,81 +111,10 @@ class MegatronEngine:
         )
         self.steps_done = 0
 
-    # ----------------------------------------------------------------- micro-batches of this rank
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        lengths = batch["attention_mask"].sum(dim=1)
-        own_rows = shard_rows_for_data_parallel(
-            lengths, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-        )
-        plan = plan_micro_batches(lengths[own_rows], self.max_tokens_per_micro_batch)
-        self.last_padding_fraction = plan.padding_fraction
-        micro_batches = []
-        for rows, length in zip(plan.rows, plan.lengths):
-            global_rows = own_rows[rows]
-            micro = slice_rows(batch, global_rows, length)
-            micro["row_index"] = global_rows
-            micro_batches.append({k: v.to(self.device) for k, v in micro.items()})
-        return micro_batches
-
-    def _run_schedule(self, micro_batches, loss_func_for, forward_only: bool) -> list[dict]:
-        """Run megatron's schedule (1F1B with PP) and return the loss-function records of the last stage."""
-        def forward_step(data_iterator, model):
-            micro = next(data_iterator)
-            positions = torch.arange(micro["input_ids"].shape[1], device=self.device).expand_as(micro["input_ids"])
-            # Rows are right-padded: the causal mask alone keeps padding out of every real token's attention.
-            hidden = model(micro["input_ids"], positions, attention_mask=None)
-            return hidden, loss_func_for(micro)
-
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(m["input_ids"].shape[1] for m in micro_batches),
-            micro_batch_size=max(m["input_ids"].shape[0] for m in micro_batches),
-            forward_only=forward_only,
-        )
-
-    def _head(self, hidden: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        stage = self.stage
-        outputs = stage.head(stage, hidden, micro)
-        if self.next_token_head:
-            outputs = {name: align_to_tokens(value) for name, value in outputs.items()}
-        return outputs
-
-    # ----------------------------------------------------------------- the interface
-    @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Head outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient)."""
-        self.model.eval()
-        micro_batches = self._micro_batches(batch)
-        rows, length = batch["input_ids"].shape
-        outputs = {name: torch.zeros(rows, length, dtype=torch.float32, device=self.device) for name in self.output_names}
-
-        def loss_func_for(micro):
-            def collect(hidden):
-                head_out = self._head(hidden, micro)
-                for name in self.output_names:
-                    value = head_out[name].float()
-                    outputs[name][micro["row_index"], : value.shape[1]] = value
-                return torch.zeros((), device=self.device), {}
-
-            return collect
-
-        self._run_schedule(micro_batches, loss_func_for, forward_only=True)
-        # Each row was computed on one DP rank's last stage; zeros elsewhere, so sums assemble the batch.
-        for value in outputs.values():
-            dist.all_reduce(value, group=mpu.get_data_parallel_group())
-            dist.all_reduce(value, group=mpu.get_pipeline_model_parallel_group())
-        return {name: value.cpu() for name, value in outputs.items()}
-
-    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropies [B, L] of ``input_ids`` (needs a head with those outputs)."""
-        outputs = self.forward(batch)
-        return outputs["logprobs"], outputs["entropy"]
-
+    # ----------------------------------------------------------------- training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over ``batch`` with ``loss_fn``; metrics are summed over micro-batches / ranks."""
+        """One optimizer step over ``batch`` with ``loss_fn`` at the current learning rate; metrics are summed
+        over micro-batches / ranks. Raises NonFiniteError (nothing applied) for a NaN / Inf loss or grad norm."""
         self.model.train()
         start = time.perf_counter()
         loss_mask = batch["loss_mask"].float()
@@ -209,6 +129,10 @@ class MegatronEngine:
 
         def loss_func_for(micro):
             def compute(hidden):
+                if is_padding(micro):
+                    # A DP rank without rows: its gradient must be exactly zero whatever loss_fn makes of an
+                    # all-masked row, so the loss is tied to the stage output only, and it reports no metrics.
+                    return hidden.float().sum() * 0.0, {}
                 loss, metrics = loss_fn(self._head(hidden, micro), micro, scale)
                 record = {name: float(value) for name, value in metrics.items()}
                 record["loss"] = float(loss.detach())
@@ -219,60 +143,121 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         records = self._run_schedule(micro_batches, loss_func_for, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise RuntimeError("optimizer step skipped (non-finite gradients)")
-        self.scheduler.step(increment=1)
-        self.steps_done += 1
         metrics = self._reduce_records(records)
+        lr = self.current_lr
+        grad_norm = self._apply_update(metrics.get("loss", 0.0))
+        self.steps_done += 1
         metrics.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-            lr=self.optimizer.param_groups[0]["lr"],
+            grad_norm=grad_norm,
+            lr=lr,
             step_seconds=time.perf_counter() - start,
             padding_fraction=self.last_padding_fraction,
         )
         return metrics
 
+    def _sub_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    @torch.no_grad()
+    def _apply_update(self, loss: float) -> float:
+        """Check loss and global grad norm, clip, step; returns the grad norm (before clipping).
+
+        megatron's ``optimizer.step()`` split in its parts so that nothing is applied to a non-finite step:
+        prepare_grads (grads to the optimizer's main grads), get_grad_norm (global over TP / PP; DP ranks hold
+        the same reduced grads), clipping by that norm, step_with_ready_grads.
+        """
+        found_inf = bool(self.optimizer.prepare_grads())  # only a grad scaler (fp16) finds inf here
+        grad_norm = float(self.optimizer.get_grad_norm())
+        bad = torch.tensor(
+            [float(found_inf or not math.isfinite(loss) or not math.isfinite(grad_norm))], device=self.device
+        )
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank raises, or none does
+        if bad.item() > 0:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            raise NonFiniteError(loss, grad_norm)
+        if self.clip_grad > 0.0:
+            for sub in self._sub_optimizers():
+                params = sub.get_parameters()
+                if getattr(sub, "is_stub_optimizer", False) or not params:
+                    continue
+                # Looked up on megatron's optimizer module, where the CPU layer wraps it (grad.type() check).
+                megatron_optimizer.clip_grad_by_total_norm_fp32(
+                    params, max_norm=self.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        if not self.optimizer.step_with_ready_grads():
+            raise RuntimeError("megatron's optimizer reported a failed step with finite gradients")
+        return grad_norm
+
     def _reduce_records(self, records: list[dict]) -> dict[str, float]:
-        """Sum the last stage's per-micro-batch records over micro-batches and DP ranks; share with all ranks."""
+        """Sum the last stage's per-micro-batch records over micro-batches and DP ranks; share with all ranks.
+
+        Metric names are the union over all ranks (a rank that computed only a padding row has none)."""
         totals: dict[str, float] = {}
         for record in records:
             for name, value in record.items():
                 totals[name] = totals.get(name, 0.0) + value
-        names = [sorted(totals)]
-        last_stage = mpu.get_pipeline_model_parallel_last_rank()
-        dist.broadcast_object_list(names, src=last_stage, group=mpu.get_pipeline_model_parallel_group())
-        values = torch.tensor([totals.get(n, 0.0) for n in names[0]], dtype=torch.float64, device=self.device)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(totals))
+        names = sorted(set().union(*gathered))
+        values = torch.tensor([totals.get(n, 0.0) for n in names], dtype=torch.float64, device=self.device)
         if not self.post_process:
             values.zero_()
         dist.all_reduce(values, group=mpu.get_data_parallel_group())
         dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())
-        return dict(zip(names[0], values.tolist()))
+        return dict(zip(names, values.tolist()))
 
-    def export_hf_weights(self):
-        """(HF name, full tensor) one at a time, gathered over TP / PP; collective (every rank iterates)."""
-        from grpo_mega.checkpoint.hf_convert import export_hf_weights
-
-        return export_hf_weights(self.stage, self.hf_config)
-
-    # ----------------------------------------------------------------- model weights (sharded, any layout)
+    # ----------------------------------------------------------------- learning-rate schedule
     @property
-    def stage(self):
-        """This rank's pipeline stage (the backbone with its head), unwrapped from DDP."""
-        return _unwrap(self.model)
+    def current_lr(self) -> float:
+        """The learning rate the next ``train_step`` uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    def save_model_weights(self, directory: str) -> None:
-        """Write the model with megatron dist_checkpointing (collective); loadable at any TP / PP."""
-        from megatron.core import dist_checkpointing
+    def lr_schedule_step(self) -> None:
+        """Advance the learning-rate schedule by one trainer step."""
+        self.scheduler.step(increment=1)
 
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self.stage.sharded_state_dict(), directory)
+    def schedule_state_dict(self) -> dict:
+        """Settings and position (``num_steps``, trainer steps) of the learning-rate schedule."""
+        return self.scheduler.state_dict()
 
-    def load_model_weights(self, directory: str) -> None:
-        """Load weights written by :meth:`save_model_weights` at any TP / PP (collective)."""
-        from megatron.core import dist_checkpointing
+    def restore_schedule(self, saved: dict, *, position: int | None = None) -> list[str]:
+        """Move the schedule to ``position`` (default: the saved ``num_steps``) and keep this engine's settings
+        (from the current config); returns the settings that changed, e.g. ``["lr_decay_steps 2 -> 4"]``."""
+        current = self.scheduler.state_dict()
+        changes = [
+            f"{name} {saved[name]} -> {current[name]}"
+            for name in _SCHEDULE_SETTINGS
+            if name in saved and saved[name] != current[name]
+        ]
+        self.scheduler.num_steps = int(saved["num_steps"] if position is None else position)
+        self.scheduler.step(increment=0)  # sets every param group's lr / weight decay at that position
+        return changes
 
-        state = dist_checkpointing.load(self.stage.sharded_state_dict(), directory)
-        self.stage.load_state_dict(state)
-        # bf16 training keeps fp32 master copies in the optimizer: refresh them from the loaded weights.
+    # ----------------------------------------------------------------- optimizer state and weights
+    def optimizer_sharded_state_dict(self, model_sharded_state: dict, *, is_loading: bool) -> dict:
+        """The optimizer's ShardedStateDict over ``model_sharded_state`` (from ``model_sharded_state_dict``)."""
+        return self.optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading)
+
+    def load_optimizer_state_dict(self, state: dict) -> list[str]:
+        """Restore a loaded optimizer state: moments, step counts and, with bf16, the fp32 master copies. The
+        hyperparameters (betas, eps, peak / min lr, weight-decay multipliers) stay the ones this engine was built
+        with, from the current config; returns those that differ from the checkpoint's, as ``"name old -> new"``
+        (``lr`` and ``weight_decay`` are set by the schedule: see ``restore_schedule``)."""
+        built = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        groups = self.optimizer.param_groups
+        if len(groups) != len(built):
+            raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this model {len(built)}")
+        changes: dict[str, str] = {}
+        for group, settings in zip(groups, built):
+            for name, value in settings.items():
+                if name not in ("lr", "weight_decay", "max_lr", "min_lr") and group.get(name) != value:
+                    changes.setdefault(name, f"{name} {group.get(name)} -> {value}")
+            group.update(settings)
+        return list(changes.values())
+
+    def reload_after_weight_load(self) -> None:
+        """bf16 training keeps fp32 master copies in the optimizer: refresh them from the loaded weights."""
         self.optimizer.reload_model_params()

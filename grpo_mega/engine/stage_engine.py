@@ -1,0 +1,248 @@
+"""What every Megatron engine shares: this rank's pipeline stage, micro-batching over data-parallel ranks, the
+forward schedule, HF export and weight loading; and the forward-only engine built on it.
+
+:class:`MegatronForwardEngine` serves models that never train in the job (the KL reference, a PRM at scoring
+time): parameters without gradients, no DDP gradient buffers, no optimizer, eval mode; the same TP / PP / DP
+sharding, micro-batching and forward results as the training engine (:class:`~grpo_mega.engine.MegatronEngine`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from grpo_mega.engine.batching import plan_micro_batches, shard_rows_for_data_parallel, slice_rows
+from grpo_mega.parallel import get_device
+
+StageModelProvider = Callable[[bool, bool], torch.nn.Module]
+"""``provider(pre_process, post_process)`` builds this rank's pipeline stage: a GPT backbone stage whose
+``forward(input_ids, position_ids, attention_mask)`` returns hidden states [S, B, H]. On the last stage it carries
+its head as the submodule ``head``, called as ``head(backbone, hidden, micro_batch) -> {name: [B, S]}``: a
+submodule of the backbone, so head parameters (if any) are trained, reduced and checkpointed with the rest, and
+megatron's schedules and gradient finalisation see a stock GPTModel."""
+
+PADDING_ROW = -1
+"""``row_index`` of a padding row: a data-parallel rank left without rows of its own (a batch with fewer rows than
+data-parallel ranks) computes one so that it takes part in every collective; it never reaches the results."""
+
+
+def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
+    """Shift [B, S] values about the *next* token (position t predicts t + 1) right by one, so out[:, t] is
+    about token t (the engine's convention); out[:, 0] = 0 (the first token has no prediction)."""
+    return torch.nn.functional.pad(next_token_values[:, :-1], (1, 0), value=0.0)
+
+
+def is_padding(micro: dict[str, torch.Tensor]) -> bool:
+    """True for the padding micro-batch of a rank without rows (see ``PADDING_ROW``)."""
+    return bool((micro["row_index"] == PADDING_ROW).all())
+
+
+class MegatronStageEngine:
+    """The part of a Megatron engine that does not train; subclasses set ``self.model`` (the stage, or the
+    stage wrapped in DDP) after ``_build_stage``."""
+
+    model: torch.nn.Module
+
+    def _build_stage(
+        self,
+        stage_model_provider: StageModelProvider,
+        *,
+        max_tokens_per_micro_batch: int,
+        output_names: tuple[str, ...],
+        next_token_head: bool,
+        hf_config,
+    ) -> torch.nn.Module:
+        self.device = get_device()
+        self.pre_process = mpu.is_pipeline_first_stage()
+        self.post_process = mpu.is_pipeline_last_stage()
+        self.output_names = tuple(output_names)
+        self.next_token_head = next_token_head
+        self.hf_config = hf_config
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.last_padding_fraction = 0.0
+        module = stage_model_provider(self.pre_process, self.post_process).to(self.device)
+        self.config = module.config
+        # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
+        self.config.variable_seq_lengths = True
+        return module
+
+    # ----------------------------------------------------------------- micro-batches of this rank
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        lengths = batch["attention_mask"].sum(dim=1)
+        if lengths.numel() == 0:
+            raise ValueError("the batch has no rows: an engine step needs at least one row")
+        own_rows = shard_rows_for_data_parallel(
+            lengths, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        )
+        if own_rows.numel() == 0:
+            return [self._padding_micro_batch(batch, lengths)]
+        plan = plan_micro_batches(lengths[own_rows], self.max_tokens_per_micro_batch)
+        self.last_padding_fraction = plan.padding_fraction
+        micro_batches = []
+        for rows, length in zip(plan.rows, plan.lengths):
+            global_rows = own_rows[rows]
+            micro = slice_rows(batch, global_rows, length)
+            micro["row_index"] = global_rows
+            micro_batches.append({k: v.to(self.device) for k, v in micro.items()})
+        return micro_batches
+
+    def _padding_micro_batch(self, batch: dict[str, torch.Tensor], lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch's shortest row as a padding row: loss_mask 0, ``row_index`` PADDING_ROW."""
+        shortest = int(torch.argmin(lengths))
+        micro = slice_rows(batch, torch.tensor([shortest]), int(lengths[shortest]))
+        if "loss_mask" in micro:
+            micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
+        micro["row_index"] = torch.tensor([PADDING_ROW])
+        self.last_padding_fraction = 1.0
+        return {k: v.to(self.device) for k, v in micro.items()}
+
+    def _run_schedule(self, micro_batches, loss_func_for, forward_only: bool) -> list[dict]:
+        """Run megatron's schedule (1F1B with PP) and return the loss-function records of the last stage."""
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            positions = torch.arange(micro["input_ids"].shape[1], device=self.device).expand_as(micro["input_ids"])
+            # Rows are right-padded: the causal mask alone keeps padding out of every real token's attention.
+            hidden = model(micro["input_ids"], positions, attention_mask=None)
+            return hidden, loss_func_for(micro)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(m["input_ids"].shape[1] for m in micro_batches),
+            micro_batch_size=max(m["input_ids"].shape[0] for m in micro_batches),
+            forward_only=forward_only,
+        )
+
+    def _head(self, hidden: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        stage = self.stage
+        outputs = stage.head(stage, hidden, micro)
+        if self.next_token_head:
+            outputs = {name: align_to_tokens(value) for name, value in outputs.items()}
+        return outputs
+
+    # ----------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Head outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient)."""
+        self.model.eval()
+        micro_batches = self._micro_batches(batch)
+        rows, length = batch["input_ids"].shape
+        outputs = {name: torch.zeros(rows, length, dtype=torch.float32, device=self.device) for name in self.output_names}
+
+        def loss_func_for(micro):
+            def collect(hidden):
+                if not is_padding(micro):
+                    head_out = self._head(hidden, micro)
+                    for name in self.output_names:
+                        value = head_out[name].float()
+                        outputs[name][micro["row_index"], : value.shape[1]] = value
+                return torch.zeros((), device=self.device), {}
+
+            return collect
+
+        self._run_schedule(micro_batches, loss_func_for, forward_only=True)
+        # Each row was computed on one DP rank's last stage; zeros elsewhere, so sums assemble the batch.
+        for value in outputs.values():
+            dist.all_reduce(value, group=mpu.get_data_parallel_group())
+            dist.all_reduce(value, group=mpu.get_pipeline_model_parallel_group())
+        return {name: value.cpu() for name, value in outputs.items()}
+
+    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [B, L] of ``input_ids`` (needs a head with those outputs)."""
+        outputs = self.forward(batch)
+        return outputs["logprobs"], outputs["entropy"]
+
+    def export_hf_weights(self):
+        """(HF name, full tensor) one at a time, gathered over TP / PP; collective (every rank iterates)."""
+        from grpo_mega.checkpoint.hf_convert import export_hf_weights
+
+        return export_hf_weights(self.stage, self.hf_config)
+
+    # ----------------------------------------------------------------- weights (sharded, any layout)
+    @property
+    def stage(self) -> torch.nn.Module:
+        """This rank's pipeline stage (the backbone with its head), unwrapped from DDP. For tools and tests:
+        trainers and checkpoint code go through the methods below."""
+        model = self.model
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Dtype of the model parameters."""
+        return next(self.stage.parameters()).dtype
+
+    def model_sharded_state_dict(self) -> dict:
+        """The model's megatron ShardedStateDict (global shapes: loadable at any TP / PP)."""
+        return self.stage.sharded_state_dict()
+
+    def load_model_state_dict(self, state: dict) -> None:
+        """Copy a loaded model state into the model (see ``reload_after_weight_load``)."""
+        self.stage.load_state_dict(state)
+
+    def load_hf_weights(self, hf_weights) -> None:
+        """Copy HF-named full tensors (a mapping, e.g. ``HFWeights(folder)``) into this rank's shards; collective."""
+        from grpo_mega.checkpoint.hf_convert import load_hf_weights
+
+        load_hf_weights(self.stage, hf_weights, self.hf_config)
+        self.reload_after_weight_load()
+
+    def load_mcore_model(self, directory: str) -> None:
+        """Load the backbone of a ``save_mcore_checkpoint`` folder at this job's TP / PP; collective."""
+        from grpo_mega.checkpoint.mcore_checkpoint import load_mcore_checkpoint
+
+        load_mcore_checkpoint(self.stage, directory)
+        self.reload_after_weight_load()
+
+    def reload_after_weight_load(self) -> None:
+        """Nothing derives from the weights here; the training engine refreshes its fp32 master copies."""
+
+    def save_model_weights(self, directory: str) -> None:
+        """Write the model with megatron dist_checkpointing (collective); loadable at any TP / PP."""
+        from pathlib import Path
+
+        from megatron.core import dist_checkpointing
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(self.model_sharded_state_dict(), directory)
+
+    def load_model_weights(self, directory: str) -> None:
+        """Load weights written by :meth:`save_model_weights` at any TP / PP (collective)."""
+        from megatron.core import dist_checkpointing
+
+        self.load_model_state_dict(dist_checkpointing.load(self.model_sharded_state_dict(), directory))
+        self.reload_after_weight_load()
+
+
+class MegatronForwardEngine(MegatronStageEngine):
+    """Forward-only Megatron engine (:class:`~grpo_mega.engine.base.ForwardEngine`): the KL reference, a PRM
+    at scoring time. Parameters have ``requires_grad`` False and the model stays in eval mode; there are no
+    DDP gradient buffers and no optimizer, so it holds the weights and nothing else.
+
+    Args: as :class:`~grpo_mega.engine.MegatronEngine`, without the optimizer settings.
+    """
+
+    def __init__(
+        self,
+        stage_model_provider: StageModelProvider,
+        *,
+        max_tokens_per_micro_batch: int,
+        output_names: tuple[str, ...],
+        next_token_head: bool,
+        hf_config=None,
+    ):
+        module = self._build_stage(
+            stage_model_provider,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            output_names=output_names,
+            next_token_head=next_token_head,
+            hf_config=hf_config,
+        )
+        module.requires_grad_(False)
+        self.model = module.eval()
