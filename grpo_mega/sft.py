@@ -16,7 +16,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from grpo_mega.batch import sequences_to_batch
-from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+from grpo_mega.checkpoint.initial_weights import load_initial_weights
+from grpo_mega.checkpoint.training import CheckpointManager
 from grpo_mega.config import SFTConfig, save_config
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
@@ -59,7 +60,7 @@ def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[
 
 def run_sft(cfg: SFTConfig) -> Path:
     """Train, checkpoint on schedule and at the end; returns the final checkpoint folder."""
-    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed)
+    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
     is_rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.trainer.run_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
@@ -70,6 +71,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         total_steps=cfg.trainer.total_steps,
         max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
         logprob_chunk_size=cfg.model.logprob_chunk_size,
+        logits_in_fp32=cfg.model.logits_in_fp32,
     )
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = 0
@@ -77,7 +79,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     if resume_from is not None:
         start_step = checkpoints.load(engine, resume_from, seed=cfg.parallel.seed).step
     elif cfg.model.init_from:
-        load_model_only(engine, cfg.model.init_from)
+        load_initial_weights(engine, cfg.model.init_from)
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -93,6 +95,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(prompts), cfg.trainer.batch_size)
         batch = sequences_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer.pad_token_id)
         metrics = engine.train_step(batch, sft_loss)
+        engine.lr_schedule_step()  # one optimizer step and one schedule step per SFT step
         metrics_log.log(step, metrics)
         if step == cfg.trainer.total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
             final = checkpoints.save(engine, step, config=asdict(cfg))

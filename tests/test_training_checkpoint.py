@@ -27,12 +27,13 @@ def _hf_config():
     return tiny_qwen2_config(tied=True, num_layers=2)
 
 
-def _engine():
+def _engine(total_steps=TOTAL_STEPS, **optim_settings):
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
 
-    optim = OptimConfig(lr=2e-2, weight_decay=0.1, clip_grad=1.0, warmup_steps=1, decay_style="cosine")
-    return build_policy_engine(_hf_config(), optim=optim, total_steps=TOTAL_STEPS, max_tokens_per_micro_batch=40)
+    settings = dict(lr=2e-2, weight_decay=0.1, clip_grad=1.0, warmup_steps=1, decay_style="cosine")
+    optim = OptimConfig(**{**settings, **optim_settings})
+    return build_policy_engine(_hf_config(), optim=optim, total_steps=total_steps, max_tokens_per_micro_batch=40)
 
 
 def _rows(step):
@@ -74,6 +75,7 @@ def _train_step(engine, step):
     logprobs, _ = engine.forward_logprobs(batch)
     batch["old_logprobs"] = logprobs + policy_shift
     metrics = engine.train_step(batch, grpo_loss_fn(GRPOLossSettings()))
+    engine.lr_schedule_step()  # one optimizer step per trainer step here
     return {"loss": metrics["loss"], "lr": metrics["lr"], "rng": _rng_draws()}
 
 
@@ -84,7 +86,7 @@ def _params(engine):
 def _straight_run():
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(1, 1, seed=SEED)
+    init_distributed(1, 1, seed=SEED, device="cpu")
     engine = _engine()
     steps, probes = [], []
     for step in range(1, TOTAL_STEPS + 1):
@@ -100,7 +102,7 @@ def _run_saving_then_crash(run_dir):
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(1, 1, seed=SEED)
+    init_distributed(1, 1, seed=SEED, device="cpu")
     engine = _engine()
     manager = CheckpointManager(run_dir, keep_last=1)
     for step in (1, 2):
@@ -159,7 +161,7 @@ def _resume_at(run_dir, save_dir, load_model_only_too):
         fresh = _engine()
         result["model_only_folder"] = str(load_model_only(fresh, run_dir))
         result["model_only_probe"] = _probe_logprobs(fresh)
-        result["model_only_state"] = (fresh.steps_done, fresh.scheduler.num_steps)
+        result["model_only_state"] = (fresh.steps_done, fresh.schedule_state_dict()["num_steps"])
     logging.getLogger("grpo_mega.checkpoint.training").removeHandler(records)
     result["warnings"] = records.messages
     return result
@@ -174,7 +176,7 @@ def _resume(phases, load_model_only_too=False):
     for index, (tp, pp, run_dir, save_dir) in enumerate(phases):
         # Another seed than the saving run: whatever the resumed run needs must come from the checkpoint.
         if index == 0:
-            init_distributed(tp, pp, seed=SEED + 500)
+            init_distributed(tp, pp, seed=SEED + 500, device="cpu")
         else:
             destroy_model_parallel()
             init_model_parallel(tp, pp, seed=SEED + 500)

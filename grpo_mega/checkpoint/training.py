@@ -8,6 +8,9 @@ against the files on disk and never loads a checkpoint that fails the check.
 
 Model and optimizer tensors are stored with their global shapes, so a checkpoint loads at any TP / PP / DP
 (the padded vocabulary is the same at every TP, see ``grpo_mega.model.config_map.padded_vocab_size``).
+The learning-rate schedule resumes at its saved position (in trainer steps) with the settings of the current
+config, so a run can be extended (``trainer.total_steps``) or its ``optim.*`` changed on resume.
+Engines are driven only through their interface (``grpo_mega.engine.base.TrainingEngine``).
 RNG states belong to one rank of one layout: they are restored when the layout matches, and the generators
 are reseeded (with a warning) when it does not.
 """
@@ -130,10 +133,10 @@ def _rng_sharded_object(state: Any) -> ShardedObject:
 
 def _sharded_state(engine, *, with_optimizer: bool, is_loading: bool, rng_state: Any) -> dict:
     """The dist_checkpointing state dict of an engine; ``rng_state=None`` leaves RNG out."""
-    model = engine.stage.sharded_state_dict()
+    model = engine.model_sharded_state_dict()
     state = {"model": model}
     if with_optimizer:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        state["optimizer"] = engine.optimizer_sharded_state_dict(model, is_loading=is_loading)
     if rng_state is not None:
         state[_RNG_KEY] = _rng_sharded_object(rng_state)
     return state
@@ -197,7 +200,7 @@ class CheckpointManager:
     def save(self, engine, step: int, extra_state: dict | None = None, config: dict | None = None) -> Path:
         """Write a checkpoint of ``engine`` after trainer step ``step``; collective. Returns its folder.
 
-        Stores the model, the optimizer (once it has taken a step), the learning-rate scheduler, every rank's
+        Stores the model, the optimizer (once it has taken a step), the learning-rate schedule, every rank's
         RNG states, ``extra_state`` (the same on every rank: rank 0's copy is kept; builtins and tensors only)
         and ``config`` (plain YAML values). Then publishes it atomically and prunes to ``keep_last``.
         """
@@ -215,7 +218,7 @@ class CheckpointManager:
 
         with_optimizer = engine.steps_done > 0  # before the first step the optimizer has no state to save
         state = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=False, rng_state=rng_state)
-        state["scheduler"] = engine.scheduler.state_dict()
+        state["scheduler"] = engine.schedule_state_dict()
         state["extra_state"] = extra_state
         dist_checkpointing.save(state, str(staging))
         if _distributed():
@@ -228,7 +231,8 @@ class CheckpointManager:
             "has_optimizer": with_optimizer,
             "layout": _layout(),
             "cuda_rng": torch.cuda.is_available(),
-            "param_dtype": str(next(engine.stage.parameters()).dtype).removeprefix("torch."),
+            "param_dtype": str(engine.param_dtype).removeprefix("torch."),
+            "lr_schedule_unit": "trainer_steps",
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         _rank0_decides(lambda: self._publish(staging, final, info, config_text))
@@ -338,11 +342,11 @@ class CheckpointManager:
     def load(self, engine, path: str | os.PathLike, *, seed: int) -> LoadedCheckpoint:
         """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP); collective.
 
-        Model, optimizer and scheduler are restored at any layout (megatron reshards). RNG states are
-        restored rank for rank when the layout (and having CUDA or not) equals the saved one; otherwise every
-        generator is reseeded with ``seed + step`` (``grpo_mega.parallel.seed_everything``) and a warning says
-        so. The scheduler keeps the checkpoint's schedule (megatron's ``use_checkpoint_opt_param_scheduler``).
-        Raises ValueError when ``path`` is not a complete checkpoint.
+        Model and optimizer are restored at any layout (megatron reshards). The learning-rate schedule resumes
+        at its saved position with the settings of the current config (the engine's): rank 0 logs which changed.
+        RNG states are restored rank for rank when the layout (and having CUDA or not) equals the saved one;
+        otherwise every generator is reseeded with ``seed + step`` (``grpo_mega.parallel.seed_everything``) and a
+        warning says so. Raises ValueError when ``path`` is not a complete checkpoint.
         """
         from grpo_mega.parallel import seed_everything
 
@@ -355,15 +359,15 @@ class CheckpointManager:
         rng_template = capture_rng_state() if same_layout else None
         state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True, rng_state=rng_template)
         loaded = dist_checkpointing.load(state, str(path))
-        engine.stage.load_state_dict(loaded["model"])
+        engine.load_model_state_dict(loaded["model"])
         if info["has_optimizer"]:
-            engine.optimizer.load_state_dict(loaded["optimizer"])
+            changed = engine.load_optimizer_state_dict(loaded["optimizer"])
+            if changed and _is_rank0():
+                logger.info("optimizer settings follow the config (%s)", ", ".join(changed))
         else:
-            engine.optimizer.reload_model_params()  # fp32 master copies (bf16) follow the loaded weights
-        # load_state_dict adds the saved step count to the current one: start from zero.
-        engine.scheduler.num_steps = 0
-        engine.scheduler.load_state_dict(loaded["scheduler"])
+            engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
         engine.steps_done = info["optimizer_steps"]
+        _restore_schedule(engine, loaded["scheduler"], info)
         step = info["step"]
         if same_layout:
             restore_rng_state(loaded[_RNG_KEY])
@@ -377,6 +381,23 @@ class CheckpointManager:
                 )
         config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
         return LoadedCheckpoint(step=step, extra_state=loaded["extra_state"], config=config)
+
+
+def _restore_schedule(engine, saved: dict, info: dict) -> None:
+    """Resume the learning-rate schedule at its saved position, with the engine's (the config's) settings.
+
+    Checkpoints written before the schedule counted trainer steps (no ``lr_schedule_unit``) hold a position in
+    optimizer steps: the trainer step they were saved after is the position in trainer steps.
+    """
+    legacy = info.get("lr_schedule_unit") != "trainer_steps"
+    position = info["step"] if legacy else int(saved["num_steps"])
+    changes = engine.restore_schedule(saved, position=position)
+    if _is_rank0():
+        logger.info(
+            "learning-rate schedule follows the config (%s); resuming at schedule step %d, lr %.6g%s",
+            ", ".join(changes) or "unchanged", position, engine.current_lr,
+            f" (the checkpoint counted {saved['num_steps']} optimizer steps)" if legacy else "",
+        )
 
 
 def locate_checkpoint(path: str | os.PathLike) -> Path:
@@ -415,9 +436,12 @@ def load_model_only(engine, path: str | os.PathLike) -> Path:
     """Load only the model weights of a training checkpoint (``model.init_from``), at any layout; collective.
 
     ``path`` is a checkpoint folder or a run directory (its newest complete checkpoint is used). Optimizer,
-    scheduler, RNG and step stay as they are: a new run starts from these weights. Returns the folder loaded.
-    Raises ValueError when there is no complete checkpoint there.
+    schedule, RNG and step stay as they are: a new run starts from these weights. Works on training and
+    forward-only engines. Returns the folder loaded. Raises ValueError when there is no complete checkpoint there.
     """
-    folder = load_model_state(engine.stage, path)
-    engine.optimizer.reload_model_params()  # fp32 master copies (bf16) follow the loaded weights
+    folder = locate_checkpoint(path)
+    # Only the model's keys are requested; the checkpoint's other entries stay on disk.
+    loaded = dist_checkpointing.load({"model": engine.model_sharded_state_dict()}, str(folder))
+    engine.load_model_state_dict(loaded["model"])
+    engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
     return folder

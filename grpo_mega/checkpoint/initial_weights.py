@@ -1,0 +1,39 @@
+"""The weights a run starts from (``model.init_from``), loaded into any engine through its interface.
+
+One entry point for the policy, the KL reference (a forward-only engine) and, later, the PRM: a Hugging Face
+folder, a converted megatron model folder, a grpo-mega training checkpoint or a run directory (its newest complete
+checkpoint), each at the job's TP / PP, with the bf16 master copies of a training engine following the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from grpo_mega.checkpoint.training import load_model_only
+from grpo_mega.checkpoint.training_files import weights_format
+
+logger = logging.getLogger(__name__)
+
+
+def load_initial_weights(engine, source: str | os.PathLike | None) -> str:
+    """Load ``source`` into ``engine`` (a training or forward-only engine); collective. Returns the format
+    loaded: ``hf``, ``mcore_model``, ``training_checkpoint``, ``training_run``, or ``random`` for None.
+
+    None leaves the engine's random initialisation (with a warning). Raises ValueError naming the folder when it
+    is none of the known formats (``grpo_mega.checkpoint.training_files.weights_format``) or does not fit the
+    model (shapes, vocabulary, missing tensors).
+    """
+    if source is None:
+        logger.warning("model.init_from is not set: the model starts from random weights")
+        return "random"
+    kind = weights_format(source)
+    if kind == "hf":
+        from grpo_mega.checkpoint.hf_io import HFWeights
+
+        engine.load_hf_weights(HFWeights(source))
+    elif kind == "mcore_model":
+        engine.load_mcore_model(str(source))
+    else:  # a training checkpoint or a run directory: only its model weights
+        load_model_only(engine, source)
+    return kind
