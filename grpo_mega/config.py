@@ -140,6 +140,10 @@ class AlgorithmConfig:
     loss_agg_mode: str = "token-mean"
     scale_by_std: bool = True
     """False is Dr. GRPO."""
+    supervision: str = "outcome"
+    """``outcome``: one reward per completion, on all its tokens. ``process``: the reward function's per-step
+    rewards (it must return ``StepRewards``, e.g. ``synthetic_steps``), normalised over the group's steps, each
+    token getting the sum of its own and later steps' normalised rewards (DeepSeekMath 4.1.3)."""
     whiten_advantages: bool = False
     advantage_clip: Optional[float] = None
     reward_clip: Optional[float] = None
@@ -209,6 +213,7 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
     _choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     _choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
+    _choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
     if alg.rollout_is_cap <= 0:
         raise ConfigError(f"algorithm.rollout_is_cap={alg.rollout_is_cap} must be > 0")
     if alg.kl_log_ratio_clamp <= 0:

@@ -1,0 +1,179 @@
+"""The rollout stage: prompts -> G completions each -> rewards -> dynamic-sampling filter.
+
+Every rank runs it on the same prompts (SPMD) and ends with the same :class:`RolloutBatch`: generation is split
+over ranks and gathered (``generate_across_ranks``), rewards are scored once per completion and gathered
+(``score_across_ranks``). Sampling seeds are derived from (seed, step, round) and then the rank (and, in vLLM,
+the prompt), never from a call counter, so a resumed run samples exactly what an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from grpo_mega.algo import overlong_penalty
+from grpo_mega.config import AlgorithmConfig, RewardConfig
+from grpo_mega.data.prompts import PromptBatches, PromptRecord
+from grpo_mega.reward import SampleReward, get_reward_function, score_across_ranks
+from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
+from grpo_mega.rollout.distributed import generate_across_ranks
+from grpo_mega.stages.step_tokens import step_end_tokens
+
+
+@dataclass
+class RolloutBatch:
+    """Prompts and their G completions (grouped contiguously: prompt i's at rows i*G .. i*G+G-1) with one reward
+    per completion and, when the reward function gives them, per-step rewards."""
+
+    records: list[PromptRecord]
+    completions: list[Completion]
+    rewards: torch.Tensor
+    """[N] final rewards (verifier + format + overlong terms)."""
+    scores: torch.Tensor
+    """[N] the verifier's score alone (``critic/score``)."""
+    step_rewards: list[list[float]] | None = None
+    """Per completion, the reward of each step (None when the reward function gives no steps)."""
+    step_ends: list[list[int]] | None = None
+    """Per completion, the index within the response of each step's last token, strictly increasing."""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions) // max(len(self.records), 1)
+
+    def select_groups(self, groups: Sequence[int]) -> "RolloutBatch":
+        """The batch made of the given groups (prompts), in that order."""
+        G = self.group_size
+        rows = [g * G + i for g in groups for i in range(G)]
+        pick = (lambda values: [values[r] for r in rows]) if rows else (lambda values: [])
+        return RolloutBatch(
+            [self.records[g] for g in groups], pick(self.completions), self.rewards[rows], self.scores[rows],
+            pick(self.step_rewards) if self.step_rewards is not None else None,
+            pick(self.step_ends) if self.step_ends is not None else None,
+        )
+
+    def first_groups(self, count: int) -> "RolloutBatch":
+        return self.select_groups(range(min(count, len(self))))
+
+    @staticmethod
+    def concat(first: "RolloutBatch | None", second: "RolloutBatch") -> "RolloutBatch":
+        if first is None:
+            return second
+        if (first.step_rewards is None) != (second.step_rewards is None):
+            raise ValueError("cannot join rollout batches with and without step rewards")
+        steps = first.step_rewards is not None
+        return RolloutBatch(
+            first.records + second.records, first.completions + second.completions,
+            torch.cat([first.rewards, second.rewards]), torch.cat([first.scores, second.scores]),
+            first.step_rewards + second.step_rewards if steps else None,
+            first.step_ends + second.step_ends if steps else None,
+        )
+
+
+def keep_informative_groups(batch: RolloutBatch, group_size: int) -> RolloutBatch:
+    """Dynamic sampling (DAPO): drop the groups whose rewards are all equal (their outcome advantages are 0)."""
+    grouped = batch.rewards.reshape(-1, group_size)
+    keep = (grouped.max(dim=1).values - grouped.min(dim=1).values) > 0
+    return batch.select_groups(keep.nonzero().flatten().tolist())
+
+
+class RolloutStage:
+    """Samples, scores and filters the prompts of one GRPO step (collective: every rank calls ``run``)."""
+
+    def __init__(
+        self, engine: RolloutEngine, prompts: PromptBatches, sampling: SamplingConfig, reward: RewardConfig,
+        algorithm: AlgorithmConfig, *, seed: int, decode,
+    ):
+        self.engine, self.prompts, self.sampling = engine, prompts, sampling
+        self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
+        self.reward_fn = get_reward_function(reward.function)
+        self.format_fn = get_reward_function(reward.format_function) if reward.format_weight else None
+
+    def run(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Up to ``rollout_batch_size`` groups; with dynamic sampling only groups whose rewards differ, sampling
+        more prompts for up to ``max_sampling_rounds`` rounds."""
+        alg, G = self.algorithm, self.sampling.n
+        kept, sampled_scores, failures = None, [], 0
+        rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
+        for round_index in range(rounds):
+            records = next(self.prompts)
+            completions = generate_across_ranks(
+                self.engine, [r.prompt_ids for r in records], self.sampling,
+                call_seed=derive_seed(self.seed, step, round_index),
+            )
+            scored, round_failures = self.score(records, completions)
+            failures += round_failures
+            sampled_scores.append(scored.scores)
+            if alg.dynamic_sampling:
+                scored = keep_informative_groups(scored, G)
+            kept = RolloutBatch.concat(kept, scored)
+            if len(kept) >= alg.rollout_batch_size:
+                break
+        kept = kept.first_groups(alg.rollout_batch_size)
+        every_sample = torch.cat(sampled_scores)
+        metrics = {
+            # critic/score/* describe the trained batch (after dynamic sampling, as in verl); this is every sample.
+            "rollout/sampled_score/mean": float(every_sample.mean()),
+            "rollout/kept_group_fraction": len(kept) * G / len(every_sample),
+            "rollout/sampling_rounds": float(round_index + 1),
+            "reward/failures": float(failures),
+        }
+        return kept, metrics
+
+    def score(self, records: Sequence[PromptRecord], completions: Sequence[Completion]) -> tuple[RolloutBatch, int]:
+        """Reward every completion once (sharded over ranks); adds the weighted format reward and the DAPO overlong
+        penalty when configured. Returns the batch and the number of failed reward calls."""
+        G, alg, on_error = self.sampling.n, self.algorithm, self.reward.on_error
+        columns = (
+            [r.prompt for r in records for _ in range(G)],
+            [c.text for c in completions],
+            [r.answer for r in records for _ in range(G)],
+            [r.extra for r in records for _ in range(G)],
+        )
+        results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
+        failures = sum(r.failed for r in results)
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        rewards = scores.clone()
+        if self.format_fn is not None:
+            format_results = score_across_ranks(self.format_fn, *columns, on_error=on_error)
+            failures += sum(r.failed for r in format_results)
+            rewards += self.reward.format_weight * torch.tensor([r.score for r in format_results])
+        if alg.overlong_buffer:
+            lengths = torch.tensor([len(c.response_ids) for c in completions])
+            rewards += overlong_penalty(lengths, alg.response_length, alg.overlong_buffer, alg.overlong_penalty)
+        step_rewards, step_ends = self._steps(results, completions)
+        return RolloutBatch(list(records), list(completions), rewards, scores, step_rewards, step_ends), failures
+
+    def _steps(self, results: list[SampleReward], completions: Sequence[Completion]):
+        """Per-step rewards with token ends, when the reward function gave steps for any completion (a failed or
+        step-less sample then has no steps, so its process advantages are 0)."""
+        if all(r.step_rewards is None for r in results):
+            return None, None
+        step_rewards, step_ends = [], []
+        for result, completion in zip(results, completions):
+            rewards, ends = [], []
+            if result.step_rewards and completion.response_ids:
+                token_ends = step_end_tokens(self.decode, completion.response_ids, result.step_ends)
+                for reward, end in zip(result.step_rewards, token_ends):
+                    if ends and ends[-1] == end:  # two steps end in one token: the later step's reward counts
+                        rewards[-1] = reward
+                    else:
+                        rewards.append(reward)
+                        ends.append(end)
+            step_rewards.append(rewards)
+            step_ends.append(ends)
+        return step_rewards, step_ends
+
+
+def sampling_from_config(cfg) -> SamplingConfig:
+    """The rollout sampling settings of a GRPO config (G completions per prompt)."""
+    alg = cfg.algorithm
+    return SamplingConfig(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        max_new_tokens=alg.response_length, stop=list(cfg.rollout.stop), n=alg.num_return_sequences_in_group,
+    )
+

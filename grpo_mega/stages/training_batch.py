@@ -1,0 +1,68 @@
+"""The batch builder: advantages of a :class:`RolloutBatch` laid out on the engine's ``prompt + response`` rows.
+
+Outcome supervision: one group-normalised reward per completion on each of its response tokens. Process
+supervision: the reward function's per-step rewards, normalised over all steps of the group, and each token gets
+the suffix sum of its own and later steps (``grpo_mega.algo.process_advantages``). Shaping (ROLL-style) in this
+order: reward clip -> group normalisation -> whitening -> advantage clip. The math lives in ``grpo_mega.algo``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_mega.algo import clip_advantages, clip_rewards, outcome_advantages, process_advantages, whiten
+from grpo_mega.batch import response_values_to_tokens, sequences_to_batch
+from grpo_mega.config import AlgorithmConfig
+from grpo_mega.stages.rollout import RolloutBatch
+
+
+def _padded(rows: list[list], fill, dtype) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.Tensor:
+    """Advantages [N, T] in response coordinates (T = longest response; 0 past each response's end)."""
+    G = algorithm.num_return_sequences_in_group
+    lengths = torch.tensor([len(c.response_ids) for c in batch.completions])
+    response_mask = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float()
+    if algorithm.supervision == "process":
+        if batch.step_rewards is None:
+            raise ValueError(
+                "algorithm.supervision=process needs step rewards: the reward function must return StepRewards "
+                "(e.g. reward.function=synthetic_steps)"
+            )
+        step_rewards = _padded(batch.step_rewards, 0.0, torch.float32)
+        step_ends = _padded(batch.step_ends, -1, torch.long)
+        if algorithm.reward_clip is not None:
+            step_rewards = clip_rewards(step_rewards, algorithm.reward_clip)
+        advantages = process_advantages(step_rewards, step_ends, response_mask, G, scale_by_std=algorithm.scale_by_std)
+        if algorithm.whiten_advantages:
+            advantages = whiten(advantages, response_mask)
+    else:
+        rewards = batch.rewards
+        if algorithm.reward_clip is not None:
+            rewards = clip_rewards(rewards, algorithm.reward_clip)
+        per_completion = outcome_advantages(rewards, G, scale_by_std=algorithm.scale_by_std)
+        if algorithm.whiten_advantages:
+            per_completion = whiten(per_completion)
+        advantages = per_completion[:, None] * response_mask
+    if algorithm.advantage_clip is not None:
+        advantages = clip_advantages(advantages, algorithm.advantage_clip)
+    return advantages * response_mask
+
+
+def build_training_batch(batch: RolloutBatch, algorithm: AlgorithmConfig, pad_id: int) -> dict[str, torch.Tensor]:
+    """The engine batch: ``prompt + response`` rows (``grpo_mega.batch``), per-token ``advantages`` and the
+    sampler's log-probs ``rollout_logprobs``, all aligned with ``input_ids``."""
+    completions = batch.completions
+    rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions], pad_id)
+    advantages = group_advantages(batch, algorithm)
+    rows["advantages"] = response_values_to_tokens(
+        rows, [advantages[i, : len(c.response_ids)].tolist() for i, c in enumerate(completions)]
+    )
+    rows["rollout_logprobs"] = response_values_to_tokens(rows, [c.response_logprobs for c in completions])
+    return rows
