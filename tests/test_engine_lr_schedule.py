@@ -33,6 +33,30 @@ def _batch(step):
     return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 
+class InterfaceOnly:
+    """An engine seen only through a protocol of ``grpo_mega.engine.base``: checkpoint and weight-loading code
+    given this proxy fails (AttributeError) if it reaches for anything else (``.stage``, ``.optimizer``, ...)."""
+
+    def __init__(self, engine, protocol):
+        members = set()
+        for cls in protocol.__mro__:
+            if cls.__module__ == "grpo_mega.engine.base":
+                members |= {name for name in vars(cls) if not name.startswith("_")}
+                members |= set(vars(cls).get("__annotations__", {}))
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_members", members)
+
+    def __getattr__(self, name):
+        if name not in self._members:
+            raise AttributeError(f"engine.{name} is not part of the engine interface")
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name, value):
+        if name not in self._members:
+            raise AttributeError(f"engine.{name} is not part of the engine interface")
+        setattr(self._engine, name, value)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
@@ -48,10 +72,15 @@ def _params(engine):
 
 def _extend_finished_run(run_dir):
     from grpo_mega.checkpoint.training import CheckpointManager
+    from grpo_mega.engine import TrainingEngine
     from grpo_mega.parallel import init_distributed
     from grpo_mega.sft import sft_loss
 
     init_distributed(1, 1, seed=SEED, device="cpu")
+
+    def interface(engine):  # checkpoint code touches nothing but the TrainingEngine interface
+        return InterfaceOnly(engine, TrainingEngine)
+
     records = _Records()
     logger = logging.getLogger("grpo_mega.checkpoint.training")
     logger.addHandler(records)
@@ -65,11 +94,11 @@ def _extend_finished_run(run_dir):
         engine.lr_schedule_step()
     result["lr_at_end"] = engine.current_lr
     manager = CheckpointManager(run_dir)
-    path = manager.save(engine, 2)
+    path = manager.save(interface(engine), 2)
 
     # trainer.total_steps raised to 4 on resume: the cosine continues from position 2 of 4.
     longer = _engine(total_steps=4)
-    manager.load(longer, path, seed=SEED)
+    manager.load(interface(longer), path, seed=SEED)
     before = _params(longer)
     # One trainer step of two optimizer steps (two mini-batches): both at the same learning rate.
     result["resumed_lrs"] = [longer.train_step(_batch(3), sft_loss)["lr"] for _ in range(2)]
@@ -81,13 +110,13 @@ def _extend_finished_run(run_dir):
 
     # optim.lr and optim.adam_beta2 changed on resume: the new peak, at the saved position, and the new beta.
     changed = _engine(total_steps=4, lr=LR / 2, adam_beta2=0.95)
-    manager.load(changed, path, seed=SEED)
+    manager.load(interface(changed), path, seed=SEED)
     result["changed_lr"] = changed.train_step(_batch(3), sft_loss)["lr"]
     result["changed_betas"] = [group["betas"] for group in changed.optimizer.param_groups]
 
     # Nothing changed: said so.
     same = _engine(total_steps=2)
-    manager.load(same, path, seed=SEED)
+    manager.load(interface(same), path, seed=SEED)
     result["same_lr"] = same.current_lr
     logger.removeHandler(records)
     result["messages"] = [m for m in records.messages if "learning-rate schedule" in m]

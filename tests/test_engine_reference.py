@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed, tiny_qwen2_config
+from test_engine_lr_schedule import InterfaceOnly
 
 
 def _hf_config():
@@ -40,13 +41,18 @@ def _reference_vs_policy(tp, pp, hf_dir, work_dir):
     from grpo_mega.checkpoint.mcore_checkpoint import save_mcore_checkpoint
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import OptimConfig
-    from grpo_mega.engine import build_policy_engine, build_reference_engine
+    from grpo_mega.engine import ForwardEngine, TrainingEngine, build_policy_engine, build_reference_engine
     from grpo_mega.parallel import init_distributed
     from grpo_mega.sft import sft_loss
 
     init_distributed(tp, pp, seed=4, device="cpu")
-    policy = build_policy_engine(_hf_config(), optim=OptimConfig(lr=1e-2), total_steps=2, max_tokens_per_micro_batch=24)
-    reference = build_reference_engine(_hf_config(), max_tokens_per_micro_batch=24)
+    policy_engine = build_policy_engine(
+        _hf_config(), optim=OptimConfig(lr=1e-2), total_steps=2, max_tokens_per_micro_batch=24
+    )
+    reference_engine = build_reference_engine(_hf_config(), max_tokens_per_micro_batch=24)
+    # Weight loading and checkpoints see the engines through their interfaces only.
+    policy = InterfaceOnly(policy_engine, TrainingEngine)
+    reference = InterfaceOnly(reference_engine, ForwardEngine)
     result = {"kinds": [], "logprobs": {}}
     batch = _batch()
 
@@ -60,7 +66,7 @@ def _reference_vs_policy(tp, pp, hf_dir, work_dir):
     result["kinds"].append(load_initial_weights(reference, f"{work_dir}/run"))
     compare("training_run")
     policy.train_step(batch, sft_loss)
-    save_mcore_checkpoint(policy.stage, f"{work_dir}/mcore", hf_dir)
+    save_mcore_checkpoint(policy_engine.stage, f"{work_dir}/mcore", hf_dir)
     result["kinds"].append(load_initial_weights(reference, f"{work_dir}/mcore"))
     compare("mcore_model")
 
@@ -68,11 +74,12 @@ def _reference_vs_policy(tp, pp, hf_dir, work_dir):
     logging.getLogger("grpo_mega.checkpoint.initial_weights").addHandler(records)
     result["kinds"].append(load_initial_weights(reference, None))
     result["warnings"] = records.messages
-    result["requires_grad"] = [name for name, p in reference.stage.named_parameters() if p.requires_grad]
-    result["training_modules"] = [name for name, m in reference.stage.named_modules() if m.training]
-    result["has_optimizer"] = any(hasattr(reference, name) for name in ("optimizer", "scheduler", "train_step"))
-    result["wrapped_in_ddp"] = isinstance(reference.model, DistributedDataParallel)
-    result["grads"] = [name for name, p in reference.stage.named_parameters() if p.grad is not None]
+    stage = reference_engine.stage
+    result["requires_grad"] = [name for name, p in stage.named_parameters() if p.requires_grad]
+    result["training_modules"] = [name for name, m in stage.named_modules() if m.training]
+    result["has_optimizer"] = any(hasattr(reference_engine, name) for name in ("optimizer", "scheduler", "train_step"))
+    result["wrapped_in_ddp"] = isinstance(reference_engine.model, DistributedDataParallel)
+    result["grads"] = [name for name, p in stage.named_parameters() if p.grad is not None]
     return result
 
 

@@ -23,12 +23,7 @@ from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from grpo_mega.engine.base import LossFn, LossScale, NonFiniteError
-from grpo_mega.engine.stage_engine import (  # noqa: F401  (align_to_tokens: re-exported for callers)
-    MegatronStageEngine,
-    StageModelProvider,
-    align_to_tokens,
-    is_padding,
-)
+from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider, is_padding
 
 # Schedule settings compared on resume (the position, num_steps, is restored; these come from the config).
 _SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
