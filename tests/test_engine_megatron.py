@@ -162,3 +162,32 @@ def test_batch_with_fewer_rows_than_data_parallel_ranks(reference):
         assert rank["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"], rel=1e-6)
         for name, value in single["params"].items():
             torch.testing.assert_close(rank["params"][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def _max_and_sum_loss(outputs, micro, scale):
+    """A loss whose metrics are a share (summed) and a maximum (``*_max``) over the micro-batch's real tokens."""
+    mask = micro["loss_mask"].bool()
+    tokens = micro["input_ids"].float()
+    metrics = {
+        "probe/token_share": mask.sum() / scale.global_tokens,
+        "probe/token_id_max": tokens[mask].max() if mask.any() else torch.tensor(-1.0),
+    }
+    return (outputs["logprobs"] * mask).sum() / scale.global_tokens, metrics
+
+
+def _metrics_at_layout(tp, pp, reference):
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(tp, pp, seed=7, device="cpu")
+    engine = _engine(24)  # several micro-batches per rank
+    engine.load_model_weights(reference)
+    return engine.train_step(_batch(), _max_and_sum_loss)
+
+
+@pytest.mark.parametrize("tp, pp, world", [(1, 1, 2), (1, 2, 2)])
+def test_metrics_named_max_are_maxima_over_micro_batches_and_ranks(reference, tp, pp, world):
+    batch = _batch()
+    expected_max = float(batch["input_ids"][batch["loss_mask"].bool()].max())
+    for metrics in run_distributed(_metrics_at_layout, world, tp, pp, reference):
+        assert metrics["probe/token_id_max"] == expected_max
+        assert metrics["probe/token_share"] == pytest.approx(1.0)

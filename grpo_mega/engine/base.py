@@ -38,7 +38,7 @@ LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossScale],
 """``loss_fn(head_outputs, micro_batch, scale) -> (loss share, {metric name: share of the global metric})``.
 
 Metrics are summed over micro-batches and data-parallel ranks, so return shares too (e.g. a token mean as
-``sum(x * mask) / scale.global_tokens``).
+``sum(x * mask) / scale.global_tokens``); a metric whose name ends in ``_max`` is reduced by max instead.
 """
 
 

@@ -186,22 +186,32 @@ class MegatronEngine(MegatronStageEngine):
         return grad_norm
 
     def _reduce_records(self, records: list[dict]) -> dict[str, float]:
-        """Sum the last stage's per-micro-batch records over micro-batches and DP ranks; share with all ranks.
+        """Reduce the last stage's per-micro-batch records over micro-batches and DP ranks; share with all ranks.
 
-        Metric names are the union over all ranks (a rank that computed only a padding row has none)."""
+        Records are summed (loss functions return shares of the global batch), except names ending in ``_max``,
+        which are maxima. Metric names are the union over all ranks (a rank that computed only a padding row has
+        none)."""
         totals: dict[str, float] = {}
         for record in records:
             for name, value in record.items():
-                totals[name] = totals.get(name, 0.0) + value
+                combine = max if name.endswith("_max") else (lambda a, b: a + b)
+                totals[name] = combine(totals[name], value) if name in totals else value
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sorted(totals))
         names = sorted(set().union(*gathered))
-        values = torch.tensor([totals.get(n, 0.0) for n in names], dtype=torch.float64, device=self.device)
-        if not self.post_process:
-            values.zero_()
-        dist.all_reduce(values, group=mpu.get_data_parallel_group())
-        dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())
-        return dict(zip(names, values.tolist()))
+        reduced = {}
+        for is_max in (False, True):
+            group_names = [n for n in names if n.endswith("_max") == is_max]
+            missing = -math.inf if is_max else 0.0
+            values = torch.tensor([totals.get(n, missing) for n in group_names], dtype=torch.float64,
+                                  device=self.device)
+            if not self.post_process:
+                values.fill_(missing)
+            op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+            dist.all_reduce(values, op=op, group=mpu.get_data_parallel_group())
+            dist.all_reduce(values, op=op, group=mpu.get_pipeline_model_parallel_group())
+            reduced.update(zip(group_names, values.tolist()))
+        return reduced
 
     # ----------------------------------------------------------------- learning-rate schedule
     @property

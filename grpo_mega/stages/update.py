@@ -75,8 +75,12 @@ class UpdateRunner:
 
 
 def _average_updates(updates: list[dict[str, float]]) -> dict[str, float]:
-    """verl-style names for the engine's per-update records, averaged over the step's optimizer steps."""
-    averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    """verl-style names for the engine's per-update records: averaged over the step's optimizer steps (the
+    maximum for ``*_max``)."""
+    averaged = {
+        k: max(u[k] for u in updates) if k.endswith("_max") else sum(u[k] for u in updates) / len(updates)
+        for k in updates[0]
+    }
     renamed = {"grad_norm": "actor/grad_norm", "lr": "actor/lr", "padding_fraction": "perf/padding_fraction",
                "loss": "actor/loss"}
     averaged.pop("step_seconds", None)
