@@ -1,0 +1,198 @@
+"""The GRPO trainer end to end on 2 gloo processes (TP=2), for what a week-long run needs: an exact resume after
+a kill, rewards that agree on every rank when the verifier does not, a non-finite step that stops the run naming
+the step, and a schedule that follows the config when a run is extended."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dist_utils import run_distributed
+from grpo_mega.metrics import read_metrics
+from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
+SMALL = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
+         "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",
+         "trainer.tensorboard=false", "optim.lr=1e-3", "parallel.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    model_dir, train_file, _ = build_data_and_model(root, QuickstartPlan(num_train=200, num_heldout=8))
+    return model_dir, train_file
+
+
+def _overrides(task, run_dir, *extra):
+    model_dir, train_file = task
+    return [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
+            *SMALL, *extra]
+
+
+def _cli(task, run_dir, *extra):
+    return [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(CONFIG), "--nproc", "2",
+            *_overrides(task, run_dir, *extra)]
+
+
+def _checkpoint_tensors(folder: Path) -> dict:
+    """Every tensor of a training checkpoint (torch_dist = torch.distributed.checkpoint), read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = folder.parent.parent / f"{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(target))
+    state = torch.load(target, weights_only=False)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return tensors
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
+    import torch
+
+    common = ("trainer.total_steps=4", "trainer.save_every=2", "trainer.dump_rollouts=true",
+              "optim.decay_style=cosine", "trainer.keep_last=3")
+    straight = subprocess.run(_cli(task, tmp_path / "straight", *common), capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    interrupted = tmp_path / "interrupted"
+    latest = interrupted / "checkpoints" / "latest"
+    with open(tmp_path / "first.log", "w") as log:
+        job = subprocess.Popen(_cli(task, interrupted, *common), stdout=log, stderr=log, start_new_session=True)
+        while job.poll() is None and not (latest.exists() and latest.read_text().strip() == "step_000002"):
+            time.sleep(0.05)
+        # The whole job, mid step 3, as a scheduler would: torchrun's workers run in their own process groups.
+        for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+            process.kill()
+        job.wait()
+    assert latest.read_text().strip() == "step_000002", (tmp_path / "first.log").read_text()[-3000:]
+    resumed = subprocess.run(_cli(task, interrupted, *common), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
+
+    for step in range(1, 5):  # the same completions and rewards at every step
+        name = f"rollouts/step_{step:06d}.jsonl"
+        assert (tmp_path / "straight" / name).read_text() == (interrupted / name).read_text(), name
+    expected, got = read_metrics(tmp_path / "straight" / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
+    for name in ("actor/lr", "actor/grad_norm", "actor/pg_loss", "critic/score/mean"):
+        assert [row[name] for row in got] == pytest.approx([row[name] for row in expected], rel=1e-6, abs=1e-9), name
+    final_a = _checkpoint_tensors(tmp_path / "straight" / "checkpoints" / "step_000004")
+    final_b = _checkpoint_tensors(interrupted / "checkpoints" / "step_000004")
+    assert final_a.keys() == final_b.keys() and "embedding.word_embeddings.weight" in final_a
+    for key in final_a:
+        assert torch.equal(final_a[key], final_b[key]), key
+
+
+def rank_dependent_flaky_reward(prompt, completion, answer, **extra):
+    """Depends on the rank that calls it and raises on some samples on rank 1 only."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and len(completion) % 3 == 0:
+        raise TimeoutError("verifier timed out")
+    return float(len(completion) % 5) + 10.0 * dist.get_rank()
+
+
+def _train_recording_batches(overrides):
+    import hashlib
+
+    import grpo_mega.trainer as trainer
+    from grpo_mega.config import GRPOConfig, load_config, validate
+
+    digests = []
+    build = trainer.build_training_batch
+
+    def recording_build(groups, algorithm, pad_id):
+        batch = build(groups, algorithm, pad_id)
+        digest = hashlib.sha256()
+        for name in ("input_ids", "advantages", "loss_mask"):
+            digest.update(batch[name].numpy().tobytes())
+        digests.append(digest.hexdigest())
+        return batch
+
+    trainer.build_training_batch = recording_build
+    trainer.train(load_config(GRPOConfig, CONFIG, overrides, validate))
+    return digests
+
+
+@pytest.mark.slow
+def test_a_rank_dependent_failing_reward_gives_identical_batches_on_every_rank(task, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = _overrides(task, run_dir, "trainer.total_steps=3",
+                           f"reward.function={__name__}:rank_dependent_flaky_reward")
+    per_rank = run_distributed(_train_recording_batches, 2, overrides)
+    assert len(per_rank[0]) == 3 and per_rank[0] == per_rank[1]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert sum(row["reward/failures"] for row in metrics) > 0  # the run went on past failing calls
+
+
+NAN_FROM_STEP = 2
+
+
+def _train_with_nan_loss_from_step_2(overrides):
+    import grpo_mega.stages.update as update
+    import grpo_mega.trainer as trainer
+    from grpo_mega.config import GRPOConfig, load_config, validate
+    from grpo_mega.engine.base import NonFiniteError
+
+    current_step = [0]
+    make_loss = update.grpo_loss_fn
+    run_rollout = trainer.RolloutStage.run
+
+    def poisoned_loss_fn(settings):
+        loss_fn = make_loss(settings)
+
+        def loss(outputs, micro, scale):
+            value, metrics = loss_fn(outputs, micro, scale)
+            return (value * math.nan if current_step[0] >= NAN_FROM_STEP else value), metrics
+
+        return loss
+
+    def rollout_noting_the_step(self, step):
+        current_step[0] = step
+        return run_rollout(self, step)
+
+    update.grpo_loss_fn = poisoned_loss_fn
+    trainer.RolloutStage.run = rollout_noting_the_step
+    try:
+        trainer.train(load_config(GRPOConfig, CONFIG, overrides, validate))
+    except NonFiniteError as error:
+        return str(error)
+    return "finished"
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_is_recorded(task, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = _overrides(task, run_dir, "trainer.total_steps=3", "trainer.save_every=1")
+    per_rank = run_distributed(_train_with_nan_loss_from_step_2, 2, overrides)
+    for message in per_rank:
+        assert message.startswith("step 2 ") and "non-finite" in message and "not applied" in message
+    rows = {row["step"]: row for row in read_metrics(run_dir / "metrics.jsonl")}
+    assert sorted(rows) == [1, 2] and math.isfinite(rows[1]["actor/loss"]) and math.isnan(rows[2]["actor/loss"])
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    # metrics.jsonl holds the NaN as JSON NaN, as written
+    assert "NaN" in (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_extending_a_finished_cosine_run_trains_at_a_non_zero_lr(task, tmp_path):
+    run_dir = tmp_path / "run"
+    cosine = ("optim.decay_style=cosine", "optim.min_lr=0.0", "trainer.save_every=1")
+    first = subprocess.run(_cli(task, run_dir, "trainer.total_steps=2", *cosine), capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = subprocess.run(_cli(task, run_dir, "trainer.total_steps=4", *cosine), capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "follows the config" in second.stderr
+    lrs = {row["step"]: row["actor/lr"] for row in read_metrics(run_dir / "metrics.jsonl")}
+    # cosine over 4 steps at positions 2 and 3: lr * (1 + cos(pi * k / 4)) / 2
+    assert lrs[3] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 2 / 4)) / 2, rel=1e-5)
+    assert lrs[4] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 3 / 4)) / 2, rel=1e-5)
+    assert json.loads((run_dir / "checkpoints" / "step_000004" / "grpo_mega_checkpoint.json").read_text())["step"] == 4
