@@ -284,7 +284,7 @@ def _logits_and_export(hf_dirs: dict[str, str], ckpt_dir: str) -> dict:
         return build_gpt_model(gpt_config_from_hf(config, tp=tp, pp=pp,
                                                   overrides={"perform_initialization": False}))
 
-    init_distributed(1, 1, seed=0)
+    init_distributed(1, 1, seed=0, device="cpu")
     results = {}
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         _use_layout(tp, pp)

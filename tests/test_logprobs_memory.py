@@ -55,7 +55,7 @@ def _measure(configs: list[tuple[int, int, int]]) -> dict:
 
     if ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024) != 1:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
-    init_distributed(1, 1, seed=0)
+    init_distributed(1, 1, seed=0, device="cpu")
     _peak_bytes_of_logprob_path(
         256, VOCAB, 64
     )  # warm-up: first-call allocations are not the path's

@@ -50,7 +50,7 @@ def _job() -> dict:
     from grpo_mega.model import build_gpt_model, gpt_config_from_hf, next_token_labels
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(2, 1, seed=SEED)  # TP=2
+    init_distributed(2, 1, seed=SEED, device="cpu")  # TP=2
     group = parallel_state.get_tensor_model_parallel_group()
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)

@@ -290,7 +290,7 @@ def _job(checkpoint_root: str) -> dict:
 
     from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
 
-    init_distributed(1, 1, seed=SEED)  # DP=4 over the 4 ranks
+    init_distributed(1, 1, seed=SEED, device="cpu")  # DP=4 over the 4 ranks
     rank = dist.get_rank()
     result: dict = {"layouts": {}, "reference": {}}
     # Groups of one rank give every rank a TP=1 group for the function check.

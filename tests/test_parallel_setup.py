@@ -301,7 +301,7 @@ def _training_job() -> dict:
     apply_cpu_compat()  # idempotent: a second call must not wrap twice
     result["compat_idempotent"] = LanguageModule.setup_embeddings_and_output_layer is wrapped
     try:
-        init_distributed(2, 1, seed=5)
+        init_distributed(2, 1, seed=5, device="cpu")
     except ValueError as error:
         result["second_init_error"] = str(error)
 

@@ -168,3 +168,13 @@ def test_advantage_clip_bounds_the_advantages():
     assert _advantages(rewards).max() == pytest.approx(1.5, abs=1e-4)  # 0.75 / 0.5 before clipping
     clipped = _advantages(rewards, advantage_clip=1.0)
     assert float(clipped.max()) == pytest.approx(1.0) and float(clipped.min()) >= -1.0
+
+
+def test_dynamic_sampling_under_process_supervision_keeps_groups_whose_steps_differ():
+    # group 0: every outcome equal but steps differ (informative for process advantages); group 1: all steps equal
+    records, completions = make_groups([("", ["x.y.", "y.y.", "y.y.", "y.y."]), ("", ["x.x."] * G)])
+    scored, _ = stage(step_reward).score(records, completions)
+    assert scored.rewards.reshape(2, G).std(dim=1).tolist() == [0.0, 0.0]
+    assert len(keep_informative_groups(scored, G)) == 0
+    kept = keep_informative_groups(scored, G, by_steps=True)
+    assert len(kept) == 1 and [c.text for c in kept.completions] == ["x.y.", "y.y.", "y.y.", "y.y."]

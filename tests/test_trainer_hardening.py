@@ -196,3 +196,21 @@ def test_extending_a_finished_cosine_run_trains_at_a_non_zero_lr(task, tmp_path)
     assert lrs[3] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 2 / 4)) / 2, rel=1e-5)
     assert lrs[4] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 3 / 4)) / 2, rel=1e-5)
     assert json.loads((run_dir / "checkpoints" / "step_000004" / "grpo_mega_checkpoint.json").read_text())["step"] == 4
+
+
+@pytest.mark.slow
+def test_process_supervision_trains_from_the_synthetic_step_rewards(task, tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        _cli(task, run_dir, "trainer.total_steps=2", "reward.function=synthetic_steps", "algorithm.supervision=process",
+             "trainer.dump_rollouts=true"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["reward/steps_per_completion"] >= 1 for row in rows)
+    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    for line in dumped:  # every non-empty completion has steps, each ending inside its response
+        assert len(line["step_rewards"]) == len(line["step_ends"]) >= (1 if line["response"] else 0)
+        assert all(0 <= end < len(line["response_ids"]) for end in line["step_ends"])

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from grpo_mega.parallel.distributed import get_device
 from grpo_mega.parallel.layout import validate_model_split
 
 # (HF field, TransformerConfig field, required). Optional fields left unset keep megatron's default,
@@ -184,7 +185,7 @@ def gpt_config_from_hf(
         fields["num_attention_heads"],
         fields.get("num_query_groups", fields["num_attention_heads"]),
     )
-    has_cuda = torch.cuda.is_available()
+    has_cuda = get_device().type == "cuda"  # parallel.device=cpu builds on the CPU even on a GPU node
     dtype = dtype or (torch.bfloat16 if has_cuda else torch.float32)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")

@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from grpo_mega.model.config_map import GPTConfig
+from grpo_mega.parallel.distributed import get_device
 
 
 class HiddenStatesGPTModel(GPTModel):
@@ -57,7 +58,7 @@ class HiddenStatesGPTModel(GPTModel):
 
 def transformer_layer_spec() -> ModuleSpec:
     """Transformer Engine layers on GPU when TE is installed, else megatron-core's own layers."""
-    if torch.cuda.is_available():
+    if get_device().type == "cuda":
         try:
             import transformer_engine  # noqa: F401
         except ImportError:
@@ -101,6 +102,7 @@ def build_gpt_model(
         rope_scaling=config.rope_scaling_factor is not None,
         rope_scaling_factor=config.rope_scaling_factor or 1.0,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    device = get_device()
+    if device.type == "cuda":
+        model.cuda(device)
     return model

@@ -74,8 +74,14 @@ class RolloutBatch:
         )
 
 
-def keep_informative_groups(batch: RolloutBatch, group_size: int) -> RolloutBatch:
-    """Dynamic sampling (DAPO): drop the groups whose rewards are all equal (their outcome advantages are 0)."""
+def keep_informative_groups(batch: RolloutBatch, group_size: int, *, by_steps: bool = False) -> RolloutBatch:
+    """Dynamic sampling (DAPO): drop the groups whose advantages are all 0: groups whose rewards are all equal,
+    or with ``by_steps`` (process supervision) groups whose pooled step rewards are all equal."""
+    if by_steps:
+        pooled = [[r for row in batch.step_rewards[g * group_size:(g + 1) * group_size] for r in row]
+                  for g in range(len(batch))]
+        keep = [g for g, rewards in enumerate(pooled) if rewards and max(rewards) > min(rewards)]
+        return batch.select_groups(keep)
     grouped = batch.rewards.reshape(-1, group_size)
     keep = (grouped.max(dim=1).values - grouped.min(dim=1).values) > 0
     return batch.select_groups(keep.nonzero().flatten().tolist())
@@ -109,7 +115,8 @@ class RolloutStage:
             failures += round_failures
             sampled_scores.append(scored.scores)
             if alg.dynamic_sampling:
-                scored = keep_informative_groups(scored, G)
+                by_steps = alg.supervision == "process" and scored.step_rewards is not None
+                scored = keep_informative_groups(scored, G, by_steps=by_steps)
             kept = RolloutBatch.concat(kept, scored)
             if len(kept) >= alg.rollout_batch_size:
                 break
