@@ -420,11 +420,16 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
 def load_model_state(model: torch.nn.Module, path: str | os.PathLike) -> Path:
     """Load the model weights of a training checkpoint (or a run directory's newest) into a built model of this
     job's layout; collective. Returns the folder loaded."""
+    folder, model_state = _load_model_keys(model.sharded_state_dict(), path)
+    model.load_state_dict(model_state)
+    return folder
+
+
+def _load_model_keys(model_sharded_state: dict, path: str | os.PathLike) -> tuple[Path, dict]:
+    """The checkpoint folder meant by ``path`` and its model tensors for this layout; collective."""
     folder = locate_checkpoint(path)
     # Only the model's keys are requested; the checkpoint's other entries stay on disk.
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
-    model.load_state_dict(loaded["model"])
-    return folder
+    return folder, dist_checkpointing.load({"model": model_sharded_state}, str(folder))["model"]
 
 
 def checkpoint_config(path: str | os.PathLike) -> dict:
@@ -439,9 +444,7 @@ def load_model_only(engine, path: str | os.PathLike) -> Path:
     schedule, RNG and step stay as they are: a new run starts from these weights. Works on training and
     forward-only engines. Returns the folder loaded. Raises ValueError when there is no complete checkpoint there.
     """
-    folder = locate_checkpoint(path)
-    # Only the model's keys are requested; the checkpoint's other entries stay on disk.
-    loaded = dist_checkpointing.load({"model": engine.model_sharded_state_dict()}, str(folder))
-    engine.load_model_state_dict(loaded["model"])
+    folder, model_state = _load_model_keys(engine.model_sharded_state_dict(), path)
+    engine.load_model_state_dict(model_state)
     engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
     return folder
