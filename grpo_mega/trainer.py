@@ -29,7 +29,7 @@ from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.evaluation import evaluate
 from grpo_mega.metrics import MetricsLogger
-from grpo_mega.parallel import destroy_distributed, init_distributed
+from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
@@ -164,13 +164,14 @@ def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches
 
 
 def _build_rollout_engine(cfg: GRPOConfig, tokenizer):
+    """The rollout engine on this rank's device (``parallel.device``): bf16 on a GPU, fp32 on the CPU."""
+    device = get_device()
     engine_settings = (
-        {"generation_batch_size": cfg.rollout.generation_batch_size} if cfg.rollout.engine == "hf"
+        {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device} if cfg.rollout.engine == "hf"
         else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
     )
-    on_gpu = cfg.parallel.device != "cpu" and torch.cuda.is_available()
     return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
-                                dtype="bfloat16" if on_gpu else "float32", **engine_settings)
+                                dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
 
 
 def _sync(policy, rollout_engine, cfg: GRPOConfig) -> float:
