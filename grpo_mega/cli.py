@@ -50,9 +50,14 @@ def _run_stage(args) -> int:
 
         run_sft(cfg)
     else:
+        from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
         from grpo_mega.trainer import train
 
-        train(cfg)
+        try:
+            train(cfg)
+        except StoppedEarly as stopped:
+            print(f"grpo-mega train: {stopped}", file=sys.stderr)
+            return EXIT_STOPPED_EARLY
     return 0
 
 

@@ -179,6 +179,12 @@ class TrainerConfig:
     tensorboard: bool = True
     dump_rollouts: bool = False
     """Write every step's prompts, completions and rewards to ``run_dir/rollouts/step_N.jsonl`` (rank 0)."""
+    save_before_seconds: float = 0.0
+    """Save a checkpoint and stop (exit status 3) once less than this many seconds are left before the time limit;
+    0 disables. Also on SIGTERM / SIGUSR1 / SIGUSR2 the run saves and stops at the end of the step in flight."""
+    time_limit_seconds: float = 0.0
+    """The run's time limit, counted from its start, for ``save_before_seconds``; 0 = the SLURM job's end
+    (``SLURM_JOB_END_TIME``) when running under SLURM, else no limit."""
 
 
 @dataclass
@@ -234,6 +240,9 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(f"algorithm.{key} must be >= 1")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for sampling")
+    for key in ("save_before_seconds", "time_limit_seconds"):
+        if getattr(cfg.trainer, key) < 0:
+            raise ConfigError(f"trainer.{key} must be >= 0")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("rollout.top_p must be in (0, 1]")
 

@@ -1,7 +1,7 @@
 """Start the processes of a distributed job: reuse a launcher's, relaunch under torchrun, or spawn local ranks.
 
 Under torchrun or SLURM (RANK / SLURM_PROCID set) a command runs in this process, which is one rank of the job.
-Otherwise ``relaunch_with_torchrun`` runs the same command line again under ``torch.distributed.run --standalone``
+Otherwise ``relaunch_with_torchrun`` execs the same command line under ``torch.distributed.run --standalone``
 (the CLI's ``--nproc``), and ``spawn_local_ranks`` runs a picklable function on fresh local processes with a
 torchrun-like environment (the conversion tools and the multi-process tests).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,11 +29,13 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_process: int | None = None) -> int:
-    """Run ``python -m torch.distributed.run --standalone --nproc-per-node nproc -m <module_args>``.
+def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_process: int | None = None):
+    """Become ``python -m torch.distributed.run --standalone --nproc-per-node nproc -m <module_args>`` (exec: this
+    process is replaced, so signals sent to it, e.g. a scheduler's SIGTERM, reach torchrun and through it the
+    ranks). Does not return.
 
-    Returns the exit code. Each process gets ``threads_per_process`` intra-op threads (default: cores / nproc),
-    so ranks sharing a machine do not oversubscribe its cores.
+    Each process gets ``threads_per_process`` intra-op threads (default: cores / nproc), so ranks sharing a
+    machine do not oversubscribe its cores.
     """
     threads = threads_per_process or threads_per_rank(nproc)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -42,7 +43,9 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", *module_args,
     ]
-    return subprocess.call(command, env=env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, command, env)
 
 
 def free_port() -> int:

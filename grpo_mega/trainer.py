@@ -33,6 +33,7 @@ from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
+from grpo_mega.run_control import StoppedEarly, StopRequests, job_end_time
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.rollout import sampling_from_config
 
@@ -55,6 +56,7 @@ class Timer:
 def train(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO; returns the last evaluation metrics."""
     alg = cfg.algorithm
+    stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds, end_time=_end_time(cfg)).install()
     init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
     run_dir, is_rank0 = Path(cfg.trainer.run_dir), dist.get_rank() == 0
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
@@ -85,6 +87,10 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
     if eval_metrics:
         metrics_log.log(0, eval_metrics, advance=False)
+    stop_reason = None
+
+    def save(step: int) -> None:
+        checkpoints.save(policy, step, extra_state={"prompts": train_prompts.state_dict()}, config=asdict(cfg))
 
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         timer = Timer()
@@ -114,16 +120,23 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         if "perf/num_tokens" in metrics:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
 
-        # 5. checkpoint and evaluation on schedule, metrics
-        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps:
-            checkpoints.save(policy, step, extra_state={"prompts": train_prompts.state_dict()}, config=asdict(cfg))
+        # 5. checkpoint and evaluation on schedule, metrics; a signal or the time limit saves and stops early
+        stop_reason = stop_requests.agreed_reason(get_device()) if step < cfg.trainer.total_steps else None
+        on_schedule = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps
+        if on_schedule or stop_reason:
+            save(step)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
             eval_metrics = run_eval(step)
             metrics.update(eval_metrics)
         metrics_log.log(step, metrics)
+        if stop_reason:
+            break
 
     metrics_log.close()
+    stop_requests.uninstall()
     destroy_distributed()
+    if stop_reason:
+        raise StoppedEarly(step, stop_reason)
     return eval_metrics
 
 
@@ -161,6 +174,13 @@ def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches
     train_prompts.load_state_dict(loaded.extra_state["prompts"])
     logger.info("resumed from %s at step %d", resume_from, loaded.step)
     return loaded.step
+
+
+def _end_time(cfg: GRPOConfig) -> float | None:
+    """When the run must end: ``trainer.time_limit_seconds`` from now, else the SLURM job's end, else never."""
+    if cfg.trainer.time_limit_seconds:
+        return time.time() + cfg.trainer.time_limit_seconds
+    return job_end_time()
 
 
 def _build_rollout_engine(cfg: GRPOConfig, tokenizer):

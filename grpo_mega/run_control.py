@@ -1,0 +1,92 @@
+"""Stopping a run early on purpose, with a checkpoint: a signal (preemption, the scheduler's warning before the
+time limit) or the job's time limit approaching (``trainer.save_before_seconds``).
+
+Signal handlers only set a flag. At the end of every step all ranks agree on it with one small all-reduce, as
+Megatron-LM's exit-signal handler does, so a signal seen by any one rank makes every rank save the same step and
+stop; a resumed job continues exactly from there. Under torchrun, only SIGINT / SIGTERM / SIGHUP / SIGQUIT sent to
+torchrun reach the workers, and torchrun kills them about 30 s after forwarding SIGTERM: the step in flight and
+the save must fit in that window. SIGUSR1 / SIGUSR2 have to be sent to the workers themselves (``srun --signal``
+or ``scancel --signal=USR1 --full`` under SLURM).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+EXIT_STOPPED_EARLY = 3
+"""Exit status of a run that stopped before ``trainer.total_steps`` after saving a checkpoint (not 0, so a
+``--dependency=afterok`` chain does not start the next stage)."""
+
+
+class StoppedEarly(Exception):
+    """The run saved a checkpoint and stopped before its last step; the same command resumes it."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"stopped after step {step} ({reason}); a checkpoint of step {step} was saved: run the same "
+                         "command again to resume")
+        self.step, self.reason = step, reason
+
+
+def job_end_time(environ=os.environ) -> float | None:
+    """The UNIX time the job must end: ``SLURM_JOB_END_TIME`` under SLURM, else None."""
+    value = environ.get("SLURM_JOB_END_TIME")
+    return float(value) if value else None
+
+
+class StopRequests:
+    """Collects reasons to stop early; :meth:`agreed_reason` is collective (call it once per step on every rank).
+
+    Args:
+        save_before_seconds: stop (and save) once the time left before ``end_time`` is below this; 0 disables.
+        end_time: UNIX time the job ends (``time_limit_seconds`` after start, else the SLURM job's end).
+    """
+
+    _REASONS = ("", "signal", "time limit")
+
+    def __init__(self, *, save_before_seconds: float = 0.0, end_time: float | None = None):
+        self.save_before_seconds = save_before_seconds
+        self.end_time = end_time
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def install(self) -> "StopRequests":
+        """Catch ``STOP_SIGNALS`` in this process (main thread) until :meth:`uninstall`."""
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def _local_code(self) -> int:
+        if self.signal_name is not None:
+            return 1
+        if self.save_before_seconds and self.end_time is not None:
+            if self.end_time - time.time() < self.save_before_seconds:
+                return 2
+        return 0
+
+    def agreed_reason(self, device: torch.device) -> str | None:
+        """The reason to stop now, the same on every rank (a signal on any rank counts), or None."""
+        code = torch.tensor([self._local_code()], dtype=torch.int32, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        if code.item() == 0:
+            return None
+        if code.item() == 1:
+            return f"{self.signal_name} received" if self.signal_name else "a signal on another rank"
+        return f"less than trainer.save_before_seconds={self.save_before_seconds:g} s left before the time limit"

@@ -1,0 +1,123 @@
+"""Stopping early with a checkpoint (2 gloo processes under torchrun, the real CLI): SIGTERM to torchrun, a
+signal that reaches one rank only, and the time limit; the run exits with status 3 and resumes from that step."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from grpo_mega.metrics import read_metrics
+from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+from grpo_mega.run_control import EXIT_STOPPED_EARLY
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    model_dir, train_file, _ = build_data_and_model(root, QuickstartPlan(num_train=200, num_heldout=8))
+    return model_dir, train_file
+
+
+def _cli(task, run_dir, *extra):
+    model_dir, train_file = task
+    return [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(CONFIG), "--nproc", "2",
+            f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
+            "algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
+            "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",
+            "trainer.tensorboard=false", "parallel.device=cpu", "trainer.save_every=0", *extra]
+
+
+def _start_and_signal_after_step_one(task, run_dir, send):
+    """Start a 40-step run, wait until step 1 is logged, call ``send(job)``; returns (return code, output)."""
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(_cli(task, run_dir, "trainer.total_steps=40"), stdout=log, stderr=log)
+        metrics = run_dir / "metrics.jsonl"
+        while job.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.05)
+        send(job)
+        code = job.wait(timeout=300)
+    return code, log_path.read_text()
+
+
+def _stopped_steps(output: str) -> list[int]:
+    return [int(n) for n in re.findall(r"grpo-mega train: stopped after step (\d+)", output)]
+
+
+def _resumes_from(task, run_dir, step: int) -> None:
+    resumed = subprocess.run(_cli(task, run_dir, f"trainer.total_steps={step + 1}"), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step_{step:06d}" in resumed.stderr and "resumed from" in resumed.stderr
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, step + 2))
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_the_step_in_flight_and_stops(task, tmp_path):
+    run_dir = tmp_path / "run"
+    code, output = _start_and_signal_after_step_one(task, run_dir, lambda job: job.send_signal(signal.SIGTERM))
+    steps = _stopped_steps(output)
+    assert code != 0 and len(steps) == 2 and steps[0] == steps[1] and 1 <= steps[0] < 40, output[-3000:]
+    assert "SIGTERM received" in output
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps[0]:06d}"
+    _resumes_from(task, run_dir, steps[0])
+
+
+@pytest.mark.slow
+def test_a_signal_seen_by_one_rank_stops_every_rank_at_the_same_step(task, tmp_path):
+    run_dir = tmp_path / "run"
+
+    def signal_rank_one_only(job):
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "grpo_mega.cli" in " ".join(p.cmdline())]
+        rank_one = [p for p in workers if p.environ().get("RANK") == "1"]
+        assert len(rank_one) == 1, [p.cmdline() for p in workers]
+        rank_one[0].send_signal(signal.SIGUSR1)
+
+    code, output = _start_and_signal_after_step_one(task, run_dir, signal_rank_one_only)
+    steps = _stopped_steps(output)
+    assert code != 0 and len(steps) == 2 and steps[0] == steps[1] < 40, output[-3000:]
+    assert "SIGUSR1 received" in output and "a signal on another rank" in output
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps[0]:06d}"
+
+
+@pytest.mark.slow
+def test_the_time_limit_saves_and_stops_with_status_3(task, tmp_path):
+    run_dir = tmp_path / "run"
+    # 1 s of limit from the start, stop with 0.5 s left: start-up alone takes longer, so the first step stops
+    result = subprocess.run(
+        _cli(task, run_dir, "trainer.total_steps=40", "trainer.time_limit_seconds=1", "trainer.save_before_seconds=0.5"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_STOPPED_EARLY}\b", result.stderr)
+    assert _stopped_steps(result.stderr) == [1, 1] and "before the time limit" in result.stderr
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    _resumes_from(task, run_dir, 1)
+
+
+def test_stop_requests_in_one_process():
+    import os
+
+    import torch
+
+    from grpo_mega.run_control import StopRequests, job_end_time
+
+    cpu = torch.device("cpu")
+    assert StopRequests(save_before_seconds=10, end_time=time.time() + 3600).agreed_reason(cpu) is None
+    assert "time limit" in StopRequests(save_before_seconds=10, end_time=time.time() + 5).agreed_reason(cpu)
+    assert StopRequests(save_before_seconds=0, end_time=time.time()).agreed_reason(cpu) is None  # 0 disables
+    previous = signal.getsignal(signal.SIGUSR1)
+    requests = StopRequests().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert requests.agreed_reason(cpu) == "SIGUSR1 received"
+    finally:
+        requests.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is previous
+    assert job_end_time({"SLURM_JOB_END_TIME": "1700000000"}) == 1700000000.0 and job_end_time({}) is None
