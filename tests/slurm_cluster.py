@@ -1,0 +1,158 @@
+"""A real one-node SLURM cluster for tests (slurm-wlm + munge from Debian's apt, run as root).
+
+``slurm_cluster()`` is a generator for a session-scoped pytest fixture: it uses a cluster that already answers
+``sinfo``, or installs and starts one when the machine allows (root, apt-get, Debian packages), and skips with
+the reason otherwise. Daemons it started are stopped at the end; packages it installed are left in place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+STATE = Path("/tmp/grpo-mega-slurm")
+SLURM_CONF = Path("/etc/slurm/slurm.conf")
+MUNGE_KEY = Path("/etc/munge/munge.key")
+
+
+@dataclass
+class SlurmCluster:
+    node: str
+    install_seconds: float | None
+    """How long installing the packages took (None: they were already installed)."""
+    started_daemons: bool
+
+
+def _run(cmd, timeout=60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _node_idle(node: str) -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        out = _run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return out.returncode == 0 and out.stdout.strip() in {"idle", "mix", "alloc"}
+
+
+def _install() -> float:
+    if os.geteuid() != 0:
+        pytest.skip("SLURM is not installed and installing it needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and there is no apt-get to install it")
+    start = time.monotonic()
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    result = _run(["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], timeout=600, env=env)
+    if result.returncode != 0:
+        update = _run(["apt-get", "update"], timeout=300, env=env)
+        result = _run(["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], timeout=600,
+                      env=env)
+        if result.returncode != 0:
+            pytest.skip(f"apt-get install slurm-wlm munge failed: {(update.stderr + result.stderr)[-800:]}")
+    return time.monotonic() - start
+
+
+def _memory_mb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024 - 1024
+    return 1024
+
+
+def _configure(node: str) -> None:
+    for sub in ("ctld", "d", "log"):
+        (STATE / sub).mkdir(parents=True, exist_ok=True)
+    if not MUNGE_KEY.exists():
+        MUNGE_KEY.parent.mkdir(parents=True, exist_ok=True)
+        MUNGE_KEY.write_bytes(os.urandom(1024))
+    shutil.chown(MUNGE_KEY, "munge", "munge")
+    MUNGE_KEY.chmod(0o400)
+    SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
+    SLURM_CONF.write_text(f"""# written by grpo-mega tests/slurm_cluster.py
+ClusterName=grpotest
+SlurmctldHost={node}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+StateSaveLocation={STATE}/ctld
+SlurmdSpoolDir={STATE}/d
+SlurmctldPidFile={STATE}/slurmctld.pid
+SlurmdPidFile={STATE}/slurmd.pid
+SlurmctldLogFile={STATE}/log/slurmctld.log
+SlurmdLogFile={STATE}/log/slurmd.log
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MinJobAge=300
+KillWait=30
+SchedulerParameters=batch_sched_delay=0
+NodeName={node} CPUs={os.cpu_count()} RealMemory={_memory_mb()} State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+""")
+
+
+def _start_daemons() -> None:
+    munge_running = _run(["munge", "-n"], timeout=10).returncode == 0 if shutil.which("munge") else False
+    if not munge_running:
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        result = _run(["runuser", "-u", "munge", "--", "munged", "--force"], timeout=30)
+        if result.returncode != 0:
+            pytest.skip(f"munged did not start: {result.stderr[-500:]}")
+    for daemon in ("slurmctld", "slurmd"):
+        result = _run([daemon], timeout=60)
+        if result.returncode != 0:
+            pytest.skip(f"{daemon} did not start: {result.stderr[-500:]}")
+
+
+def _stop_daemons() -> None:
+    for pid_file in (STATE / "slurmd.pid", STATE / "slurmctld.pid"):
+        try:
+            os.kill(int(pid_file.read_text().strip()), 15)
+        except (OSError, ValueError):
+            pass
+
+
+def slurm_cluster():
+    """Yield a SlurmCluster whose node is idle; skip when this machine cannot run one."""
+    node = socket.gethostname().split(".")[0]
+    if shutil.which("sinfo") and _run(["sinfo", "-h"], timeout=10).returncode == 0:
+        # A cluster answers already (ours from an earlier session, or a real one).
+        out = _run(["sinfo", "-h", "-o", "%n"], timeout=10).stdout.split()
+        if out:
+            node = out[0]
+        yield SlurmCluster(node=node, install_seconds=None, started_daemons=False)
+        return
+    install_seconds = None
+    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
+        install_seconds = _install()
+    if os.geteuid() != 0:
+        pytest.skip("starting the SLURM daemons needs root")
+    _configure(node)
+    _start_daemons()
+    try:
+        deadline = time.monotonic() + 60
+        while not _node_idle(node):
+            if time.monotonic() > deadline:
+                log = (STATE / "log" / "slurmctld.log")
+                tail = log.read_text()[-1500:] if log.exists() else ""
+                pytest.skip(f"SLURM node {node} did not become idle in 60 s: {tail}")
+            time.sleep(0.5)
+        yield SlurmCluster(node=node, install_seconds=install_seconds, started_daemons=True)
+    finally:
+        _stop_daemons()
