@@ -83,6 +83,8 @@ SlurmctldHost={node}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# Requeued jobs wait for the job credential to expire before they start again (default 120 s).
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
