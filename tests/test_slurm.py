@@ -2,6 +2,7 @@
 a 2-step training job completes, and a job told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does
 before the time limit) saves, requeues itself and resumes from the saved step."""
 
+import json
 import os
 import re
 import subprocess
@@ -129,3 +130,27 @@ def test_usr1_to_the_batch_shell_saves_requeues_and_resumes(cluster, task, tmp_p
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
         _wait_for(lambda: _job(job_id).get("JobState") in {None, "CANCELLED", "COMPLETED", "FAILED"}, 120,
                   f"job {job_id} to end", log)
+
+
+@pytest.mark.slow
+def test_convert_sbatch_runs_one_task_per_tensor_parallel_rank(cluster, tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hf, out = tmp_path / "hf", tmp_path / "ckpt"
+    config = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    env = dict(os.environ, HF=str(hf), OUT=str(out), TP="2", PP="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    result = subprocess.run(["sbatch", "--parsable", "--ntasks-per-node=2", f"--output={tmp_path}/%x-%j.out",
+                             str(CONVERT_SBATCH)], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip().split(";")[0]
+    log = tmp_path / f"grpo-mega-convert-{job_id}.out"
+    try:
+        state = _wait_for(lambda: (s := _job(job_id).get("JobState")) not in {None, "PENDING", "RUNNING",
+                                                                            "CONFIGURING", "COMPLETING"} and s,
+                          240, f"job {job_id} to finish", log)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    assert state == "COMPLETED", log.read_text()[-4000:]
+    assert json.loads((out / "grpo_mega_model.json").read_text())["saved_tensor_parallel"] == 2
