@@ -108,7 +108,11 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """)
 
 
-def _start_daemons() -> None:
+MUNGE_PID = Path("/run/munge/munged.pid")
+
+
+def _start_daemons() -> bool:
+    """Start munged (unless it runs) and the SLURM daemons; True when this started munged."""
     munge_running = _run(["munge", "-n"], timeout=10).returncode == 0 if shutil.which("munge") else False
     if not munge_running:
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
@@ -120,10 +124,12 @@ def _start_daemons() -> None:
         result = _run([daemon], timeout=60)
         if result.returncode != 0:
             pytest.skip(f"{daemon} did not start: {result.stderr[-500:]}")
+    return not munge_running
 
 
-def _stop_daemons() -> None:
-    for pid_file in (STATE / "slurmd.pid", STATE / "slurmctld.pid"):
+def _stop_daemons(munge: bool) -> None:
+    pid_files = [STATE / "slurmd.pid", STATE / "slurmctld.pid"] + ([MUNGE_PID] if munge else [])
+    for pid_file in pid_files:
         try:
             os.kill(int(pid_file.read_text().strip()), 15)
         except (OSError, ValueError):
@@ -146,8 +152,9 @@ def slurm_cluster():
     if os.geteuid() != 0:
         pytest.skip("starting the SLURM daemons needs root")
     _configure(node)
-    _start_daemons()
+    started_munge = False
     try:
+        started_munge = _start_daemons()
         deadline = time.monotonic() + 60
         while not _node_idle(node):
             if time.monotonic() > deadline:
@@ -157,4 +164,4 @@ def slurm_cluster():
             time.sleep(0.5)
         yield SlurmCluster(node=node, install_seconds=install_seconds, started_daemons=True)
     finally:
-        _stop_daemons()
+        _stop_daemons(started_munge)
