@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo_mega.metrics import read_metrics
-from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+from tiny_task import build_tiny_task, tiny_run_overrides
 
 from slurm_cluster import slurm_cluster
 
@@ -44,17 +44,11 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    model_dir, train_file, _ = build_data_and_model(root, QuickstartPlan(num_train=200, num_heldout=8))
-    return model_dir, train_file
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
 
 
 def _overrides(task, run_dir, *extra):
-    model_dir, train_file = task
-    return [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
-            "algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
-            "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",
-            "trainer.tensorboard=false", "parallel.device=cpu", "trainer.save_every=0", *extra]
+    return tiny_run_overrides(task, run_dir, "trainer.save_every=0", *extra)
 
 
 def _submit(log_dir: Path, *args) -> str:
@@ -69,6 +63,13 @@ def _submit(log_dir: Path, *args) -> str:
 def _job(job_id: str) -> dict[str, str]:
     out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _final_state(job_id: str, log: Path) -> str:
+    """The job's state once it has left the pending / running states (waits up to 240 s)."""
+    running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}
+    return _wait_for(lambda: (s := _job(job_id).get("JobState")) not in running and s, 240, f"job {job_id} to finish",
+                     log)
 
 
 def _wait_for(predicate, timeout: float, what: str, log: Path):
@@ -93,9 +94,7 @@ def test_train_sbatch_runs_two_steps_on_one_node(cluster, task, tmp_path):
     job_id = _submit(tmp_path, *_overrides(task, run_dir, "trainer.total_steps=2"))
     log = tmp_path / f"grpo-mega-{job_id}.out"
     try:
-        state = _wait_for(lambda: (s := _job(job_id).get("JobState")) not in {None, "PENDING", "RUNNING",
-                                                                            "CONFIGURING", "COMPLETING"} and s,
-                          240, f"job {job_id} to finish", log)
+        state = _final_state(job_id, log)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
     text = log.read_text()
@@ -147,9 +146,7 @@ def test_convert_sbatch_runs_one_task_per_tensor_parallel_rank(cluster, tmp_path
     job_id = result.stdout.strip().split(";")[0]
     log = tmp_path / f"grpo-mega-convert-{job_id}.out"
     try:
-        state = _wait_for(lambda: (s := _job(job_id).get("JobState")) not in {None, "PENDING", "RUNNING",
-                                                                            "CONFIGURING", "COMPLETING"} and s,
-                          240, f"job {job_id} to finish", log)
+        state = _final_state(job_id, log)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
     assert state == "COMPLETED", log.read_text()[-4000:]

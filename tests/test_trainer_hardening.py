@@ -14,25 +14,18 @@ import pytest
 
 from dist_utils import run_distributed
 from grpo_mega.metrics import read_metrics
-from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
-SMALL = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
-         "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",
-         "trainer.tensorboard=false", "optim.lr=1e-3", "parallel.device=cpu"]
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    model_dir, train_file, _ = build_data_and_model(root, QuickstartPlan(num_train=200, num_heldout=8))
-    return model_dir, train_file
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
 
 
 def _overrides(task, run_dir, *extra):
-    model_dir, train_file = task
-    return [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
-            *SMALL, *extra]
+    return tiny_run_overrides(task, run_dir, "optim.lr=1e-3", *extra)
 
 
 def _cli(task, run_dir, *extra):

@@ -12,26 +12,20 @@ import psutil
 import pytest
 
 from grpo_mega.metrics import read_metrics
-from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
 from grpo_mega.run_control import EXIT_STOPPED_EARLY
+from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("task")
-    model_dir, train_file, _ = build_data_and_model(root, QuickstartPlan(num_train=200, num_heldout=8))
-    return model_dir, train_file
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
 
 
 def _cli(task, run_dir, *extra):
-    model_dir, train_file = task
     return [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(CONFIG), "--nproc", "2",
-            f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
-            "algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
-            "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",
-            "trainer.tensorboard=false", "parallel.device=cpu", "trainer.save_every=0", *extra]
+            *tiny_run_overrides(task, run_dir, "trainer.save_every=0", *extra)]
 
 
 def _start_and_signal_after_step_one(task, run_dir, send):
