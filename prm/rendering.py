@@ -1,0 +1,163 @@
+"""The rendering contract shared by labelling, training, scoring and evaluation of a PRM.
+
+An example (prompt, steps) becomes one text::
+
+    prompt + step_1 + tag + step_2 + tag + ... + step_n + tag
+
+where ``tag`` is the step tag (``"<extra_0>"`` for Qwen2.5-Math-PRM, ``" ки"`` for Math-Shepherd). A step's score is
+read at the LAST token of the tag that follows it, so the score sees the prompt and every step up to its own.
+
+With ``chat_template`` on, the text is the tokenizer's chat template applied to the messages
+``[system (optional), user = prompt, assistant = step_1 + tag + ... + step_n + tag]`` (the Qwen2.5-Math-PRM layout);
+the template writes its own special tokens, so none are added when tokenizing. Without it, the plain text is
+tokenized with the tokenizer's special tokens (a BOS, if the tokenizer adds one, is kept).
+
+Token positions come from the fast tokenizer's offset mapping: the tag's position is the last token whose character
+span covers the tag's last character. A tag that shares its last token with another tag, or whose last token runs on
+into the next step's text (so the score would see text after the step), is an error: pick a tag the tokenizer keeps
+apart (a special token, or a string that starts and ends at token boundaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from prm.examples import StepExample
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """How (prompt, steps) is written as text; the same settings must be used to label, train, score and evaluate."""
+
+    step_tag: str
+    """Text written after every step; its last token carries the step's score."""
+    chat_template: bool = False
+    """Wrap the text in the tokenizer's chat template (user = prompt, assistant = tagged steps)."""
+    system_prompt: str | None = None
+    """System message for the chat template (ignored without it)."""
+
+    def __post_init__(self) -> None:
+        if not self.step_tag:
+            raise ValueError("RenderSettings.step_tag must be a non-empty string")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("RenderSettings.system_prompt needs chat_template=True (a plain rendering has no system turn)")
+
+
+@dataclass
+class RenderedExample:
+    """Token ids of a rendered example and, per step, the index of its tag's last token (strictly increasing)."""
+
+    input_ids: list[int]
+    tag_positions: list[int]
+
+
+def _tagged_steps(steps: Sequence[str], tag: str) -> tuple[str, list[int]]:
+    """``step_1 + tag + ... + step_n + tag`` and the offset just after each tag."""
+    text, ends = "", []
+    for step in steps:
+        text += step + tag
+        ends.append(len(text))
+    return text, ends
+
+
+def render(prompt: str, steps: Sequence[str], settings: RenderSettings, tokenizer=None) -> tuple[str, list[int]]:
+    """The rendered text and, per step, the character offset just after its tag.
+
+    ``tokenizer`` is needed only with ``settings.chat_template`` (its template writes the text).
+    """
+    body, ends = _tagged_steps(steps, settings.step_tag)
+    if not settings.chat_template:
+        return prompt + body, [len(prompt) + end for end in ends]
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("RenderSettings.chat_template is on but the tokenizer has no chat template")
+    messages = [] if settings.system_prompt is None else [{"role": "system", "content": settings.system_prompt}]
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": body}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    return text, _locate_body(text, body, ends, settings.step_tag)
+
+
+def _locate_body(text: str, body: str, ends: list[int], tag: str) -> list[int]:
+    """Tag ends inside the chat-templated ``text``: the assistant body is searched for as written, then stripped
+    (templates such as Llama 3's trim message contents); every tag is checked to sit where it is expected."""
+    if not body:
+        return []
+    start = text.rfind(body)
+    shift = 0
+    if start < 0:
+        stripped = body.strip()
+        start = text.rfind(stripped) if stripped else -1
+        shift = len(body) - len(body.lstrip())
+    if start < 0:
+        raise ValueError(f"the chat template changed the assistant text; cannot find {body[:80]!r}... in {text[:200]!r}")
+    offsets = [start + end - shift for end in ends]
+    for k, offset in enumerate(offsets):
+        if text[offset - len(tag) : offset] != tag:
+            raise ValueError(f"the chat template moved or trimmed the tag of step {k} ({tag!r}); text: {text[:200]!r}")
+    return offsets
+
+
+def _tag_token_positions(offsets: Sequence[Sequence[int]], tag_ends: Sequence[int], tag: str, where: str) -> list[int]:
+    """Index of the last token covering character ``end - 1`` for every tag end; errors as in the module docstring."""
+    # Tokens with an empty span (BOS and other added special tokens at (0, 0)) cover no character.
+    spans = [(index, start, end) for index, (start, end) in enumerate(offsets) if end > start]
+    covering: list[int] = []  # per tag, an index into spans
+    cursor = 0
+    for step, tag_end in enumerate(tag_ends):
+        last_char, found = tag_end - 1, None
+        scan = cursor
+        while scan < len(spans) and spans[scan][1] <= last_char:
+            if last_char < spans[scan][2]:
+                found = scan
+            scan += 1
+        if found is None:
+            raise ValueError(f"{where}: no token covers the last character of step {step}'s tag {tag!r}")
+        covering.append(found)
+        cursor = found
+    for step in range(1, len(covering)):
+        if covering[step] == covering[step - 1]:
+            raise ValueError(f"{where}: the tags of steps {step - 1} and {step} ({tag!r}) end on the same token")
+    for step, (found, tag_end) in enumerate(zip(covering, tag_ends)):
+        if spans[found][2] > tag_end:
+            raise ValueError(
+                f"{where}: the last token of step {step}'s tag {tag!r} runs on past the tag into the text after it; "
+                "use a tag the tokenizer keeps as its own token(s)"
+            )
+    return [spans[found][0] for found in covering]
+
+
+def _checked(ids: list[int], offsets, ends: list[int], tag: str, max_length: int | None, where: str) -> RenderedExample:
+    if max_length is not None and len(ids) > max_length:
+        raise ValueError(f"{where}: rendered example has {len(ids)} tokens, more than max_length={max_length}")
+    return RenderedExample(input_ids=list(ids), tag_positions=_tag_token_positions(offsets, ends, tag, where))
+
+
+def _encode(tokenizer, texts: list[str], settings: RenderSettings) -> tuple[list[list[int]], list]:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"PRM rendering needs a fast tokenizer (offset mapping); got {type(tokenizer).__name__}")
+    encoded = tokenizer(texts, add_special_tokens=not settings.chat_template, return_offsets_mapping=True)
+    return encoded["input_ids"], encoded["offset_mapping"]
+
+
+def tokenize_rendered(
+    tokenizer, prompt: str, steps: Sequence[str], settings: RenderSettings, *, max_length: int | None = None
+) -> RenderedExample:
+    """Render (prompt, steps), tokenize it, and find each tag's last token; ValueError as in the module docstring."""
+    text, ends = render(prompt, steps, settings, tokenizer)
+    ids, offsets = _encode(tokenizer, [text], settings)
+    return _checked(ids[0], offsets[0], ends, settings.step_tag, max_length, "rendered example")
+
+
+def tokenize_many(
+    tokenizer, examples: Sequence["StepExample"], settings: RenderSettings, max_length: int | None = None
+) -> list[RenderedExample]:
+    """``tokenize_rendered`` for many examples in one tokenizer call; errors name the example's source."""
+    rendered = [render(example.prompt, example.steps, settings, tokenizer) for example in examples]
+    if not rendered:
+        return []
+    ids, offsets = _encode(tokenizer, [text for text, _ in rendered], settings)
+    return [
+        _checked(ids[i], offsets[i], ends, settings.step_tag, max_length, example.source or f"example {i}")
+        for i, ((_, ends), example) in enumerate(zip(rendered, examples))
+    ]
