@@ -1,5 +1,8 @@
 """Convert a Hugging Face Qwen2 / Llama model folder into a megatron-core checkpoint.
 
+Also a classifier PRM (Qwen2.5-Math-PRM layout: config.json architectures ["Qwen2ForProcessRewardModel"], a
+Qwen2 backbone without lm_head and the step classifier score.*), stored with its head on the last stage.
+
 The output loads at ANY tensor/pipeline parallel layout (megatron dist_checkpointing, torch_dist
 format, reshards on load); --tp/--pp only choose how the conversion itself is split, i.e. how much
 memory each process needs (each one reads only its pipeline stage's tensors from the safetensors).
@@ -45,6 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def architecture_label(hf_config) -> str:
+    """The model type, with the PRM architecture when the config names one (for the summary line)."""
+    from grpo_mega.checkpoint import architecture_for
+
+    return architecture_for(hf_config).label
+
+
 def resolve_dtype(choice: str, hf_config) -> torch.dtype:
     """The dtype to store: the requested one, or with 'auto' the HF config's (fp16 widens to fp32)."""
     if choice != "auto":
@@ -79,8 +89,9 @@ def convert(hf_dir: Path, out_dir: Path, tp: int, pp: int, dtype: torch.dtype) -
     from transformers import AutoConfig
 
     from grpo_mega.checkpoint import HFWeights, load_hf_weights, save_mcore_checkpoint
-    from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+    from grpo_mega.model import gpt_config_from_hf
     from grpo_mega.parallel import init_distributed
+    from prm.model import build_conversion_stage
 
     start = time.perf_counter()
     init_distributed(tp, pp, seed=0)
@@ -88,7 +99,7 @@ def convert(hf_dir: Path, out_dir: Path, tp: int, pp: int, dtype: torch.dtype) -
     # Every parameter is overwritten from the HF files: skip megatron's random initialisation.
     gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=dtype,
                                     overrides={"perform_initialization": False})
-    model = build_gpt_model(gpt_config)
+    model = build_conversion_stage(hf_config, gpt_config)
     load_hf_weights(model, HFWeights(hf_dir), hf_config)
     save_mcore_checkpoint(model, out_dir, hf_dir)
     return {"seconds": time.perf_counter() - start}
@@ -104,7 +115,7 @@ def main(argv=None) -> None:
     dtype = resolve_dtype(args.dtype, hf_config)
     result = run_job(convert, args.tp * args.pp, args.hf, args.out, args.tp, args.pp, dtype)
     if result is not None:
-        print(f"{TOOL}: wrote {args.out} ({hf_config.model_type}, {str(dtype)[6:]}, "
+        print(f"{TOOL}: wrote {args.out} ({architecture_label(hf_config)}, {str(dtype)[6:]}, "
               f"tp={args.tp} pp={args.pp}) in {result['seconds']:.1f} s")
 
 

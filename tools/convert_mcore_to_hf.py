@@ -1,6 +1,8 @@
 """Convert a megatron-core checkpoint back into a Hugging Face folder: one written by convert_hf_to_mcore, or a
 training checkpoint of `grpo-mega sft` / `grpo-mega train` (a checkpoint folder, or a run directory for its newest
 complete checkpoint; the architecture and tokenizer come from the run's model.hf_config folder).
+A classifier PRM (architectures ["Qwen2ForProcessRewardModel"]) is written with its step classifier score.*
+and keeps that config; a grpo-mega PRM checkpoint of either layout converts the same way.
 
 Reads the checkpoint at --tp/--pp (any layout: dist_checkpointing reshards, whatever layout it was
 saved at) and writes safetensors shards, config.json and the tokenizer files, loadable with
@@ -63,6 +65,7 @@ def read_source(ckpt: Path) -> tuple[object, Path, str, bool]:
 
 def preflight(args: argparse.Namespace) -> object:
     """Check the inputs without starting processes; return the HF config."""
+    from grpo_mega.checkpoint import architecture_for
     from grpo_mega.model import gpt_config_from_hf
 
     if args.out.exists() and any(args.out.iterdir()):
@@ -70,6 +73,7 @@ def preflight(args: argparse.Namespace) -> object:
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     hf_config, _, _, _ = read_source(args.ckpt)
+    architecture_for(hf_config)
     gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32)
     return hf_config
 
@@ -80,8 +84,9 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
 
     from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files, export_hf_weights, load_mcore_checkpoint
     from grpo_mega.checkpoint.training import load_model_state
-    from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+    from grpo_mega.model import gpt_config_from_hf
     from grpo_mega.parallel import init_distributed
+    from prm.model import build_conversion_stage
 
     start = time.perf_counter()
     init_distributed(tp, pp, seed=0)
@@ -92,7 +97,7 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
     out_dtype = stored if dtype_name == "auto" else DTYPES[dtype_name]
     gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=build_dtype,
                                     overrides={"perform_initialization": False})
-    model = build_gpt_model(gpt_config)
+    model = build_conversion_stage(hf_config, gpt_config)
     if is_training:
         load_model_state(model, ckpt)
     else:
@@ -123,7 +128,9 @@ def main(argv=None) -> None:
     result = run_job(export, args.tp * args.pp, args.ckpt, args.out, args.tp, args.pp, args.dtype,
                      max_shard_bytes)
     if result:
-        print(f"{TOOL}: wrote {args.out} ({hf_config.model_type}, {result['dtype']}, "
+        from grpo_mega.checkpoint import architecture_for
+
+        print(f"{TOOL}: wrote {args.out} ({architecture_for(hf_config).label}, {result['dtype']}, "
               f"{result['bytes'] / 1024**2:.1f} MiB in {result['files']} file(s)) "
               f"in {result['seconds']:.1f} s")
 

@@ -8,7 +8,8 @@
   sync to the rollout engine and the mcore -> HF tool both use it.
 - `mcore_shards_to_hf`: the same inverse without processes, from the state dicts of all ranks.
 
-All layouts and names come from the tables in `grpo_mega.checkpoint.hf_layouts`.
+All layouts and names come from the tables in `grpo_mega.checkpoint.hf_layouts`: causal LMs (Qwen2,
+Llama) and the classifier PRM (Qwen2ForProcessRewardModel, whose head is part of its table).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from grpo_mega.checkpoint.hf_io import HFWeights
 from grpo_mega.checkpoint.hf_layouts import (
-    BACKBONE_PREFIXES,
+    ArchitectureTable,
     ModelDims,
     StageRow,
     architecture_for,
@@ -75,7 +76,7 @@ def check_hf_weights(hf_weights: Mapping[str, torch.Tensor], hf_config: Any, dim
         present.discard("lm_head.weight")
     missing, unknown = sorted(set(expected) - present), sorted(present - set(expected))
     if missing or unknown:
-        model_type = architecture_for(hf_config).model_type
+        model_type = architecture_for(hf_config).label
         problems = []
         if missing:
             problems.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -107,10 +108,12 @@ def iter_mcore_shards(
     *,
     padded_vocab_size: int | None = None,
     layers: Sequence[int] | None = None,
+    exclude_prefixes: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`hf_to_mcore_shards` one tensor at a time: (megatron name, shard), reading HF tensors lazily.
 
     All checks (architecture, layout, tensor names and shapes) run before the first tensor is read.
+    Rows whose megatron name starts with one of `exclude_prefixes` are neither read nor yielded.
     """
     architecture_for(hf_config)  # unsupported model_type fails before anything else
     dims = read_model_dims(
@@ -126,6 +129,8 @@ def iter_mcore_shards(
     rows = stage_rows(architecture_for(hf_config), hf_config, dims, layers,
                       pp_rank == 0, pp_rank == pp_size - 1)
     for row in rows:
+        if row.mcore.startswith(exclude_prefixes):  # startswith(()) is False
+            continue
         tensors = [_fetch(hf_state_dict, name, shape, dims) for name, shape in zip(row.hf, row.shapes)]
         yield row.mcore, row.layout.to_mcore(tensors, dims, tp_rank, tp_size)
 
@@ -196,14 +201,15 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return unwrap_model(model)
 
 
-def _model_tensors(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The backbone's parameters and persistent buffers by name (no `_extra_state` placeholders).
+def _model_tensors(gpt: torch.nn.Module, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers under `prefixes` (a table's `model_prefixes`), by name,
+    without `_extra_state` placeholders.
 
-    Heads attached to the backbone (the engine's `head` submodule, e.g. the PRM step scorer) are not
-    HF weights and are left out; everything under the GPTModel's own modules must match a row.
+    For a causal LM's table, heads attached to the backbone (the engine's `head` submodule, e.g. a PRM
+    scorer) are not HF weights and are left out; everything under the table's prefixes must match a row.
     """
     return {name: t for name, t in gpt.state_dict(keep_vars=True).items()
-            if name.startswith(BACKBONE_PREFIXES) and not name.endswith("_extra_state")}
+            if name.startswith(prefixes) and not name.endswith("_extra_state")}
 
 
 def _model_layers(gpt: torch.nn.Module) -> list[int]:
@@ -211,36 +217,54 @@ def _model_layers(gpt: torch.nn.Module) -> list[int]:
     return [layer.layer_number - 1 for layer in gpt.decoder.layers]
 
 
-def _model_rows(gpt: torch.nn.Module, hf_config: Any) -> tuple[ModelDims, list[StageRow]]:
-    """The stage's rows under the model's own tensor names; ValueError unless they match one to one."""
+def _covered_prefixes(table: ArchitectureTable, exclude_prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(prefix for prefix in table.model_prefixes if prefix not in exclude_prefixes)
+
+
+def _model_rows(
+    gpt: torch.nn.Module, hf_config: Any, exclude_prefixes: tuple[str, ...] = ()
+) -> tuple[ModelDims, list[StageRow], dict[str, torch.Tensor]]:
+    """The stage's rows under the model's own tensor names, and those tensors; ValueError unless they match
+    one to one. Rows and model tensors under `exclude_prefixes` (whole top-level modules) are left out."""
+    table = architecture_for(hf_config)
     dims = read_model_dims(hf_config, gpt.vocab_size)
-    tensors = _model_tensors(gpt)
+    tensors = _model_tensors(gpt, _covered_prefixes(table, exclude_prefixes))
     rows = [
         dataclasses.replace(row, mcore=model_tensor_name(row.mcore, tensors))
-        for row in stage_rows(architecture_for(hf_config), hf_config, dims, _model_layers(gpt),
-                              gpt.pre_process, gpt.post_process)
+        for row in stage_rows(table, hf_config, dims, _model_layers(gpt), gpt.pre_process, gpt.post_process)
+        if not row.mcore.startswith(exclude_prefixes)
     ]
     missing = sorted(row.mcore for row in rows if row.mcore not in tensors)
     unmapped = sorted(set(tensors) - {row.mcore for row in rows})
     if missing or unmapped:
         raise ValueError(
-            f"the model does not match the {architecture_for(hf_config).model_type} table: "
+            f"the model does not match the {table.label} table: "
             f"rows without a model tensor {missing}, model tensors without a row {unmapped}"
         )
-    return dims, rows
+    return dims, rows, tensors
 
 
-def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    hf_weights: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    *,
+    skip_lm_output: bool = False,
+) -> None:
     """Copy HF weights into this rank's part of a built megatron model (any TP/PP; call on every rank).
 
     The ranks come from megatron's parallel_state, the stage's layers and padded vocabulary from the
-    model. Raises ValueError as `hf_to_mcore_shards` does, and when the model has parameters that no
-    table row fills or lacks ones a row expects.
+    model. `hf_config` describes the weights (its table chooses the rows). With `skip_lm_output`, the LM
+    output layer (lm_head) is neither read nor expected in the model: a causal LM's backbone loaded into
+    a model without one (a classifier PRM initialised from a policy; its head is left as it is). Raises
+    ValueError as `hf_to_mcore_shards` does, and when the model has parameters that no table row fills
+    or lacks ones a row expects.
     """
     from megatron.core import parallel_state
 
     gpt = _unwrap(model)
-    _model_rows(gpt, hf_config)
+    exclude = ("output_layer.",) if skip_lm_output else ()
+    _, _, tensors = _model_rows(gpt, hf_config, exclude)
     shards = iter_mcore_shards(
         hf_weights, hf_config,
         parallel_state.get_tensor_model_parallel_rank(),
@@ -249,8 +273,8 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tenso
         parallel_state.get_pipeline_model_parallel_world_size(),
         padded_vocab_size=gpt.vocab_size,
         layers=_model_layers(gpt),
+        exclude_prefixes=exclude,
     )
-    tensors = _model_tensors(gpt)
     with torch.no_grad():
         # One shard at a time: peak memory is the model plus one tensor, not two models.
         for name, shard in shards:
@@ -284,9 +308,8 @@ def export_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[
     from megatron.core import parallel_state
 
     gpt = _unwrap(model)
-    dims, rows = _model_rows(gpt, hf_config)
+    dims, rows, tensors = _model_rows(gpt, hf_config)
     rows = [row for row in rows if row.exported]
-    tensors = _model_tensors(gpt)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group()

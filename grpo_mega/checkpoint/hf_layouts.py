@@ -18,6 +18,11 @@ these architectures are all merged ones (qkv_grouped, gate_up).
 
 Megatron names are those of the local layer spec; with Transformer Engine's spec the two pre-norms
 are fused into the next linear and carry other names (`model_tensor_name`).
+
+A table is chosen by `model_type`, except for process reward models named by `architectures`:
+Qwen2ForProcessRewardModel (Qwen2.5-Math-PRM) is a Qwen2 backbone without lm_head plus a step
+classifier `score.0` (Linear H->H) / `score.2` (Linear H->2), held by the megatron model as its
+head `head.score.*`, replicated over TP ranks, on the last pipeline stage.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ class ModelDims:
     """Rows of the megatron embedding and output layer: vocab_size rounded up so TP splits it evenly."""
     tie_word_embeddings: bool
     """The LM head reuses the input embedding (no lm_head.weight / output_layer.weight of its own)."""
+
+    @property
+    def score_classes(self) -> int:
+        """Outputs of a PRM step classifier: 2 (bad, good)."""
+        return 2
 
     @property
     def heads_per_group(self) -> int:
@@ -276,12 +286,28 @@ class WeightMapping:
     copy on a stage without the embedding is built from this HF tensor, and export skips the row."""
 
 
+# The GPTModel's own modules. Other submodules of a policy stage are heads (the engine's `head`,
+# e.g. the PRM step scorer): not part of a causal LM's HF model, so its conversion leaves them alone.
+BACKBONE_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
 @dataclass(frozen=True)
 class ArchitectureTable:
-    """The weight table of one HF architecture (`model_type`)."""
+    """The weight table of one HF architecture (`model_type`, or a PRM's `architectures` entry)."""
 
     model_type: str
     mappings: tuple[WeightMapping, ...]
+    architecture: str | None = None
+    """The HF `architectures` name that selects this table over the model_type's (a PRM), else None."""
+    model_prefixes: tuple[str, ...] = BACKBONE_PREFIXES
+    """Top-level submodules of the megatron stage whose tensors the table covers, all of them."""
+    lm_output: bool = True
+    """Whether the megatron model has an LM output layer (`build_gpt_model(lm_output=...)`)."""
+
+    @property
+    def label(self) -> str:
+        """How messages name the table: the model_type, with the architecture when it selects it."""
+        return f"{self.model_type} ({self.architecture})" if self.architecture else self.model_type
 
 
 _H, _Q, _KV, _F, _V = "hidden_size", "q_size", "kv_size", "ffn_hidden_size", "vocab_size"
@@ -345,10 +371,27 @@ LLAMA = ArchitectureTable("llama", (
 
 ARCHITECTURES: dict[str, ArchitectureTable] = {table.model_type: table for table in (QWEN2, LLAMA)}
 
+PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
 
-# The GPTModel's own modules. Other submodules of a policy stage are heads (the engine's `head`,
-# e.g. the PRM step scorer): not part of the HF model, so conversion leaves them alone.
-BACKBONE_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+# Qwen2.5-Math-PRM: the Qwen2 rows without the LM head, then the step classifier (replicated: every TP
+# rank holds the whole head and computes it on the same hidden states).
+QWEN2_PRM_CLASSIFIER = ArchitectureTable(
+    "qwen2",
+    (
+        *(m for m in QWEN2.mappings if m.mcore != "output_layer.weight"),
+        WeightMapping("head.score.0.weight", ("score.0.weight",), ((_H, _H),), REPLICATED, "last"),
+        WeightMapping("head.score.0.bias", ("score.0.bias",), ((_H,),), REPLICATED, "last"),
+        WeightMapping("head.score.2.weight", ("score.2.weight",), (("score_classes", _H),), REPLICATED,
+                      "last"),
+        WeightMapping("head.score.2.bias", ("score.2.bias",), (("score_classes",),), REPLICATED, "last"),
+    ),
+    architecture=PRM_CLASSIFIER_ARCHITECTURE,
+    model_prefixes=("embedding.", "decoder.", "head."),
+    lm_output=False,
+)
+
+# HF `architectures` entries that select a table of their own; model_type must match the table's.
+ARCHITECTURES_BY_NAME: dict[str, ArchitectureTable] = {PRM_CLASSIFIER_ARCHITECTURE: QWEN2_PRM_CLASSIFIER}
 
 # Transformer Engine's layer spec fuses each pre-norm into the linear that follows it; the local spec
 # keeps separate norm modules. Same tensor, two names (megatron's own sharded_state_dict_keys_map
@@ -373,8 +416,19 @@ def model_tensor_name(name: str, model_names: Container[str]) -> str:
 
 
 def architecture_for(hf_config: Any) -> ArchitectureTable:
-    """The table for `hf_config.model_type`; ValueError naming the model_type when there is none."""
+    """The table of `hf_config`: the one its `architectures` name (a PRM, `ARCHITECTURES_BY_NAME`), else the
+    one of its `model_type`. ValueError naming the model_type when there is none, or when a PRM architecture
+    comes with another model_type than its table's."""
     model_type = getattr(hf_config, "model_type", None)
+    for name in getattr(hf_config, "architectures", None) or ():
+        table = ARCHITECTURES_BY_NAME.get(name)
+        if table is not None:
+            if model_type != table.model_type:
+                raise ValueError(
+                    f"architectures {name!r} is a {table.model_type} model, but the config has model_type "
+                    f"{model_type!r}"
+                )
+            return table
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"model_type {model_type!r} has no HF <-> megatron weight table; "

@@ -7,6 +7,7 @@ Folder layout:
 
 dist_checkpointing stores every tensor with its global shape and this rank's slice, so loading at
 another TP/PP reshards (the SwiGLU fc1 layout included); only the padded vocabulary must match.
+A classifier PRM (Qwen2ForProcessRewardModel) is stored with its head (`head.score.*`, last stage).
 This is a weights-only format for moving models between tools; training state (optimizer, step)
 belongs to the training checkpoints.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.checkpoint.hf_io import copy_side_files
-from grpo_mega.checkpoint.hf_layouts import BACKBONE_PREFIXES
+from grpo_mega.checkpoint.hf_layouts import architecture_for
 
 INFO_FILE = "grpo_mega_model.json"
 HF_FILES_DIR = "hf"
@@ -61,6 +62,7 @@ def save_mcore_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike, h
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"),
             "vocab_size": config.get("vocab_size"),
             "padded_vocab_size": gpt.vocab_size,
             "saved_tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
@@ -94,26 +96,36 @@ def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> tuple[Any, dict]:
 
 
 def load_mcore_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
-    """Load a checkpoint's backbone into a built megatron model at this job's TP/PP; collective.
+    """Load a checkpoint's model into a built megatron model at this job's TP/PP; collective.
 
-    Resharding is dist_checkpointing's. Only the GPTModel's own tensors are read: heads attached to
-    the backbone (e.g. a PRM scorer) keep their values. Raises ValueError when the folder is not a
-    checkpoint, when the model's padded vocabulary differs from the saved one, or when the
-    checkpoint lacks backbone tensors of the model (megatron raises for a global shape mismatch).
+    Resharding is dist_checkpointing's. Only the tensors the checkpoint's weight table covers are read
+    (`model_prefixes`): for a causal LM the GPTModel's own tensors, so heads attached to the backbone
+    (e.g. a PRM scorer) keep their values; for a classifier PRM also its head. The model may lack the
+    checkpoint's LM output layer (a classifier PRM initialised from a policy: the policy's LM head is
+    not read), not the other way round. Raises ValueError when the folder is not a checkpoint, when the
+    model's padded vocabulary differs from the saved one, when the model needs an LM output layer the
+    checkpoint does not have, or when the checkpoint lacks tensors of the model (megatron raises for a
+    global shape mismatch).
     """
     from megatron.core import dist_checkpointing
 
-    _, info = read_checkpoint_info(ckpt_dir)
+    hf_config, info = read_checkpoint_info(ckpt_dir)
+    table = architecture_for(hf_config)
     gpt = _gpt(model)
     if gpt.vocab_size != info["padded_vocab_size"]:
         raise ValueError(
             f"{Path(ckpt_dir) / INFO_FILE}: saved with padded_vocab_size={info['padded_vocab_size']}, "
             f"but the model was built with {gpt.vocab_size}"
         )
-    backbone = {name: sharded for name, sharded in gpt.sharded_state_dict().items()
-                if name.startswith(BACKBONE_PREFIXES)}
-    state = dist_checkpointing.load(backbone, str(ckpt_dir))
+    if getattr(gpt, "lm_output", True) and not table.lm_output:
+        raise ValueError(
+            f"{ckpt_dir} holds a {table.label} model without an LM output layer; the model to load it into "
+            "has one (build it with lm_output=False)"
+        )
+    covered = {name: sharded for name, sharded in gpt.sharded_state_dict().items()
+               if name.startswith(table.model_prefixes)}
+    state = dist_checkpointing.load(covered, str(ckpt_dir))
     missing, unexpected = gpt.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name.startswith(BACKBONE_PREFIXES)]
+    missing = [name for name in missing if name.startswith(table.model_prefixes)]
     if missing or unexpected:
-        raise ValueError(f"{ckpt_dir}: backbone tensors missing {missing[:8]}, unexpected {unexpected[:8]}")
+        raise ValueError(f"{ckpt_dir}: model tensors missing {missing[:8]}, unexpected {unexpected[:8]}")

@@ -15,11 +15,16 @@ from grpo_mega.parallel import get_device
 
 
 def stage_provider(
-    hf_config: Any, head_factory: Callable[[], torch.nn.Module], dtype: torch.dtype | None = None
+    hf_config: Any,
+    head_factory: Callable[[], torch.nn.Module],
+    dtype: torch.dtype | None = None,
+    *,
+    lm_output: bool = True,
 ) -> StageModelProvider:
     """``provider(pre_process, post_process)`` of a GPT backbone from ``hf_config`` with ``head_factory()`` on
     the last stage, at megatron's current TP / PP (``grpo_mega.parallel.init_distributed``). ``dtype`` None:
-    fp32 on the CPU, the model config's default (bf16) on a GPU."""
+    fp32 on the CPU, the model config's default (bf16) on a GPU. ``lm_output=False``: the backbone has no LM
+    output layer (a classifier PRM, whose head works from the hidden states alone)."""
     if dtype is None and get_device().type == "cpu":
         dtype = torch.float32
     gpt_config = gpt_config_from_hf(
@@ -30,7 +35,8 @@ def stage_provider(
     )
 
     def provider(pre_process: bool, post_process: bool) -> torch.nn.Module:
-        backbone = build_gpt_model(gpt_config, pre_process=pre_process, post_process=post_process)
+        backbone = build_gpt_model(gpt_config, pre_process=pre_process, post_process=post_process,
+                                   lm_output=lm_output)
         if post_process:
             backbone.head = head_factory()
         return backbone
@@ -48,11 +54,13 @@ def build_engine(
     total_steps: int,
     max_tokens_per_micro_batch: int,
     dtype: torch.dtype | None = None,
+    lm_output: bool = True,
 ) -> MegatronEngine:
     """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
-    last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps."""
+    last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps; ``lm_output`` as
+    in :func:`stage_provider`."""
     return MegatronEngine(
-        stage_provider(hf_config, head_factory, dtype),
+        stage_provider(hf_config, head_factory, dtype, lm_output=lm_output),
         optim=optim,
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
@@ -70,10 +78,11 @@ def build_forward_engine(
     next_token_head: bool,
     max_tokens_per_micro_batch: int,
     dtype: torch.dtype | None = None,
+    lm_output: bool = True,
 ) -> MegatronForwardEngine:
     """A forward-only :class:`MegatronForwardEngine` (no optimizer, no gradients) of the same model."""
     return MegatronForwardEngine(
-        stage_provider(hf_config, head_factory, dtype),
+        stage_provider(hf_config, head_factory, dtype, lm_output=lm_output),
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         output_names=output_names,
         next_token_head=next_token_head,

@@ -5,6 +5,10 @@ The last stage returns the final-normed hidden states [S, B, H] instead of logit
 from them (next-token log-probs and entropy, PRM step scores, ...) is a pluggable head
 (`grpo_mega.model.heads`). The output layer's parameters stay in the model: they are the LM head's
 weight, and checkpoints and HF conversion see the same names as a stock GPTModel.
+
+A model whose HF form has no LM head (a classifier PRM, Qwen2ForProcessRewardModel) is built with
+`lm_output=False`: no output layer, untied, so its checkpoints and gradients carry no unused
+vocabulary-sized matrix.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from grpo_mega.model.config_map import GPTConfig
@@ -24,14 +29,36 @@ class HiddenStatesGPTModel(GPTModel):
 
     Other stages return their output activations, as GPTModel does. `vocab_size` is the padded size
     megatron shards; `unpadded_vocab_size` is the number of real tokens (rows past it are padding
-    that heads must ignore).
+    that heads must ignore). With `lm_output=False` the last stage has no `output_layer` (and the
+    embeddings cannot be tied): its head works from the hidden states alone.
     """
 
-    def __init__(self, *args, unpadded_vocab_size: int, **kwargs) -> None:
+    def __init__(self, *args, unpadded_vocab_size: int, lm_output: bool = True, **kwargs) -> None:
+        if not lm_output and kwargs.get("share_embeddings_and_output_weights"):
+            raise ValueError("a model without an LM output layer cannot tie it to the embeddings")
         super().__init__(*args, **kwargs)
         if self.mtp_process:
             raise ValueError("multi-token prediction is not supported by HiddenStatesGPTModel")
         self.unpadded_vocab_size = unpadded_vocab_size
+        self.lm_output = lm_output
+        if self.post_process and not lm_output:
+            # GPTModel always builds the output layer on the last stage; drop it before any DDP
+            # buffer, optimizer or checkpoint sees it. Untied, nothing else refers to it (megatron
+            # reads it only for tied embeddings, MTP or deferred embedding wgrad, all off here).
+            del self.output_layer
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """megatron's sharded state dict; without an output layer, the generic one of the submodules.
+
+        LanguageModule marks the last stage's `output_layer.weight` (padding may differ on load)
+        and GPTModel drops its `_extra_state`: both about a tensor this model does not have, and
+        neither applies to untied embeddings without MTP, the only case built here.
+        """
+        if self.lm_output or not self.post_process:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if sharded_offsets:
+            raise ValueError("unexpected sharded offsets for a whole GPT stage")
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _postprocess(self, hidden_states, labels=None, **unused):
         """Return the decoder output (the decoder applies the final norm on the last stage)."""
@@ -51,6 +78,11 @@ class HiddenStatesGPTModel(GPTModel):
         """
         if not self.post_process:
             raise ValueError("the LM output weight lives on the last pipeline stage only")
+        if not self.lm_output:
+            raise ValueError(
+                "this model was built without an LM output layer (lm_output=False, e.g. a classifier "
+                "PRM): a head that needs vocabulary logits cannot run on it"
+            )
         if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
@@ -77,11 +109,14 @@ def build_gpt_model(
     *,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    lm_output: bool = True,
 ) -> HiddenStatesGPTModel:
     """Build this rank's stage of the policy from a `GPTConfig` (needs megatron parallel state).
 
     pre_process (embedding) and post_process (final norm, output layer) default to whether this rank
-    is the first / last pipeline stage. Parameters are on the current device (CPU without CUDA).
+    is the first / last pipeline stage. `lm_output=False` leaves out the output layer (the model of
+    an HF checkpoint without lm_head, e.g. a classifier PRM) and unties the embeddings. Parameters
+    are on the current device (CPU without CUDA).
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
@@ -96,7 +131,8 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=config.tie_word_embeddings,
+        share_embeddings_and_output_weights=config.tie_word_embeddings and lm_output,
+        lm_output=lm_output,
         position_embedding_type="rope",
         rotary_base=config.rotary_base,
         rope_scaling=config.rope_scaling_factor is not None,

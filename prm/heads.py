@@ -1,0 +1,112 @@
+"""The two published PRM head layouts, as heads of the Megatron backbone (``grpo_mega.model.heads``).
+
+Both are called like every head, ``head(backbone, hidden [S, B, H], batch) -> {name: [B, S]}``, and return the
+same fp32 outputs at every position t: ``good_logprob`` and ``bad_logprob``, the log-softmax over the two classes
+(good, bad) computed from the final hidden state of token t itself (no next-token shift: a step is scored at the
+last token of its step tag). The step score is ``exp(good_logprob)``.
+
+- :class:`ClassifierHead` (``classifier``, Qwen2.5-Math-PRM): ``score`` = Linear(H, H) -> ReLU -> Linear(H, 2) on
+  the hidden state; class 1 is "good". Its parameters are replicated over tensor-parallel ranks (every TP rank
+  holds the same hidden states, so every rank computes the same head and the same head gradients) and live on
+  the last pipeline stage as ``head.score.*``.
+- :class:`LabelTokenHead` (``lm_tokens``, Math-Shepherd): the LM logits of two label tokens ("+" good, "-" bad),
+  from the rows of the backbone's vocab-parallel output matrix; no parameters of its own.
+
+Both compute in fp32 (hidden states and weights upcast), like the LM head's ``logits_in_fp32``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+from grpo_mega.model.gpt import HiddenStatesGPTModel
+
+OUTPUT_NAMES = ("good_logprob", "bad_logprob")
+"""What both heads return, per token."""
+
+
+def _two_class_outputs(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[S, B, 2] fp32 logits (good, bad) -> {"good_logprob", "bad_logprob"} [B, S] (2-way log-softmax)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)
+    return {"good_logprob": log_probs[..., 0], "bad_logprob": log_probs[..., 1]}
+
+
+class ClassifierHead(torch.nn.Module):
+    """Qwen2.5-Math-PRM's step classifier: ``score`` = Sequential(Linear(H, H), ReLU, Linear(H, 2)), with biases.
+
+    Parameter names are ``score.0.weight``, ``score.0.bias``, ``score.2.weight``, ``score.2.bias`` (``head.score.*``
+    in the model), as in the HF checkpoint. Class 1 of the output is "good", class 0 "bad". Parameters are kept in
+    fp32 whatever the backbone's dtype, and the head runs in fp32.
+
+    Megatron treats these plain parameters as replicated: in checkpoints over TP and DP (megatron's default sharded
+    state dict of a submodule: one copy saved, replica ids (0, tp rank, dp rank)), in the gradient norm (counted
+    on TP rank 0 only), and their gradients are identical on every TP rank because the hidden states are.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size must be positive, got {hidden_size}")
+        self.score = torch.nn.Sequential(
+            torch.nn.Linear(hidden_size, hidden_size, bias=True, dtype=torch.float32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden_size, 2, bias=True, dtype=torch.float32),
+        )
+
+    def forward(
+        self,
+        backbone: HiddenStatesGPTModel,
+        hidden_states: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """{"good_logprob", "bad_logprob"} [B, S] at every position (see the module docstring)."""
+        logits = self.score(hidden_states.float())  # [S, B, 2]: (bad, good)
+        return _two_class_outputs(logits.flip(-1))
+
+
+class LabelTokenHead(torch.nn.Module):
+    """Math-Shepherd's step score from the LM: logits of the tokens ``good_id`` and ``bad_id``, log-softmaxed.
+
+    ``good_logprob = log P(good) - log(P(good) + P(bad))``, P being the next-token distribution of the LM at the
+    tag's last token. Each label's row of the vocab-parallel output matrix lives on one TP rank: every rank
+    computes its own rows' logits (zero for rows it does not hold) and a sum over the TP group
+    (``reduce_from_tensor_model_parallel_region``: all-reduce forward, identity backward) gives both logits to
+    every rank. The hidden states enter through ``copy_to_tensor_model_parallel_region``, whose backward sums the
+    per-rank hidden-state gradients (each covers only the rows that rank holds).
+    """
+
+    def __init__(self, good_id: int, bad_id: int) -> None:
+        super().__init__()
+        if good_id == bad_id:
+            raise ValueError(f"the good and bad label tokens must differ, both are id {good_id}")
+        if min(good_id, bad_id) < 0:
+            raise ValueError(f"label token ids must be non-negative, got good={good_id}, bad={bad_id}")
+        self.good_id, self.bad_id = int(good_id), int(bad_id)
+
+    def forward(
+        self,
+        backbone: HiddenStatesGPTModel,
+        hidden_states: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """{"good_logprob", "bad_logprob"} [B, S] at every position (see the class docstring)."""
+        vocab = backbone.unpadded_vocab_size
+        if max(self.good_id, self.bad_id) >= vocab:
+            raise ValueError(
+                f"label token ids good={self.good_id}, bad={self.bad_id} are outside the vocabulary of {vocab}"
+            )
+        group = parallel_state.get_tensor_model_parallel_group()
+        weight = backbone.lm_output_weight()  # [V_padded / tp, H], this rank's rows
+        start = dist.get_rank(group) * weight.shape[0] if dist.get_world_size(group) > 1 else 0
+        ids = torch.tensor([self.good_id, self.bad_id], device=weight.device) - start
+        held = (ids >= 0) & (ids < weight.shape[0])
+        rows = weight[ids.clamp(0, weight.shape[0] - 1)].float() * held.unsqueeze(-1)  # [2, H], zero if not held
+        hidden = copy_to_tensor_model_parallel_region(hidden_states, group=group)
+        local_logits = hidden.float() @ rows.t()  # [S, B, 2]
+        return _two_class_outputs(reduce_from_tensor_model_parallel_region(local_logits, group=group))
