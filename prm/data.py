@@ -92,7 +92,9 @@ def _first_error(value: Any, name: str, count: int) -> int:
 
 
 # ----------------------------------------------------------------------------- one reader per format
-def math_shepherd_example(row: dict, *, tag: str = MATH_SHEPHERD_TAG, first_step_marker: str = "Step 1:") -> StepExample:
+def math_shepherd_example(
+    row: dict, *, tag: str = MATH_SHEPHERD_TAG, first_step_marker: str = "Step 1:"
+) -> StepExample:
     """One Math-Shepherd row (see the module docstring for the split of question and steps)."""
     text = _field(row, "input", str, "a string")
     label_text = _field(row, "label", str, "a string")
@@ -151,7 +153,7 @@ def _prm800k_step(step: Any, index: int) -> tuple[str, int | None] | None:
     chosen, human = step.get("chosen_completion"), step.get("human_completion")
     if chosen is not None:
         if isinstance(chosen, bool) or not isinstance(chosen, int) or not 0 <= chosen < len(completions):
-            raise RowError(f"{where}.chosen_completion {chosen!r} is not an index into its {len(completions)} completions")
+            raise RowError(f"{where}.chosen_completion {chosen!r} is not an index into {len(completions)} completions")
         return completions[chosen]["text"], ratings[chosen]
     if human is not None:
         rating = _rating(human, f"{where}.human_completion")
@@ -201,9 +203,13 @@ def stepwise_example(row: dict) -> StepExample:
         if not numeric or len(soft) != len(steps) or not all(0.0 <= v <= 1.0 for v in soft):
             raise RowError(f"field 'soft_labels' must be {len(steps)} numbers in [0, 1], got {soft!r:.80}")
         soft = [float(v) for v in soft]
-    first_error = None if row.get("first_error") is None else _first_error(row["first_error"], "first_error", len(steps))
+    first_error = row.get("first_error")
+    if first_error is not None:
+        first_error = _first_error(first_error, "first_error", len(steps))
     if first_error is not None and labels is not None and first_error != first_error_of(labels):
-        raise RowError(f"field 'first_error' is {first_error} but the labels' first bad step is {first_error_of(labels)}")
+        raise RowError(
+            f"field 'first_error' is {first_error} but the labels' first bad step is {first_error_of(labels)}"
+        )
     extra = {k: v for k, v in row.items() if k not in STEPWISE_FIELDS}
     return StepExample(prompt=prompt, steps=steps, labels=labels, soft_labels=soft, first_error=first_error,
                        answer=_optional_answer(row), extra=extra)

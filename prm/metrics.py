@@ -42,7 +42,12 @@ def step_classification(
     _check_lengths(scores, labels, "step_classification", "scores/labels")
     counts = Counter()
     # (label good, predicted good) -> count name
-    outcome = {(True, True): "true_good", (True, False): "false_bad", (False, True): "missed_bad", (False, False): "true_bad"}
+    outcome = {
+        (True, True): "true_good",
+        (True, False): "false_bad",
+        (False, True): "missed_bad",
+        (False, False): "true_bad",
+    }
     for row_scores, row_labels in zip(scores, labels):
         for score, good in zip(row_scores, row_labels):
             counts[outcome[bool(good), score >= threshold]] += 1

@@ -42,7 +42,7 @@ class RenderSettings:
         if not self.step_tag:
             raise ValueError("RenderSettings.step_tag must be a non-empty string")
         if self.system_prompt is not None and not self.chat_template:
-            raise ValueError("RenderSettings.system_prompt needs chat_template=True (a plain rendering has no system turn)")
+            raise ValueError("RenderSettings.system_prompt needs chat_template=True (plain text has no system turn)")
 
 
 @dataclass
@@ -90,7 +90,7 @@ def _locate_body(text: str, body: str, ends: list[int], tag: str) -> list[int]:
         start = text.rfind(stripped) if stripped else -1
         shift = len(body) - len(body.lstrip())
     if start < 0:
-        raise ValueError(f"the chat template changed the assistant text; cannot find {body[:80]!r}... in {text[:200]!r}")
+        raise ValueError(f"the chat template changed the assistant text; {body[:80]!r}... is not in {text[:200]!r}")
     offsets = [start + end - shift for end in ends]
     for k, offset in enumerate(offsets):
         if text[offset - len(tag) : offset] != tag:

@@ -53,16 +53,19 @@ def test_math_shepherd_rendering_with_its_tag_writes_the_published_input_back():
 
 def test_math_shepherd_first_step_marker_is_configurable(tmp_path):
     path = tmp_path / "ms.jsonl"
-    path.write_text(json.dumps({"input": "What is 1+1? 1. Add: 2. ки\n2. Done: 2 ки", "label": "What is 1+1? 1. Add: 2. +\n2. Done: 2 -"}) + "\n")
+    row = {"input": "What is 1+1? 1. Add: 2. ки\n2. Done: 2 ки", "label": "What is 1+1? 1. Add: 2. +\n2. Done: 2 -"}
+    path.write_text(json.dumps(row) + "\n")
     with pytest.raises(BadRowError, match=r"ms.jsonl:1: math_shepherd row: no 'Step 1:' before the first tag"):
         read_examples(path, "math_shepherd", on_bad_row="error")
     [example] = read_examples(path, "math_shepherd", first_step_marker="1. ")
-    assert (example.prompt, example.steps, example.labels) == ("What is 1+1?", [" 1. Add: 2.", "\n2. Done: 2"], [True, False])
+    assert example.prompt == "What is 1+1?"
+    assert example.steps == [" 1. Add: 2.", "\n2. Done: 2"] and example.labels == [True, False]
 
 
 def test_math_shepherd_bad_rows_skipped_or_raised():
     path = fixture("math_shepherd_bad")
-    with pytest.raises(BadRowError, match=rf"{path}:2: math_shepherd row: field 'label' has 'к' where step 1's tag is"):
+    why = "math_shepherd row: field 'label' has 'к' where step 1's tag is"
+    with pytest.raises(BadRowError, match=rf"{path}:2: {why}"):
         read_examples(path, "math_shepherd", on_bad_row="error")
     examples = read_examples(path, "math_shepherd", on_bad_row="skip")
     assert [e.source for e in examples] == [f"{path}:1"]
@@ -87,7 +90,9 @@ def test_prm800k_follows_the_labellers_path_and_stops_at_the_first_error():
     assert divisors.extra["ratings"] == [1, 1, 0, -1] and divisors.extra["finish_reason"] == "found_error"
     assert divisors.answer == "30" and divisors.extra["generation"] == 9
     # Phase-1 row: the chosen completion, then the human's own step where no completion was chosen.
-    assert number.steps == ["Let the number be $n$.", "Then $2n + 3 = 11$, so $2n = 8$.", "So $n = 4$.", "# Answer\n\n4"]
+    assert number.steps == [
+        "Let the number be $n$.", "Then $2n + 3 = 11$, so $2n = 8$.", "So $n = 4$.", "# Answer\n\n4"
+    ]
     assert number.labels == [True, True, True, True] and number.extra["ratings"] == [1, 1, 1, 1]
     # A chosen step rated -1 ends the solution: the later step is not kept.
     assert sums.steps == ["$1 + 2 = 3$.", "$3 + 3 = 9$."] and sums.labels == [True, False]
@@ -160,7 +165,8 @@ def test_processbench_rows_keep_the_first_error_and_no_labels():
 def test_processbench_bad_rows(tmp_path):
     path = fixture("processbench_bad")
     assert [e.source for e in read_examples(path, "processbench")] == [f"{path}:1"]
-    with pytest.raises(BadRowError, match=rf"{path}:2: processbench row: field 'label' must be -1 or a step index below 3, got 3"):
+    why = "processbench row: field 'label' must be -1 or a step index below 3, got 3"
+    with pytest.raises(BadRowError, match=rf"{path}:2: {why}"):
         read_examples(path, "processbench", on_bad_row="error")
     with pytest.raises(BadRowError, match="field 'steps' must be a non-empty list of strings"):
         read_line_alone(tmp_path, "processbench_bad", 3, "processbench")
@@ -182,7 +188,8 @@ def test_synthetic_task_rows_get_true_labels(tmp_path):
     path.write_text(json.dumps(completion_row) + "\n" + json.dumps(dict(problem.to_record(), answer="37")) + "\n")
     [policy] = read_examples(path, "synthetic")
     assert policy.labels == [True, False, False] and "solution" in policy.extra
-    with pytest.raises(BadRowError, match=r"task.jsonl:2: synthetic row: field 'answer' is '37' but the steps' chain ends"):
+    why = "synthetic row: field 'answer' is '37' but the steps' chain ends"
+    with pytest.raises(BadRowError, match=rf"task.jsonl:2: {why}"):
         read_examples(path, "synthetic", on_bad_row="error")
 
 
@@ -244,4 +251,5 @@ def test_write_stepwise_layout_and_clashes(tmp_path):
         "first_error": 1, "answer": "3", "true_labels": [True, True],
     }
     with pytest.raises(ValueError, match=r"x.jsonl:3: extra fields \['labels'\] clash"):
-        write_stepwise(tmp_path / "bad.jsonl", [StepExample(prompt="p", steps=["a"], source="x.jsonl:3", extra={"labels": 1})])
+        clash = StepExample(prompt="p", steps=["a"], source="x.jsonl:3", extra={"labels": 1})
+        write_stepwise(tmp_path / "bad.jsonl", [clash])

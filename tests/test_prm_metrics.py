@@ -69,7 +69,8 @@ def test_processbench_f1_on_four_solutions():
     assert processbench_f1([3, -1, 2, 1], [-1, -1, 2, 0])["f1"] == pytest.approx(0.5)
     assert processbench_f1([-1, -1, -1, -1], [-1, -1, 2, 0])["f1"] == 0.0  # no error found at all
     only_errors = processbench_f1([2, 1], [2, 0])
-    assert only_errors["error_accuracy"] == 0.5 and only_errors["correct_accuracy"] is None and only_errors["f1"] is None
+    assert only_errors["error_accuracy"] == 0.5
+    assert only_errors["correct_accuracy"] is None and only_errors["f1"] is None
     with pytest.raises(ValueError, match="3 predictions for 4 solutions"):
         processbench_f1([-1, 1, 2], [-1, -1, 2, 0])
 

@@ -1,5 +1,6 @@
-"""The PRM rendering contract: text = prompt + step + tag + ..., and each step's score token is its tag's last token,
-with the synthetic task's byte-level tokenizer and with a standard HF fast tokenizer (BOS, special tag, chat template)."""
+"""The PRM rendering contract: text = prompt + step + tag + ..., and each step's score token is its tag's last
+token, with the synthetic task's byte-level tokenizer and a standard HF fast tokenizer (BOS, special tag, chat
+template)."""
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
@@ -28,7 +29,8 @@ def synthetic_tokenizer(tmp_path_factory):
 def standard_tokenizer(chat_template: str | None = QWEN_TEMPLATE) -> PreTrainedTokenizerFast:
     """A word-level HF fast tokenizer that adds a BOS and knows ``<extra_0>`` as a special token (Qwen-PRM style)."""
     specials = ["<unk>", "<s>", "</s>", "<extra_0>", "<|im_start|>", "<|im_end|>"]
-    words = "system user assistant Q Start with 7 Add 5 Multiply by 3 A : Step 1 2 = 12 * 36 The answer is . ки Be exact"
+    words = "system user assistant Q Start with 7 Add 5 Multiply by 3 A : Step 1 2 = 12 * 36 The answer is . ки"
+    words += " Be exact"
     vocab = {token: index for index, token in enumerate(specials + words.split())}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -65,7 +67,8 @@ def test_synthetic_tokenizer_with_an_unknown_ascii_tag(synthetic_tokenizer):
     rendered = tokenize_rendered(synthetic_tokenizer, PROMPT, STEPS, RenderSettings(step_tag="<extra_0>"))
     pieces = synthetic_tokenizer.convert_ids_to_tokens(rendered.input_ids)
     assert [pieces[p] for p in rendered.tag_positions] == [">", ">", ">"]
-    assert decoded_prefixes(synthetic_tokenizer, rendered)[1] == PROMPT + STEPS[0] + "<extra_0>" + STEPS[1] + "<extra_0>"
+    expected = PROMPT + STEPS[0] + "<extra_0>" + STEPS[1] + "<extra_0>"
+    assert decoded_prefixes(synthetic_tokenizer, rendered)[1] == expected
 
 
 def test_standard_tokenizer_keeps_bos_and_scores_at_the_special_tag():
@@ -111,7 +114,8 @@ def test_chat_template_that_trims_the_assistant_text():
 
 def test_chat_template_requested_without_one():
     with pytest.raises(ValueError, match="has no chat template"):
-        tokenize_rendered(standard_tokenizer(None), PROMPT, STEPS, RenderSettings(step_tag="<extra_0>", chat_template=True))
+        settings = RenderSettings(step_tag="<extra_0>", chat_template=True)
+        tokenize_rendered(standard_tokenizer(None), PROMPT, STEPS, settings)
 
 
 def test_too_long_says_how_long(synthetic_tokenizer):
