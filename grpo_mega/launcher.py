@@ -41,7 +41,9 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", *module_args,
+        # "--" ends torchrun's own options: its parser would otherwise reject, as ambiguous abbreviations of its
+        # flags, our flags such as --n or --nproc anywhere in the command line.
+        "-m", "--", *module_args,
     ]
     sys.stdout.flush()
     sys.stderr.flush()
