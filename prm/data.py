@@ -34,15 +34,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from grpo_mega.data.prompts import BadRows, read_rows
 from prm.examples import StepExample, first_error_of
 from prm.synthetic import example_from_synthetic_row
-
-logger = logging.getLogger(__name__)
 
 MATH_SHEPHERD_TAG = "ки"
 
@@ -270,16 +267,16 @@ def detect_format(row: Any) -> str:
         raise ValueError(f"cannot detect the PRM data format of a {type(row).__name__} row (expected a JSON object)")
     matches = _signatures(row)
     if len(matches) != 1:
-        what = "matches no" if not matches else f"is ambiguous between {matches}:"
+        what = "matches no PRM data format" if not matches else f"is ambiguous between the PRM data formats {matches}"
         raise ValueError(
-            f"a row with fields {sorted(row)} {what} PRM data format; pass the format explicitly, one of {FORMATS} "
+            f"a row with fields {sorted(row)} {what}; pass the format explicitly, one of {FORMATS} "
             "(math_shepherd: input+label, prm800k: question+label, stepwise: prompt+completions, processbench: "
             "problem+steps+label, synthetic: prompt+steps+solution|completion)"
         )
     return matches[0]
 
 
-def _first_row(path: Path) -> Any:
+def _first_row(path: Path) -> tuple[Any, str]:
     for location, row, error in read_rows(path):
         if error is None:
             return row, location

@@ -153,7 +153,12 @@ def tokenize_many(
     tokenizer, examples: Sequence["StepExample"], settings: RenderSettings, max_length: int | None = None
 ) -> list[RenderedExample]:
     """``tokenize_rendered`` for many examples in one tokenizer call; errors name the example's source."""
-    rendered = [render(example.prompt, example.steps, settings, tokenizer) for example in examples]
+    rendered = []
+    for index, example in enumerate(examples):
+        try:
+            rendered.append(render(example.prompt, example.steps, settings, tokenizer))
+        except ValueError as error:
+            raise ValueError(f"{example.source or f'example {index}'}: {error}") from None
     if not rendered:
         return []
     ids, offsets = _encode(tokenizer, [text for text, _ in rendered], settings)

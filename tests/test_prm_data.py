@@ -207,7 +207,7 @@ def test_detect_format_synthetic_and_its_stepwise_output():
 
 
 def test_detect_format_errors():
-    with pytest.raises(ValueError, match=r"ambiguous between \['math_shepherd', 'prm800k'\]"):
+    with pytest.raises(ValueError, match=r"ambiguous between the PRM data formats \['math_shepherd', 'prm800k'\]; pass the format"):
         detect_format({"input": "x", "question": {}, "label": {}})
     with pytest.raises(ValueError, match=r"fields \['text'\] matches no PRM data format"):
         detect_format({"text": "x"})

@@ -113,9 +113,12 @@ def test_chat_template_that_trims_the_assistant_text():
 
 
 def test_chat_template_requested_without_one():
+    settings = RenderSettings(step_tag="<extra_0>", chat_template=True)
     with pytest.raises(ValueError, match="has no chat template"):
-        settings = RenderSettings(step_tag="<extra_0>", chat_template=True)
         tokenize_rendered(standard_tokenizer(None), PROMPT, STEPS, settings)
+    example = StepExample(prompt=PROMPT, steps=STEPS, source="b.jsonl:7")
+    with pytest.raises(ValueError, match="b.jsonl:7: RenderSettings.chat_template is on but the tokenizer has no"):
+        tokenize_many(standard_tokenizer(None), [example], settings)
 
 
 def test_too_long_says_how_long(synthetic_tokenizer):
