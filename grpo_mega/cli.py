@@ -3,6 +3,7 @@
     grpo-mega train --config FILE [--nproc N] [key=value ...]   outcome-supervised GRPO
     grpo-mega sft   --config FILE [--nproc N] [key=value ...]   supervised fine-tuning of the policy
     grpo-mega quickstart [--run-dir DIR] [--fast]               the CPU quickstart: data -> SFT -> GRPO -> eval
+    grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
 processes on this machine with torchrun.
@@ -29,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> GRPO -> eval, with a summary")
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
+    from prm.cli import add_prm_commands
+
+    add_prm_commands(commands)
     return parser
 
 
@@ -74,7 +78,16 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.command == "prm":
+        from prm.cli import run_prm_command
+
+        try:
+            return run_prm_command(args, argv)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"grpo-mega prm {args.prm_command}: {error}", file=sys.stderr)
+            return 2
     if args.command == "quickstart":
         from grpo_mega.quickstart import run_quickstart
 

@@ -370,7 +370,10 @@ def _training_checkpoint_parts(path: str | os.PathLike) -> tuple[Any, PRMSpec, A
         raise ValueError(f"{path}: the checkpoint's config model.hf_config ({hf_dir!r}) has no config.json")
     if "prm" not in config:
         raise ValueError(f"{path}: the checkpoint's config has no prm section: not a PRM checkpoint")
-    spec = PRMSpec.from_dict(config["prm"], where=f"{path}: prm")
+    # The prm section also holds the rendering settings (prm.config.PRMHeadConfig): keep the spec's fields.
+    spec_fields = {field.name for field in dataclasses.fields(PRMSpec)}
+    spec = PRMSpec.from_dict({k: v for k, v in (config["prm"] or {}).items() if k in spec_fields},
+                             where=f"{path}: prm")
     tokenizer = _load_tokenizer(model.get("tokenizer") or hf_dir, f"{path}: model.tokenizer")
     return AutoConfig.from_pretrained(hf_dir), spec, tokenizer
 

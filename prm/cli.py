@@ -1,0 +1,92 @@
+"""``grpo-mega prm {label,train,score,eval}``: the PRM's commands. Each writes a JSON or jsonl output and prints
+its path as the last line.
+
+    grpo-mega prm label --policy CKPT --data FILE --n 8 --out FILE        Monte-Carlo step labels
+    grpo-mega prm train --config FILE [key=value ...]                     train the PRM
+    grpo-mega prm score --prm PATH --data FILE --out FILE.jsonl           step scores of every row
+    grpo-mega prm eval  --prm PATH [--data FILE] [--policy CKPT --prompts FILE] --out FILE.json
+
+``--nproc N`` starts N local processes under torchrun (default: the PRM's or policy's tp x pp; for ``train``
+the config's parallel layout); under torchrun or srun each process is one rank of that job.
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "label": "Monte-Carlo step labels from the policy's rollouts",
+    "train": "train the PRM (TP/PP/DP, checkpoints, resume)",
+    "score": "score every step of every row of a data file",
+    "eval": "step accuracy / F1, ProcessBench F1, best-of-N reranking",
+}
+
+
+def add_prm_commands(commands) -> None:
+    """Add ``prm`` and its subcommands to the ``grpo-mega`` subparsers."""
+    from prm.evaluate import add_eval_arguments
+    from prm.labeling import add_label_arguments
+    from prm.scoring import add_score_arguments
+
+    prm = commands.add_parser("prm", help="the process reward model: label, train, score, eval")
+    sub = prm.add_subparsers(dest="prm_command", required=True)
+    adders = {"label": add_label_arguments, "score": add_score_arguments, "eval": add_eval_arguments}
+    for name, help_text in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.add_argument("--nproc", type=int, default=None, help="processes to start here (ignored under torchrun)")
+        if name == "train":
+            command.add_argument("--config", required=True, help="YAML config file (see configs/quickstart_prm.yaml)")
+            command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-5")
+        else:
+            adders[name](command)
+
+
+def _default_nproc(args) -> int:
+    return getattr(args, "tp", 1) * getattr(args, "pp", 1)
+
+
+def run_prm_command(args, argv: list[str]) -> int:
+    """Run ``grpo-mega prm <command>``: relaunch under torchrun when asked for several processes, else run as
+    this rank and print the output path last. Returns the exit status."""
+    from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
+
+    cfg = None
+    if args.prm_command == "train":
+        from grpo_mega.config import ConfigError, load_config
+        from prm.config import PRMConfig, validate_prm
+
+        try:
+            cfg = load_config(PRMConfig, args.config, args.overrides, validate_prm)
+        except ConfigError as error:
+            print(f"grpo-mega prm train: {error}", file=sys.stderr)
+            return 2
+        nproc = args.nproc or cfg.parallel.tensor * cfg.parallel.pipeline
+    else:
+        nproc = args.nproc or _default_nproc(args)
+    if nproc > 1 and not under_launcher():
+        relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
+    if args.prm_command == "train":
+        from prm.train import run_prm_train
+
+        output = run_prm_train(cfg)
+    elif args.prm_command == "label":
+        from prm.labeling import run_label
+
+        output = run_label(args)
+    elif args.prm_command == "score":
+        from prm.scoring import run_score
+
+        output = run_score(args)
+    else:
+        from prm.evaluate import run_eval
+
+        output = run_eval(args)
+    if _is_rank0():
+        print(output, flush=True)
+    return 0
+
+
+def _is_rank0() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,100 @@
+"""The PRM training config (``grpo-mega prm train --config FILE [key=value ...]``): the policy trainer's model,
+parallel and optimizer sections, plus the PRM head, its data and the trainer settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from grpo_mega.config import (
+    DEVICE_CHOICES,
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    _choice,
+)
+
+PRM_LAYOUT_CHOICES = ("classifier", "lm_tokens")
+LABEL_KINDS = ("hard", "soft")
+
+
+@dataclass
+class PRMHeadConfig:
+    layout: str = "classifier"
+    """``classifier`` (Qwen2.5-Math-PRM: a 2-way head on the backbone; a policy's config is turned into one) or
+    ``lm_tokens`` (Math-Shepherd: the LM's logits of ``good_token`` vs ``bad_token``)."""
+    step_tag: str = " ки"
+    """Written after every step (``prompt + step_1 + tag + step_2 + tag ...``); the step's score is read at the
+    tag's last token. Qwen2.5-Math-PRM uses "<extra_0>", Math-Shepherd " ки"."""
+    good_token: str = "+"
+    """``lm_tokens``: the label token of a good step (one token of the vocabulary)."""
+    bad_token: str = "-"
+    """``lm_tokens``: the label token of a bad step."""
+    chat_template: bool = False
+    """Wrap the rendered text with the tokenizer's chat template (user = prompt, assistant = tagged steps)."""
+    system_prompt: Optional[str] = None
+    """System message of the chat template, when ``chat_template`` is on."""
+
+
+@dataclass
+class PRMDataConfig:
+    train_file: str = "???"
+    """Step-labelled examples: stepwise (TRL; what ``grpo-mega prm label`` writes), Math-Shepherd, PRM800K or
+    synthetic jsonl."""
+    format: str = "auto"
+    """``auto`` (from the first row's fields), ``stepwise``, ``math_shepherd``, ``prm800k``, ``synthetic``."""
+    eval_file: Optional[str] = None
+    """Held-out step-labelled examples: step accuracy and F1 on them every ``trainer.eval_every`` steps and at the end."""
+    labels: str = "hard"
+    """Train on ``hard`` labels (cross-entropy with 0/1 targets) or ``soft`` ones (the Monte-Carlo fraction of
+    rollouts that reached the answer; falls back to the hard label where a row has none)."""
+    neutral_is_good: bool = True
+    """PRM800K: count a rating of 0 as a good step (as Qwen does; TRL counts only +1)."""
+    max_length: int = 512
+    """Longest rendered example in tokens; longer rows are reported and handled per ``on_bad_row``."""
+    on_bad_row: str = "skip"
+    """``skip`` (report file:line and go on) or ``error``."""
+
+
+@dataclass
+class PRMTrainerConfig:
+    run_dir: str = "runs/prm"
+    total_steps: int = 300
+    batch_size: int = 64
+    """Examples (solutions) per optimizer step."""
+    eval_every: int = 0
+    """Evaluate on ``data.eval_file`` every N steps; 0 = only at the end."""
+    save_every: int = 0
+    """0 = only at the end."""
+    keep_last: int = 2
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in run_dir, if any), ``none``, or a checkpoint folder."""
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class PRMConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """``hf_config``: the PRM's HF config folder, or a policy's (a classifier PRM is then built on its backbone);
+    ``init_from``: a policy or a PRM (HF folder, converted megatron folder, grpo-mega checkpoint or run dir)."""
+    prm: PRMHeadConfig = field(default_factory=PRMHeadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: PRMDataConfig = field(default_factory=PRMDataConfig)
+    trainer: PRMTrainerConfig = field(default_factory=PRMTrainerConfig)
+
+
+def validate_prm(cfg: PRMConfig) -> None:
+    """Cross-field checks of a PRM training config."""
+    _choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
+    _choice(cfg.data.labels, LABEL_KINDS, "data.labels")
+    _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
+    if not cfg.prm.step_tag:
+        raise ConfigError("prm.step_tag must be a non-empty string")
+    for key in ("total_steps", "batch_size"):
+        if getattr(cfg.trainer, key) < 1:
+            raise ConfigError(f"trainer.{key} must be >= 1")

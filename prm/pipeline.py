@@ -1,0 +1,131 @@
+"""The PRM stages of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
+policy's own solutions -> PRM training -> evaluation on held-out solutions with planted errors and on reranking
+the policy's samples. Each stage is a ``grpo-mega prm`` command on 2 processes with its log in the output folder;
+``bench/prm_synthetic.py`` runs it over seeds and the quickstart runs it before process-supervised GRPO.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class PRMPlan:
+    """Sizes of the PRM stages (the defaults are the quickstart's)."""
+
+    label_prompts: int = 400
+    """Training prompts whose policy solutions get Monte-Carlo labels."""
+    samples_per_prompt: int = 2
+    """Policy solutions labelled per prompt."""
+    rollouts_per_step: int = 8
+    """Monte-Carlo continuations from each step prefix (``--n``)."""
+    label_temperature: float = 1.0
+    train_steps: int | None = None
+    """None: configs/quickstart_prm.yaml decides."""
+    planted_problems: int = 300
+    """Held-out problems turned into solutions with planted errors (half of them with one error)."""
+    best_of_n_prompts: int = 200
+    best_of_n: int = 8
+    max_new_tokens: int = 48
+    nproc: int = 2
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """What the PRM stages need from the policy's side: its config folder, weights, and the task's files."""
+
+    model_dir: Path
+    """The policy's HF config folder (with its tokenizer)."""
+    weights: Path
+    """The policy checkpoint (e.g. the SFT run directory)."""
+    train_file: Path
+    heldout_file: Path
+
+
+def write_planted_file(heldout_file: Path, out: Path, *, problems: int, seed: int) -> Path:
+    """Held-out solutions with planted errors (ProcessBench rows with ground-truth labels) as stepwise jsonl."""
+    from grpo_mega.data.synthetic import read_jsonl
+    from prm.data import write_stepwise
+    from prm.synthetic import planted_error_examples
+
+    examples = planted_error_examples(read_jsonl(heldout_file)[:problems], seed=seed)
+    write_stepwise(out, examples)
+    return out
+
+
+def _command(argv: list[str], log_path: Path) -> float:
+    """Run ``grpo-mega <argv>``; output to ``log_path``; returns wall seconds; raises with the log's tail."""
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        code = subprocess.call([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan(), *, seed: int = 1234,
+                     echo=print) -> dict:
+    """Label, train and evaluate a PRM for ``policy`` under ``out_dir``; returns (and writes ``prm_summary.json``)
+    the figures: label agreement with the truth, step accuracy / F1, ProcessBench F1 on planted errors and on the
+    policy's own solutions, prm@N / maj@N / pass@N, and seconds per stage."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    nproc = ["--nproc", str(plan.nproc)]
+    seconds: dict[str, float] = {}
+    labels, prm_dir = out_dir / "prm_labels.jsonl", out_dir / "prm"
+
+    echo(f"  PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions, "
+         f"{plan.rollouts_per_step} rollouts per step (log {out_dir / 'prm_label.log'})")
+    seconds["label"] = _command(
+        ["prm", "label", "--policy", str(policy.weights), "--data", str(policy.train_file), "--out", str(labels),
+         "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
+         "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
+         "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), *nproc],
+        out_dir / "prm_label.log",
+    )
+    echo(f"  PRM training (log {out_dir / 'prm_train.log'})")
+    train_overrides = [f"model.hf_config={policy.model_dir}", f"model.init_from={policy.weights}",
+                       f"data.train_file={labels}", f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false",
+                       f"parallel.seed={seed}"]
+    if plan.train_steps is not None:
+        train_overrides.append(f"trainer.total_steps={plan.train_steps}")
+    seconds["train"] = _command(["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), *nproc,
+                                 *train_overrides], out_dir / "prm_train.log")
+
+    echo(f"  PRM evaluation (log {out_dir / 'prm_eval.log'})")
+    planted = write_planted_file(policy.heldout_file, out_dir / "planted_errors.jsonl",
+                                 problems=plan.planted_problems, seed=seed)
+    report_path = out_dir / "prm_eval.json"
+    seconds["eval"] = _command(
+        ["prm", "eval", "--prm", str(prm_dir), "--data", str(planted), "--policy", str(policy.weights),
+         "--prompts", str(policy.heldout_file), "--n", str(plan.best_of_n), "--max-prompts",
+         str(plan.best_of_n_prompts), "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed),
+         "--samples-out", str(out_dir / "prm_best_of_n_samples.jsonl"), "--out", str(report_path), *nproc],
+        out_dir / "prm_eval.log",
+    )
+    label_summary = json.loads(Path(f"{labels}.summary.json").read_text())
+    report = json.loads(report_path.read_text())
+    summary = {
+        "label_agreement": label_summary.get("label_agreement"),
+        "soft_label_agreement": label_summary.get("soft_label_agreement"),
+        "labelled_steps": label_summary.get("steps"),
+        **{key: report.get(key) for key in (
+            "step_accuracy", "step_f1", "processbench_f1", "processbench_threshold",
+            "policy_processbench_f1", "policy_processbench_threshold", "prm_at_n", "prm_at_n_last",
+            "prm_at_n_product", "maj_at_n", "pass_at_n", "best_of_n_sample_accuracy")},
+        "prm_checkpoint": str(prm_dir),
+        "seconds": {key: round(value, 1) for key, value in seconds.items()},
+        "label_train_eval_seconds": round(sum(seconds.values()), 1),
+        "plan": asdict(plan),
+        "seed": seed,
+    }
+    (out_dir / "prm_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

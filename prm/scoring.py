@@ -1,0 +1,211 @@
+"""Step scores from a PRM on its forward-only engine: ``StepScorer.score_steps`` (the batched API that
+process-supervised GRPO calls) and ``grpo-mega prm score``.
+
+Every example is rendered with the one contract of ``prm.rendering`` (prompt + step_1 + tag + ...), all rows go
+through the engine together (it packs them into micro-batches by token budget and shards them over data-parallel
+ranks), and step j's score is P(good) at the last token of its tag: ``exp(good_logprob)`` of the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from prm.examples import StepExample
+from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROWS_PER_CALL = 512
+"""Rows per engine call: bounds the [rows, length] output tensors, not the compute (the engine micro-batches)."""
+
+
+def rendered_batch(
+    rendered: Sequence[RenderedExample], pad_id: int, targets: Sequence[Sequence[float]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The engine batch of rendered examples: right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (1 at
+    each step's tag position) and, with ``targets`` (one per step), ``targets`` [B, L] (the step's label there)."""
+    if not rendered:
+        raise ValueError("rendered_batch: no examples")
+    width = max(len(r.input_ids) for r in rendered)
+    rows = len(rendered)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    loss_mask = torch.zeros((rows, width), dtype=torch.long)
+    target_values = torch.zeros((rows, width), dtype=torch.float32)
+    for row, example in enumerate(rendered):
+        length = len(example.input_ids)
+        input_ids[row, :length] = torch.tensor(example.input_ids, dtype=torch.long)
+        attention_mask[row, :length] = 1
+        positions = torch.tensor(example.tag_positions, dtype=torch.long)
+        loss_mask[row, positions] = 1
+        if targets is not None:
+            if len(targets[row]) != len(example.tag_positions):
+                raise ValueError(f"row {row}: {len(targets[row])} targets for {len(example.tag_positions)} steps")
+            target_values[row, positions] = torch.tensor([float(t) for t in targets[row]], dtype=torch.float32)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if targets is not None:
+        batch["targets"] = target_values
+    return batch
+
+
+def scores_at_tags(good_logprob: torch.Tensor, rendered: Sequence[RenderedExample]) -> list[list[float]]:
+    """P(good) = exp(good_logprob) at each example's tag positions."""
+    return [
+        torch.exp(good_logprob[row, torch.tensor(example.tag_positions, dtype=torch.long)]).tolist()
+        for row, example in enumerate(rendered)
+    ]
+
+
+class StepScorer:
+    """Scores the steps of many solutions at once on a PRM engine (forward-only or training; collective: every
+    rank of the job calls with the same arguments and gets the same scores)."""
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        settings: RenderSettings,
+        *,
+        max_length: int | None = None,
+        rows_per_call: int = DEFAULT_ROWS_PER_CALL,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.max_length = max_length
+        self.rows_per_call = rows_per_call
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else int(tokenizer.eos_token_id)
+        self.last_seconds = 0.0
+        """Wall time of the last ``score_steps`` call."""
+
+    def render(self, prompt: str, steps: Sequence[str]) -> RenderedExample:
+        """Token ids and tag positions of one example (``prm.rendering.tokenize_rendered``)."""
+        return tokenize_rendered(self.tokenizer, prompt, list(steps), self.settings, max_length=self.max_length)
+
+    def score_rendered(self, rendered: Sequence[RenderedExample]) -> list[list[float]]:
+        """Step scores of already rendered examples, in order."""
+        scores: list[list[float]] = []
+        for start in range(0, len(rendered), self.rows_per_call):
+            chunk = list(rendered[start : start + self.rows_per_call])
+            outputs = self.engine.forward(rendered_batch(chunk, self.pad_id))
+            scores.extend(scores_at_tags(outputs["good_logprob"], chunk))
+        return scores
+
+    def score_steps(self, prompts: Sequence[str], steps: Sequence[Sequence[str]]) -> list[list[float]]:
+        """``scores[i][j]`` in [0, 1]: the PRM's probability that step j of solution i is good. A solution without
+        steps gets ``[]``."""
+        if len(prompts) != len(steps):
+            raise ValueError(f"score_steps: {len(prompts)} prompts but {len(steps)} step lists")
+        start = time.perf_counter()
+        with_steps = [i for i, s in enumerate(steps) if len(s) > 0]
+        rendered = [self.render(prompts[i], steps[i]) for i in with_steps]
+        scores: list[list[float]] = [[] for _ in prompts]
+        for index, row_scores in zip(with_steps, self.score_rendered(rendered)):
+            scores[index] = row_scores
+        self.last_seconds = time.perf_counter() - start
+        return scores
+
+    def score_examples(self, examples: Sequence[StepExample]) -> list[list[float]]:
+        """``score_steps`` of examples' prompts and steps."""
+        return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
+
+
+# ----------------------------------------------------------------------------- grpo-mega prm score
+def add_prm_arguments(parser) -> None:
+    """The flags that choose and describe a PRM, shared by ``score`` and ``eval``."""
+    parser.add_argument("--prm", required=True, help="grpo-mega PRM checkpoint / run dir, or an HF PRM folder")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes = tp x pp x dp)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--step-tag", default=None, help="overrides the PRM's tag (default: its own)")
+    parser.add_argument("--good-token", default=None, help="lm_tokens: the good label token")
+    parser.add_argument("--bad-token", default=None, help="lm_tokens: the bad label token")
+    parser.add_argument("--chat-template", action="store_true", default=None,
+                        help="wrap the text with the tokenizer's chat template")
+    parser.add_argument("--system-prompt", default=None, help="system message with --chat-template")
+    parser.add_argument("--max-length", type=int, default=None, help="longest rendered example in tokens")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=1234)
+
+
+def add_data_arguments(parser, *, required: bool = True) -> None:
+    """The flags of a step-labelled data file."""
+    parser.add_argument("--data", required=required, help="jsonl of solutions split into steps")
+    parser.add_argument("--format", default="auto",
+                        help="auto, stepwise, math_shepherd, prm800k, processbench or synthetic")
+    parser.add_argument("--on-bad-row", default="skip", choices=("skip", "error"))
+    parser.add_argument("--neutral-is-good", action=argparse.BooleanOptionalAction, default=True,
+                        help="PRM800K: count a rating of 0 as good (default yes; --no-neutral-is-good: only +1)")
+
+
+def open_scorer(args):
+    """Initialise the process group, open the PRM (``prm.model.open_prm``) and build its ``StepScorer`` from the
+    command-line flags; returns (loaded PRM, scorer)."""
+    from grpo_mega.parallel import init_distributed
+    from prm.model import open_prm
+
+    init_distributed(args.tp, args.pp, seed=args.seed)
+    overrides = {key: value for key, value in (("step_tag", args.step_tag), ("good_token", args.good_token),
+                                                ("bad_token", args.bad_token)) if value is not None}
+    loaded = open_prm(args.prm, spec_overrides=overrides, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
+    saved = _saved_render_settings(args.prm)
+    settings = RenderSettings(
+        step_tag=loaded.spec.step_tag,
+        chat_template=args.chat_template if args.chat_template is not None else saved.get("chat_template", False),
+        system_prompt=args.system_prompt if args.system_prompt is not None else saved.get("system_prompt"),
+    )
+    return loaded, StepScorer(loaded.engine, loaded.tokenizer, settings, max_length=args.max_length)
+
+
+def _saved_render_settings(path: str) -> dict:
+    """The chat-template settings a grpo-mega PRM was trained with ({} for an HF folder)."""
+    from grpo_mega.checkpoint.training_files import weights_format
+
+    if weights_format(path) not in ("training_checkpoint", "training_run"):
+        return {}
+    from grpo_mega.checkpoint.training import checkpoint_config
+
+    return dict(checkpoint_config(path).get("prm") or {})
+
+
+def read_data(args, path: str | None = None) -> list[StepExample]:
+    """The examples of ``path`` (default ``--data``) in file order, read per ``--format`` and its options."""
+    from prm.data import read_examples
+
+    options = {"neutral_is_good": args.neutral_is_good} if args.format in ("prm800k", "auto") else {}
+    return read_examples(path or args.data, args.format, on_bad_row=args.on_bad_row, **options)
+
+
+def add_score_arguments(parser) -> None:
+    add_prm_arguments(parser)
+    add_data_arguments(parser)
+    parser.add_argument("--out", required=True, help="output jsonl: one line per example, with step_scores")
+
+
+def run_score(args) -> Path:
+    """``grpo-mega prm score``: one output line per usable input row, in order, with its ``step_scores``."""
+    import torch.distributed as dist
+
+    from grpo_mega.parallel import destroy_distributed
+
+    _, scorer = open_scorer(args)
+    examples = read_data(args)
+    scores = scorer.score_examples(examples)
+    out = Path(args.out)
+    if dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", encoding="utf-8") as handle:
+            for example, step_scores in zip(examples, scores):
+                handle.write(json.dumps({"source": example.source, "prompt": example.prompt, "steps": example.steps,
+                                         "step_scores": step_scores}) + "\n")
+        logger.info("scored %d examples (%d steps) in %.1f s", len(examples), sum(map(len, scores)),
+                    scorer.last_seconds)
+    destroy_distributed()
+    return out

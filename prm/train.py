@@ -1,0 +1,212 @@
+"""PRM training on the Megatron engine: ``grpo-mega prm train --config FILE [key=value ...]``.
+
+Each example is rendered once (``prm.rendering``: prompt + step_1 + tag + ...); the loss is the cross-entropy of
+the head's good/bad distribution at every step's tag against the step's label (hard 0/1, or the Monte-Carlo
+fraction with ``data.labels: soft``), averaged over all steps of the global batch. TP / PP / DP, checkpoints and
+exact resume, metrics and the progress bar are the policy trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from grpo_mega.checkpoint.training import CheckpointManager
+from grpo_mega.config import save_config
+from grpo_mega.data.prompts import BadRows
+from grpo_mega.data.tokenizer import load_tokenizer
+from grpo_mega.engine import LossScale
+from grpo_mega.metrics import MetricsLogger
+from grpo_mega.parallel import destroy_distributed, init_distributed
+from prm.config import PRMConfig
+from prm.examples import StepExample
+from prm.metrics import step_classification
+from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+from prm.scoring import StepScorer, rendered_batch
+
+logger = logging.getLogger(__name__)
+
+PRM_HF_CONFIG_DIR = "prm_hf_config"
+"""Where a run writes the HF config of a classifier PRM built on a policy's backbone (``model.hf_config`` is a
+causal LM's config)."""
+
+
+def prm_loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], scale: LossScale):
+    """``-sum over tags [y log P(good) + (1 - y) log P(bad)] / global steps`` (this micro-batch's share), with
+    the step accuracy (P(good) > 0.5 against y > 0.5) as a metric."""
+    mask = micro["loss_mask"].to(torch.float32)
+    target = micro["targets"].to(torch.float32)
+    good, bad = outputs["good_logprob"], outputs["bad_logprob"]
+    loss = -((target * good + (1.0 - target) * bad) * mask).sum() / scale.global_tokens
+    hit = ((good > math.log(0.5)) == (target > 0.5)).to(torch.float32)
+    return loss, {"prm/loss": loss.detach(), "prm/step_accuracy": (hit * mask).sum().detach() / scale.global_tokens}
+
+
+def training_targets(example: StepExample, labels: str) -> tuple[list[str], list[float]] | None:
+    """The steps to train on and their targets, or None when the example carries no labels.
+
+    ``soft`` uses the Monte-Carlo fractions where present, else the hard labels. A ProcessBench-style example
+    (only ``first_error`` known) trains on the steps up to its first error: good, ..., good, bad.
+    """
+    if labels == "soft" and example.soft_labels is not None:
+        return example.steps, [float(v) for v in example.soft_labels]
+    if example.labels is not None:
+        return example.steps, [1.0 if good else 0.0 for good in example.labels]
+    if example.first_error is not None:
+        if example.first_error < 0:
+            return example.steps, [1.0] * len(example.steps)
+        kept = example.steps[: example.first_error + 1]
+        return kept, [1.0] * example.first_error + [0.0]
+    return None
+
+
+def render_training_set(
+    examples: list[StepExample], tokenizer, settings: RenderSettings, *, labels: str, max_length: int, policy: str,
+    source: str,
+) -> tuple[list[RenderedExample], list[list[float]]]:
+    """Rendered examples and their per-step targets; unusable rows (no labels, no steps, too long, tags that do
+    not tokenize apart) are reported with file:line and skipped or raised per ``policy``."""
+    bad_rows = BadRows(policy)
+    rendered, targets = [], []
+    for example in examples:
+        steps_and_targets = training_targets(example, labels)
+        if steps_and_targets is None or not steps_and_targets[0]:
+            bad_rows.reject(example.source, "no step labels" if steps_and_targets is None else "no steps")
+            continue
+        steps, values = steps_and_targets
+        try:
+            rendered.append(tokenize_rendered(tokenizer, example.prompt, steps, settings, max_length=max_length))
+        except ValueError as error:
+            bad_rows.reject(example.source, str(error))
+            continue
+        targets.append(values)
+    bad_rows.finish(len(rendered), source)
+    return rendered, targets
+
+
+def evaluate_steps(scorer: StepScorer, rendered: list[RenderedExample], targets: list[list[float]]) -> dict[str, float]:
+    """``eval/step_accuracy``, ``eval/step_f1`` (wrong steps as the positive class) of held-out examples."""
+    scores = scorer.score_rendered(rendered)
+    report = step_classification(scores, [[t > 0.5 for t in row] for row in targets])
+    return {f"eval/{key}": float(report[key]) for key in ("step_accuracy", "step_f1", "step_f1_good")}
+
+
+def run_prm_train(cfg: PRMConfig) -> Path:
+    """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder."""
+    from prm.model import PRMSpec, build_prm_engine
+
+    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
+    is_rank0 = dist.get_rank() == 0
+    run_dir = Path(cfg.trainer.run_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
+    cfg.model.tokenizer = cfg.model.tokenizer or cfg.model.hf_config
+    cfg.model.hf_config = str(_prm_hf_config(cfg, run_dir))
+    hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
+    spec = PRMSpec(layout=cfg.prm.layout, step_tag=cfg.prm.step_tag, good_token=cfg.prm.good_token,
+                   bad_token=cfg.prm.bad_token)
+    engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
+                              max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch)
+    checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
+    start_step = 0
+    resume_from = checkpoints.find_resume(cfg.trainer.resume)
+    if resume_from is not None:
+        start_step = checkpoints.load(engine, resume_from, seed=cfg.parallel.seed).step
+        logger.info("resumed from %s at step %d", resume_from, start_step)
+    else:
+        _load_initial_weights(engine, cfg)
+    if is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    settings = RenderSettings(step_tag=cfg.prm.step_tag, chat_template=cfg.prm.chat_template,
+                              system_prompt=cfg.prm.system_prompt)
+    train_set = _render_file(cfg, cfg.data.train_file, tokenizer, settings)
+    eval_set = _render_file(cfg, cfg.data.eval_file, tokenizer, settings) if cfg.data.eval_file else None
+    scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
+    metrics_log = MetricsLogger(
+        run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
+        tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar, bar_metric="prm/loss",
+    )
+    final = None
+    rendered, targets = train_set
+    for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+        # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
+        rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(rendered), cfg.trainer.batch_size)
+        batch = rendered_batch([rendered[i] for i in rows], scorer.pad_id, [targets[i] for i in rows])
+        metrics = engine.train_step(batch, prm_loss)
+        engine.lr_schedule_step()
+        last = step == cfg.trainer.total_steps
+        if eval_set is not None and (last or cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
+            metrics.update(evaluate_steps(scorer, *eval_set))
+        metrics_log.log(step, metrics)
+        if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+            final = checkpoints.save(engine, step, config=asdict(cfg))
+    metrics_log.close()
+    destroy_distributed()
+    return final if final is not None else checkpoints.find_resume("auto")
+
+
+def _render_file(cfg: PRMConfig, path: str, tokenizer, settings: RenderSettings):
+    from prm.data import read_examples
+
+    options = {"neutral_is_good": cfg.data.neutral_is_good} if cfg.data.format in ("prm800k", "auto") else {}
+    examples = read_examples(path, cfg.data.format, on_bad_row=cfg.data.on_bad_row, **options)
+    return render_training_set(examples, tokenizer, settings, labels=cfg.data.labels, max_length=cfg.data.max_length,
+                               policy=cfg.data.on_bad_row, source=str(path))
+
+
+def _prm_hf_config(cfg: PRMConfig, run_dir: Path) -> Path:
+    """The PRM's HF config folder: ``model.hf_config`` when it already describes this layout; for a classifier
+    on a causal LM's config, a PRM config written into the run directory (rank 0 writes, all wait)."""
+    from prm.model import detect_layout, prm_hf_config_from_policy
+
+    given = Path(cfg.model.hf_config)
+    hf_config = AutoConfig.from_pretrained(given)
+    # A config without architectures (e.g. written from a bare Qwen2Config) is a policy's: a causal LM.
+    layout = detect_layout(hf_config) if getattr(hf_config, "architectures", None) else "lm_tokens"
+    if layout == cfg.prm.layout:
+        return given
+    if cfg.prm.layout == "lm_tokens":
+        raise ValueError(
+            f"prm.layout=lm_tokens needs a causal LM's config, but model.hf_config={given} is a {layout} PRM"
+        )
+    target = run_dir / PRM_HF_CONFIG_DIR
+    if dist.get_rank() == 0:
+        prm_hf_config_from_policy(given, target, "classifier")
+    dist.barrier()
+    logger.info("classifier PRM on the backbone of %s: config written to %s", given, target)
+    return target
+
+
+def _load_initial_weights(engine, cfg: PRMConfig) -> None:
+    """``model.init_from``: a PRM of this layout loads whole; a policy gives the backbone (classifier: the head
+    starts from its initialisation)."""
+    from grpo_mega.checkpoint.initial_weights import load_initial_weights
+    from prm.model import load_prm_init_weights
+
+    source = cfg.model.init_from
+    if source is None or cfg.prm.layout == "lm_tokens" or _is_classifier_prm(source):
+        load_initial_weights(engine, source)
+    else:
+        load_prm_init_weights(engine, source)
+
+
+def _is_classifier_prm(source: str) -> bool:
+    """Whether ``source`` holds a classifier PRM (its head included): an HF PRM folder or a grpo-mega PRM run."""
+    from grpo_mega.checkpoint.training import checkpoint_config
+    from grpo_mega.checkpoint.training_files import weights_format
+    from prm.model import detect_layout
+
+    kind = weights_format(source)
+    if kind == "hf":
+        return detect_layout(AutoConfig.from_pretrained(source)) == "classifier"
+    if kind in ("training_checkpoint", "training_run"):
+        return (checkpoint_config(source).get("prm") or {}).get("layout") == "classifier"
+    return False
