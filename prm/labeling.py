@@ -13,12 +13,17 @@ prompts and all of them get every continuation) and one scoring call (``score_ac
 the same on every rank and depend only on the seed and the number of ranks.
 
 Prefix tokens: the prompt's ids as the dataset gives them (``load_prompt_dataset``) followed by
-``tokenizer(prefix_text, add_special_tokens=False)``. That is the canonical tokenization of the prefix text, which
-can differ from the ids the policy sampled when a step boundary falls inside what BPE would merge into one token
-(the continuation then starts from a token sequence the policy never produced). Steps cut before whitespace, as
-both default step patterns do, start a new pre-token under byte-level BPE with Qwen2 / Llama pre-tokenization,
-so there the re-tokenized prefix equals the tokens of the steps (and for the synthetic task's SFT policy, which
-was trained on canonical tokenizations, the tokens it would have sampled).
+``tokenizer(prefix_text, add_special_tokens=False)``, the canonical tokenization of the prefix text. Caveat: it
+can differ from the ids the policy sampled, (a) when a step boundary falls inside what BPE merges into one token,
+so the prefix ends on a token the policy would not have stopped at, and (b) when the policy sampled a
+non-canonical split of its own text. Both default step patterns cut where byte-level BPE with Qwen2 / Llama-3
+pre-tokenization starts a new pre-token (before " Step k:" / " The answer is", after a blank line), so (a) does
+not arise there; (b) is rare for a policy trained on canonical tokenizations, like the quickstart's SFT policy.
+
+What the labels measure: whether *this policy* can finish the solution from the step, not whether the step is
+right. A weak completer gives false negatives (a right step from which none of the n continuations reaches the
+answer); a policy whose final answer does not follow its steps gives false positives (a wrong step followed by a
+lucky answer). More continuations trade the first for the second.
 """
 
 from __future__ import annotations

@@ -170,6 +170,9 @@ def test_run_label_on_two_processes_writes_stepwise_rows_and_a_summary(tiny_poli
         outcome = len("".join(steps)) % 2 == 0
         assert row["labels"][-1] is outcome and row["soft_labels"][-1] == float(outcome) == row["outcome"]
         assert row["true_labels"] == [False] * len(steps)  # random text is no synthetic step
+    from prm.data import read_examples
+
+    assert [e.soft_labels for e in read_examples(out, "stepwise")] == [row["soft_labels"] for row in rows]
     assert summary["label_agreement"] == sum(
         label == truth for row in rows for label, truth in zip(row["labels"], row["true_labels"])
     ) / summary["steps"]
