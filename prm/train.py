@@ -111,6 +111,11 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
     spec = PRMSpec(layout=cfg.prm.layout, step_tag=cfg.prm.step_tag, good_token=cfg.prm.good_token,
                    bad_token=cfg.prm.bad_token)
+    # Data first: a bad file fails in seconds, before the model is built.
+    settings = RenderSettings(step_tag=cfg.prm.step_tag, chat_template=cfg.prm.chat_template,
+                              system_prompt=cfg.prm.system_prompt)
+    train_set = _render_file(cfg, cfg.data.train_file, tokenizer, settings)
+    eval_set = _render_file(cfg, cfg.data.eval_file, tokenizer, settings) if cfg.data.eval_file else None
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
@@ -125,10 +130,6 @@ def run_prm_train(cfg: PRMConfig) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
 
-    settings = RenderSettings(step_tag=cfg.prm.step_tag, chat_template=cfg.prm.chat_template,
-                              system_prompt=cfg.prm.system_prompt)
-    train_set = _render_file(cfg, cfg.data.train_file, tokenizer, settings)
-    eval_set = _render_file(cfg, cfg.data.eval_file, tokenizer, settings) if cfg.data.eval_file else None
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
     metrics_log = MetricsLogger(
         run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
