@@ -230,13 +230,13 @@ def _layout(tp: int, pp: int) -> None:
     init_model_parallel(tp, pp, seed=0)
 
 
-def _scores_job(folders: dict[str, str], run_dir: str) -> dict:
-    """Scores of open_prm at TP=2 and PP=2 for both HF layouts, and of a PRM training checkpoint saved at TP=2 and
-    opened at PP=2."""
+def _scores_job(folders: dict[str, str], run_dir: str, mcore_dir: str) -> dict:
+    """Scores of open_prm at TP=2 and PP=2 for both HF layouts; of the classifier saved as a megatron folder at TP=2
+    and as a training checkpoint at DP=2 (one copy of the replicated head), both opened at PP=2."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from grpo_mega.checkpoint import HFWeights
+    from grpo_mega.checkpoint import HFWeights, save_mcore_checkpoint
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import OptimConfig
     from grpo_mega.parallel import init_distributed
@@ -258,7 +258,9 @@ def _scores_job(folders: dict[str, str], run_dir: str) -> dict:
                 "no_output_layer": (not hasattr(loaded.engine.stage, "output_layer")
                                     if parallel_state.is_pipeline_last_stage() else None),
             }
-    _layout(2, 1)
+            if (layout, tp) == ("classifier", 2):
+                save_mcore_checkpoint(loaded.engine.stage, mcore_dir, folder)
+    _layout(1, 1)
     spec = PRMSpec("classifier", "<extra_0>")
     engine = build_prm_engine(Qwen2Config.from_pretrained(folders["classifier"]), spec, None, optim=OptimConfig(),
                               total_steps=1, max_tokens_per_micro_batch=64)
@@ -269,6 +271,9 @@ def _scores_job(folders: dict[str, str], run_dir: str) -> dict:
     loaded = open_prm(run_dir, spec_overrides={"step_tag": "\n\n"})
     outputs = loaded.engine.forward(batch(SPECIAL.index("<extra_0>")))
     results["checkpoint"] = {"spec": loaded.spec, "scores": tag_scores(outputs["good_logprob"])}
+    loaded = open_prm(mcore_dir)
+    outputs = loaded.engine.forward(batch(SPECIAL.index("<extra_0>")))
+    results["mcore"] = {"spec": loaded.spec, "scores": tag_scores(outputs["good_logprob"])}
     return results if dist.get_rank() == 0 else {}
 
 
@@ -280,7 +285,8 @@ def hf_prms(tmp_path_factory):
 
 
 def test_step_scores_match_transformers_at_tp2_and_pp2(hf_prms, tmp_path):
-    results = run_distributed(_scores_job, 2, {k: str(v) for k, v in hf_prms.items()}, str(tmp_path / "run"))[0]
+    results = run_distributed(_scores_job, 2, {k: str(v) for k, v in hf_prms.items()}, str(tmp_path / "run"),
+                              str(tmp_path / "mcore"))[0]
     ids = {layout: batch(SPECIAL.index(default_spec(layout).step_tag.strip()))["input_ids"] for layout in hf_prms}
     expected = {layout: reference_scores(folder, layout, ids[layout]) for layout, folder in hf_prms.items()}
     for layout in hf_prms:
@@ -296,6 +302,8 @@ def test_step_scores_match_transformers_at_tp2_and_pp2(hf_prms, tmp_path):
     checkpoint = results["checkpoint"]
     assert checkpoint["spec"] == PRMSpec("classifier", "\n\n")
     assert _max_diff(checkpoint["scores"], expected["classifier"]) <= MAX_SCORE_DIFF
+    assert results["mcore"]["spec"] == default_spec("classifier")
+    assert _max_diff(results["mcore"]["scores"], expected["classifier"]) <= MAX_SCORE_DIFF
 
 
 def step_loss(outputs, micro, scale):

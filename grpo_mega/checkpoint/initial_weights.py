@@ -1,8 +1,10 @@
 """The weights a run starts from (``model.init_from``), loaded into any engine through its interface.
 
-One entry point for the policy, the KL reference (a forward-only engine) and, later, the PRM: a Hugging Face
+One entry point for the policy, the KL reference (a forward-only engine) and an ``lm_tokens`` PRM: a Hugging Face
 folder, a converted megatron model folder, a grpo-mega training checkpoint or a run directory (its newest complete
 checkpoint), each at the job's TP / PP, with the bf16 master copies of a training engine following the weights.
+A classifier PRM started from a policy (whose LM head it does not have) goes through
+``prm.model.load_prm_init_weights``, which calls this for the other layout.
 """
 
 from __future__ import annotations
