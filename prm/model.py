@@ -142,8 +142,10 @@ def label_token_ids(tokenizer: Any, spec: PRMSpec) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------------------------- engines
 def _head_of(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[Callable[[], torch.nn.Module], bool]:
-    """(head factory, whether the backbone has an LM output layer) of ``spec`` on the model of ``hf_config``."""
-    layout = detect_layout(hf_config)
+    """(head factory, whether the backbone has an LM output layer) of ``spec`` on the model of ``hf_config``.
+
+    A config naming no architectures is a causal LM's (transformers writes a bare ``Qwen2Config`` that way)."""
+    layout = detect_layout(hf_config) if _config_field(hf_config, "architectures") else "lm_tokens"
     if layout != spec.layout:
         raise ValueError(
             f"prm.layout is {spec.layout!r} but the HF config's architectures "

@@ -45,6 +45,7 @@ class HiddenStatesGPTModel(GPTModel):
             # GPTModel always builds the output layer on the last stage; drop it before any DDP
             # buffer, optimizer or checkpoint sees it. Untied, nothing else refers to it (megatron
             # reads it only for tied embeddings, MTP or deferred embedding wgrad, all off here).
+            # Its shard [padded_vocab / tp, H] exists only during construction.
             del self.output_layer
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
