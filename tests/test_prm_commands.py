@@ -103,22 +103,31 @@ def _train(task, run_dir: Path, total_steps: int, *extra: str) -> subprocess.Com
     )
 
 
-def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint (full, global shapes), read without a process group."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    target = checkpoint.parent / f"{checkpoint.name}.pt"
+    target = scratch / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
     dcp_to_torch_save(str(checkpoint), str(target))
     state = torch.load(target, weights_only=False)
     return {key: value for key, value in state.items() if torch.is_tensor(value) and not key.startswith("optimizer.")}
 
 
-@pytest.mark.slow
-def test_prm_train_resumes_exactly_and_its_checkpoint_scores_at_another_layout(prm_task, tmp_path):
-    straight = _train(prm_task, tmp_path / "straight", 4)  # TP=2 on 2 processes (the config's layout)
+@pytest.fixture(scope="module")
+def trained_prm(prm_task, tmp_path_factory):
+    """A 4-step PRM run at TP=2 on 2 processes (the config's layout): (run dir, its metrics rows)."""
+    run_dir = tmp_path_factory.mktemp("prm_runs") / "straight"
+    straight = _train(prm_task, run_dir, 4)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    final = Path(straight.stdout.strip().splitlines()[-1])
-    assert final == tmp_path / "straight" / "checkpoints" / "step_000004"
-    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert Path(straight.stdout.strip().splitlines()[-1]) == run_dir / "checkpoints" / "step_000004"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, rows
+
+
+@pytest.mark.slow
+def test_prm_train_resumes_exactly_and_its_checkpoint_scores_at_another_layout(prm_task, trained_prm, tmp_path):
+    straight_dir, rows = trained_prm
+    final = straight_dir / "checkpoints" / "step_000004"
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["prm/loss"]) for r in rows) and "eval/step_accuracy" in rows[-1]
 
@@ -129,14 +138,14 @@ def test_prm_train_resumes_exactly_and_its_checkpoint_scores_at_another_layout(p
     assert "resumed from" in resumed.stderr
     resumed_rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["prm/loss"] for r in resumed_rows] == [r["prm/loss"] for r in rows]
-    a, b = _weights(final), _weights(tmp_path / "resumed" / "checkpoints" / "step_000004")
+    a, b = _weights(final, tmp_path), _weights(tmp_path / "resumed" / "checkpoints" / "step_000004", tmp_path)
     assert a.keys() == b.keys() and any("head.score" in key for key in a)
     assert all(torch.equal(a[key], b[key]) for key in a)
 
     # prm score on 1 process (TP=1) reads the TP=2 checkpoint: one line per row, in order, scores in [0, 1],
     # and they classify the held-out steps exactly as the training run's last evaluation did
     out = tmp_path / "scores.jsonl"
-    scored = _grpo_mega("prm", "score", "--prm", str(tmp_path / "straight"), "--data", str(prm_task["heldout"]),
+    scored = _grpo_mega("prm", "score", "--prm", str(straight_dir), "--data", str(prm_task["heldout"]),
                         "--out", str(out))
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert scored.stdout.strip().splitlines()[-1] == str(out)
@@ -154,12 +163,10 @@ def test_prm_train_resumes_exactly_and_its_checkpoint_scores_at_another_layout(p
 
 
 @pytest.mark.slow
-def test_prm_eval_reports_every_figure_and_best_of_n_is_consistent(prm_task, tmp_path):
-    run = _train(prm_task, tmp_path / "prm", 2)
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_prm_eval_reports_every_figure_and_best_of_n_is_consistent(prm_task, trained_prm, tmp_path):
     report_path, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     result = _grpo_mega(
-        "prm", "eval", "--prm", str(tmp_path / "prm"), "--data", str(prm_task["heldout"]), "--policy",
+        "prm", "eval", "--prm", str(trained_prm[0]), "--data", str(prm_task["heldout"]), "--policy",
         str(prm_task["policy"]), "--prompts", str(prm_task["problems"]), "--n", "3", "--max-prompts", "4",
         "--max-new-tokens", "16", "--samples-out", str(samples), "--out", str(report_path), "--nproc", "2",
     )
