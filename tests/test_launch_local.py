@@ -1,0 +1,84 @@
+"""launch/local.sh: the process count comes from the command line or, when not given, from the config's parallel
+layout (parallel.tensor x parallel.pipeline after the key=value overrides); read from its --dry-run output."""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL_SH = REPO / "launch" / "local.sh"
+
+
+def _local(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    env.pop("OMP_NUM_THREADS", None)
+    return subprocess.run(["bash", str(LOCAL_SH), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _dry_run(*args: str) -> list[str]:
+    """The torchrun command line local.sh would run (without the OMP_NUM_THREADS= prefix)."""
+    result = _local("--dry-run", *args)
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout)
+    assert words[0].startswith("OMP_NUM_THREADS=")
+    return words[1:]
+
+
+def _nproc(command: list[str]) -> int:
+    [flag] = [word for word in command if word.startswith("--nproc-per-node=")]
+    return int(flag.split("=", 1)[1])
+
+
+def test_process_count_is_tensor_times_pipeline_of_the_config_and_its_overrides(tmp_path):
+    config = tmp_path / "layout.yaml"
+    config.write_text("parallel:\n  tensor: 2\n  pipeline: 3\ntrainer:\n  total_steps: 5\n")
+    assert _nproc(_dry_run("train", "--config", str(config))) == 6
+    assert _nproc(_dry_run("prm", "train", "--config", str(config), "parallel.pipeline=1")) == 2
+    assert _nproc(_dry_run("sft", f"--config={config}", "parallel.tensor=4", "trainer.total_steps=9")) == 12
+    # quickstart_grpo.yaml: TP=2, no pipeline key (default 1)
+    assert _nproc(_dry_run("train", "--config", "configs/quickstart_grpo.yaml")) == 2
+
+
+def test_an_explicit_process_count_wins_and_the_command_passes_through_after_a_double_dash():
+    command = _dry_run("4", "prm", "label", "--n", "8", "--policy", "runs/sft")
+    assert _nproc(command) == 4
+    assert command[0] == sys.executable
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    # torchrun's own options end at "--": the command's --n / --nproc are not taken for torchrun's flags
+    assert command[-9:] == ["-m", "--", "grpo_mega.cli", "prm", "label", "--n", "8", "--policy", "runs/sft"]
+
+
+def test_threads_are_the_cores_split_between_the_processes():
+    result = _local("--dry-run", "1", "train", "--config", "configs/quickstart_grpo.yaml")
+    assert result.stdout.startswith(f"OMP_NUM_THREADS={os.cpu_count()} ")
+    result = _local("--dry-run", str(4 * os.cpu_count()), "train", "--config", "configs/quickstart_grpo.yaml")
+    assert result.stdout.startswith("OMP_NUM_THREADS=1 ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["prm", "label", "--n", "8"], "no NPROC given and no --config"),
+    (["train", "--config", "missing.yaml"], "config file missing.yaml does not exist"),
+    (["train", "--config", "configs/quickstart_grpo.yaml", "parallel.tensor=two"],
+     "parallel.tensor must be an integer >= 1, got 'two'"),
+    (["train", "--config", "configs/quickstart_grpo.yaml", "parallel.pipeline=0"],
+     "parallel.pipeline must be an integer >= 1, got 0"),
+    (["0", "train", "--config", "configs/quickstart_grpo.yaml"], "NPROC must be >= 1, got 0"),
+    ([], "usage: launch/local.sh"),
+])
+def test_bad_input_fails_with_a_message_and_status_2(args, message):
+    result = _local("--dry-run", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_it_runs_the_command_under_torchrun():
+    # One process printing the command's help: torchrun accepts "--n" because it follows "--".
+    result = _local("1", "prm", "label", "--n", "8", "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Monte-Carlo continuations per step prefix" in result.stdout
