@@ -114,6 +114,43 @@ class RewardConfig:
     or ``raise`` (stop the run naming the sample)."""
 
 
+PROCESS_REWARD_SOURCES = ("function", "prm")
+STEP_CREDITS = ("sum", "min")
+
+
+@dataclass
+class ProcessRewardConfig:
+    """Where the step rewards of ``algorithm.supervision: process`` come from, and the options PRM users ask for
+    (each off by default)."""
+
+    source: str = "function"
+    """``function``: ``reward.function`` returns the step rewards (``StepRewards``; ``synthetic_steps`` is the
+    synthetic task's ground-truth checker, an oracle PRM). ``prm``: a process reward model (``process_reward.prm``)
+    scores every step of every completion; ``reward.function`` still gives the outcome score."""
+    prm: Optional[str] = None
+    """``source: prm``: a grpo-mega PRM checkpoint or run directory, or a Hugging Face PRM folder of either layout
+    (``Qwen2ForProcessRewardModel`` classifier, or a causal LM with label tokens)."""
+    step_pattern: Optional[str] = None
+    """Regex at whose matches a step ends (``grpo_mega.data.step_split``); None: the synthetic task's pattern when the
+    rows carry its ``steps``, else a blank line. A completion without a match is one step ending at its last token."""
+    step_tag: Optional[str] = None
+    """Overrides the PRM's step tag (default: the PRM's own)."""
+    good_token: Optional[str] = None
+    bad_token: Optional[str] = None
+    chat_template: Optional[bool] = None
+    """Wrap the PRM's input in its tokenizer's chat template (default: as the PRM was trained; off for HF PRMs)."""
+    outcome_on_last_step: bool = False
+    """Add the outcome score (``reward.function``) to the last step's reward."""
+    max_counted_steps: int = 0
+    """Guard against splitting into many small steps: steps after the K-th are merged into it before scoring
+    (0 = no cap)."""
+    min_steps: int = 0
+    """Guard against answers without working: a completion with fewer steps gets ``few_steps_reward`` on every step
+    instead of the PRM's scores (0 = off)."""
+    few_steps_reward: float = 0.0
+    """The step reward of a completion with fewer than ``min_steps`` steps (PRM scores are in [0, 1])."""
+
+
 @dataclass
 class AlgorithmConfig:
     rollout_batch_size: int = 32
@@ -141,9 +178,12 @@ class AlgorithmConfig:
     scale_by_std: bool = True
     """False is Dr. GRPO."""
     supervision: str = "outcome"
-    """``outcome``: one reward per completion, on all its tokens. ``process``: the reward function's per-step
-    rewards (it must return ``StepRewards``, e.g. ``synthetic_steps``), normalised over the group's steps, each
-    token getting the sum of its own and later steps' normalised rewards (DeepSeekMath 4.1.3)."""
+    """``outcome``: one reward per completion, on all its tokens. ``process``: per-step rewards (from
+    ``process_reward.source``), normalised over the group's steps, each token getting the sum of its own and later
+    steps' normalised rewards (DeepSeekMath 4.1.3)."""
+    step_credit: str = "sum"
+    """Process supervision: ``sum`` (DeepSeekMath: a token's advantage is the sum of its own and later steps'
+    normalised rewards) or ``min`` (PURE's min-form credit assignment: their minimum)."""
     whiten_advantages: bool = False
     advantage_clip: Optional[float] = None
     reward_clip: Optional[float] = None
@@ -195,6 +235,7 @@ class GRPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -220,6 +261,16 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     _choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
     _choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
+    _choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
+    _choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
+    if cfg.process_reward.source == "prm":
+        if alg.supervision != "process":
+            raise ConfigError("process_reward.source=prm needs algorithm.supervision=process")
+        if not cfg.process_reward.prm:
+            raise ConfigError("process_reward.source=prm needs process_reward.prm (a PRM checkpoint or HF PRM folder)")
+    for key in ("max_counted_steps", "min_steps"):
+        if getattr(cfg.process_reward, key) < 0:
+            raise ConfigError(f"process_reward.{key} must be >= 0")
     if alg.rollout_is_cap <= 0:
         raise ConfigError(f"algorithm.rollout_is_cap={alg.rollout_is_cap} must be > 0")
     if alg.kl_log_ratio_clamp <= 0:

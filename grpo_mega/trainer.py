@@ -73,7 +73,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     rollout_engine = _build_rollout_engine(cfg, tokenizer)
     sync_seconds = _sync(policy, rollout_engine, cfg)
     rollout = RolloutStage(rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg,
-                           seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids))
+                           seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids),
+                           step_reward_source=_step_reward_source(cfg))
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
     verifier = get_reward_function(cfg.reward.function)
 
@@ -163,6 +164,16 @@ def _build_engines(cfg: GRPOConfig):
         reference = build_reference_engine(hf_config, **shared)
         load_initial_weights(reference, cfg.model.init_from)
     return policy, reference
+
+
+def _step_reward_source(cfg: GRPOConfig):
+    """The PRM scoring every step (``process_reward.source: prm``) on its own forward-only engine, else None (the
+    reward function gives the step rewards, if any)."""
+    if cfg.process_reward.source != "prm":
+        return None
+    from grpo_mega.stages.process_reward import build_prm_step_rewards
+
+    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch)
 
 
 def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches, cfg: GRPOConfig) -> int:

@@ -50,12 +50,13 @@ def best_of_n_report(args, scorer) -> dict:
     from grpo_mega.reward import get_reward_function, score_across_ranks
     from grpo_mega.rollout.base import SamplingConfig
     from grpo_mega.rollout.distributed import generate_across_ranks
-    from prm.labeling import default_step_pattern, load_policy_rollout
+    from grpo_mega.data.step_split import default_step_pattern
+    from prm.labeling import load_policy_rollout
 
     policy = load_policy_rollout(args.policy, generation_batch_size=64)
     records = load_prompt_dataset(args.prompts, policy.tokenizer, prompt_length=512, on_bad_row=args.on_bad_row,
                                   use_chat_template=False).records[: args.max_prompts]
-    pattern = args.step_pattern or default_step_pattern(records)
+    pattern = args.step_pattern or default_step_pattern(r.extra for r in records)
     synthetic = all("steps" in r.extra for r in records)
     n = args.n
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=n)

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Sequence
 import torch.distributed as dist
 
 from grpo_mega.data.prompts import PromptRecord
-from grpo_mega.data.step_split import DOUBLE_NEWLINE_PATTERN, SYNTHETIC_STEP_PATTERN, split_steps
+from grpo_mega.data.step_split import default_step_pattern, split_steps
 from grpo_mega.reward.distributed import score_across_ranks
 from grpo_mega.reward.types import RewardFunction
 from grpo_mega.rollout.base import SamplingConfig, derive_seed
@@ -199,13 +199,6 @@ class SampledSolutions(NamedTuple):
 
     items: list[LabelItem]
     dropped_empty: int
-
-
-def default_step_pattern(records: Sequence[PromptRecord]) -> str:
-    """``SYNTHETIC_STEP_PATTERN`` when the rows are the synthetic task's (they carry its ``steps`` record), else
-    a blank line (``DOUBLE_NEWLINE_PATTERN``)."""
-    synthetic = bool(records) and all("steps" in record.extra for record in records)
-    return SYNTHETIC_STEP_PATTERN if synthetic else DOUBLE_NEWLINE_PATTERN
 
 
 def sample_solutions(
@@ -403,7 +396,7 @@ def run_label(args: argparse.Namespace) -> Path:
             args.data, policy.tokenizer, prompt_length=args.prompt_length, prompt_field=args.prompt_field,
             answer_field=args.answer_field, use_chat_template=args.chat_template,
         ).records[: args.max_prompts]
-        step_pattern = args.step_pattern or default_step_pattern(records)
+        step_pattern = args.step_pattern or default_step_pattern(r.extra for r in records)
         sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
         loaded = time.perf_counter()
         solutions = sample_solutions(policy.engine, records, samples_per_prompt=args.samples_per_prompt,

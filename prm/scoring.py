@@ -146,26 +146,47 @@ def add_data_arguments(parser, *, required: bool = True) -> None:
 
 
 def open_scorer(args):
-    """Initialise the process group, open the PRM (``prm.model.open_prm``) and build its ``StepScorer`` from the
-    command-line flags; returns (loaded PRM, scorer)."""
+    """Initialise the process group, then ``open_step_scorer`` from the command-line flags."""
     from grpo_mega.parallel import init_distributed
-    from prm.model import open_prm
 
     init_distributed(args.tp, args.pp, seed=args.seed)
-    overrides = {key: value for key, value in (("step_tag", args.step_tag), ("good_token", args.good_token),
-                                                ("bad_token", args.bad_token)) if value is not None}
-    loaded = open_prm(args.prm, spec_overrides=overrides, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
-    saved = _saved_render_settings(args.prm)
+    return open_step_scorer(
+        args.prm, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
+        chat_template=args.chat_template, system_prompt=args.system_prompt, max_length=args.max_length,
+        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+    )
+
+
+def open_step_scorer(
+    path: str,
+    *,
+    step_tag: str | None = None,
+    good_token: str | None = None,
+    bad_token: str | None = None,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
+    max_length: int | None = None,
+    max_tokens_per_micro_batch: int = 8192,
+):
+    """Open the PRM at ``path`` on a forward-only engine (``prm.model.open_prm``; after ``init_distributed``) and
+    its ``StepScorer``; returns (loaded PRM, scorer). None keeps the PRM's own setting: its tag and label tokens,
+    and for a grpo-mega PRM the chat-template settings it was trained with (off for an HF PRM folder)."""
+    from prm.model import open_prm
+
+    overrides = {key: value for key, value in (("step_tag", step_tag), ("good_token", good_token),
+                                                ("bad_token", bad_token)) if value is not None}
+    loaded = open_prm(path, spec_overrides=overrides, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    saved = saved_render_settings(path)
     settings = RenderSettings(
         step_tag=loaded.spec.step_tag,
-        chat_template=args.chat_template if args.chat_template is not None else saved.get("chat_template", False),
-        system_prompt=args.system_prompt if args.system_prompt is not None else saved.get("system_prompt"),
+        chat_template=chat_template if chat_template is not None else bool(saved.get("chat_template", False)),
+        system_prompt=system_prompt if system_prompt is not None else saved.get("system_prompt"),
     )
-    return loaded, StepScorer(loaded.engine, loaded.tokenizer, settings, max_length=args.max_length)
+    return loaded, StepScorer(loaded.engine, loaded.tokenizer, settings, max_length=max_length)
 
 
-def _saved_render_settings(path: str) -> dict:
-    """The chat-template settings a grpo-mega PRM was trained with ({} for an HF folder)."""
+def saved_render_settings(path: str) -> dict:
+    """The ``prm`` config section a grpo-mega PRM was trained with ({} for an HF or megatron folder)."""
     from grpo_mega.checkpoint.training_files import weights_format
 
     if weights_format(path) not in ("training_checkpoint", "training_run"):

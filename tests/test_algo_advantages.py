@@ -62,6 +62,21 @@ def test_process_hand_worked_example():
     torch.testing.assert_close(adv, expected)
 
 
+def test_process_min_credit_hand_worked_example():
+    # The same group with PURE's min-form credit: a token gets the worst normalised step still ahead of it.
+    step_rewards = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    step_ends = torch.tensor([[1, 3], [2, -1]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    adv = process_advantages(step_rewards, step_ends, mask, 2, eps=0.0, credit="min")
+    std = torch.tensor([1.0, 0.0, 1.0]).std()
+    hi, lo = (1 - 2 / 3) / std, (0 - 2 / 3) / std
+    # completion 0: tokens 0-1 see steps {hi, lo} -> lo; tokens 2-3 see {lo}; token 4 is after the last step
+    expected = torch.tensor([[lo, lo, lo, lo, 0.0], [hi, hi, hi, 0.0, 0.0]])
+    torch.testing.assert_close(adv, expected)
+    with pytest.raises(ValueError, match="credit"):
+        process_advantages(step_rewards, step_ends, mask, 2, credit="max")
+
+
 def test_completion_without_steps_gets_zero():
     step_rewards = torch.tensor([[0.9, 0.2], [0.0, 0.0], [0.4, 0.0]])
     step_ends = torch.tensor([[0, 2], [-1, -1], [1, -1]])

@@ -198,3 +198,29 @@ def test_prm_train_with_unlabelled_rows_fails_naming_the_file_and_line(prm_task,
     assert result.returncode == 2
     assert f"{data}:1" in result.stderr and "no step labels" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_process_supervised_grpo_with_the_learned_prm_scores_every_step(prm_task, trained_prm, tmp_path):
+    from tiny_task import tiny_run_overrides
+
+    run_dir = tmp_path / "grpo_ps"
+    result = _grpo_mega(
+        "train", "--config", str(CONFIG.parent / "quickstart_grpo.yaml"), "--nproc", "2",
+        *tiny_run_overrides((prm_task["model"], prm_task["problems"]), run_dir),
+        f"model.init_from={prm_task['policy']}", "trainer.total_steps=2", "algorithm.supervision=process",
+        "process_reward.source=prm", f"process_reward.prm={trained_prm[0]}", "process_reward.max_counted_steps=4",
+        "trainer.dump_rollouts=true",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in trained] == [1, 2]
+    for row in trained:
+        assert 0.0 <= row["prm/score_mean"] <= 1.0 and row["timing_s/prm"] > 0
+        assert 1.0 <= row["prm/steps_per_completion"] <= 4.0  # at least one step each, the cap holds
+    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    for line in dumped:  # every completion's steps were scored: rewards are PRM probabilities at strictly later tokens
+        assert len(line["step_rewards"]) == len(line["step_ends"]) >= 1
+        assert all(0.0 <= r <= 1.0 for r in line["step_rewards"])
+        assert line["step_ends"] == sorted(set(line["step_ends"])) and line["step_ends"][-1] < len(line["response_ids"])

@@ -68,12 +68,13 @@ def test_group_rollouts_rejects_missing_or_surplus_outcomes():
 def test_default_step_pattern_is_the_synthetic_one_only_for_synthetic_rows():
     from grpo_mega.data.prompts import PromptRecord
     from grpo_mega.data.step_split import DOUBLE_NEWLINE_PATTERN, SYNTHETIC_STEP_PATTERN
-    from prm.labeling import default_step_pattern
+    from grpo_mega.data.step_split import default_step_pattern
 
     synthetic = PromptRecord("Q: Start with 2. Add 3. A:", [1], "5", "", "a:1", {"steps": []})
     other = PromptRecord("What is 2 + 3?", [1], "5", "", "b:1", {})
-    assert default_step_pattern([synthetic, synthetic]) == SYNTHETIC_STEP_PATTERN
-    assert default_step_pattern([synthetic, other]) == DOUBLE_NEWLINE_PATTERN
+    assert default_step_pattern(r.extra for r in [synthetic, synthetic]) == SYNTHETIC_STEP_PATTERN
+    assert default_step_pattern(r.extra for r in [synthetic, other]) == DOUBLE_NEWLINE_PATTERN
+    assert default_step_pattern([]) == DOUBLE_NEWLINE_PATTERN
 
 
 # ----------------------------------------------------------------------------- through a real rollout engine

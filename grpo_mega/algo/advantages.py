@@ -110,13 +110,16 @@ def process_advantages(
     *,
     scale_by_std: bool = True,
     eps: float = 1e-6,
+    credit: str = "sum",
 ) -> torch.Tensor:
     """Process-supervised GRPO advantages (DeepSeekMath, section 4.1.3): per-token suffix sums.
 
     Step j of completion i ends at response token ``index(j) = step_ends[i, j]`` and has PRM reward
     ``r_i^j``. With ``n_i^j`` from :func:`normalize_step_rewards` (pooled over the group),
     ``A_{i,t} = sum_{j : index(j) >= t} n_i^j``. Tokens after the last step end, and tokens outside
-    ``response_mask``, get 0. No discount.
+    ``response_mask``, get 0. No discount. With ``credit="min"`` (PURE's min-form credit assignment)
+    ``A_{i,t} = min_{j : index(j) >= t} n_i^j`` instead: a token is credited with the worst step still ahead of it,
+    so adding steps cannot raise it.
 
     Args:
         step_rewards: [B, K] float; entries where ``step_ends == -1`` are ignored.
@@ -127,6 +130,8 @@ def process_advantages(
     Returns:
         [B, T] advantages.
     """
+    if credit not in ("sum", "min"):
+        raise ValueError(f"credit must be 'sum' or 'min', got {credit!r}")
     if step_rewards.shape != step_ends.shape or step_rewards.dim() != 2:
         raise ValueError(
             f"step_rewards {tuple(step_rewards.shape)} and step_ends {tuple(step_ends.shape)} must both be [B, K]"
@@ -144,5 +149,10 @@ def process_advantages(
     positions = torch.arange(response_mask.shape[1], device=step_ends.device)
     # covers[b, j, t]: token t lies at or before the end of step j, so step j's reward counts towards A_{b,t}.
     covers = (step_ends.unsqueeze(-1) >= positions) & valid.unsqueeze(-1)
-    advantages = torch.einsum("bk,bkt->bt", normalized, covers.to(normalized.dtype))
+    if credit == "sum":
+        advantages = torch.einsum("bk,bkt->bt", normalized, covers.to(normalized.dtype))
+    else:
+        ahead = torch.where(covers, normalized.unsqueeze(-1), torch.full_like(normalized.unsqueeze(-1), float("inf")))
+        advantages = ahead.amin(dim=1)
+        advantages = torch.where(covers.any(dim=1), advantages, torch.zeros_like(advantages))
     return advantages * response_mask.to(advantages.dtype)

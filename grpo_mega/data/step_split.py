@@ -70,3 +70,11 @@ def step_char_ends(steps: list[str]) -> list[int]:
         total += len(step)
         ends.append(total)
     return ends
+
+
+def default_step_pattern(rows_extra) -> str:
+    """``SYNTHETIC_STEP_PATTERN`` when every dataset row carries the synthetic task's ``steps`` record (``rows_extra``:
+    the rows' extra fields, e.g. ``PromptRecord.extra``), else a blank line (``DOUBLE_NEWLINE_PATTERN``)."""
+    rows_extra = list(rows_extra)
+    synthetic = bool(rows_extra) and all("steps" in extra for extra in rows_extra)
+    return SYNTHETIC_STEP_PATTERN if synthetic else DOUBLE_NEWLINE_PATTERN

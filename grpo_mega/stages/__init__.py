@@ -1,7 +1,7 @@
 """The stages of one GRPO step, in the order ``grpo_mega.trainer`` calls them:
 
 1. :class:`RolloutStage` (``rollout.py``): prompts -> G completions each -> rewards (per completion, and per step
-   when the reward function gives them) -> dynamic-sampling filter, as a :class:`RolloutBatch`;
+   from the reward function or a PRM, ``process_reward.py``) -> dynamic-sampling filter, as a :class:`RolloutBatch`;
 2. :func:`build_training_batch` (``training_batch.py``): advantages (outcome or process supervision) laid out on
    the engine's ``prompt + response`` rows;
 3. :class:`UpdateRunner` (``update.py``): old / reference log-probs, then ppo_epochs x mini-batch updates.

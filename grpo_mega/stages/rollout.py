@@ -8,8 +8,9 @@ the prompt), never from a call counter, so a resumed run samples exactly what an
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -92,18 +93,24 @@ class RolloutStage:
 
     def __init__(
         self, engine: RolloutEngine, prompts: PromptBatches, sampling: SamplingConfig, reward: RewardConfig,
-        algorithm: AlgorithmConfig, *, seed: int, decode,
+        algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
     ):
+        """``step_reward_source``: where process supervision's step rewards come from (e.g.
+        ``grpo_mega.stages.process_reward.PRMStepRewards``) called as ``(prompts, texts, outcome scores, rows'
+        extra fields) -> (step rewards, step ends in characters, metrics)``; None: the reward function's own."""
         self.engine, self.prompts, self.sampling = engine, prompts, sampling
         self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
         self.reward_fn = get_reward_function(reward.function)
         self.format_fn = get_reward_function(reward.format_function) if reward.format_weight else None
+        self.step_reward_source = step_reward_source
+        self._step_metrics: list[dict[str, float]] = []
 
     def run(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Up to ``rollout_batch_size`` groups; with dynamic sampling only groups whose rewards differ, sampling
         more prompts for up to ``max_sampling_rounds`` rounds."""
         alg, G = self.algorithm, self.sampling.n
         kept, sampled_scores, failures = None, [], 0
+        self._step_metrics = []
         rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
         for round_index in range(rounds):
             records = next(self.prompts)
@@ -128,6 +135,7 @@ class RolloutStage:
             "rollout/kept_group_fraction": len(kept) * G / len(every_sample),
             "rollout/sampling_rounds": float(round_index + 1),
             "reward/failures": float(failures),
+            **_merge_rounds(self._step_metrics),
         }
         return kept, metrics
 
@@ -142,6 +150,12 @@ class RolloutStage:
             [r.extra for r in records for _ in range(G)],
         )
         results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
+        if self.step_reward_source is not None:
+            step_rewards, step_ends, step_metrics = self.step_reward_source(
+                columns[0], columns[1], [r.score for r in results], columns[3])
+            results = [dataclasses.replace(r, step_rewards=rewards, step_ends=ends)
+                       for r, rewards, ends in zip(results, step_rewards, step_ends)]
+            self._step_metrics.append(step_metrics)
         failures = sum(r.failed for r in results)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         rewards = scores.clone()
@@ -174,6 +188,15 @@ class RolloutStage:
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends
+
+
+def _merge_rounds(per_round: list[dict[str, float]]) -> dict[str, float]:
+    """Step-reward metrics of the sampling rounds of a step: times summed, the rest averaged over rounds."""
+    merged: dict[str, float] = {}
+    for key in {key for metrics in per_round for key in metrics}:
+        values = [metrics[key] for metrics in per_round if key in metrics]
+        merged[key] = sum(values) if key.startswith("timing_s/") else sum(values) / len(values)
+    return merged
 
 
 def sampling_from_config(cfg) -> SamplingConfig:

@@ -32,14 +32,15 @@ def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.T
     if algorithm.supervision == "process":
         if batch.step_rewards is None:
             raise ValueError(
-                "algorithm.supervision=process needs step rewards: the reward function must return StepRewards "
-                "(e.g. reward.function=synthetic_steps)"
+                "algorithm.supervision=process needs step rewards: process_reward.source=prm with a PRM, or a "
+                "reward function that returns StepRewards (e.g. reward.function=synthetic_steps)"
             )
         step_rewards = _padded(batch.step_rewards, 0.0, torch.float32)
         step_ends = _padded(batch.step_ends, -1, torch.long)
         if algorithm.reward_clip is not None:
             step_rewards = clip_rewards(step_rewards, algorithm.reward_clip)
-        advantages = process_advantages(step_rewards, step_ends, response_mask, G, scale_by_std=algorithm.scale_by_std)
+        advantages = process_advantages(step_rewards, step_ends, response_mask, G, scale_by_std=algorithm.scale_by_std,
+                                        credit=algorithm.step_credit)
         if algorithm.whiten_advantages:
             advantages = whiten(advantages, response_mask)
     else:

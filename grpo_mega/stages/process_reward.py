@@ -1,0 +1,87 @@
+"""Step rewards from a process reward model, for process-supervised GRPO (``process_reward.source: prm``).
+
+After each rollout every completion is split into steps (``grpo_mega.data.step_split``: a regex at whose matches a
+step ends; a completion without a match is one step ending at its last character, and the final answer sentence is
+a step of its own with the synthetic task's pattern), the PRM scores every step of every completion in one batched
+call on its own forward-only engine, and each step's score becomes its reward, ending at the step's last character
+(the rollout stage maps it to the step's last response token). The guards of ``ProcessRewardConfig`` apply here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from grpo_mega.config import ProcessRewardConfig
+from grpo_mega.data.step_split import default_step_pattern, split_steps, step_char_ends
+
+
+def segment_completion(text: str, pattern: str, max_counted_steps: int = 0) -> list[str]:
+    """The steps of a completion (a partition of ``text``); with ``max_counted_steps`` K > 0 the steps after the
+    K-th are merged into it, so splitting an answer into many small steps earns no extra rewards."""
+    steps = split_steps(text, pattern) if text.strip() else []
+    if max_counted_steps and len(steps) > max_counted_steps:
+        steps = steps[: max_counted_steps - 1] + ["".join(steps[max_counted_steps - 1 :])]
+    return steps
+
+
+def shape_step_rewards(
+    scores: list[float], outcome: float, settings: ProcessRewardConfig
+) -> list[float]:
+    """A completion's step rewards from its PRM step scores: ``few_steps_reward`` on every step when it has fewer
+    than ``min_steps`` steps, then the outcome score added to the last step with ``outcome_on_last_step``."""
+    rewards = list(scores)
+    if settings.min_steps and len(rewards) < settings.min_steps:
+        rewards = [settings.few_steps_reward] * len(rewards)
+    if settings.outcome_on_last_step and rewards:
+        rewards[-1] += outcome
+    return rewards
+
+
+class PRMStepRewards:
+    """Scores the steps of a rollout's completions with a PRM (``prm.scoring.StepScorer``); collective: every rank
+    calls with the same completions and gets the same rewards."""
+
+    def __init__(self, scorer, settings: ProcessRewardConfig) -> None:
+        self.scorer = scorer
+        self.settings = settings
+
+    def __call__(
+        self, prompts: Sequence[str], texts: Sequence[str], outcomes: Sequence[float], rows_extra: Sequence[dict]
+    ) -> tuple[list[list[float]], list[list[int]], dict[str, float]]:
+        """(step rewards, step ends as character offsets, metrics) of every completion."""
+        start = time.perf_counter()
+        pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
+        steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in texts]
+        scores = self.scorer.score_steps(list(prompts), steps)
+        rewards = [shape_step_rewards(s, outcome, self.settings) for s, outcome in zip(scores, outcomes)]
+        ends = [step_char_ends(row_steps) for row_steps in steps]
+        return rewards, ends, self._metrics(steps, scores, time.perf_counter() - start)
+
+    @staticmethod
+    def _metrics(steps: list[list[str]], scores: list[list[float]], seconds: float) -> dict[str, float]:
+        scored = [s for s in scores if s]
+        every = [value for s in scored for value in s]
+        metrics = {
+            "prm/steps_per_completion": sum(len(s) for s in steps) / max(len(steps), 1),
+            "prm/no_step_fraction": sum(1 for s in steps if not s) / max(len(steps), 1),
+            "timing_s/prm": seconds,
+        }
+        if every:
+            metrics.update({
+                "prm/score_mean": sum(every) / len(every),
+                "prm/last_step_score": sum(s[-1] for s in scored) / len(scored),
+                "prm/min_step_score": sum(min(s) for s in scored) / len(scored),
+            })
+        return metrics
+
+
+def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micro_batch: int) -> PRMStepRewards:
+    """Open ``settings.prm`` on a forward-only engine at the job's parallel layout (after ``init_distributed``)."""
+    from prm.scoring import open_step_scorer
+
+    _, scorer = open_step_scorer(
+        settings.prm, step_tag=settings.step_tag, good_token=settings.good_token, bad_token=settings.bad_token,
+        chat_template=settings.chat_template, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+    )
+    return PRMStepRewards(scorer, settings)
