@@ -66,9 +66,14 @@ def run_prm_command(args, argv: list[str]) -> int:
     if nproc > 1 and not under_launcher():
         relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
     if args.prm_command == "train":
+        from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
         from prm.train import run_prm_train
 
-        output = run_prm_train(cfg)
+        try:
+            output = run_prm_train(cfg)
+        except StoppedEarly as stopped:  # a checkpoint was saved; the same command resumes (exit status 3)
+            print(f"grpo-mega prm train: {stopped}", file=sys.stderr)
+            return EXIT_STOPPED_EARLY
     elif args.prm_command == "label":
         from prm.labeling import run_label
 

@@ -3,7 +3,9 @@
 Each example is rendered once (``prm.rendering``: prompt + step_1 + tag + ...); the loss is the cross-entropy of
 the head's good/bad distribution at every step's tag against the step's label (hard 0/1, or the Monte-Carlo
 fraction with ``data.labels: soft``), averaged over all steps of the global batch. TP / PP / DP, checkpoints and
-exact resume, metrics and the progress bar are the policy trainer's.
+exact resume, metrics and the progress bar are the policy trainer's. SIGTERM / SIGUSR1 / SIGUSR2 (a scheduler's
+warning before preemption or the time limit) make every rank save the step in flight and stop with
+``StoppedEarly`` (``grpo_mega.run_control``); the same command resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from grpo_mega.data.prompts import BadRows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale
 from grpo_mega.metrics import MetricsLogger
-from grpo_mega.parallel import destroy_distributed, init_distributed
+from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
+from grpo_mega.run_control import StoppedEarly, StopRequests
 from prm.config import PRMConfig
 from prm.examples import StepExample
 from prm.metrics import step_classification
@@ -99,9 +102,11 @@ def evaluate_steps(scorer: StepScorer, rendered: list[RenderedExample], targets:
 
 
 def run_prm_train(cfg: PRMConfig) -> Path:
-    """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder."""
+    """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises
+    ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank)."""
     from prm.model import PRMSpec, build_prm_engine
 
+    stop_requests = StopRequests().install()
     init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
     is_rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.trainer.run_dir)
@@ -135,7 +140,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
         run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
         tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar, bar_metric="prm/loss",
     )
-    final = None
+    final = stop_reason = None
     rendered, targets = train_set
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
@@ -146,11 +151,19 @@ def run_prm_train(cfg: PRMConfig) -> Path:
         last = step == cfg.trainer.total_steps
         if eval_set is not None and (last or cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
             metrics.update(evaluate_steps(scorer, *eval_set))
-        metrics_log.log(step, metrics)
-        if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+        # All ranks agree on a stop (a signal seen by one rank) and save the same step; saved before it is logged,
+        # so a resumed run logs every step once.
+        stop_reason = None if last else stop_requests.agreed_reason(get_device())
+        if last or stop_reason or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
             final = checkpoints.save(engine, step, config=asdict(cfg))
+        metrics_log.log(step, metrics)
+        if stop_reason:
+            break
     metrics_log.close()
+    stop_requests.uninstall()
     destroy_distributed()
+    if stop_reason:
+        raise StoppedEarly(step, stop_reason)
     return final if final is not None else checkpoints.find_resume("auto")
 
 

@@ -1,6 +1,7 @@
-"""launch/slurm/*.sbatch on a real one-node SLURM cluster (installed with apt when missing, see slurm_cluster.py):
-a 2-step training job completes, and a job told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does
-before the time limit) saves, requeues itself and resumes from the saved step."""
+"""launch/slurm/* on a real one-node SLURM cluster (installed with apt when missing, see slurm_cluster.py): a
+2-step training job completes; a job told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does before the
+time limit) saves, requeues itself and resumes from the saved step, for GRPO and for PRM training; pipeline.sh
+chains labels + PRM training and GRPO as dependent jobs."""
 
 import json
 import os
@@ -19,22 +20,32 @@ from slurm_cluster import slurm_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart_grpo.yaml"
-TRAIN_SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
-CONVERT_SBATCH = REPO / "launch" / "slurm" / "convert.sbatch"
+PRM_CONFIG = REPO / "configs" / "quickstart_prm.yaml"
+SLURM_DIR = REPO / "launch" / "slurm"
+TRAIN_SBATCH = SLURM_DIR / "train.sbatch"
+PRM_SBATCH = SLURM_DIR / "prm.sbatch"
+CONVERT_SBATCH = SLURM_DIR / "convert.sbatch"
+PIPELINE = SLURM_DIR / "pipeline.sh"
 
 
-@pytest.mark.parametrize("script", [TRAIN_SBATCH, CONVERT_SBATCH], ids=lambda p: p.name)
-def test_sbatch_scripts_parse(script):
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    text = script.read_text()
-    assert "#SBATCH --ntasks-per-node" in text
+@pytest.mark.parametrize("script", [TRAIN_SBATCH, PRM_SBATCH, CONVERT_SBATCH, PIPELINE, SLURM_DIR / "common.sh"],
+                         ids=lambda p: p.name)
+def test_launch_scripts_parse(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    if script.suffix == ".sbatch":
+        assert "#SBATCH --ntasks-per-node" in script.read_text()
 
 
-def test_train_sbatch_computes_the_rendezvous_host_inside_the_step():
-    text = TRAIN_SBATCH.read_text()
-    assert re.search(r"srun [^\n]*bash -c '\n\s*head=\$\(scontrol show hostnames", text)
-    for option in ("--signal=B:USR1@300", "--requeue", "--open-mode=append", "--rdzv-id=\"$SLURM_JOB_ID\""):
-        assert option in text
+def test_the_rendezvous_host_is_computed_inside_the_step():
+    common = (SLURM_DIR / "common.sh").read_text()
+    assert re.search(r"srun [^\n]*bash -c '\n\s*head=\$\(scontrol show hostnames", common)
+    assert '--rdzv-id="$rdzv_id"' in common and '"$SLURM_JOB_ID-$name"' in common
+    for script in (TRAIN_SBATCH, PRM_SBATCH):
+        text = script.read_text()
+        assert "/common.sh\"" in text
+        for option in ("--signal=B:USR1@300", "--requeue", "--open-mode=append"):
+            assert f"#SBATCH {option}" in text
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +62,16 @@ def _overrides(task, run_dir, *extra):
     return tiny_run_overrides(task, run_dir, "trainer.save_every=0", *extra)
 
 
-def _submit(log_dir: Path, *args) -> str:
-    env = dict(os.environ, CONFIG=str(CONFIG), NPROC_PER_NODE="2", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+def _job_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, OMP_NUM_THREADS="1", **extra)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    result = subprocess.run(["sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", str(TRAIN_SBATCH), *args],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    return env
+
+
+def _submit(log_dir: Path, *args, script: Path = TRAIN_SBATCH, config: Path = CONFIG, **env: str) -> str:
+    result = subprocess.run(["sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", str(script), *args],
+                            cwd=REPO, env=_job_env(CONFIG=str(config), **env), capture_output=True, text=True,
+                            timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
 
@@ -151,3 +167,119 @@ def test_convert_sbatch_runs_one_task_per_tensor_parallel_rank(cluster, tmp_path
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
     assert state == "COMPLETED", log.read_text()[-4000:]
     assert json.loads((out / "grpo_mega_model.json").read_text())["saved_tensor_parallel"] == 2
+
+
+# ----------------------------------------------------------------------------- the PRM stages and the pipeline
+@pytest.fixture(scope="module")
+def prm_policy(task, tmp_path_factory):
+    """An HF folder with seeded random weights of the tiny task's model and its tokenizer: the labelling policy
+    and the PRM's initial backbone."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir, _ = task
+    policy_dir = tmp_path_factory.mktemp("prm_policy") / "policy_hf"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(policy_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (policy_dir / name).write_bytes((model_dir / name).read_bytes())
+    return policy_dir
+
+
+def _label_env(task, policy_dir: Path, labels: Path) -> dict[str, str]:
+    # A random policy rarely writes "Step k:": steps are cut every 6 characters so that there are prefixes to
+    # continue (n=2 continuations each).
+    return {"LABEL_POLICY": str(policy_dir), "LABEL_PROMPTS": str(task[1]), "LABELS": str(labels),
+            "LABEL_ARGS": "--n 2 --max-prompts 4 --max-new-tokens 12 --step-pattern .{6} --device cpu --seed 3"}
+
+
+def _prm_overrides(task, policy_dir: Path, run_dir: Path, total_steps: int, *extra: str) -> list[str]:
+    return [f"model.hf_config={task[0]}", f"model.init_from={policy_dir}", f"trainer.run_dir={run_dir}",
+            f"trainer.total_steps={total_steps}", "trainer.batch_size=4", "trainer.progress_bar=false",
+            "trainer.tensorboard=false", "parallel.device=cpu", "optim.warmup_steps=0", *extra]
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    """Every step line of metrics.jsonl in order, repeats included."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _labels(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_pipeline_runs_prm_training_then_grpo_after_it(cluster, task, prm_policy, tmp_path):
+    from grpo_mega.data.synthetic import read_jsonl
+    from prm.data import write_stepwise
+    from prm.synthetic import planted_error_examples
+
+    # Labels given (no LABEL_POLICY): the PRM job trains on them without a labelling step.
+    labels, prm_run, grpo_run = tmp_path / "labels.jsonl", tmp_path / "prm", tmp_path / "grpo"
+    write_stepwise(labels, planted_error_examples(read_jsonl(task[1])[:16], seed=1))
+    env = _job_env(PRM_CONFIG=str(PRM_CONFIG), GRPO_CONFIG=str(CONFIG), LABELS=str(labels),
+                   PRM_SBATCH=f"--output={tmp_path}/%x-%j.out", GRPO_SBATCH=f"--output={tmp_path}/%x-%j.out")
+    args = [*_prm_overrides(task, prm_policy, prm_run, 2), "--", *_overrides(task, grpo_run, "trainer.total_steps=1")]
+    result = subprocess.run(["bash", str(PIPELINE), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    ids = dict(re.findall(r"^(prm_job|grpo_job)=(\d+)$", result.stdout, re.MULTILINE))
+    prm_job, grpo_job = ids["prm_job"], ids["grpo_job"]
+    prm_log, grpo_log = tmp_path / f"grpo-mega-prm-{prm_job}.out", tmp_path / f"grpo-mega-{grpo_job}.out"
+    try:
+        # The GRPO job waits for the PRM job (its start-up alone takes longer than this look).
+        waiting = _job(grpo_job)
+        assert (waiting["JobState"], waiting["Reason"]) == ("PENDING", "Dependency"), waiting
+        assert waiting["Dependency"].startswith(f"afterok:{prm_job}")
+        assert _final_state(prm_job, prm_log) == "COMPLETED", prm_log.read_text()[-4000:]
+        assert _final_state(grpo_job, grpo_log) == "COMPLETED", grpo_log.read_text()[-4000:]
+    finally:
+        subprocess.run(["scancel", prm_job, grpo_job], capture_output=True, timeout=30)
+    assert _job(grpo_job)["StartTime"] >= _job(prm_job)["EndTime"]  # ISO times compare as strings
+
+    # 2 PRM steps at TP=2 on 2 ranks and their checkpoint; then the GRPO step.
+    assert _logged_steps(prm_run) == [1, 2]
+    checkpoint = prm_run / "checkpoints" / "step_000002"
+    assert json.loads((checkpoint / "complete.json").read_text())["step"] == 2
+    text = prm_log.read_text()
+    assert "step label" not in text and "step train exited with status 0" in text
+    assert _steps(grpo_run) == [1]
+
+
+@pytest.mark.slow
+def test_prm_sbatch_labels_trains_and_after_usr1_requeues_skips_labelling_and_resumes(cluster, task, prm_policy,
+                                                                                    tmp_path):
+    labels, run_dir = tmp_path / "labels.jsonl", tmp_path / "prm"
+    total = 40  # a tiny PRM step takes a fraction of a second: room for the signal to arrive mid-run
+    job_id = _submit(tmp_path, *_prm_overrides(task, prm_policy, run_dir, total), script=PRM_SBATCH,
+                     config=PRM_CONFIG, **_label_env(task, prm_policy, labels))
+    log = tmp_path / f"grpo-mega-prm-{job_id}.out"
+    try:
+        _wait_for(lambda: _logged_steps(run_dir), 240, "PRM step 1 in metrics.jsonl", log)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        _wait_for(lambda: "requeueing" in log.read_text(), 120, "the batch script to requeue the job", log)
+        labelled = labels.read_text()
+        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=10 on the test cluster).
+        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to be requeued and restart", log)
+        state = _final_state(job_id, log)
+        text = log.read_text()
+        assert state == "COMPLETED", text[-4000:]
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    stopped = [int(n) for n in re.findall(r"grpo-mega prm train: stopped after step (\d+)", text)]
+    # Both ranks stopped after the same step (they agree on the stop through an all-reduce).
+    assert len(stopped) == 2 and stopped[0] == stopped[1] and 1 <= stopped[0] < total, text[-4000:]
+    first, second = text.split("SLURM_RESTART_COUNT=1")
+    assert "USR1 received" in first and "step label exited with status 0" in first
+    assert "labelling skipped" in second and "step label" not in second
+    assert re.search(rf"resumed from \S*step_{stopped[0]:06d} at step {stopped[0]}", second), second[-4000:]
+    assert labels.read_text() == labelled  # the labels of the first run, not relabelled
+    # Labels: a row per non-empty solution of the 4 prompts, one label per step, from 2 ranks.
+    rows, summary = _labels(labels), json.loads(Path(f"{labels}.summary.json").read_text())
+    assert summary["prompts"] == 4 and summary["world_size"] == 2
+    assert len(rows) == summary["solutions"] >= 1
+    assert all(len(row["labels"]) == len(row["completions"]) >= 1 for row in rows)
+    # Every step logged exactly once across the two runs, and the final checkpoint written.
+    assert _logged_steps(run_dir) == list(range(1, total + 1))
+    assert json.loads((run_dir / "checkpoints" / f"step_{total:06d}" / "complete.json").read_text())["step"] == total

@@ -1,0 +1,102 @@
+# Shared by train.sbatch and prm.sbatch (sourced, not run): the job's settings, one torchrun per node as an srun
+# step, the USR1 stop request, and the requeue of a job that stopped early with a checkpoint.
+#
+# Environment it reads (exported to the job by sbatch):
+#   NPROC_PER_NODE  ranks per node (default: the node's GPUs, or 2 gloo processes on a CPU node)
+#   RDZV_PORT       torchrun rendezvous port on the first node (default: derived from the job id; step k of the
+#                   job uses RDZV_PORT + k)
+#   PYTHON          interpreter with grpo_mega installed (default: python on PATH)
+#
+# Preemption: sbatch --signal=B:USR1@300 sends USR1 to the batch shell 300 s before the time limit
+# (`scancel --signal=USR1 --batch JOBID` does the same by hand). The trap sends SIGTERM to the running step
+# through slurmd (`scancel --signal=TERM JOBID`; not to srun, which would take it as "cancel the step" and kill the
+# ranks before they save); torchrun forwards it to the ranks, which save the step in flight and exit with status 3.
+# torchrun reports any failed rank as status 1, so the stop is recognised by the command's
+# "<command>: stopped after step N" line in this restart's part of the log, or by the USR1 itself.
+
+# grpo_job_setup: print the banner, fill in NPROC_PER_NODE / OMP_NUM_THREADS / RDZV_PORT / PYTHON, find this job's
+# log (log_file) and where this restart's part of it starts (log_start), and install the USR1 trap.
+grpo_job_setup() {
+  echo "=== grpo-mega job ${SLURM_JOB_ID} ${SLURM_JOB_NAME:-} SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}" \
+       "nodes=${SLURM_JOB_NODELIST} $(date -u +%FT%TZ)"
+  if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+    local gpus=0
+    if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+    if (( gpus > 0 )); then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
+  fi
+  local cores=${SLURM_CPUS_ON_NODE:-$(nproc)}
+  local threads=$(( cores / NPROC_PER_NODE ))
+  export NPROC_PER_NODE
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+  export RDZV_PORT=${RDZV_PORT:-$(( 20000 + SLURM_JOB_ID % 10000 ))}
+  export PYTHON=${PYTHON:-python}
+
+  log_file=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n1)
+  log_start=0
+  if [[ -n "$log_file" && -f "$log_file" ]]; then log_start=$(wc -l < "$log_file"); fi
+
+  stop_requested=0
+  step_pid=
+  steps_started=0
+  trap grpo_on_usr1 USR1
+}
+
+grpo_on_usr1() {
+  stop_requested=1
+  echo "=== grpo-mega job ${SLURM_JOB_ID}: USR1 received, sending SIGTERM to the running step $(date -u +%FT%TZ)"
+  # Without --batch/--full this reaches every step of the job, not this shell.
+  scancel --signal=TERM "$SLURM_JOB_ID" || { [[ -n "$step_pid" ]] && kill -TERM "$step_pid" 2>/dev/null; } || true
+}
+
+# grpo_run_step NAME ARGS...: `grpo-mega ARGS...` with one torchrun per node (NPROC_PER_NODE ranks each); returns
+# its exit status. The rendezvous host, the first node of the job, is computed inside the step (on the node),
+# not in this batch shell.
+grpo_run_step() {
+  local name=$1
+  shift
+  local port=$(( RDZV_PORT + steps_started ))
+  steps_started=$(( steps_started + 1 ))
+  echo "=== grpo-mega job ${SLURM_JOB_ID}: step ${name}: grpo-mega $* $(date -u +%FT%TZ)"
+  srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '
+    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+    port=$1 rdzv_id=$2
+    shift 2
+    exec "$PYTHON" -m torch.distributed.run \
+      --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+      --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$rdzv_id" \
+      -m -- grpo_mega.cli "$@"
+  ' "grpo-mega-$name" "$port" "$SLURM_JOB_ID-$name" "$@" &
+  step_pid=$!
+  # `wait` returns early (status > 128) when the USR1 trap runs; wait again until srun has really exited.
+  local status
+  while true; do
+    wait "$step_pid"
+    status=$?
+    if ! kill -0 "$step_pid" 2>/dev/null; then break; fi
+  done
+  step_pid=
+  echo "=== grpo-mega job ${SLURM_JOB_ID}: step ${name} exited with status ${status} $(date -u +%FT%TZ)"
+  return "$status"
+}
+
+# grpo_log_since_start PATTERN: whether this restart's part of the job log has a line matching PATTERN.
+grpo_log_since_start() {
+  [[ -n "$log_file" && -f "$log_file" ]] && tail -n +"$(( log_start + 1 ))" "$log_file" | grep -q -- "$1"
+}
+
+# grpo_requeue: put this job back in the queue (same job id, SLURM_RESTART_COUNT + 1) and end this run.
+grpo_requeue() {
+  echo "=== grpo-mega job ${SLURM_JOB_ID}: $1; requeueing"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}
+
+# grpo_finish_training_step STATUS STOP_LINE: after a training step, requeue when it stopped early with a checkpoint
+# (a USR1 arrived, or the trainer printed STOP_LINE: trainer.save_before_seconds), else exit with its status.
+grpo_finish_training_step() {
+  local status=$1 stop_line=$2
+  if (( status != 0 )) && { (( stop_requested )) || grpo_log_since_start "$stop_line"; }; then
+    grpo_requeue "stopped early with a checkpoint"
+  fi
+  exit "$status"
+}
