@@ -12,6 +12,7 @@ from grpo_mega.config import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    SFTTrainerConfig,
     _choice,
 )
 
@@ -58,20 +59,13 @@ class PRMDataConfig:
 
 
 @dataclass
-class PRMTrainerConfig:
+class PRMTrainerConfig(SFTTrainerConfig):
+    """The SFT trainer's settings (``batch_size``: examples, i.e. solutions, per optimizer step) plus evaluation."""
+
     run_dir: str = "runs/prm"
     total_steps: int = 300
-    batch_size: int = 64
-    """Examples (solutions) per optimizer step."""
     eval_every: int = 0
     """Evaluate on ``data.eval_file`` every N steps; 0 = only at the end."""
-    save_every: int = 0
-    """0 = only at the end."""
-    keep_last: int = 2
-    resume: str = "auto"
-    """``auto`` (newest complete checkpoint in run_dir, if any), ``none``, or a checkpoint folder."""
-    progress_bar: bool = True
-    tensorboard: bool = True
 
 
 @dataclass
