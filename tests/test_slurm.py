@@ -210,7 +210,7 @@ def _labels(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_pipeline_runs_prm_training_then_grpo_after_it(cluster, task, prm_policy, tmp_path):
+def test_pipeline_trains_the_prm_then_process_supervised_grpo_with_it(cluster, task, prm_policy, tmp_path):
     from grpo_mega.data.synthetic import read_jsonl
     from prm.data import write_stepwise
     from prm.synthetic import planted_error_examples
@@ -220,7 +220,9 @@ def test_pipeline_runs_prm_training_then_grpo_after_it(cluster, task, prm_policy
     write_stepwise(labels, planted_error_examples(read_jsonl(task[1])[:16], seed=1))
     env = _job_env(PRM_CONFIG=str(PRM_CONFIG), GRPO_CONFIG=str(CONFIG), LABELS=str(labels),
                    PRM_SBATCH=f"--output={tmp_path}/%x-%j.out", GRPO_SBATCH=f"--output={tmp_path}/%x-%j.out")
-    args = [*_prm_overrides(task, prm_policy, prm_run, 2), "--", *_overrides(task, grpo_run, "trainer.total_steps=1")]
+    grpo = _overrides(task, grpo_run, "trainer.total_steps=1", "algorithm.supervision=process",
+                      "process_reward.source=prm", f"process_reward.prm={prm_run}")
+    args = [*_prm_overrides(task, prm_policy, prm_run, 2), "--", *grpo]
     result = subprocess.run(["bash", str(PIPELINE), *args], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
@@ -238,13 +240,14 @@ def test_pipeline_runs_prm_training_then_grpo_after_it(cluster, task, prm_policy
         subprocess.run(["scancel", prm_job, grpo_job], capture_output=True, timeout=30)
     assert _job(grpo_job)["StartTime"] >= _job(prm_job)["EndTime"]  # ISO times compare as strings
 
-    # 2 PRM steps at TP=2 on 2 ranks and their checkpoint; then the GRPO step.
+    # 2 PRM steps at TP=2 on 2 ranks and their checkpoint; then the GRPO step, its step rewards from that PRM.
     assert _logged_steps(prm_run) == [1, 2]
     checkpoint = prm_run / "checkpoints" / "step_000002"
     assert json.loads((checkpoint / "complete.json").read_text())["step"] == 2
     text = prm_log.read_text()
     assert "step label" not in text and "step train exited with status 0" in text
-    assert _steps(grpo_run) == [1]
+    [grpo_row] = read_metrics(grpo_run / "metrics.jsonl")
+    assert grpo_row["step"] == 1 and "timing_s/prm" in grpo_row, sorted(grpo_row)
 
 
 @pytest.mark.slow

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Submit "train the PRM, then GRPO" as two dependent SLURM jobs: prm.sbatch (labels + PRM training), then
-# train.sbatch, which starts only after the PRM job has completed successfully (--dependency=afterok; with
-# --kill-on-invalid-dep=yes it is cancelled when the PRM job fails). Run it on the login node; it prints the job ids.
+# Submit "train the PRM, then process-supervised GRPO" as two dependent SLURM jobs: prm.sbatch (labels + PRM
+# training), then train.sbatch, which starts only after the PRM job has completed successfully
+# (--dependency=afterok; with --kill-on-invalid-dep=yes it is cancelled when the PRM job fails). Run it on the login
+# node; it prints the job ids (prm_job=ID, grpo_job=ID).
 #
 #   mkdir -p logs
 #   PRM_CONFIG=configs/quickstart_prm.yaml LABEL_POLICY=runs/sft LABEL_PROMPTS=data/train.jsonl \
 #   LABELS=runs/prm/labels.jsonl GRPO_CONFIG=configs/quickstart_grpo.yaml \
 #     launch/slurm/pipeline.sh model.hf_config=runs/model model.init_from=runs/sft trainer.run_dir=runs/prm \
-#       -- model.init_from=runs/sft trainer.run_dir=runs/grpo
+#       -- model.init_from=runs/sft trainer.run_dir=runs/grpo \
+#          algorithm.supervision=process process_reward.source=prm process_reward.prm=runs/prm
 #
 # Arguments: key=value overrides of `grpo-mega prm train`, then "--", then those of `grpo-mega train`.
 # Environment:
@@ -18,9 +20,9 @@
 #                   (e.g. PRM_SBATCH="--nodes=1 --time=02:00:00" GRPO_SBATCH="--nodes=4 --time=24:00:00");
 #                   options for both: sbatch's own SBATCH_* variables (SBATCH_PARTITION, SBATCH_ACCOUNT, ...)
 #
-# The GRPO stage is outcome-supervised GRPO with GRPO_CONFIG as given: process-supervised GRPO with the learned
-# PRM (issue 11) is not built yet. When it is, its config goes in GRPO_CONFIG and the PRM's run folder (the
-# prm.sbatch stage's trainer.run_dir) in the GRPO overrides; the job chain stays the same.
+# The GRPO stage runs GRPO_CONFIG with its overrides as given: the learned PRM reaches it through
+# process_reward.prm=<the PRM stage's trainer.run_dir> (with algorithm.supervision=process and
+# process_reward.source=prm, or the same keys in GRPO_CONFIG); without them it is outcome-supervised GRPO.
 set -euo pipefail
 : "${PRM_CONFIG:?set PRM_CONFIG=path/to/prm_config.yaml}" "${GRPO_CONFIG:?set GRPO_CONFIG=path/to/grpo_config.yaml}"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
