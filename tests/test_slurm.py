@@ -210,79 +210,65 @@ def _labels(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_pipeline_trains_the_prm_then_process_supervised_grpo_with_it(cluster, task, prm_policy, tmp_path):
-    from grpo_mega.data.synthetic import read_jsonl
-    from prm.data import write_stepwise
-    from prm.synthetic import planted_error_examples
-
-    # Labels given (no LABEL_POLICY): the PRM job trains on them without a labelling step.
+def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supervised_grpo(cluster, task,
+                                                                                           prm_policy, tmp_path):
+    """pipeline.sh: the PRM job labels (2 ranks), trains the PRM (TP=2), gets USR1 mid-training, saves, requeues,
+    skips the finished labelling and resumes; the GRPO job waits on its dependency through all of it, then runs a
+    process-supervised step with that PRM."""
     labels, prm_run, grpo_run = tmp_path / "labels.jsonl", tmp_path / "prm", tmp_path / "grpo"
-    write_stepwise(labels, planted_error_examples(read_jsonl(task[1])[:16], seed=1))
-    env = _job_env(PRM_CONFIG=str(PRM_CONFIG), GRPO_CONFIG=str(CONFIG), LABELS=str(labels),
+    total = 40  # a tiny PRM step takes a fraction of a second: room for the signal to arrive mid-run
+    env = _job_env(PRM_CONFIG=str(PRM_CONFIG), GRPO_CONFIG=str(CONFIG), **_label_env(task, prm_policy, labels),
                    PRM_SBATCH=f"--output={tmp_path}/%x-%j.out", GRPO_SBATCH=f"--output={tmp_path}/%x-%j.out")
     grpo = _overrides(task, grpo_run, "trainer.total_steps=1", "algorithm.supervision=process",
                       "process_reward.source=prm", f"process_reward.prm={prm_run}")
-    args = [*_prm_overrides(task, prm_policy, prm_run, 2), "--", *grpo]
+    args = [*_prm_overrides(task, prm_policy, prm_run, total), "--", *grpo]
     result = subprocess.run(["bash", str(PIPELINE), *args], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     ids = dict(re.findall(r"^(prm_job|grpo_job)=(\d+)$", result.stdout, re.MULTILINE))
     prm_job, grpo_job = ids["prm_job"], ids["grpo_job"]
     prm_log, grpo_log = tmp_path / f"grpo-mega-prm-{prm_job}.out", tmp_path / f"grpo-mega-{grpo_job}.out"
+
+    def held() -> bool:
+        job = _job(grpo_job)
+        return (job["JobState"], job["Reason"]) == ("PENDING", "Dependency") and job["Dependency"].startswith(
+            f"afterok:{prm_job}")
+
     try:
-        # The GRPO job waits for the PRM job (its start-up alone takes longer than this look).
-        waiting = _job(grpo_job)
-        assert (waiting["JobState"], waiting["Reason"]) == ("PENDING", "Dependency"), waiting
-        assert waiting["Dependency"].startswith(f"afterok:{prm_job}")
+        assert held(), _job(grpo_job)
+        _wait_for(lambda: _logged_steps(prm_run), 240, "PRM step 1 in metrics.jsonl", prm_log)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", prm_job], check=True, timeout=30)
+        _wait_for(lambda: "requeueing" in prm_log.read_text(), 120, "the batch script to requeue the job", prm_log)
+        labelled = labels.read_text()
+        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=10 on the test
+        # cluster); the GRPO job stays held: the requeued PRM job has not completed.
+        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in prm_log.read_text(), 240, "the PRM job to restart", prm_log)
+        assert held(), _job(grpo_job)
         assert _final_state(prm_job, prm_log) == "COMPLETED", prm_log.read_text()[-4000:]
         assert _final_state(grpo_job, grpo_log) == "COMPLETED", grpo_log.read_text()[-4000:]
     finally:
         subprocess.run(["scancel", prm_job, grpo_job], capture_output=True, timeout=30)
     assert _job(grpo_job)["StartTime"] >= _job(prm_job)["EndTime"]  # ISO times compare as strings
 
-    # 2 PRM steps at TP=2 on 2 ranks and their checkpoint; then the GRPO step, its step rewards from that PRM.
-    assert _logged_steps(prm_run) == [1, 2]
-    checkpoint = prm_run / "checkpoints" / "step_000002"
-    assert json.loads((checkpoint / "complete.json").read_text())["step"] == 2
+    # Labels: a row per non-empty solution of the 4 prompts, one label per step, from 2 ranks; written once.
+    rows, summary = _labels(labels), json.loads(Path(f"{labels}.summary.json").read_text())
+    assert summary["prompts"] == 4 and summary["world_size"] == 2
+    assert len(rows) == summary["solutions"] >= 1
+    assert all(len(row["labels"]) == len(row["completions"]) >= 1 for row in rows)
+    assert labels.read_text() == labelled
+
+    # The stop: both ranks after the same step (they agree through an all-reduce); the restart resumes there.
     text = prm_log.read_text()
-    assert "step label" not in text and "step train exited with status 0" in text
-    [grpo_row] = read_metrics(grpo_run / "metrics.jsonl")
-    assert grpo_row["step"] == 1 and "timing_s/prm" in grpo_row, sorted(grpo_row)
-
-
-@pytest.mark.slow
-def test_prm_sbatch_labels_trains_and_after_usr1_requeues_skips_labelling_and_resumes(cluster, task, prm_policy,
-                                                                                    tmp_path):
-    labels, run_dir = tmp_path / "labels.jsonl", tmp_path / "prm"
-    total = 40  # a tiny PRM step takes a fraction of a second: room for the signal to arrive mid-run
-    job_id = _submit(tmp_path, *_prm_overrides(task, prm_policy, run_dir, total), script=PRM_SBATCH,
-                     config=PRM_CONFIG, **_label_env(task, prm_policy, labels))
-    log = tmp_path / f"grpo-mega-prm-{job_id}.out"
-    try:
-        _wait_for(lambda: _logged_steps(run_dir), 240, "PRM step 1 in metrics.jsonl", log)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-        _wait_for(lambda: "requeueing" in log.read_text(), 120, "the batch script to requeue the job", log)
-        labelled = labels.read_text()
-        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=10 on the test cluster).
-        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to be requeued and restart", log)
-        state = _final_state(job_id, log)
-        text = log.read_text()
-        assert state == "COMPLETED", text[-4000:]
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
     stopped = [int(n) for n in re.findall(r"grpo-mega prm train: stopped after step (\d+)", text)]
-    # Both ranks stopped after the same step (they agree on the stop through an all-reduce).
     assert len(stopped) == 2 and stopped[0] == stopped[1] and 1 <= stopped[0] < total, text[-4000:]
     first, second = text.split("SLURM_RESTART_COUNT=1")
     assert "USR1 received" in first and "step label exited with status 0" in first
     assert "labelling skipped" in second and "step label" not in second
     assert re.search(rf"resumed from \S*step_{stopped[0]:06d} at step {stopped[0]}", second), second[-4000:]
-    assert labels.read_text() == labelled  # the labels of the first run, not relabelled
-    # Labels: a row per non-empty solution of the 4 prompts, one label per step, from 2 ranks.
-    rows, summary = _labels(labels), json.loads(Path(f"{labels}.summary.json").read_text())
-    assert summary["prompts"] == 4 and summary["world_size"] == 2
-    assert len(rows) == summary["solutions"] >= 1
-    assert all(len(row["labels"]) == len(row["completions"]) >= 1 for row in rows)
-    # Every step logged exactly once across the two runs, and the final checkpoint written.
-    assert _logged_steps(run_dir) == list(range(1, total + 1))
-    assert json.loads((run_dir / "checkpoints" / f"step_{total:06d}" / "complete.json").read_text())["step"] == total
+    # Every PRM step logged exactly once across the two runs, and the final checkpoint written.
+    assert _logged_steps(prm_run) == list(range(1, total + 1))
+    assert json.loads((prm_run / "checkpoints" / f"step_{total:06d}" / "complete.json").read_text())["step"] == total
+
+    # The GRPO step scored its rollouts' steps with the PRM.
+    [grpo_row] = read_metrics(grpo_run / "metrics.jsonl")
+    assert grpo_row["step"] == 1 and "timing_s/prm" in grpo_row, sorted(grpo_row)
