@@ -54,9 +54,10 @@ def test_an_explicit_process_count_wins_and_the_command_passes_through_after_a_d
 
 
 def test_threads_are_the_cores_split_between_the_processes():
+    cores = len(os.sched_getaffinity(0))  # what `nproc` counts
     result = _local("--dry-run", "1", "train", "--config", "configs/quickstart_grpo.yaml")
-    assert result.stdout.startswith(f"OMP_NUM_THREADS={os.cpu_count()} ")
-    result = _local("--dry-run", str(4 * os.cpu_count()), "train", "--config", "configs/quickstart_grpo.yaml")
+    assert result.stdout.startswith(f"OMP_NUM_THREADS={cores} ")
+    result = _local("--dry-run", str(4 * cores), "train", "--config", "configs/quickstart_grpo.yaml")
     assert result.stdout.startswith("OMP_NUM_THREADS=1 ")
 
 
