@@ -68,10 +68,9 @@ def _job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _submit(log_dir: Path, *args, script: Path = TRAIN_SBATCH, config: Path = CONFIG, **env: str) -> str:
-    result = subprocess.run(["sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", str(script), *args],
-                            cwd=REPO, env=_job_env(CONFIG=str(config), **env), capture_output=True, text=True,
-                            timeout=30)
+def _submit(log_dir: Path, *args) -> str:
+    result = subprocess.run(["sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", str(TRAIN_SBATCH), *args],
+                            cwd=REPO, env=_job_env(CONFIG=str(CONFIG)), capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
 
