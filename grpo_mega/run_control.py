@@ -42,6 +42,13 @@ def job_end_time(environ=os.environ) -> float | None:
     return float(value) if value else None
 
 
+def run_end_time(time_limit_seconds: float, environ=os.environ) -> float | None:
+    """When a run must end: ``time_limit_seconds`` from now when set (> 0), else the SLURM job's end, else never."""
+    if time_limit_seconds:
+        return time.time() + time_limit_seconds
+    return job_end_time(environ)
+
+
 class StopRequests:
     """Collects reasons to stop early; :meth:`agreed_reason` is collective (call it once per step on every rank).
 

@@ -33,7 +33,7 @@ from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
-from grpo_mega.run_control import StoppedEarly, StopRequests, job_end_time
+from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.rollout import sampling_from_config
 
@@ -56,7 +56,8 @@ class Timer:
 def train(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO; returns the last evaluation metrics."""
     alg = cfg.algorithm
-    stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds, end_time=_end_time(cfg)).install()
+    stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds,
+                                 end_time=run_end_time(cfg.trainer.time_limit_seconds)).install()
     init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
     run_dir, is_rank0 = Path(cfg.trainer.run_dir), dist.get_rank() == 0
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
@@ -185,13 +186,6 @@ def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches
     train_prompts.load_state_dict(loaded.extra_state["prompts"])
     logger.info("resumed from %s at step %d", resume_from, loaded.step)
     return loaded.step
-
-
-def _end_time(cfg: GRPOConfig) -> float | None:
-    """When the run must end: ``trainer.time_limit_seconds`` from now, else the SLURM job's end, else never."""
-    if cfg.trainer.time_limit_seconds:
-        return time.time() + cfg.trainer.time_limit_seconds
-    return job_end_time()
 
 
 def _build_rollout_engine(cfg: GRPOConfig, tokenizer):

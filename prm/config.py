@@ -66,6 +66,11 @@ class PRMTrainerConfig(SFTTrainerConfig):
     total_steps: int = 300
     eval_every: int = 0
     """Evaluate on ``data.eval_file`` every N steps; 0 = only at the end."""
+    save_before_seconds: float = 0.0
+    """Save a checkpoint and stop (exit status 3) once less than this many seconds are left before the time limit;
+    0 disables. SIGTERM / SIGUSR1 / SIGUSR2 also save and stop after the step in flight (as ``grpo-mega train``)."""
+    time_limit_seconds: float = 0.0
+    """The run's time limit from its start; 0 = the SLURM job's end (``SLURM_JOB_END_TIME``) under SLURM."""
 
 
 @dataclass
@@ -92,3 +97,6 @@ def validate_prm(cfg: PRMConfig) -> None:
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")
+    for key in ("save_before_seconds", "time_limit_seconds"):
+        if getattr(cfg.trainer, key) < 0:
+            raise ConfigError(f"trainer.{key} must be >= 0")

@@ -27,7 +27,7 @@ from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale
 from grpo_mega.metrics import MetricsLogger
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
-from grpo_mega.run_control import StoppedEarly, StopRequests
+from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
 from prm.config import PRMConfig
 from prm.examples import StepExample
 from prm.metrics import step_classification
@@ -106,7 +106,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank)."""
     from prm.model import PRMSpec, build_prm_engine
 
-    stop_requests = StopRequests().install()
+    stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds,
+                                 end_time=run_end_time(cfg.trainer.time_limit_seconds)).install()
     init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
     is_rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.trainer.run_dir)

@@ -93,9 +93,11 @@ def _grpo_mega(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _train(task, run_dir: Path, total_steps: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(task, run_dir: Path, total_steps: int, *extra: str, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """``prm train`` with the config's layout (TP=2, 2 processes) unless ``nproc`` is given."""
     return _grpo_mega(
-        "prm", "train", "--config", str(CONFIG), f"model.hf_config={task['model']}",
+        "prm", "train", "--config", str(CONFIG), *(["--nproc", str(nproc)] if nproc else []),
+        f"model.hf_config={task['model']}",
         f"model.init_from={task['policy']}", f"data.train_file={task['train']}", f"data.eval_file={task['heldout']}",
         f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}", "trainer.batch_size=8",
         "trainer.save_every=2", "trainer.progress_bar=false", "trainer.tensorboard=false", "parallel.device=cpu",
@@ -224,3 +226,14 @@ def test_process_supervised_grpo_with_the_learned_prm_scores_every_step(prm_task
         assert len(line["step_rewards"]) == len(line["step_ends"]) >= 1
         assert all(0.0 <= r <= 1.0 for r in line["step_rewards"])
         assert line["step_ends"] == sorted(set(line["step_ends"])) and line["step_ends"][-1] < len(line["response_ids"])
+
+
+def test_prm_train_saves_and_stops_before_its_time_limit(prm_task, tmp_path):
+    # less than save_before_seconds is left from the start: the run saves after step 1 and exits 3 (resumable)
+    run_dir = tmp_path / "limited"
+    result = _train(prm_task, run_dir, 4, "parallel.tensor=1", "trainer.time_limit_seconds=60",
+                    "trainer.save_before_seconds=3600", nproc=1)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "stopped after step 1" in result.stderr
+    assert (run_dir / "checkpoints" / "step_000001").is_dir()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
