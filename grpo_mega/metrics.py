@@ -9,8 +9,10 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    """Writes ``metrics.jsonl`` in ``run_dir`` (appending, so a resumed run continues the file), TensorBoard
-    events under ``run_dir/tensorboard`` and a tqdm bar showing step, reward and ETA. Inactive off rank 0."""
+    """Writes ``metrics.jsonl`` in ``run_dir`` (appending, so a resumed run continues the file; rows of steps after
+    ``start_step``, logged by a job that died before saving them, are dropped first, so every step has one row),
+    TensorBoard events under ``run_dir/tensorboard`` and a tqdm bar showing step, reward and ETA. Inactive off
+    rank 0."""
 
     def __init__(
         self,
@@ -31,6 +33,7 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        drop_rows_after(self.path, start_step)
         self.file = self.path.open("a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -68,6 +71,19 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
         self.file.close()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the rows of steps after ``step``; nothing to do when there are none."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or int(json.loads(line)["step"]) <= step]
+    if len(kept) == len(lines):
+        return
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text("".join(kept), encoding="utf-8")
+    staging.replace(path)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

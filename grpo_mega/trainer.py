@@ -123,14 +123,16 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
 
         # 5. checkpoint and evaluation on schedule, metrics; a signal or the time limit saves and stops early
+        # The step is logged before its checkpoint is saved: a job killed in between repeats the step on resume
+        # and the log keeps its newer record, instead of losing the step's row.
         stop_reason = stop_requests.agreed_reason(get_device()) if step < cfg.trainer.total_steps else None
-        on_schedule = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps
-        if on_schedule or stop_reason:
-            save(step)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
             eval_metrics = run_eval(step)
             metrics.update(eval_metrics)
         metrics_log.log(step, metrics)
+        on_schedule = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps
+        if on_schedule or stop_reason:
+            save(step)
         if stop_reason:
             break
 

@@ -152,12 +152,12 @@ def run_prm_train(cfg: PRMConfig) -> Path:
         last = step == cfg.trainer.total_steps
         if eval_set is not None and (last or cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
             metrics.update(evaluate_steps(scorer, *eval_set))
-        # All ranks agree on a stop (a signal seen by one rank) and save the same step; saved before it is logged,
-        # so a resumed run logs every step once.
+        # All ranks agree on a stop (a signal seen by one rank) and save the same step. The step is logged before
+        # it is saved: a job killed in between repeats the step on resume (the log keeps one row per step).
         stop_reason = None if last else stop_requests.agreed_reason(get_device())
+        metrics_log.log(step, metrics)
         if last or stop_reason or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
             final = checkpoints.save(engine, step, config=asdict(cfg))
-        metrics_log.log(step, metrics)
         if stop_reason:
             break
     metrics_log.close()
