@@ -139,6 +139,8 @@ class ProcessRewardConfig:
     bad_token: Optional[str] = None
     chat_template: Optional[bool] = None
     """Wrap the PRM's input in its tokenizer's chat template (default: as the PRM was trained; off for HF PRMs)."""
+    system_prompt: Optional[str] = None
+    """System message of the PRM's chat template (default: as the PRM was trained; none for HF PRMs)."""
     outcome_on_last_step: bool = False
     """Add the outcome score (``reward.function``) to the last step's reward."""
     max_counted_steps: int = 0

@@ -23,8 +23,9 @@ REAL_MODEL_CONFIGS = {
     "qwen2.5-math-1.5b_grpo.yaml": ("qwen2.5-math-1.5b", 1.54e9),
     "qwen2.5-math-7b_grpo.yaml": ("qwen2.5-math-7b", 7.6e9),
     "llama-3.1-8b_grpo.yaml": ("llama-3.1-8b", 8.0e9),
+    "qwen2.5-math-7b_grpo_prm.yaml": ("qwen2.5-math-7b", 7.6e9),
 }
-for _multi_node in sorted(CONFIGS.glob("*_grpo_2node.yaml")):
+for _multi_node in sorted(CONFIGS.glob("*_2node.yaml")):
     _single = _multi_node.name.replace("_2node", "")
     if _single in REAL_MODEL_CONFIGS:
         REAL_MODEL_CONFIGS[_multi_node.name] = REAL_MODEL_CONFIGS[_single]
@@ -164,3 +165,25 @@ def test_layout_check_rejects_a_split_the_model_does_not_allow():
         validate_model_split(8, 1, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads)
     with pytest.raises(ValueError, match="world_size 8 is not a multiple"):
         validate_layout(4, 4, 8, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads)
+
+
+def test_process_supervised_config_scores_steps_with_qwen_math_prm():
+    from transformers import AutoConfig
+
+    from grpo_mega.checkpoint.hf_layouts import architecture_for
+    from prm.model import detect_layout
+
+    cfg = _load("qwen2.5-math-7b_grpo_prm.yaml")
+    assert cfg.algorithm.supervision == "process" and cfg.process_reward.source == "prm"
+    assert cfg.process_reward.step_tag == "<extra_0>" and cfg.process_reward.step_pattern == "\n\n"
+    assert cfg.process_reward.chat_template and "\\boxed{}" in cfg.process_reward.system_prompt
+    prm = AutoConfig.from_pretrained(str(CONFIGS / "models" / "qwen2.5-math-prm-7b"))
+    assert detect_layout(prm) == "classifier"
+    assert architecture_for(prm).architecture == "Qwen2ForProcessRewardModel"
+    # the PRM runs at the policy's layout: it must split the same way
+    validate_model_split(cfg.parallel.tensor, cfg.parallel.pipeline, prm.num_hidden_layers, prm.num_attention_heads,
+                         prm.num_key_value_heads)
+    # the Qwen2.5-Math-7B backbone without its LM head (152064 x 3584) plus the score head (~12.8M): ~7.07B
+    h = prm.hidden_size
+    count = parameter_count(prm) - prm.vocab_size * h + (h * h + h + 2 * h + 2)
+    assert abs(count - 7.07e9) / 7.07e9 < 0.01, count
