@@ -8,14 +8,21 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.slow
-def test_fast_quickstart_writes_summary_plot_and_checkpoints(tmp_path):
-    run_dir = tmp_path / "quickstart"
+@pytest.fixture(scope="module")
+def fast_quickstart(tmp_path_factory):
+    """One shortened quickstart run: (run dir, the command's result)."""
+    run_dir = tmp_path_factory.mktemp("e2e") / "quickstart"
     result = subprocess.run(
         [sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir, result
+
+
+@pytest.mark.slow
+def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
+    run_dir, result = fast_quickstart
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[-1] == str(run_dir / "summary.json")
     summary = json.loads(Path(lines[-1]).read_text())
@@ -55,21 +62,11 @@ def _hf_nll(model_dir: Path, rows: list[dict]) -> float:
 
 
 @pytest.mark.slow
-def test_trained_policy_exports_to_hugging_face(tmp_path):
-    """A training checkpoint (SFT run at TP=2) converts to an HF folder whose loss matches the trainer's."""
-    run_dir = tmp_path / "quickstart"
-    from grpo_mega.quickstart import FAST, build_data_and_model
-
-    model_dir, train_file, _ = build_data_and_model(run_dir, FAST)
-    sft_dir = run_dir / "sft"
-    config = Path(__file__).resolve().parent.parent / "configs" / "quickstart_sft.yaml"
-    sft = subprocess.run(
-        [sys.executable, "-m", "grpo_mega.cli", "sft", "--config", str(config), "--nproc", "2",
-         f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={sft_dir}",
-         "trainer.total_steps=60", "trainer.progress_bar=false"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert sft.returncode == 0, sft.stderr[-3000:]
+def test_trained_policy_exports_to_hugging_face(fast_quickstart, tmp_path):
+    """A training checkpoint (the quickstart's SFT run, TP=2) converts to an HF folder whose loss matches the
+    trainer's."""
+    run_dir, _ = fast_quickstart
+    sft_dir, train_file = run_dir / "sft", run_dir / "data" / "train.jsonl"
     hf_out = tmp_path / "hf"
     tool = Path(__file__).resolve().parent.parent / "tools" / "convert_mcore_to_hf.py"
     export = subprocess.run([sys.executable, str(tool), "--ckpt", str(sft_dir), "--out", str(hf_out)],

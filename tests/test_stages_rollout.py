@@ -127,7 +127,7 @@ def test_process_supervision_gives_each_token_the_sum_of_its_own_and_later_steps
 def test_process_supervision_without_step_rewards_is_refused_naming_the_fix():
     records, completions = make_groups([("1", ["1", "2", "1", "3"])])
     scored, _ = stage(exact_match).score(records, completions)
-    with pytest.raises(ValueError, match="must return StepRewards"):
+    with pytest.raises(ValueError, match="returns StepRewards"):
         build_training_batch(scored, AlgorithmConfig(num_return_sequences_in_group=G, supervision="process"), 0)
 
 
