@@ -401,7 +401,10 @@ def open_prm(
     from grpo_mega.checkpoint.training import load_model_only
     from grpo_mega.checkpoint.training_files import weights_format
 
-    kind = weights_format(path)
+    try:
+        kind = weights_format(path)
+    except ValueError as error:  # weights_format speaks of init_from; here the path is a PRM
+        raise ValueError(f"PRM {path}: {str(error).removeprefix('init_from: ')}") from None
     if kind == "hf":
         hf_config = AutoConfig.from_pretrained(path)
         spec, tokenizer = default_spec(detect_layout(hf_config)), _load_tokenizer(path, str(path))
