@@ -67,17 +67,21 @@ def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> 
     return model_dir, files.train, files.heldout
 
 
-def _run_stage(command: str, config: str, overrides: list[str], log_path: Path) -> float:
-    """Run ``grpo-mega <command>`` on 2 processes; its output goes to ``log_path``; returns wall seconds."""
+def run_grpo_mega(argv: list[str], log_path: Path) -> float:
+    """Run ``grpo-mega <argv>`` as a child process with its output in ``log_path``; returns wall seconds. Raises
+    RuntimeError with the log's last lines when it fails."""
     start = time.perf_counter()
-    argv = [sys.executable, "-m", "grpo_mega.cli", command, "--config", str(CONFIG_DIR / config), "--nproc", "2",
-            *overrides]
     with log_path.open("w") as log:
-        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log, stderr=subprocess.STDOUT)
     if code != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise RuntimeError(f"quickstart stage '{command}' failed (exit {code}); last lines of {log_path}:\n{tail}")
+        raise RuntimeError(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
     return time.perf_counter() - start
+
+
+def _run_stage(command: str, config: str, overrides: list[str], log_path: Path) -> float:
+    """Run ``grpo-mega <command>`` on 2 processes with a config of configs/ (see ``run_grpo_mega``)."""
+    return run_grpo_mega([command, "--config", str(CONFIG_DIR / config), "--nproc", "2", *overrides], log_path)
 
 
 def _optional(key: str, value) -> list[str]:

@@ -1,19 +1,16 @@
 """The PRM stages of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
 policy's own solutions -> PRM training -> evaluation on held-out solutions with planted errors and on reranking
 the policy's samples. Each stage is a ``grpo-mega prm`` command on 2 processes with its log in the output folder;
-``bench/prm_synthetic.py`` runs it over seeds and the quickstart runs it before process-supervised GRPO.
+``bench/prm_synthetic.py`` runs it over seeds (the quickstart does not run it yet).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from grpo_mega.quickstart import CONFIG_DIR, run_grpo_mega
 
 
 @dataclass(frozen=True)
@@ -60,17 +57,6 @@ def write_planted_file(heldout_file: Path, out: Path, *, problems: int, seed: in
     return out
 
 
-def _command(argv: list[str], log_path: Path) -> float:
-    """Run ``grpo-mega <argv>``; output to ``log_path``; returns wall seconds; raises with the log's tail."""
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        code = subprocess.call([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise RuntimeError(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
-    return time.perf_counter() - start
-
-
 def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan(), *, seed: int = 1234,
                      echo=print) -> dict:
     """Label, train and evaluate a PRM for ``policy`` under ``out_dir``; returns (and writes ``prm_summary.json``)
@@ -84,7 +70,7 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
 
     echo(f"  PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions, "
          f"{plan.rollouts_per_step} rollouts per step (log {out_dir / 'prm_label.log'})")
-    seconds["label"] = _command(
+    seconds["label"] = run_grpo_mega(
         ["prm", "label", "--policy", str(policy.weights), "--data", str(policy.train_file), "--out", str(labels),
          "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
          "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
@@ -97,14 +83,14 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
                        f"parallel.seed={seed}"]
     if plan.train_steps is not None:
         train_overrides.append(f"trainer.total_steps={plan.train_steps}")
-    seconds["train"] = _command(["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), *nproc,
+    seconds["train"] = run_grpo_mega(["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), *nproc,
                                  *train_overrides], out_dir / "prm_train.log")
 
     echo(f"  PRM evaluation (log {out_dir / 'prm_eval.log'})")
     planted = write_planted_file(policy.heldout_file, out_dir / "planted_errors.jsonl",
                                  problems=plan.planted_problems, seed=seed)
     report_path = out_dir / "prm_eval.json"
-    seconds["eval"] = _command(
+    seconds["eval"] = run_grpo_mega(
         ["prm", "eval", "--prm", str(prm_dir), "--data", str(planted), "--policy", str(policy.weights),
          "--prompts", str(policy.heldout_file), "--n", str(plan.best_of_n), "--max-prompts",
          str(plan.best_of_n_prompts), "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed),
