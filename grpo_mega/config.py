@@ -67,6 +67,21 @@ class OptimConfig:
     """``cosine``, ``linear`` or ``constant`` after the warm-up."""
 
 
+ENGINES = ("megatron", "deepspeed")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """Settings of ``engine: deepspeed`` (grpo_mega.engine.deepspeed_engine)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters, over all processes."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (and its step) in CPU memory."""
+    gather_bucket_mb: int = 256
+    """ZeRO-3: whole weights (weight sync, HF export, loading) are gathered this many MiB at a time."""
+
+
 @dataclass
 class DataConfig:
     train_file: str = "???"
@@ -231,6 +246,11 @@ class TrainerConfig:
 
 @dataclass
 class GRPOConfig:
+    engine: str = "megatron"
+    """Training engine of the policy and the KL reference: ``megatron`` (TP / PP / DP, megatron-core) or
+    ``deepspeed`` (ZeRO over data parallel on a Hugging Face model; ``parallel.tensor`` and ``parallel.pipeline``
+    1; settings in ``deepspeed``; needs ``pip install 'grpo-mega[deepspeed]'``)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -254,6 +274,7 @@ def _choice(value: str, allowed, key: str) -> None:
 def validate(cfg: GRPOConfig) -> None:
     """Cross-field checks that typed fields cannot express."""
     alg = cfg.algorithm
+    validate_engine(cfg)
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
@@ -298,6 +319,26 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(f"trainer.{key} must be >= 0")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("rollout.top_p must be in (0, 1]")
+
+
+def validate_engine(cfg: GRPOConfig) -> None:
+    """``engine`` and ``deepspeed.*``: a known engine, a layout it runs, and deepspeed installed when chosen."""
+    _choice(cfg.engine, ENGINES, "engine")
+    if cfg.engine != "deepspeed":
+        return
+    _choice(cfg.deepspeed.zero_stage, (1, 2, 3), "deepspeed.zero_stage")
+    if cfg.deepspeed.gather_bucket_mb < 1:
+        raise ConfigError(f"deepspeed.gather_bucket_mb={cfg.deepspeed.gather_bucket_mb} must be >= 1")
+    if (cfg.parallel.tensor, cfg.parallel.pipeline) != (1, 1):
+        raise ConfigError(
+            f"engine=deepspeed shards with ZeRO over data parallel only: set parallel.tensor=1 and "
+            f"parallel.pipeline=1 (got {cfg.parallel.tensor} and {cfg.parallel.pipeline})"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("engine=deepspeed needs the deepspeed package, which is not installed: "
+                          "pip install 'grpo-mega[deepspeed]'")
 
 
 def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:

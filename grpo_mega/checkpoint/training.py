@@ -71,6 +71,11 @@ class LoadedCheckpoint(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- collective helpers
+def _engine_name(engine) -> str:
+    """``megatron`` or ``deepspeed``: which engine's files a checkpoint holds."""
+    return getattr(engine, "engine_name", "megatron")
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -217,10 +222,14 @@ class CheckpointManager:
         _rank0_decides(lambda: self._prepare_staging(staging))  # a broadcast: no rank writes before it is done
 
         with_optimizer = engine.steps_done > 0  # before the first step the optimizer has no state to save
-        state = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=False, rng_state=rng_state)
-        state["scheduler"] = engine.schedule_state_dict()
-        state["extra_state"] = extra_state
-        dist_checkpointing.save(state, str(staging))
+        if _engine_name(engine) == "deepspeed":  # DeepSpeed's own files (grpo_mega.engine.deepspeed_checkpoint)
+            engine.save_training_state(staging, rng_state=rng_state, scheduler=engine.schedule_state_dict(),
+                                       extra_state=extra_state)
+        else:
+            state = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=False, rng_state=rng_state)
+            state["scheduler"] = engine.schedule_state_dict()
+            state["extra_state"] = extra_state
+            dist_checkpointing.save(state, str(staging))
         if _distributed():
             dist.barrier()  # every rank's files are on disk before rank 0 lists them
         info = {
@@ -229,6 +238,7 @@ class CheckpointManager:
             "step": step,
             "optimizer_steps": engine.steps_done,
             "has_optimizer": with_optimizer,
+            "engine": _engine_name(engine),
             "layout": _layout(),
             "cuda_rng": torch.cuda.is_available(),
             "param_dtype": str(engine.param_dtype).removeprefix("torch."),
@@ -355,22 +365,32 @@ class CheckpointManager:
         # A CPU-only process cannot take a CUDA generator state (or the other way round): reseed then too.
         saved_cuda = info.get("cuda_rng", False)  # absent in the first checkpoints of this format: CPU runs
         same_layout = info["layout"] == _layout() and saved_cuda == torch.cuda.is_available()
-        # A template of the right structure; dist_checkpointing replaces it with the saved object.
-        rng_template = capture_rng_state() if same_layout else None
-        state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True, rng_state=rng_template)
-        loaded = dist_checkpointing.load(state, str(path))
-        engine.load_model_state_dict(loaded["model"])
-        if info["has_optimizer"]:
-            changed = engine.load_optimizer_state_dict(loaded["optimizer"])
-            if changed and _is_rank0():
-                logger.info("optimizer settings follow the config (%s)", ", ".join(changed))
+        saved_engine = info.get("engine", "megatron")
+        if saved_engine != _engine_name(engine):
+            raise ValueError(f"{path} was saved by the {saved_engine} engine and cannot be resumed by the "
+                             f"{_engine_name(engine)} engine; start a new run from its weights (model.init_from={path})")
+        if saved_engine == "deepspeed":
+            loaded = engine.load_training_state(path, with_optimizer=info["has_optimizer"], with_rng=same_layout)
+            changed = loaded["optimizer_changes"]
         else:
-            engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
+            # A template of the right structure; dist_checkpointing replaces it with the saved object.
+            rng_template = capture_rng_state() if same_layout else None
+            state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True,
+                                   rng_state=rng_template)
+            loaded = dist_checkpointing.load(state, str(path))
+            engine.load_model_state_dict(loaded["model"])
+            changed = []
+            if info["has_optimizer"]:
+                changed = engine.load_optimizer_state_dict(loaded["optimizer"])
+            else:
+                engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
+        if changed and _is_rank0():
+            logger.info("optimizer settings follow the config (%s)", ", ".join(changed))
         engine.steps_done = info["optimizer_steps"]
         _restore_schedule(engine, loaded["scheduler"], info)
         step = info["step"]
         if same_layout:
-            restore_rng_state(loaded[_RNG_KEY])
+            restore_rng_state(loaded[_RNG_KEY] if saved_engine == "megatron" else loaded["rng_state"])
         else:
             seed_everything(seed + step)
             if _is_rank0():
@@ -444,7 +464,13 @@ def load_model_only(engine, path: str | os.PathLike) -> Path:
     schedule, RNG and step stay as they are: a new run starts from these weights. Works on training and
     forward-only engines. Returns the folder loaded. Raises ValueError when there is no complete checkpoint there.
     """
-    folder, model_state = _load_model_keys(engine.model_sharded_state_dict(), path)
+    from grpo_mega.engine.deepspeed_checkpoint import deepspeed_checkpoint_weights, is_deepspeed_checkpoint
+
+    folder = locate_checkpoint(path)
+    if is_deepspeed_checkpoint(folder):  # saved by the DeepSpeed engine: its HF-named weights, for either engine
+        engine.load_hf_weights(deepspeed_checkpoint_weights(folder))
+        return folder
+    folder, model_state = _load_model_keys(engine.model_sharded_state_dict(), folder)
     engine.load_model_state_dict(model_state)
     engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
     return folder

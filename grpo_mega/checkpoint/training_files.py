@@ -34,6 +34,8 @@ FORMAT_NAME = "grpo_mega.training_checkpoint"
 FORMAT_VERSION = 1
 # dist_checkpointing writes this file last on a successful save; without it megatron cannot load at all.
 DIST_CHECKPOINT_METADATA = "metadata.json"
+# The DeepSpeed engine's counterpart (grpo_mega.engine.deepspeed_checkpoint), written after every rank's files.
+DEEPSPEED_METADATA = "deepspeed/grpo_mega_deepspeed.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -68,9 +70,11 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     named = STEP_DIR.match(path.name)
     if named and int(named.group(1)) != step:
         return f"{COMPLETE_FILE} records step {step}, but the folder is named {path.name}"
-    for required in (STATE_FILE, CONFIG_FILE, DIST_CHECKPOINT_METADATA):
+    for required in (STATE_FILE, CONFIG_FILE):
         if required not in files:
             return f"{COMPLETE_FILE} does not list {required}"
+    if DIST_CHECKPOINT_METADATA not in files and DEEPSPEED_METADATA not in files:
+        return f"{COMPLETE_FILE} lists neither {DIST_CHECKPOINT_METADATA} nor {DEEPSPEED_METADATA}"
     for name, size in sorted(files.items()):
         file = path / name
         if not file.is_file():

@@ -104,10 +104,21 @@ def build_policy_engine(
     temperature: float = 1.0,
     logits_in_fp32: bool = True,
     dtype: torch.dtype | None = None,
+    engine_kind: str = "megatron",
+    deepspeed=None,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
     computed with ``logits / temperature`` so they match the sampler; ``logits_in_fp32``: the head's logits in
-    fp32 also when the model is bf16, ``model.logits_in_fp32``)."""
+    fp32 also when the model is bf16, ``model.logits_in_fp32``). ``engine_kind="deepspeed"``: the HF model on a
+    :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
+    if engine_kind == "deepspeed":
+        from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(hf_config, settings=deepspeed, optim=optim, total_steps=total_steps,
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                               logprob_chunk_size=logprob_chunk_size, temperature=temperature,
+                               logits_in_fp32=logits_in_fp32)
+    _check_engine_kind(engine_kind)
     return build_engine(
         hf_config,
         _lm_head(logprob_chunk_size, temperature, logits_in_fp32),
@@ -128,9 +139,20 @@ def build_reference_engine(
     temperature: float = 1.0,
     logits_in_fp32: bool = True,
     dtype: torch.dtype | None = None,
+    engine_kind: str = "megatron",
+    deepspeed=None,
 ) -> MegatronForwardEngine:
     """The KL reference: the policy's model and LM head on a forward-only engine (no optimizer, no DDP gradient
-    buffers, no gradients); load its weights with ``grpo_mega.checkpoint.initial_weights.load_initial_weights``."""
+    buffers, no gradients); load its weights with ``grpo_mega.checkpoint.initial_weights.load_initial_weights``.
+    ``engine_kind="deepspeed"``: a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine`."""
+    if engine_kind == "deepspeed":
+        from grpo_mega.engine.deepspeed_engine import DeepSpeedForwardEngine
+
+        return DeepSpeedForwardEngine(hf_config, settings=deepspeed,
+                                      max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                      logprob_chunk_size=logprob_chunk_size, temperature=temperature,
+                                      logits_in_fp32=logits_in_fp32)
+    _check_engine_kind(engine_kind)
     return build_forward_engine(
         hf_config,
         _lm_head(logprob_chunk_size, temperature, logits_in_fp32),
@@ -139,3 +161,8 @@ def build_reference_engine(
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         dtype=dtype,
     )
+
+
+def _check_engine_kind(engine_kind: str) -> None:
+    if engine_kind != "megatron":
+        raise ValueError(f"engine={engine_kind!r}: expected 'megatron' or 'deepspeed'")
