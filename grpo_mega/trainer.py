@@ -29,7 +29,7 @@ from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.evaluation import evaluate
 from grpo_mega.metrics import MetricsLogger
-from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
+from grpo_mega.parallel import destroy_distributed, destroy_model_parallel, get_device, init_distributed
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
@@ -65,13 +65,16 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                                   seed=cfg.parallel.seed)
     eval_prompts = _prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
 
+    # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
+    rollout_engine = _build_rollout_engine(cfg, tokenizer) if cfg.rollout.engine == "vllm" else None
     policy, reference = _build_engines(cfg)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = _resume(checkpoints, policy, train_prompts, cfg)
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-    rollout_engine = _build_rollout_engine(cfg, tokenizer)
+    if rollout_engine is None:
+        rollout_engine = _build_rollout_engine(cfg, tokenizer)
     sync_seconds = _sync(policy, rollout_engine, cfg)
     rollout = RolloutStage(rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg,
                            seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids),
@@ -99,6 +102,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter
         with timer("gen"):
             groups, metrics = rollout.run(step)
+        _release_rollout_memory(rollout_engine)
         if cfg.trainer.dump_rollouts and is_rank0:
             _dump_rollouts(run_dir, step, groups)
         if len(groups) == 0:
@@ -138,6 +142,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
 
     metrics_log.close()
     stop_requests.uninstall()
+    _close_rollout_engine(rollout_engine)
     destroy_distributed()
     if stop_reason:
         raise StoppedEarly(step, stop_reason)
@@ -191,14 +196,34 @@ def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches
 
 
 def _build_rollout_engine(cfg: GRPOConfig, tokenizer):
-    """The rollout engine on this rank's device (``parallel.device``): bf16 on a GPU, fp32 on the CPU."""
+    """The rollout engine on this rank's device (``parallel.device``): bf16 on a GPU, fp32 on the CPU. vllm: one
+    engine per rank inside torchrun (external_launcher), ``rollout.tensor_parallel`` ranks per replica, eager on
+    the CPU."""
     device = get_device()
     engine_settings = (
         {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device} if cfg.rollout.engine == "hf"
-        else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
+        else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "seed": cfg.parallel.seed,
+              "tensor_parallel_size": cfg.rollout.tensor_parallel, "enforce_eager": device.type == "cpu",
+              "max_model_len": cfg.data.prompt_length + cfg.algorithm.response_length}
     )
     return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
                                 dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
+
+
+def _release_rollout_memory(rollout_engine) -> None:
+    """Free the rollout engine's accelerator memory for the update, where it can (vllm sleep mode on GPUs)."""
+    release = getattr(rollout_engine, "release_memory", None)
+    if release is not None:
+        release()
+
+
+def _close_rollout_engine(rollout_engine) -> None:
+    """Shut down a rollout engine that holds process groups (vllm), after megatron's groups: inside torchrun
+    vLLM's shutdown also destroys the default process group."""
+    close = getattr(rollout_engine, "close", None)
+    if close is not None:
+        destroy_model_parallel()
+        close()
 
 
 def _sync(policy, rollout_engine, cfg: GRPOConfig) -> float:

