@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.seed_table import print_seed_table  # noqa: E402
 from prm.pipeline import PolicyRun, PRMPlan, run_prm_pipeline  # noqa: E402
 
 COLUMNS = ("label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
@@ -44,29 +44,13 @@ def main() -> int:
         print(f"seed {seed}", flush=True)
         results.append(run_prm_pipeline(policy, args.out / f"seed{seed}", PRMPlan(), seed=seed))
     print()
-    print(f"{'seed':>6}" + "".join(f"{c:>26}" for c in COLUMNS))
-    for seed, result in zip(args.seeds, results):
-        print(f"{seed:>6}" + "".join(f"{_fmt(result.get(c)):>26}" for c in COLUMNS))
-    spread = {c: _mean_sd([r.get(c) for r in results]) for c in COLUMNS}
-    print(f"{'mean':>6}" + "".join(f"{_fmt(spread[c][0]):>26}" for c in COLUMNS))
-    print(f"{'sd':>6}" + "".join(f"{_fmt(spread[c][1]):>26}" for c in COLUMNS))
+    spread = print_seed_table(args.seeds, results, COLUMNS, width=26)
     record = {"machine": platform.platform(), "processor": platform.processor(), "seeds": args.seeds,
-              "runs": results, "mean_sd": spread, "command": " ".join(sys.argv)}
+              "runs": results, "spread": spread, "command": " ".join(sys.argv)}
     args.result.parent.mkdir(parents=True, exist_ok=True)
     args.result.write_text(json.dumps(record, indent=2) + "\n")
     print(args.result)
     return 0
-
-
-def _mean_sd(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """``grpo-mega``: the command line.
 
-    grpo-mega train --config FILE [--nproc N] [key=value ...]   outcome-supervised GRPO
+    grpo-mega train --config FILE [--nproc N] [key=value ...]   GRPO (outcome or process supervision)
     grpo-mega sft   --config FILE [--nproc N] [key=value ...]   supervised fine-tuning of the policy
-    grpo-mega quickstart [--run-dir DIR] [--fast]               the CPU quickstart: data -> SFT -> GRPO -> eval
+    grpo-mega quickstart [--run-dir DIR] [--fast] [--outcome-only]
+                                                                the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
@@ -22,14 +23,17 @@ from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-mega", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("train", "outcome-supervised GRPO"), ("sft", "supervised fine-tuning")):
+    for name, help_text in (("train", "GRPO (outcome or process supervision)"), ("sft", "supervised fine-tuning")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--config", required=True, help="YAML config file")
         command.add_argument("--nproc", type=int, default=1, help="processes to start here (ignored under torchrun/srun)")
         command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-6")
-    quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> GRPO -> eval, with a summary")
+    quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> PRM -> GRPO (outcome and "
+                                   "process supervision) -> eval, with a summary")
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
+    quick.add_argument("--outcome-only", action="store_true",
+                       help="data -> SFT -> outcome-supervised GRPO only (no PRM, no process-supervised arm)")
     from prm.cli import add_prm_commands
 
     add_prm_commands(commands)
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "quickstart":
         from grpo_mega.quickstart import run_quickstart
 
-        return run_quickstart(args.run_dir, fast=args.fast)
+        return run_quickstart(args.run_dir, fast=args.fast, outcome_only=args.outcome_only)
     return _run_stage(args)
 
 

@@ -168,6 +168,9 @@ class ProcessRewardConfig:
     instead of the PRM's scores (0 = off)."""
     few_steps_reward: float = 0.0
     """The step reward of a completion with fewer than ``min_steps`` steps (PRM scores are in [0, 1])."""
+    on_error: str = "raise"
+    """A PRM that raises or gives a NaN / Inf step score: ``raise`` stops the step naming the completion and step;
+    ``zero`` scores that completion's steps 0 and counts it in ``prm/failures``."""
 
 
 @dataclass
@@ -290,6 +293,7 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
     _choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
     _choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
+    _choice(cfg.process_reward.on_error, ("raise", "zero"), "process_reward.on_error")
     if cfg.process_reward.source == "prm":
         if alg.supervision != "process":
             raise ConfigError("process_reward.source=prm needs algorithm.supervision=process")

@@ -1,51 +1,68 @@
 """``grpo-mega quickstart`` (``make demo``): the whole pipeline on 2 CPU cores, from nothing.
 
-data + tokenizer -> tiny Qwen2-shaped policy -> SFT (TP=2, 2 gloo processes) -> outcome-supervised GRPO (TP=2)
--> held-out evaluation before / after -> a table, a PNG plot and ``summary.json``; the last line printed is the
-path of ``summary.json``. Each training stage is a separate ``grpo-mega`` run with a YAML config from configs/.
+data + tokenizer -> tiny Qwen2-shaped policy -> SFT -> Monte-Carlo step labels from the SFT policy -> PRM training
+-> PRM evaluation -> GRPO with outcome supervision and GRPO with process supervision (the learned PRM scores every
+step) from the same SFT checkpoint and seed -> held-out accuracy before / after for each arm, a table, one PNG with
+both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each stage is a
+separate ``grpo-mega`` command on 2 gloo processes (TP=2) with a YAML config from configs/ and its log in the run
+directory; the terminal shows one live line per stage (``grpo_mega.stage_runner``).
 
 Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
 that mix worked solutions with bare answers: the SFT policy then works the steps on some prompts and guesses on
-others, and GRPO, rewarded on the final answer only, learns that working the steps is right more often.
+others, and GRPO learns that working the steps is right more often.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.metrics import read_metrics
-from grpo_mega.plots import TRAIN_REWARD_KEY, plot_reward_and_accuracy
+from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
+from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
+from prm.pipeline import PRMPlan
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+NPROC = 2
 
 
 @dataclass(frozen=True)
 class QuickstartPlan:
-    """Sizes of the quickstart; ``fast`` shrinks them for the end-to-end test."""
+    """Sizes of the quickstart; ``FAST`` shrinks them for the end-to-end test."""
 
-    num_train: int = 2700
+    num_train: int = 1766
+    """Training problems: every distinct question of ``difficulty`` that is not held out."""
     num_heldout: int = 500
     direct_answer_fraction: float = 0.5
     """Share of SFT targets that state the answer without the steps (see build_synthetic_task)."""
+    difficulty: Difficulty = field(default_factory=lambda: Difficulty(max_value=30))
+    """Values stay within 0..30: every step is a fact the tiny policy can learn, so working the steps beats
+    guessing the answer (see the README's quickstart section for what this changed)."""
     sft_steps: int | None = None  # None: configs/quickstart_sft.yaml decides
-    grpo_steps: int | None = None
+    grpo_steps: int | None = None  # None: configs/quickstart_grpo.yaml decides
     eval_prompts: int | None = None
     eval_every: int | None = None
+    prm: PRMPlan = field(default_factory=PRMPlan)
+    process_supervision: bool = True
+    """False: data -> SFT -> outcome-supervised GRPO only (``--outcome-only``)."""
+    oracle_arm: bool = False
+    """Also GRPO with process supervision by the task's ground-truth step checker (the upper bound of a PRM)."""
+    seed: int = 1234
 
 
-FAST = QuickstartPlan(num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0)
+FAST = QuickstartPlan(
+    num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0,
+    prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=2, train_steps=4, planted_problems=16,
+                best_of_n_prompts=8, best_of_n=2),
+)
 
 # The policy: Qwen2-shaped, tied embeddings, ~0.9M parameters (vocabulary from the trained tokenizer).
 POLICY_SHAPE = dict(
     hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
 )
-
 
 def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> tuple[Path, Path, Path]:
     """Write the synthetic task, its tokenizer and the policy's HF config folder; returns (model, train, heldout)."""
@@ -55,7 +72,7 @@ def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> 
     from grpo_mega.data.tokenizer import load_tokenizer
 
     files = build_synthetic_task(run_dir / "data", num_train=plan.num_train, num_heldout=plan.num_heldout, seed=seed,
-                                 direct_answer_fraction=plan.direct_answer_fraction)
+                                 difficulty=plan.difficulty, direct_answer_fraction=plan.direct_answer_fraction)
     tokenizer = load_tokenizer(files.tokenizer)
     model_dir = run_dir / "model"
     config = Qwen2Config(
@@ -67,84 +84,151 @@ def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> 
     return model_dir, files.train, files.heldout
 
 
-def run_grpo_mega(argv: list[str], log_path: Path) -> float:
-    """Run ``grpo-mega <argv>`` as a child process with its output in ``log_path``; returns wall seconds. Raises
-    RuntimeError with the log's last lines when it fails."""
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        code = subprocess.call([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise RuntimeError(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
-    return time.perf_counter() - start
+def _config_steps(config: str, section: str = "trainer", key: str = "total_steps") -> int:
+    import yaml
 
-
-def _run_stage(command: str, config: str, overrides: list[str], log_path: Path) -> float:
-    """Run ``grpo-mega <command>`` on 2 processes with a config of configs/ (see ``run_grpo_mega``)."""
-    return run_grpo_mega([command, "--config", str(CONFIG_DIR / config), "--nproc", "2", *overrides], log_path)
+    return int(yaml.safe_load((CONFIG_DIR / config).read_text())[section][key])
 
 
 def _optional(key: str, value) -> list[str]:
     return [] if value is None else [f"{key}={value}"]
 
 
-def run_quickstart(run_dir: str | Path = "runs/quickstart", *, fast: bool = False) -> int:
-    """Run every stage; print the table and, last, the path of summary.json."""
-    plan = FAST if fast else QuickstartPlan()
+def _training_stage(title: str, command: list[str], config: str, run_dir: Path, steps: int | None,
+                    metrics: tuple[tuple[str, str], ...], overrides: list[str], log_path: Path) -> float:
+    """One training stage on 2 processes, its live line following ``run_dir/metrics.jsonl``."""
+    progress = StageProgress(title=title, metrics_path=run_dir / "metrics.jsonl",
+                             total_steps=steps or _config_steps(config), metrics=metrics)
+    argv = [*command, "--config", str(CONFIG_DIR / config), "--nproc", str(NPROC), f"trainer.run_dir={run_dir}",
+            "trainer.progress_bar=false", *_optional("trainer.total_steps", steps), *overrides]
+    return run_stage(argv, log_path, progress)
+
+
+def _accuracies(metrics_path: Path) -> tuple[float, float, int]:
+    """(held-out accuracy at the first evaluation, at the last, last step) of a GRPO run."""
+    rows = read_metrics(metrics_path)
+    evals = [row for row in rows if "eval/accuracy" in row]
+    return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"], rows[-1]["step"]
+
+
+# The GRPO arms: (name, what the terminal calls it, overrides of configs/quickstart_grpo.yaml). All start from the
+# same SFT checkpoint with the same seed; "process" adds the learned PRM's checkpoint.
+ARMS = {
+    "outcome": ("GRPO, outcome supervision", ()),
+    "process": ("GRPO, process supervision by the learned PRM", ("algorithm.supervision=process",
+                                                                 "process_reward.source=prm")),
+    "oracle": ("GRPO, process supervision by the task's step checker (oracle PRM)", (
+        "algorithm.supervision=process", "process_reward.source=function", "reward.function=synthetic_steps")),
+}
+ARM_KEYS = {"outcome": "os_accuracy", "process": "ps_accuracy", "oracle": "oracle_accuracy"}
+
+
+def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
+    """Run every stage of ``plan`` under ``run_dir``; writes the plot and ``summary.json``, returns the summary."""
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    stage_seconds = {}
+    seconds: dict[str, float] = {}
+    arms = ["outcome", *(["process"] if plan.process_supervision else []), *(["oracle"] if plan.oracle_arm else [])]
+    total = 2 + (3 if plan.process_supervision else 0) + len(arms)
+    header = iter(range(1, total + 1))
 
-    print(f"[1/3] data, tokenizer and model config -> {run_dir}", flush=True)
+    def stage(text: str) -> None:
+        print(f"[{next(header)}/{total}] {text}", flush=True)
+
+    stage(f"data, tokenizer and model config -> {run_dir}")
     begin = time.perf_counter()
     model_dir, train_file, heldout_file = build_data_and_model(run_dir, plan)
-    stage_seconds["data"] = time.perf_counter() - begin
+    seconds["data"] = time.perf_counter() - begin
+    task = [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"parallel.seed={plan.seed}"]
 
-    print(f"[2/3] SFT (TP=2 on 2 processes), log: {run_dir / 'sft.log'}", flush=True)
+    stage(f"SFT (TP=2 on 2 processes), log: {run_dir / 'sft.log'}")
     sft_dir = run_dir / "sft"
-    stage_seconds["sft"] = _run_stage(
-        "sft", "quickstart_sft.yaml",
-        [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={sft_dir}",
-         "trainer.progress_bar=false", *_optional("trainer.total_steps", plan.sft_steps)],
-        run_dir / "sft.log",
-    )
+    seconds["sft"] = _training_stage("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, plan.sft_steps,
+                                     (("nll", "sft/nll"),), task, run_dir / "sft.log")
 
-    print(f"[3/3] GRPO (TP=2 on 2 processes), log: {run_dir / 'grpo.log'}", flush=True)
-    grpo_dir = run_dir / "grpo"
-    stage_seconds["grpo"] = _run_stage(
-        "train", "quickstart_grpo.yaml",
-        [f"model.hf_config={model_dir}", f"model.init_from={sft_dir}", f"data.train_file={train_file}",
-         f"data.eval_file={heldout_file}", f"trainer.run_dir={grpo_dir}", "trainer.progress_bar=false",
-         *_optional("trainer.total_steps", plan.grpo_steps), *_optional("data.max_eval_prompts", plan.eval_prompts),
-         *_optional("trainer.eval_every", plan.eval_every)],
-        run_dir / "grpo.log",
-    )
+    prm_summary = None
+    if plan.process_supervision:
+        from prm.pipeline import PolicyRun, run_prm_pipeline
 
-    rows = read_metrics(grpo_dir / "metrics.jsonl")
-    evals = [row for row in rows if "eval/accuracy" in row]
+        prm_summary = run_prm_pipeline(
+            PolicyRun(model_dir=model_dir, weights=sft_dir, train_file=train_file, heldout_file=heldout_file),
+            run_dir, plan.prm, seed=plan.seed, stage=stage,
+        )
+        seconds.update({f"prm_{key}": value for key, value in prm_summary["seconds"].items()})
+
+    grpo = [*task, f"model.init_from={sft_dir}", f"data.eval_file={heldout_file}",
+            *_optional("data.max_eval_prompts", plan.eval_prompts), *_optional("trainer.eval_every", plan.eval_every)]
+    shown = (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))
+    arm_dirs: dict[str, Path] = {}
+    for arm in arms:
+        title, overrides = ARMS[arm]
+        folder = "grpo" if arm == "outcome" else f"grpo_{arm}"
+        arm_dirs[arm] = run_dir / folder
+        if arm == "process":
+            overrides = (*overrides, f"process_reward.prm={prm_summary['prm_checkpoint']}")
+        stage(f"{title} (TP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
+        seconds[folder] = _training_stage(
+            f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
+            shown + ((("PRM score", "prm/score_mean"),) if arm == "process" else ()), [*grpo, *overrides],
+            run_dir / f"{folder}.log")
+
+    sft_accuracy, _, steps = _accuracies(arm_dirs["outcome"] / "metrics.jsonl")
     summary = {
-        "accuracy_before": evals[0]["eval/accuracy"],
-        "accuracy_after": evals[-1]["eval/accuracy"],
-        "steps": rows[-1]["step"],
+        "sft_accuracy": sft_accuracy,
+        **{ARM_KEYS[arm]: _accuracies(arm_dirs[arm] / "metrics.jsonl")[1] for arm in arms},
+        "prm_f1": prm_summary["policy_processbench_f1"] if prm_summary else None,
+        "prm_f1_planted": prm_summary["processbench_f1"] if prm_summary else None,
+        "steps": steps,
         "wall_seconds": round(time.perf_counter() - started, 1),
-        "stage_seconds": {k: round(v, 1) for k, v in stage_seconds.items()},
-        "train_reward_first": next((r[TRAIN_REWARD_KEY] for r in rows if TRAIN_REWARD_KEY in r), None),
-        "train_reward_last": next((r[TRAIN_REWARD_KEY] for r in reversed(rows) if TRAIN_REWARD_KEY in r), None),
-        "eval_prompts": int(evals[-1]["eval/num_prompts"]),
+        "stage_seconds": {key: round(value, 1) for key, value in seconds.items()},
+        "eval_prompts": int(read_metrics(arm_dirs["outcome"] / "metrics.jsonl")[-1].get("eval/num_prompts", 0)),
+        "seed": plan.seed,
         "run_dir": str(run_dir),
     }
+    summary.setdefault("ps_accuracy", None)
+    if prm_summary:
+        summary["prm"] = {key: prm_summary.get(key) for key in (
+            "label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
+            "pass_at_n")}
+    summary["plot"] = str(plot_arms({f"GRPO ({arm})": path / "metrics.jsonl" for arm, path in arm_dirs.items()},
+                                    run_dir / "reward_accuracy.png", title="quickstart: GRPO on synthetic arithmetic"))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
-    summary["plot"] = str(plot_reward_and_accuracy(grpo_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
-                                                   title="quickstart: GRPO on synthetic arithmetic"))
-    summary_path = run_dir / "summary.json"
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    print()
-    print(f"{'':24}{'before GRPO':>14}{'after GRPO':>14}")
-    print(f"{'held-out accuracy':24}{summary['accuracy_before']:>14.3f}{summary['accuracy_after']:>14.3f}")
-    print(f"GRPO steps: {summary['steps']}   wall time: {summary['wall_seconds']:.0f} s "
-          f"(data {stage_seconds['data']:.0f} s, SFT {stage_seconds['sft']:.0f} s, GRPO {stage_seconds['grpo']:.0f} s)")
-    print(f"plot: {summary['plot']}")
-    print(summary_path)
+
+def run_quickstart(run_dir: str | Path = "runs/quickstart", *, fast: bool = False, outcome_only: bool = False) -> int:
+    """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
+    from dataclasses import replace
+
+    plan = FAST if fast else QuickstartPlan()
+    if outcome_only:
+        plan = replace(plan, process_supervision=False)
+    summary = run_pipeline(run_dir, plan)
+    print_table(summary)
+    print(Path(summary["run_dir"]) / "summary.json")
     return 0
+
+
+def _figure(value) -> str:
+    """A figure for the table; None (e.g. an F1 without both correct and wrong solutions to score) as "n/a"."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def print_table(summary: dict) -> None:
+    """The held-out accuracy before / after each arm, the PRM's F1 and where the time went."""
+    print()
+    print(f"{'held-out accuracy':34}{'after SFT':>12}{'after GRPO':>12}")
+    print(f"{'GRPO, outcome supervision':34}{summary['sft_accuracy']:>12.3f}{summary['os_accuracy']:>12.3f}")
+    if summary.get("oracle_accuracy") is not None:
+        print(f"{'GRPO, process supervision (oracle)':34}{summary['sft_accuracy']:>12.3f}"
+              f"{summary['oracle_accuracy']:>12.3f}")
+    if summary.get("ps_accuracy") is not None:
+        print(f"{'GRPO, process supervision (PRM)':34}{summary['sft_accuracy']:>12.3f}{summary['ps_accuracy']:>12.3f}")
+        print(f"PRM ProcessBench F1 on the SFT policy's held-out solutions: {_figure(summary['prm_f1'])} "
+              f"(planted errors: {_figure(summary['prm_f1_planted'])})")
+    stages = ", ".join(f"{name} {value:.0f} s" for name, value in summary["stage_seconds"].items())
+    print(f"GRPO steps: {summary['steps']}   wall time: {summary['wall_seconds']:.0f} s ({stages})")
+    print(f"plot: {summary['plot']}")
+
 

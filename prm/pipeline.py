@@ -1,7 +1,8 @@
 """The PRM stages of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
 policy's own solutions -> PRM training -> evaluation on held-out solutions with planted errors and on reranking
-the policy's samples. Each stage is a ``grpo-mega prm`` command on 2 processes with its log in the output folder;
-``bench/prm_synthetic.py`` runs it over seeds (the quickstart does not run it yet).
+the policy's samples. Each stage is a ``grpo-mega prm`` command on 2 processes with its log in the output folder and
+a live line on the terminal (``grpo_mega.stage_runner``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
+``bench/prm_synthetic.py`` over seeds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from grpo_mega.quickstart import CONFIG_DIR, run_grpo_mega
+from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class PRMPlan:
     planted_problems: int = 300
     """Held-out problems turned into solutions with planted errors (half of them with one error)."""
     best_of_n_prompts: int = 200
-    best_of_n: int = 8
+    best_of_n: int = 4
     max_new_tokens: int = 48
     nproc: int = 2
 
@@ -57,45 +58,59 @@ def write_planted_file(heldout_file: Path, out: Path, *, problems: int, seed: in
     return out
 
 
+def _training_steps(plan: PRMPlan) -> int:
+    import yaml
+
+    if plan.train_steps is not None:
+        return plan.train_steps
+    return int(yaml.safe_load((CONFIG_DIR / "quickstart_prm.yaml").read_text())["trainer"]["total_steps"])
+
+
 def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan(), *, seed: int = 1234,
-                     echo=print) -> dict:
+                     stage=print, show: bool = True) -> dict:
     """Label, train and evaluate a PRM for ``policy`` under ``out_dir``; returns (and writes ``prm_summary.json``)
     the figures: label agreement with the truth, step accuracy / F1, ProcessBench F1 on planted errors and on the
-    policy's own solutions, prm@N / maj@N / pass@N, and seconds per stage."""
+    policy's own solutions, prm@N / maj@N / pass@N, and seconds per stage. ``stage(text)`` announces each stage;
+    ``show``: a live line per stage."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     nproc = ["--nproc", str(plan.nproc)]
     seconds: dict[str, float] = {}
     labels, prm_dir = out_dir / "prm_labels.jsonl", out_dir / "prm"
 
-    echo(f"  PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions, "
-         f"{plan.rollouts_per_step} rollouts per step (log {out_dir / 'prm_label.log'})")
-    seconds["label"] = run_grpo_mega(
+    stage(f"PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions of the policy, "
+          f"{plan.rollouts_per_step} Monte-Carlo rollouts per step, log: {out_dir / 'prm_label.log'}")
+    seconds["label"] = run_stage(
         ["prm", "label", "--policy", str(policy.weights), "--data", str(policy.train_file), "--out", str(labels),
          "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
          "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
          "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), *nproc],
-        out_dir / "prm_label.log",
+        out_dir / "prm_label.log", StageProgress("PRM labels"), show=show,
     )
-    echo(f"  PRM training (log {out_dir / 'prm_train.log'})")
+    stage(f"PRM training (classifier head on the policy's backbone), log: {out_dir / 'prm_train.log'}")
     train_overrides = [f"model.hf_config={policy.model_dir}", f"model.init_from={policy.weights}",
                        f"data.train_file={labels}", f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false",
                        f"parallel.seed={seed}"]
     if plan.train_steps is not None:
         train_overrides.append(f"trainer.total_steps={plan.train_steps}")
-    seconds["train"] = run_grpo_mega(["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), *nproc,
-                                 *train_overrides], out_dir / "prm_train.log")
+    seconds["train"] = run_stage(
+        ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), *nproc, *train_overrides],
+        out_dir / "prm_train.log",
+        StageProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=_training_steps(plan),
+                      metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
+        show=show,
+    )
 
-    echo(f"  PRM evaluation (log {out_dir / 'prm_eval.log'})")
+    stage(f"PRM evaluation: planted errors and the policy's own held-out solutions, log: {out_dir / 'prm_eval.log'}")
     planted = write_planted_file(policy.heldout_file, out_dir / "planted_errors.jsonl",
                                  problems=plan.planted_problems, seed=seed)
     report_path = out_dir / "prm_eval.json"
-    seconds["eval"] = run_grpo_mega(
+    seconds["eval"] = run_stage(
         ["prm", "eval", "--prm", str(prm_dir), "--data", str(planted), "--policy", str(policy.weights),
          "--prompts", str(policy.heldout_file), "--n", str(plan.best_of_n), "--max-prompts",
          str(plan.best_of_n_prompts), "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed),
          "--samples-out", str(out_dir / "prm_best_of_n_samples.jsonl"), "--out", str(report_path), *nproc],
-        out_dir / "prm_eval.log",
+        out_dir / "prm_eval.log", StageProgress("PRM evaluation"), show=show,
     )
     label_summary = json.loads(Path(f"{labels}.summary.json").read_text())
     report = json.loads(report_path.read_text())

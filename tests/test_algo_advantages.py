@@ -85,6 +85,15 @@ def test_completion_without_steps_gets_zero():
     assert adv[0].abs().sum() > 0
 
 
+def test_group_whose_step_rewards_are_all_equal_gets_zero_advantages():
+    # Two groups of two: the first has every step scored 0.6 (no signal), the second does not.
+    step_rewards = torch.tensor([[0.6, 0.6], [0.6, 0.0], [0.9, 0.1], [0.3, 0.0]])
+    step_ends = torch.tensor([[1, 3], [2, -1], [1, 3], [2, -1]])
+    adv = process_advantages(step_rewards, step_ends, torch.ones(4, 4), 2)
+    assert torch.equal(adv[:2], torch.zeros(2, 4))
+    assert adv[2:].abs().sum() > 0
+
+
 def test_group_without_any_steps_is_zero_not_nan():
     adv = process_advantages(torch.zeros(2, 2), torch.full((2, 2), -1), torch.ones(2, 3), 2)
     assert torch.equal(adv, torch.zeros(2, 3))

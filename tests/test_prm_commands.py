@@ -94,14 +94,14 @@ def _grpo_mega(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _train(task, run_dir: Path, total_steps: int, *extra: str, nproc: int | None = None) -> subprocess.CompletedProcess:
-    """``prm train`` with the config's layout (TP=2, 2 processes) unless ``nproc`` is given."""
+    """``prm train`` at TP=2 on 2 processes unless ``nproc`` is given (the config itself trains data-parallel)."""
     return _grpo_mega(
         "prm", "train", "--config", str(CONFIG), *(["--nproc", str(nproc)] if nproc else []),
         f"model.hf_config={task['model']}",
         f"model.init_from={task['policy']}", f"data.train_file={task['train']}", f"data.eval_file={task['heldout']}",
         f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}", "trainer.batch_size=8",
         "trainer.save_every=2", "trainer.progress_bar=false", "trainer.tensorboard=false", "parallel.device=cpu",
-        "optim.warmup_steps=0", "optim.decay_style=constant", *extra,
+        "optim.warmup_steps=0", "optim.decay_style=constant", "parallel.tensor=2", *extra,
     )
 
 
@@ -117,7 +117,7 @@ def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def trained_prm(prm_task, tmp_path_factory):
-    """A 4-step PRM run at TP=2 on 2 processes (the config's layout): (run dir, its metrics rows)."""
+    """A 4-step PRM run at TP=2 on 2 processes: (run dir, its metrics rows)."""
     run_dir = tmp_path_factory.mktemp("prm_runs") / "straight"
     straight = _train(prm_task, run_dir, 4)
     assert straight.returncode == 0, straight.stderr[-3000:]

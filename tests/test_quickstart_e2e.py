@@ -1,4 +1,6 @@
-"""End to end: the shortened quickstart runs data -> SFT (TP=2) -> GRPO (TP=2) -> eval and writes its summary."""
+"""End to end: the shortened quickstart runs data -> SFT -> PRM labels -> PRM training -> PRM evaluation -> GRPO with
+outcome supervision and GRPO with process supervision by the learned PRM (all TP=2 on 2 processes) -> eval, and
+writes its summary."""
 
 import json
 import subprocess
@@ -26,11 +28,18 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[-1] == str(run_dir / "summary.json")
     summary = json.loads(Path(lines[-1]).read_text())
-    for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds"):
-        assert key in summary
-    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    for key in ("sft_accuracy", "os_accuracy", "ps_accuracy", "prm_f1", "steps", "wall_seconds"):
+        assert key in summary, key
+    for key in ("sft_accuracy", "os_accuracy", "ps_accuracy"):
+        assert 0.0 <= summary[key] <= 1.0, key
     assert summary["steps"] == 3
     assert Path(summary["plot"]).stat().st_size > 1000
+    # every stage announced itself and showed a live line; training stages count their steps
+    for header in ("[1/7] data", "[2/7] SFT", "[3/7] PRM labels", "[4/7] PRM training", "[5/7] PRM evaluation",
+                   "[6/7] GRPO, outcome supervision", "[7/7] GRPO, process supervision by the learned PRM"):
+        assert header in result.stdout, header
+    assert "SFT: 100%" in result.stdout and "40/40" in result.stdout
+    assert "GRPO (process): 100%" in result.stdout and "3/3" in result.stdout
     # the GRPO stage logged verl-style metrics every step and left a complete checkpoint
     rows = [json.loads(line) for line in (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines()]
     step_rows = [row for row in rows if row["step"] > 0]
@@ -39,6 +48,16 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
                  "timing_s/update", "timing_s/sync", "perf/throughput", "response_length/mean"):
         assert name in step_rows[-1], name
     assert list((run_dir / "grpo" / "checkpoints").glob("step_000003"))
+    # the process-supervised arm started from the same SFT policy and was scored step by step by the trained PRM
+    process_rows = [json.loads(line) for line in (run_dir / "grpo_process" / "metrics.jsonl").read_text().splitlines()]
+    assert process_rows[0]["eval/accuracy"] == rows[0]["eval/accuracy"] == summary["sft_accuracy"]
+    for name in ("prm/steps_per_completion", "prm/score_mean", "prm/last_step_score", "prm/min_step_score",
+                 "timing_s/prm"):
+        assert name in process_rows[-1], name
+    assert list((run_dir / "prm" / "checkpoints").glob("step_*"))
+    report = json.loads((run_dir / "prm_eval.json").read_text())
+    for key in ("step_accuracy", "processbench_f1", "prm_at_n", "maj_at_n", "pass_at_n"):
+        assert key in report, key
 
 
 def _hf_nll(model_dir: Path, rows: list[dict]) -> float:

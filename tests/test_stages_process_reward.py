@@ -10,7 +10,7 @@ import pytest
 
 from grpo_mega.config import ConfigError, GRPOConfig, ProcessRewardConfig, load_config, validate
 from grpo_mega.data.step_split import DOUBLE_NEWLINE_PATTERN, SYNTHETIC_STEP_PATTERN
-from grpo_mega.stages.process_reward import PRMStepRewards, segment_completion, shape_step_rewards
+from grpo_mega.stages.process_reward import PRMScoringError, PRMStepRewards, segment_completion, shape_step_rewards
 
 SOLUTION = " Step 1: 7 + 5 = 12. Step 2: 12 * 3 = 36. The answer is 36."
 
@@ -76,3 +76,36 @@ def test_config_needs_process_supervision_and_a_prm_path():
     cfg = load_config(GRPOConfig, None, [*base, "process_reward.prm=p", "algorithm.supervision=process",
                                          "algorithm.step_credit=min"], validate)
     assert cfg.process_reward.prm == "p" and cfg.algorithm.step_credit == "min"
+
+
+class BrokenScorer:
+    """A PRM that gives a NaN to the second step of the second completion, or raises when ``fail`` is set."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def score_steps(self, prompts, steps):
+        if self.fail:
+            raise RuntimeError("device lost")
+        return [[float("nan") if (row == 1 and index == 1) else 0.7 for index, _ in enumerate(s)]
+                for row, s in enumerate(steps)]
+
+
+def test_a_nan_from_the_prm_stops_the_step_naming_the_completion_and_step():
+    source = PRMStepRewards(BrokenScorer(), ProcessRewardConfig(source="prm", prm="unused"))
+    with pytest.raises(PRMScoringError, match=r"non-finite score \(nan\) to step 2 of completion 1 .*'Q: b'.*"
+                                              r"Step 2: 12 \* 3 = 36"):
+        source(["Q: a", "Q: b"], [SOLUTION, SOLUTION], [1.0, 1.0], [{"steps": []}] * 2)
+
+
+def test_on_error_zero_scores_the_failed_completion_zero_and_counts_it():
+    source = PRMStepRewards(BrokenScorer(), ProcessRewardConfig(source="prm", prm="unused", on_error="zero"))
+    rewards, _, metrics = source(["Q: a", "Q: b"], [SOLUTION, SOLUTION], [1.0, 1.0], [{"steps": []}] * 2)
+    assert rewards == [[0.7, 0.7, 0.7], [0.0, 0.0, 0.0]]
+    assert metrics["prm/failures"] == 1.0
+    raising = PRMStepRewards(BrokenScorer(fail=True), ProcessRewardConfig(source="prm", prm="unused"))
+    with pytest.raises(PRMScoringError, match="the PRM failed on the 2 completions.*device lost"):
+        raising(["Q: a", "Q: b"], [SOLUTION, SOLUTION], [1.0, 1.0], [{"steps": []}] * 2)
+    counting = PRMStepRewards(BrokenScorer(fail=True), ProcessRewardConfig(source="prm", prm="unused", on_error="zero"))
+    rewards, _, metrics = counting(["Q: a", "Q: b"], [SOLUTION, ""], [1.0, 1.0], [{"steps": []}] * 2)
+    assert rewards == [[0.0, 0.0, 0.0], []] and metrics["prm/failures"] == 2.0

@@ -9,6 +9,7 @@ call on its own forward-only engine, and each step's score becomes its reward, e
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Sequence
 
@@ -38,6 +39,21 @@ def shape_step_rewards(
     return rewards
 
 
+class PRMScoringError(RuntimeError):
+    """The PRM raised or gave a non-finite step score (``process_reward.on_error: raise``)."""
+
+
+def non_finite_scores(scores: Sequence[Sequence[float]]) -> dict[int, int]:
+    """{completion index: index of its first NaN / Inf step score}."""
+    bad = {}
+    for row, row_scores in enumerate(scores):
+        for step, value in enumerate(row_scores):
+            if not math.isfinite(value):
+                bad[row] = step
+                break
+    return bad
+
+
 class PRMStepRewards:
     """Scores the steps of a rollout's completions with a PRM (``prm.scoring.StepScorer``); collective: every rank
     calls with the same completions and gets the same rewards."""
@@ -53,10 +69,34 @@ class PRMStepRewards:
         start = time.perf_counter()
         pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
         steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in texts]
-        scores = self.scorer.score_steps(list(prompts), steps)
+        scores, failed = self._score(prompts, texts, steps)
         rewards = [shape_step_rewards(s, outcome, self.settings) for s, outcome in zip(scores, outcomes)]
         ends = [step_char_ends(row_steps) for row_steps in steps]
-        return rewards, ends, self._metrics(steps, scores, time.perf_counter() - start)
+        metrics = self._metrics(steps, scores, time.perf_counter() - start)
+        metrics["prm/failures"] = float(failed)
+        return rewards, ends, metrics
+
+    def _score(self, prompts: Sequence[str], texts: Sequence[str], steps: list[list[str]]) -> tuple[list, int]:
+        """The PRM's step scores and how many completions failed; a failure raises :class:`PRMScoringError`
+        naming the completion, or (``on_error: zero``) scores the completion's steps 0."""
+        raise_errors = self.settings.on_error == "raise"
+        try:
+            scores = [list(map(float, row)) for row in self.scorer.score_steps(list(prompts), steps)]
+        except Exception as error:
+            if raise_errors:
+                raise PRMScoringError(f"the PRM failed on the {len(texts)} completions of this step (first prompt "
+                                      f"{prompts[0][:80]!r}): {type(error).__name__}: {error}") from error
+            return [[0.0] * len(row) for row in steps], len(steps)
+        bad = non_finite_scores(scores)
+        if bad and raise_errors:
+            row, step = next(iter(bad.items()))
+            raise PRMScoringError(
+                f"the PRM gave a non-finite score ({scores[row][step]}) to step {step + 1} of completion {row} "
+                f"(prompt {prompts[row][:80]!r}, step {steps[row][step][:80]!r}); {len(bad)} completion(s) affected; "
+                "process_reward.on_error=zero scores them 0 instead")
+        for row in bad:
+            scores[row] = [0.0] * len(scores[row])
+        return scores, len(bad)
 
     @staticmethod
     def _metrics(steps: list[list[str]], scores: list[list[float]], seconds: float) -> dict[str, float]:

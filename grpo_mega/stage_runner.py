@@ -1,0 +1,166 @@
+"""Run one ``grpo-mega`` command as a child process, its output in a log file, and show what it is doing.
+
+The pipelines (``grpo-mega quickstart``, ``prm.pipeline``) run each stage as a separate ``grpo-mega`` process so
+that every stage is also a command a user can run by hand. Their logs go to files; the terminal gets one live
+line per stage, read from what the stage writes as it goes:
+
+- a training stage (SFT, PRM training, GRPO) appends one row per step to ``metrics.jsonl``: the line shows
+  ``step k/N``, the stage's key metric of the latest row that has it, and tqdm's ETA;
+- any other stage (labelling, evaluation) shows the elapsed time and the last line of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+"""The YAML configs shipped with the repository (the quickstart's stages)."""
+
+
+class StageFailed(RuntimeError):
+    """A stage's process exited with a non-zero status; the message ends with the last lines of its log."""
+
+
+@dataclass(frozen=True)
+class StageProgress:
+    """What a stage's live line shows."""
+
+    title: str
+    """Shown at the left of the line, e.g. "GRPO (outcome)"."""
+    metrics_path: Path | None = None
+    """The stage's ``metrics.jsonl`` (training stages); None: elapsed time and the log's last line instead."""
+    total_steps: int | None = None
+    """Steps the stage runs (the bar's length); None: unknown."""
+    metrics: tuple[tuple[str, str], ...] = ()
+    """(label, metrics key) pairs shown beside the step, each from the latest row that has the key."""
+
+
+class MetricsFollower:
+    """Reads the rows appended to a ``metrics.jsonl`` since the last call (a half-written last line waits)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._offset = 0
+
+    def new_rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as handle:
+            handle.seek(self._offset)
+            data = handle.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        rows = []
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+
+def last_log_line(log_path: Path, width: int = 60) -> str:
+    """The last non-empty line of the log (progress bars rewrite a line with carriage returns), shortened."""
+    try:
+        with log_path.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - 4096))
+            tail = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    pieces = [piece.strip() for line in tail.splitlines() for piece in line.split("\r")]
+    pieces = [piece for piece in pieces if piece]
+    text = pieces[-1] if pieces else ""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _format_metric(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+class _LiveLine:
+    """The stage's tqdm line; a no-op when ``show`` is False (tests, library use)."""
+
+    def __init__(self, progress: StageProgress, show: bool):
+        self.progress = progress
+        self.bar = None
+        self.latest: dict[str, object] = {}
+        if show:
+            from tqdm import tqdm
+
+            # A stage without metrics shows elapsed time and its log's last line, not a rate.
+            elapsed_only = None if progress.metrics_path else "{desc}: {elapsed} {postfix}"
+            self.bar = tqdm(total=progress.total_steps, desc=progress.title, unit="step", bar_format=elapsed_only,
+                            dynamic_ncols=True, file=sys.stdout, mininterval=1.0 if sys.stdout.isatty() else 30.0)
+
+    def update_from_rows(self, rows: list[dict]) -> None:
+        for row in rows:
+            for label, key in self.progress.metrics:
+                if key in row:
+                    self.latest[label] = _format_metric(row[key])
+        steps = [row["step"] for row in rows if isinstance(row.get("step"), int)]
+        if self.bar is None or not steps:
+            return
+        self.bar.update(max(steps) - self.bar.n)
+        self.bar.set_postfix(self.latest, refresh=False)
+
+    def update_elapsed(self, seconds: float, log_path: Path) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(int(seconds) - self.bar.n)
+        self.bar.set_postfix_str(last_log_line(log_path), refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_stage(argv: list[str], log_path: Path, progress: StageProgress | None = None, *, show: bool = True,
+              poll_seconds: float = 1.0) -> float:
+    """Run ``grpo-mega <argv>`` with its output in ``log_path``, showing ``progress`` live; returns wall seconds.
+
+    Raises :class:`StageFailed` with the log's last lines when the process fails. A stage resumed from its own
+    checkpoints starts its bar at the step it resumes from (the rows it had written before are skipped).
+    """
+    log_path = Path(log_path)
+    progress = progress or StageProgress(title=argv[0])
+    follower = MetricsFollower(progress.metrics_path) if progress.metrics_path else None
+    if follower is not None:
+        follower.new_rows()  # rows of an earlier, interrupted run of this stage
+    line = _LiveLine(progress, show)
+    start = time.perf_counter()
+    try:
+        with log_path.open("w") as log:
+            child = subprocess.Popen([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log,
+                                     stderr=subprocess.STDOUT)
+            try:
+                while True:
+                    try:
+                        code = child.wait(timeout=poll_seconds)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    if follower is not None:
+                        line.update_from_rows(follower.new_rows())
+                    else:
+                        line.update_elapsed(time.perf_counter() - start, log_path)
+                    if code is not None:
+                        break
+            except BaseException:
+                child.terminate()
+                child.wait()
+                raise
+    finally:
+        line.close()
+    if code != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise StageFailed(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
+    return time.perf_counter() - start
