@@ -73,7 +73,8 @@ def _zero2_and_megatron_step(hf_dir):
     from transformers import AutoConfig
 
     from grpo_mega.checkpoint import HFWeights
-    from grpo_mega.engine import build_policy_engine
+    from grpo_mega.config import DeepSpeedConfig
+    from grpo_mega.engine import build_policy_engine, build_reference_engine
     from grpo_mega.engine.base import NonFiniteError
     from grpo_mega.parallel import init_distributed
 
@@ -84,8 +85,11 @@ def _zero2_and_megatron_step(hf_dir):
     # budget 20 on the DeepSpeed side: other micro-batches than Megatron's 24, and unequal counts per rank
     deepspeed = _deepspeed_policy(hf_config, 2, 20)
     deepspeed.load_hf_weights(HFWeights(hf_dir))
+    reference = build_reference_engine(hf_config, max_tokens_per_micro_batch=20, engine_kind="deepspeed",
+                                       deepspeed=DeepSpeedConfig(zero_stage=2))  # a replicated forward-only model
+    reference.load_hf_weights(HFWeights(hf_dir))
     start = _weights(deepspeed)
-    out = {"logprobs": [e.forward_logprobs(_batch())[0] for e in (megatron, deepspeed)]}
+    out = {"logprobs": [e.forward_logprobs(_batch())[0] for e in (megatron, deepspeed, reference)]}
     out["metrics"] = [e.train_step(_batch(), _loss_fn()) for e in (megatron, deepspeed)]
     out["weights"] = [_weights(megatron), _weights(deepspeed)]
     out["moved"] = max((out["weights"][1][k] - start[k]).abs().max().item() for k in start)
@@ -114,6 +118,7 @@ def test_zero2_step_equals_megatron_step(hf_dir):
         megatron, deepspeed = rank["metrics"]
         real = _batch()["attention_mask"].bool()  # padding positions hold whatever their micro-batch computed
         torch.testing.assert_close(rank["logprobs"][1][real], rank["logprobs"][0][real], atol=1e-4, rtol=0)
+        torch.testing.assert_close(rank["logprobs"][2], rank["logprobs"][1], atol=1e-6, rtol=0)
         assert deepspeed["loss"] == pytest.approx(megatron["loss"], abs=1e-4)
         assert deepspeed["grad_norm"] == pytest.approx(megatron["grad_norm"], rel=1e-4)
         assert deepspeed["grad_norm"] > 0.5  # clipping was active (clip_grad 0.5)
@@ -151,6 +156,8 @@ def _zero3_train_resume_export(model_dir, run_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+    from grpo_mega.config import DeepSpeedConfig
+    from grpo_mega.engine import build_reference_engine
     from grpo_mega.engine.deepspeed_checkpoint import save_hf_checkpoint
     from grpo_mega.parallel import init_distributed
 
@@ -200,6 +207,11 @@ def _zero3_train_resume_export(model_dir, run_dir):
     fresh = _deepspeed_policy(hf_config, 3, 40)
     load_model_only(fresh, saved)
     loaded_weights = _weights(fresh)
+    reference = build_reference_engine(hf_config, max_tokens_per_micro_batch=40, engine_kind="deepspeed",
+                                       deepspeed=DeepSpeedConfig(zero_stage=3, gather_bucket_mb=1))
+    load_model_only(reference, saved)  # forward-only ZeRO-3: partitioned, no optimizer
+    reference_logprobs, fresh_logprobs = (e.forward_logprobs(batches[2])[0] for e in (reference, fresh))
+    out["reference_diff"] = (reference_logprobs - fresh_logprobs).abs().max().item()
     out["init_from_diff"] = max((loaded_weights[k] - saved_weights[k]).abs().max().item() for k in saved_weights)
     fresh.train_step(batches[2], _loss_fn())
     out["init_from_step"] = max((w - saved_weights[k]).abs().max().item() for k, w in fresh.export_hf_weights())
@@ -229,6 +241,7 @@ def test_zero3_resumes_exactly_and_exports_hf(tmp_path):
         assert rank["export_diff"] < 1e-4
         assert "model.embed_tokens.weight" in rank["export_names"]
         assert rank["init_from_diff"] < 1e-6
+        assert rank["reference_diff"] < 1e-6
         assert 1e-4 < rank["init_from_step"] < 0.015
         assert "ZeRO-3" in rank["stage_error"] and "deepspeed.zero_stage=3" in rank["stage_error"]
 

@@ -117,6 +117,30 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
             "bytes": writer.total_bytes, "dtype": str(out_dtype)[6:]}
 
 
+def _deepspeed_folder(ckpt: Path) -> Path | None:
+    """The checkpoint folder when ``ckpt`` is (or a run directory's newest is) a DeepSpeed-engine checkpoint."""
+    from grpo_mega.checkpoint.training import locate_checkpoint
+    from grpo_mega.checkpoint.training_files import weights_format
+    from grpo_mega.engine.deepspeed_checkpoint import is_deepspeed_checkpoint
+
+    if weights_format(ckpt) not in ("training_checkpoint", "training_run"):
+        return None
+    folder = locate_checkpoint(ckpt)
+    return folder if is_deepspeed_checkpoint(folder) else None
+
+
+def _export_deepspeed(args: argparse.Namespace, hf_config) -> None:
+    """A checkpoint of ``engine: deepspeed``: its ZeRO partitions merged in this process (DeepSpeed's zero_to_fp32)."""
+    from grpo_mega.engine.deepspeed_checkpoint import export_deepspeed_checkpoint_to_hf
+
+    start = time.perf_counter()
+    _, side_files, _, _ = read_source(args.ckpt)
+    dtype = torch.float32 if args.dtype == "auto" else DTYPES[args.dtype]
+    export_deepspeed_checkpoint_to_hf(_deepspeed_folder(args.ckpt), args.out, hf_config, side_files_from=side_files,
+                                      dtype=dtype)
+    print(f"{TOOL}: wrote {args.out} (DeepSpeed checkpoint, {str(dtype)[6:]}) in {time.perf_counter() - start:.1f} s")
+
+
 def main(argv=None) -> None:
     """Entry point: validate, then export on tp*pp ranks."""
     args = parse_args(argv)
@@ -124,6 +148,8 @@ def main(argv=None) -> None:
         hf_config = preflight(args)
     except ValueError as error:
         fail(TOOL, error)
+    if _deepspeed_folder(args.ckpt) is not None:
+        return _export_deepspeed(args, hf_config)
     max_shard_bytes = int(args.max_shard_gb * 1024**3)
     result = run_job(export, args.tp * args.pp, args.ckpt, args.out, args.tp, args.pp, args.dtype,
                      max_shard_bytes)

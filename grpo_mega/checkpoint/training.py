@@ -10,7 +10,8 @@ Model and optimizer tensors are stored with their global shapes, so a checkpoint
 (the padded vocabulary is the same at every TP, see ``grpo_mega.model.config_map.padded_vocab_size``).
 The learning-rate schedule resumes at its saved position (in trainer steps) with the settings of the current
 config, so a run can be extended (``trainer.total_steps``) or its ``optim.*`` changed on resume.
-Engines are driven only through their interface (``grpo_mega.engine.base.TrainingEngine``).
+Engines are driven only through their interface (``grpo_mega.engine.base.TrainingEngine``); the DeepSpeed engine
+writes its own files into the same staging folder instead (``grpo_mega.engine.deepspeed_checkpoint``).
 RNG states belong to one rank of one layout: they are restored when the layout matches, and the generators
 are reseeded (with a warning) when it does not.
 """

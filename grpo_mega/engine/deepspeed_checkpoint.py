@@ -124,9 +124,13 @@ def save_hf_checkpoint(engine, out_dir: str | os.PathLike, *, side_files_from: s
 
 
 def export_deepspeed_checkpoint_to_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, hf_config, *,
-                                      side_files_from: str | os.PathLike | None = None) -> Path:
-    """Write a DeepSpeed-engine training checkpoint's weights as a Hugging Face folder, in one process."""
+                                      side_files_from: str | os.PathLike | None = None,
+                                      dtype: torch.dtype = torch.float32) -> Path:
+    """Write a DeepSpeed-engine training checkpoint's weights (merged to fp32, then cast to ``dtype``) as a Hugging
+    Face folder, in one process. Returns the folder."""
     weights = deepspeed_checkpoint_weights(folder)
     if getattr(hf_config, "tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # HF checkpoints of tied models store the embedding only
-    return _write_hf_folder(weights.items(), Path(out_dir), hf_config, side_files_from, True)
+    hf_config.dtype = dtype
+    named = ((name, tensor.to(dtype)) for name, tensor in weights.items())
+    return _write_hf_folder(named, Path(out_dir), hf_config, side_files_from, True)
