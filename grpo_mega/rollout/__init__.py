@@ -1,4 +1,5 @@
-"""Rollout: generation engines (``hf`` on CPU, ``vllm`` on GPU) and weight sync from the trainer to them.
+"""Rollout: generation engines (``hf``: transformers generate; ``vllm``: vLLM, on GPU or on its CPU backend) and weight
+sync from the trainer to them.
 
 The trainer builds an engine with :func:`build_rollout_engine`, samples with ``engine.generate(prompt_ids,
 SamplingConfig(...))`` and pushes new weights with :func:`sync_weights`.
