@@ -62,8 +62,11 @@ def engine(task):
     """One vLLM engine for the module (start-up is the slow part), from config.json only: dummy weights."""
     from grpo_mega.rollout import build_rollout_engine
 
+    torch.manual_seed(1234)
+    before = (torch.random.get_rng_state(), torch.get_num_threads())
     vllm_engine = build_rollout_engine("vllm", model_path=task[0], tokenizer=task[0], dtype="float32",
                                        enforce_eager=True, max_model_len=128)
+    vllm_engine.process_state_around_start = (before, (torch.random.get_rng_state(), torch.get_num_threads()))
     yield vllm_engine
     vllm_engine.close()
 
@@ -86,6 +89,16 @@ def trainer_logprobs(model, completion, temperature):
     with torch.no_grad():
         logits = model(ids).logits[0, len(completion.prompt_ids) - 1 : -1].float()
     return F.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(completion.response_ids)[:, None])[:, 0]
+
+
+def test_starting_vllm_keeps_the_trainers_rng_and_threads(engine):
+    """vLLM seeds the global RNGs and sets 1 thread when it starts in-process; the engine puts them back."""
+    (rng_before, threads_before), (rng_after, threads_after) = engine.process_state_around_start
+    assert torch.equal(rng_before, rng_after) and threads_before == threads_after == 1
+    torch.set_num_threads(2)  # vLLM's CPU worker replaces torch.set_num_threads with a no-op; restored
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    assert not engine.release_memory()  # no sleep mode on vLLM's CPU backend
 
 
 def test_refuses_to_generate_before_a_full_sync(engine, prompts):
