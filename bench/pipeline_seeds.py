@@ -12,8 +12,6 @@ About 25 minutes per seed on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.seed_table import print_seed_table  # noqa: E402
+from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.quickstart import FAST, QuickstartPlan, run_pipeline  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
@@ -47,13 +45,7 @@ def main() -> int:
     for seed in args.seeds:
         print(f"== seed {seed}", flush=True)
         results.append(with_gains(run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True))))
-    print()
-    spread = print_seed_table(args.seeds, results, COLUMNS, width=16)
-    record = {"machine": platform.platform(), "processor": platform.processor(), "seeds": args.seeds,
-              "runs": results, "spread": spread, "command": " ".join(sys.argv)}
-    args.result.parent.mkdir(parents=True, exist_ok=True)
-    args.result.write_text(json.dumps(record, indent=2) + "\n")
-    print(args.result)
+    report_seeds(args.seeds, results, COLUMNS, args.result, width=16)
     return 0
 
 

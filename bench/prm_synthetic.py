@@ -10,15 +10,13 @@ solutions, prm@8 / maj@8 / pass@8, minutes) and writes bench/results/prm_synthet
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.seed_table import print_seed_table  # noqa: E402
+from bench.seed_table import report_seeds  # noqa: E402
 from prm.pipeline import PolicyRun, PRMPlan, run_prm_pipeline  # noqa: E402
 
 COLUMNS = ("label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
@@ -43,13 +41,7 @@ def main() -> int:
     for seed in args.seeds:
         print(f"seed {seed}", flush=True)
         results.append(run_prm_pipeline(policy, args.out / f"seed{seed}", PRMPlan(), seed=seed))
-    print()
-    spread = print_seed_table(args.seeds, results, COLUMNS, width=26)
-    record = {"machine": platform.platform(), "processor": platform.processor(), "seeds": args.seeds,
-              "runs": results, "spread": spread, "command": " ".join(sys.argv)}
-    args.result.parent.mkdir(parents=True, exist_ok=True)
-    args.result.write_text(json.dumps(record, indent=2) + "\n")
-    print(args.result)
+    report_seeds(args.seeds, results, COLUMNS, args.result, width=26)
     return 0
 
 

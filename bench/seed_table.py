@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import platform
 import statistics
+import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -37,3 +41,16 @@ def print_seed_table(seeds: Sequence[int], results: Sequence[dict], columns: Seq
     for stat in ("mean", "sd", "min", "max"):
         print(f"{stat:>6}" + "".join(f"{fmt(summary[c][stat]):>{width}}" for c in columns))
     return summary
+
+
+def report_seeds(seeds: Sequence[int], results: Sequence[dict], columns: Sequence[str], result_path: Path,
+                 width: int = 18) -> Path:
+    """Print the table, write the JSON record (machine, seeds, runs, spread, command) and print its path last."""
+    print()
+    record = {"machine": platform.platform(), "processor": platform.processor(), "seeds": list(seeds),
+              "runs": list(results), "spread": print_seed_table(seeds, results, columns, width),
+              "command": " ".join(sys.argv)}
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path.write_text(json.dumps(record, indent=2) + "\n")
+    print(result_path)
+    return result_path
