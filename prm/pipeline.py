@@ -18,7 +18,7 @@ from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
 class PRMPlan:
     """Sizes of the PRM stages (the defaults are the quickstart's)."""
 
-    label_prompts: int = 400
+    label_prompts: int = 800
     """Training prompts whose policy solutions get Monte-Carlo labels."""
     samples_per_prompt: int = 2
     """Policy solutions labelled per prompt."""
@@ -31,7 +31,7 @@ class PRMPlan:
     """Held-out problems turned into solutions with planted errors (half of them with one error)."""
     best_of_n_prompts: int = 200
     best_of_n: int = 4
-    max_new_tokens: int = 48
+    max_new_tokens: int = 64
     nproc: int = 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
 
 SMALL_RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
@@ -13,8 +14,9 @@ SMALL_RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_i
 
 
 def build_tiny_task(root: Path) -> tuple[Path, Path]:
-    """(model folder, train file) of a 200-problem synthetic task under ``root``."""
-    model_dir, train_file, _ = build_data_and_model(root, QuickstartPlan(num_train=200, num_heldout=8))
+    """(model folder, train file) of a 200-problem synthetic task (two operations, short prompts) under ``root``."""
+    plan = QuickstartPlan(num_train=200, num_heldout=8, difficulty=Difficulty(min_steps=2, max_steps=2, max_value=30))
+    model_dir, train_file, _ = build_data_and_model(root, plan)
     return model_dir, train_file
 
 
