@@ -160,6 +160,9 @@ class ProcessRewardConfig:
     """System message of the PRM's chat template (default: as the PRM was trained; none for HF PRMs)."""
     outcome_on_last_step: bool = False
     """Add the outcome score (``reward.function``) to the last step's reward."""
+    step_score_weight: float = 1.0
+    """Multiplies the PRM's step scores before ``outcome_on_last_step`` adds the outcome: the weight of the PRM's
+    signal against the verifier's (as the reward coefficients of PRIME). Must be >= 0."""
     max_counted_steps: int = 0
     """Guard against splitting into many small steps: steps after the K-th are merged into it before scoring
     (0 = no cap)."""
@@ -302,6 +305,13 @@ def validate(cfg: GRPOConfig) -> None:
     for key in ("max_counted_steps", "min_steps"):
         if getattr(cfg.process_reward, key) < 0:
             raise ConfigError(f"process_reward.{key} must be >= 0")
+    if not cfg.process_reward.step_score_weight >= 0:
+        raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
+    prm_only = {"outcome_on_last_step": False, "step_score_weight": 1.0, "max_counted_steps": 0, "min_steps": 0}
+    changed = [key for key, default in prm_only.items() if getattr(cfg.process_reward, key) != default]
+    if changed and cfg.process_reward.source != "prm":
+        raise ConfigError(f"process_reward.{changed[0]} shapes a PRM's step scores and applies only to "
+                          f"process_reward.source=prm (source is {cfg.process_reward.source!r})")
     if alg.rollout_is_cap <= 0:
         raise ConfigError(f"algorithm.rollout_is_cap={alg.rollout_is_cap} must be > 0")
     if alg.kl_log_ratio_clamp <= 0:

@@ -47,6 +47,24 @@ def test_guards_and_outcome_on_the_last_step():
     assert shape_step_rewards([], 1.0, ProcessRewardConfig(outcome_on_last_step=True)) == []
 
 
+def test_step_score_weight_scales_the_prm_scores_but_not_the_outcome():
+    weighted = ProcessRewardConfig(outcome_on_last_step=True, step_score_weight=0.25)
+    assert shape_step_rewards([0.8, 0.4], 1.0, weighted) == pytest.approx([0.2, 1.1])
+    assert shape_step_rewards([0.8, 0.4], 0.0, weighted) == pytest.approx([0.2, 0.1])
+    assert shape_step_rewards([0.8, 0.4], 1.0, ProcessRewardConfig(step_score_weight=0.0)) == [0.0, 0.0]
+
+
+def test_prm_shaping_options_are_rejected_where_no_prm_scores_the_steps():
+    base = ["model.hf_config=x", "data.train_file=y", "algorithm.supervision=process"]
+    for option in ("outcome_on_last_step=true", "step_score_weight=0.5", "max_counted_steps=4", "min_steps=2"):
+        with pytest.raises(ConfigError, match=f"process_reward.{option.split('=')[0]} .*source=prm"):
+            load_config(GRPOConfig, None, [*base, "process_reward.source=function", f"process_reward.{option}"],
+                        validate)
+    with pytest.raises(ConfigError, match="step_score_weight=-1.0 must be >= 0"):
+        load_config(GRPOConfig, None, [*base, "process_reward.source=prm", "process_reward.prm=p",
+                                       "process_reward.step_score_weight=-1"], validate)
+
+
 def test_prm_step_rewards_score_every_step_once_and_report_metrics():
     scorer = TextScorer()
     source = PRMStepRewards(scorer, ProcessRewardConfig(source="prm", prm="unused"))

@@ -30,8 +30,9 @@ def shape_step_rewards(
     scores: list[float], outcome: float, settings: ProcessRewardConfig
 ) -> list[float]:
     """A completion's step rewards from its PRM step scores: ``few_steps_reward`` on every step when it has fewer
-    than ``min_steps`` steps, then the outcome score added to the last step with ``outcome_on_last_step``."""
-    rewards = list(scores)
+    than ``min_steps`` steps, else the scores times ``step_score_weight``; then the outcome score added to the last
+    step with ``outcome_on_last_step``."""
+    rewards = [settings.step_score_weight * score for score in scores]
     if settings.min_steps and len(rewards) < settings.min_steps:
         rewards = [settings.few_steps_reward] * len(rewards)
     if settings.outcome_on_last_step and rewards:
