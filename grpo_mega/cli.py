@@ -2,7 +2,7 @@
 
     grpo-mega train --config FILE [--nproc N] [key=value ...]   GRPO (outcome or process supervision)
     grpo-mega sft   --config FILE [--nproc N] [key=value ...]   supervised fine-tuning of the policy
-    grpo-mega quickstart [--run-dir DIR] [--fast] [--outcome-only]
+    grpo-mega quickstart [--run-dir DIR] [--fast] [--outcome-only] [--iterations N]
                                                                 the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
 
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
     quick.add_argument("--outcome-only", action="store_true",
                        help="data -> SFT -> outcome-supervised GRPO only (no PRM, no process-supervised arm)")
+    quick.add_argument("--iterations", type=int, default=1,
+                       help="iterative RL for the process-supervised arm: its GRPO steps in N runs, the PRM relabelled "
+                            "on the current policy and trained on (with 10%% replay) between them")
     from prm.cli import add_prm_commands
 
     add_prm_commands(commands)
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "quickstart":
         from grpo_mega.quickstart import run_quickstart
 
-        return run_quickstart(args.run_dir, fast=args.fast, outcome_only=args.outcome_only)
+        return run_quickstart(args.run_dir, fast=args.fast, outcome_only=args.outcome_only,
+                              iterations=args.iterations)
     return _run_stage(args)
 
 

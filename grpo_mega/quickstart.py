@@ -23,6 +23,7 @@ from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.metrics import read_metrics
 from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
 from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
+from prm.iterative import RefreshPlan
 from prm.pipeline import PRMPlan
 
 NPROC = 2
@@ -50,6 +51,13 @@ class QuickstartPlan:
     """False: data -> SFT -> outcome-supervised GRPO only (``--outcome-only``)."""
     oracle_arm: bool = False
     """Also GRPO with process supervision by the task's ground-truth step checker (the upper bound of a PRM)."""
+    iterations: int = 1
+    """Iterative RL for the process-supervised arm (DeepSeekMath, Algorithm 1): its GRPO steps are split into this
+    many runs, each starting from (and taking as its reference) the previous run's policy, and in between the PRM
+    is retrained on fresh Monte-Carlo labels of the current policy plus a replay of earlier labels
+    (``prm.iterative``)."""
+    refresh: RefreshPlan = field(default_factory=RefreshPlan)
+    """Sizes of each PRM refresh between iterations."""
     seed: int = 1234
 
 
@@ -57,6 +65,7 @@ FAST = QuickstartPlan(
     num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0,
     prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=2, train_steps=4, planted_problems=16,
                 best_of_n_prompts=8, best_of_n=2),
+    refresh=RefreshPlan(train_steps=3),
 )
 
 # The policy: Qwen2-shaped, tied embeddings, ~0.9M parameters (vocabulary from the trained tokenizer).
@@ -130,8 +139,49 @@ ARMS = {
 ARM_KEYS = {"outcome": "os_accuracy", "process": "ps_accuracy", "oracle": "oracle_accuracy"}
 
 
+def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str], sft_dir: Path, prm_summary: dict,
+                           model_dir: Path, train_file: Path) -> dict[str, float]:
+    """The process-supervised arm as ``plan.iterations`` GRPO runs (``arm_dir/iter<k>``), each from the previous
+    run's policy, with a PRM refresh before each run after the first; writes every run's metrics rows, steps counted
+    across iterations, to ``arm_dir/metrics.jsonl``. Returns seconds per stage."""
+    from prm.iterative import refresh_prm
+
+    total = plan.grpo_steps or _config_steps("quickstart_grpo.yaml")
+    if total < plan.iterations:
+        raise ValueError(f"QuickstartPlan: {total} GRPO steps cannot be split into {plan.iterations} iterations")
+    arm_dir.mkdir(parents=True, exist_ok=True)
+    prm_dir, history = Path(prm_summary["prm_checkpoint"]), [Path(prm_summary["labels"])]
+    policy, offset, combined, seconds = sft_dir, 0, [], {}
+    shown = (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY), ("PRM score", "prm/score_mean"))
+    for index in range(plan.iterations):
+        name = f"iter{index + 1}"
+        if index:
+            print(f"    PRM refresh {index}: labels from {policy}, training on from {prm_dir}", flush=True)
+            prm_dir, labels, refresh_seconds = refresh_prm(
+                model_dir=model_dir, policy_weights=policy, prompts_file=train_file, previous_prm=prm_dir,
+                history=history, out_dir=arm_dir, iteration=index, plan=plan.prm, refresh=plan.refresh,
+                seed=plan.seed)
+            history.append(labels)
+            seconds.update({f"prm_refresh{index}_{key}": value for key, value in refresh_seconds.items()})
+        steps = total // plan.iterations + (1 if index < total % plan.iterations else 0)
+        print(f"    iteration {index + 1}/{plan.iterations}: {steps} GRPO steps from {policy}, PRM {prm_dir}",
+              flush=True)
+        seconds[f"grpo_process_{name}"] = _training_stage(
+            f"GRPO (process, iteration {index + 1})", ["train"], "quickstart_grpo.yaml", arm_dir / name, steps,
+            shown, [*grpo, f"model.init_from={policy}", f"process_reward.prm={prm_dir}"], arm_dir / f"{name}.log")
+        rows = read_metrics(arm_dir / name / "metrics.jsonl")
+        # a later iteration's step-0 evaluation is the previous iteration's final policy again
+        combined += [{**row, "step": row["step"] + offset, "iteration": index + 1} for row in rows
+                     if not (index and row["step"] == 0)]
+        policy, offset = arm_dir / name, offset + steps
+    (arm_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in combined))
+    return seconds
+
+
 def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     """Run every stage of ``plan`` under ``run_dir``; writes the plot and ``summary.json``, returns the summary."""
+    if plan.iterations < 1:
+        raise ValueError(f"QuickstartPlan.iterations must be >= 1, got {plan.iterations}")
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -164,21 +214,27 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         )
         seconds.update({f"prm_{key}": value for key, value in prm_summary["seconds"].items()})
 
-    grpo = [*task, f"model.init_from={sft_dir}", f"data.eval_file={heldout_file}",
-            *_optional("data.max_eval_prompts", plan.eval_prompts), *_optional("trainer.eval_every", plan.eval_every)]
+    grpo = [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
+            *_optional("trainer.eval_every", plan.eval_every)]
     shown = (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
         title, overrides = ARMS[arm]
         folder = "grpo" if arm == "outcome" else f"grpo_{arm}"
         arm_dirs[arm] = run_dir / folder
+        if arm == "process" and plan.iterations > 1:
+            stage(f"{title}, {plan.iterations} iterations with PRM refreshes (TP=2 on 2 processes), logs: "
+                  f"{arm_dirs[arm]}/")
+            seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], sft_dir, prm_summary,
+                                                  model_dir, train_file))
+            continue
         if arm == "process":
             overrides = (*overrides, f"process_reward.prm={prm_summary['prm_checkpoint']}")
         stage(f"{title} (TP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
         seconds[folder] = _training_stage(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
-            shown + ((("PRM score", "prm/score_mean"),) if arm == "process" else ()), [*grpo, *overrides],
-            run_dir / f"{folder}.log")
+            shown + ((("PRM score", "prm/score_mean"),) if arm == "process" else ()),
+            [*grpo, f"model.init_from={sft_dir}", *overrides], run_dir / f"{folder}.log")
 
     sft_accuracy, _, steps = _accuracies(arm_dirs["outcome"] / "metrics.jsonl")
     summary = {
@@ -191,6 +247,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         "stage_seconds": {key: round(value, 1) for key, value in seconds.items()},
         "eval_prompts": int(read_metrics(arm_dirs["outcome"] / "metrics.jsonl")[-1].get("eval/num_prompts", 0)),
         "seed": plan.seed,
+        "iterations": plan.iterations,
         "run_dir": str(run_dir),
     }
     summary.setdefault("ps_accuracy", None)
@@ -204,11 +261,12 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     return summary
 
 
-def run_quickstart(run_dir: str | Path = "runs/quickstart", *, fast: bool = False, outcome_only: bool = False) -> int:
+def run_quickstart(run_dir: str | Path = "runs/quickstart", *, fast: bool = False, outcome_only: bool = False,
+                   iterations: int = 1) -> int:
     """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
     from dataclasses import replace
 
-    plan = FAST if fast else QuickstartPlan()
+    plan = replace(FAST if fast else QuickstartPlan(), iterations=iterations)
     if outcome_only:
         plan = replace(plan, process_supervision=False)
     summary = run_pipeline(run_dir, plan)

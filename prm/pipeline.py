@@ -66,6 +66,35 @@ def _training_steps(plan: PRMPlan) -> int:
     return int(yaml.safe_load((CONFIG_DIR / "quickstart_prm.yaml").read_text())["trainer"]["total_steps"])
 
 
+def label_stage(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPlan, *, seed: int, log: Path,
+                show: bool = True) -> float:
+    """``grpo-mega prm label``: Monte-Carlo labels of ``policy_weights``' solutions to the first
+    ``plan.label_prompts`` prompts of ``prompts_file``, its output in ``log``; returns wall seconds."""
+    return run_stage(
+        ["prm", "label", "--policy", str(policy_weights), "--data", str(prompts_file), "--out", str(out),
+         "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
+         "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
+         "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), "--nproc", str(plan.nproc)],
+        log, StageProgress("PRM labels"), show=show,
+    )
+
+
+def train_stage(model_dir: Path, init_from: Path, labels: Path, prm_dir: Path, plan: PRMPlan, *, seed: int,
+                steps: int, log: Path, show: bool = True) -> float:
+    """``grpo-mega prm train`` (configs/quickstart_prm.yaml) for ``steps`` steps from ``init_from`` (a policy: a new
+    classifier head on its backbone; a PRM run: its backbone and head) on ``labels``; returns wall seconds."""
+    overrides = [f"model.hf_config={model_dir}", f"model.init_from={init_from}", f"data.train_file={labels}",
+                 f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false", f"parallel.seed={seed}",
+                 f"trainer.total_steps={steps}"]
+    return run_stage(
+        ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), "--nproc", str(plan.nproc), *overrides],
+        log,
+        StageProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=steps,
+                      metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
+        show=show,
+    )
+
+
 def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan(), *, seed: int = 1234,
                      stage=print, show: bool = True) -> dict:
     """Label, train and evaluate a PRM for ``policy`` under ``out_dir``; returns (and writes ``prm_summary.json``)
@@ -80,26 +109,11 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
 
     stage(f"PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions of the policy, "
           f"{plan.rollouts_per_step} Monte-Carlo rollouts per step, log: {out_dir / 'prm_label.log'}")
-    seconds["label"] = run_stage(
-        ["prm", "label", "--policy", str(policy.weights), "--data", str(policy.train_file), "--out", str(labels),
-         "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
-         "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
-         "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), *nproc],
-        out_dir / "prm_label.log", StageProgress("PRM labels"), show=show,
-    )
+    seconds["label"] = label_stage(policy.weights, policy.train_file, labels, plan, seed=seed,
+                                   log=out_dir / "prm_label.log", show=show)
     stage(f"PRM training (classifier head on the policy's backbone), log: {out_dir / 'prm_train.log'}")
-    train_overrides = [f"model.hf_config={policy.model_dir}", f"model.init_from={policy.weights}",
-                       f"data.train_file={labels}", f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false",
-                       f"parallel.seed={seed}"]
-    if plan.train_steps is not None:
-        train_overrides.append(f"trainer.total_steps={plan.train_steps}")
-    seconds["train"] = run_stage(
-        ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), *nproc, *train_overrides],
-        out_dir / "prm_train.log",
-        StageProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=_training_steps(plan),
-                      metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
-        show=show,
-    )
+    seconds["train"] = train_stage(policy.model_dir, policy.weights, labels, prm_dir, plan, seed=seed,
+                                   steps=_training_steps(plan), log=out_dir / "prm_train.log", show=show)
 
     stage(f"PRM evaluation: planted errors and the policy's own held-out solutions, log: {out_dir / 'prm_eval.log'}")
     planted = write_planted_file(policy.heldout_file, out_dir / "planted_errors.jsonl",
@@ -123,6 +137,7 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
             "policy_processbench_f1", "policy_processbench_threshold", "prm_at_n", "prm_at_n_last",
             "prm_at_n_product", "maj_at_n", "pass_at_n", "best_of_n_sample_accuracy")},
         "prm_checkpoint": str(prm_dir),
+        "labels": str(labels),
         "seconds": {key: round(value, 1) for key, value in seconds.items()},
         "label_train_eval_seconds": round(sum(seconds.values()), 1),
         "plan": asdict(plan),

@@ -1,6 +1,6 @@
 """End to end: the shortened quickstart runs data -> SFT -> PRM labels -> PRM training -> PRM evaluation -> GRPO with
-outcome supervision and GRPO with process supervision by the learned PRM (all TP=2 on 2 processes) -> eval, and
-writes its summary."""
+outcome supervision and GRPO with process supervision by the learned PRM in two iterations with a PRM refresh between
+them (all on 2 processes) -> eval, and writes its summary."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ def fast_quickstart(tmp_path_factory):
     """One shortened quickstart run: (run dir, the command's result)."""
     run_dir = tmp_path_factory.mktemp("e2e") / "quickstart"
     result = subprocess.run(
-        [sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--iterations", "2", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -39,7 +39,8 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
                    "[6/7] GRPO, outcome supervision", "[7/7] GRPO, process supervision by the learned PRM"):
         assert header in result.stdout, header
     assert "SFT: 100%" in result.stdout and "40/40" in result.stdout
-    assert "GRPO (process): 100%" in result.stdout and "3/3" in result.stdout
+    assert "GRPO (process, iteration 1): 100%" in result.stdout and "3/3" in result.stdout
+    assert "GRPO (process, iteration 2): 100%" in result.stdout and "PRM refresh 1" in result.stdout
     # the GRPO stage logged verl-style metrics every step and left a complete checkpoint
     rows = [json.loads(line) for line in (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines()]
     step_rows = [row for row in rows if row["step"] > 0]
@@ -55,6 +56,20 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
                  "timing_s/prm"):
         assert name in process_rows[-1], name
     assert list((run_dir / "prm" / "checkpoints").glob("step_*"))
+    # iterative RL: iteration 2 started from iteration 1's policy with a PRM trained on from the first one, on fresh
+    # labels of that policy plus a replay of the first labels; the arm's metrics count steps across iterations
+    assert summary["iterations"] == 2
+    process = run_dir / "grpo_process"
+    assert [row["step"] for row in process_rows if row["step"] > 0] == [1, 2, 3]
+    assert [row["iteration"] for row in process_rows if row["step"] > 0] == [1, 1, 2]
+    assert list((process / "iter2" / "checkpoints").glob("step_000001"))
+    assert list((process / "prm_iter1" / "checkpoints").glob("step_000003"))
+    assert f"init_from: {process / 'iter1'}" in (process / "iter2" / "config.yaml").read_text()
+    assert f"init_from: {run_dir / 'prm'}" in (process / "prm_iter1" / "config.yaml").read_text()
+    fresh = (process / "prm_labels_iter1.jsonl").read_text().splitlines()
+    mixed = (process / "prm_train_iter1.jsonl").read_text().splitlines()
+    first = (run_dir / "prm_labels.jsonl").read_text().splitlines()
+    assert len(mixed) == len(fresh) + round(0.1 * len(first)) and set(fresh) <= set(mixed)
     report = json.loads((run_dir / "prm_eval.json").read_text())
     for key in ("step_accuracy", "processbench_f1", "prm_at_n", "maj_at_n", "pass_at_n"):
         assert key in report, key
