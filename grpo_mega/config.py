@@ -339,8 +339,9 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError("rollout.top_p must be in (0, 1]")
 
 
-def validate_engine(cfg: GRPOConfig) -> None:
-    """``engine`` and ``deepspeed.*``: a known engine, a layout it runs, and deepspeed installed when chosen."""
+def validate_engine(cfg) -> None:
+    """``engine`` and ``deepspeed.*`` of a GRPO, SFT or PRM config: a known engine, a layout it runs, and deepspeed
+    installed when chosen."""
     _choice(cfg.engine, ENGINES, "engine")
     if cfg.engine != "deepspeed":
         return
@@ -419,6 +420,10 @@ class SFTTrainerConfig:
 
 @dataclass
 class SFTConfig:
+    engine: str = "megatron"
+    """Training engine: ``megatron`` (TP / PP / DP) or ``deepspeed`` (ZeRO over data parallel on the HF model;
+    ``parallel.tensor`` and ``parallel.pipeline`` 1, settings in ``deepspeed``; N processes with ``--nproc N``)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -428,6 +433,7 @@ class SFTConfig:
 
 def validate_sft(cfg: SFTConfig) -> None:
     """Cross-field checks of an SFT config."""
+    validate_engine(cfg)
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")

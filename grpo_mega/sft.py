@@ -1,4 +1,5 @@
-"""Supervised fine-tuning of the policy on (prompt, response) rows, on the same Megatron engine as GRPO.
+"""Supervised fine-tuning of the policy on (prompt, response) rows, on the same engine as GRPO (``engine``:
+Megatron or DeepSpeed).
 
 ``grpo-mega sft --config FILE [key=value ...]``: the loss is the token-mean negative log-likelihood of the
 response tokens (prompt tokens are context only), normalised over the global batch.
@@ -72,6 +73,8 @@ def run_sft(cfg: SFTConfig) -> Path:
         max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
         logprob_chunk_size=cfg.model.logprob_chunk_size,
         logits_in_fp32=cfg.model.logits_in_fp32,
+        engine_kind=cfg.engine,
+        deepspeed=cfg.deepspeed,
     )
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = 0

@@ -175,13 +175,14 @@ def _build_engines(cfg: GRPOConfig):
 
 
 def _step_reward_source(cfg: GRPOConfig):
-    """The PRM scoring every step (``process_reward.source: prm``) on its own forward-only engine, else None (the
-    reward function gives the step rewards, if any)."""
+    """The PRM scoring every step (``process_reward.source: prm``) on its own forward-only engine of the policy's
+    kind (``engine``), else None (the reward function gives the step rewards, if any)."""
     if cfg.process_reward.source != "prm":
         return None
     from grpo_mega.stages.process_reward import build_prm_step_rewards
 
-    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch)
+    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
 
 
 def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches, cfg: GRPOConfig) -> int:

@@ -9,11 +9,13 @@ from typing import Optional
 from grpo_mega.config import (
     DEVICE_CHOICES,
     ConfigError,
+    DeepSpeedConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     SFTTrainerConfig,
     _choice,
+    validate_engine,
 )
 
 PRM_LAYOUT_CHOICES = ("classifier", "lm_tokens")
@@ -75,6 +77,11 @@ class PRMTrainerConfig(SFTTrainerConfig):
 
 @dataclass
 class PRMConfig:
+    engine: str = "megatron"
+    """Training engine of the PRM: ``megatron`` (TP / PP / DP) or ``deepspeed`` (ZeRO over data parallel on the
+    transformers model: ``parallel.tensor`` and ``parallel.pipeline`` 1, settings in ``deepspeed``; run it on N
+    processes with ``--nproc N``)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     """``hf_config``: the PRM's HF config folder, or a policy's (a classifier PRM is then built on its backbone);
     ``init_from``: a policy or a PRM (HF folder, converted megatron folder, grpo-mega checkpoint or run dir)."""
@@ -87,6 +94,7 @@ class PRMConfig:
 
 def validate_prm(cfg: PRMConfig) -> None:
     """Cross-field checks of a PRM training config."""
+    validate_engine(cfg)
     _choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
     _choice(cfg.data.labels, LABEL_KINDS, "data.labels")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")

@@ -31,10 +31,15 @@ OUTPUT_NAMES = ("good_logprob", "bad_logprob")
 """What both heads return, per token."""
 
 
-def _two_class_outputs(logits: torch.Tensor) -> dict[str, torch.Tensor]:
-    """[S, B, 2] fp32 logits (good, bad) -> {"good_logprob", "bad_logprob"} [B, S] (2-way log-softmax)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)
+def two_class_logprobs(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[..., 2] logits (good, bad) -> {"good_logprob", "bad_logprob"} [...]: the 2-way log-softmax, in fp32."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
     return {"good_logprob": log_probs[..., 0], "bad_logprob": log_probs[..., 1]}
+
+
+def _two_class_outputs(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[S, B, 2] logits (good, bad) -> {"good_logprob", "bad_logprob"} [B, S]."""
+    return two_class_logprobs(logits.transpose(0, 1))
 
 
 class ClassifierHead(torch.nn.Module):

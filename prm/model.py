@@ -1,4 +1,4 @@
-"""The PRM on the Megatron engine: what a PRM is (``PRMSpec``), its engines, and where its weights come from.
+"""The PRM on the training engines: what a PRM is (``PRMSpec``), its engines, and where its weights come from.
 
 Two published layouts (``PRM_LAYOUTS``), told apart by the HF config's ``architectures``:
 
@@ -8,7 +8,9 @@ Two published layouts (``PRM_LAYOUTS``), told apart by the HF config's ``archite
   (:class:`~prm.heads.LabelTokenHead`); steps end with the tag `` ки``.
 
 In both, a step is scored at the last token of its step tag, from that token's own hidden state; the engines'
-outputs are ``good_logprob`` / ``bad_logprob`` per token (score = ``exp(good_logprob)``).
+outputs are ``good_logprob`` / ``bad_logprob`` per token (score = ``exp(good_logprob)``). ``engine_kind`` chooses the
+engine: ``megatron`` (a GPT backbone with the ``prm.heads`` head; TP / PP / DP) or ``deepspeed`` (the transformers
+model of ``prm.hf_model`` under ZeRO; data parallel only).
 
 Weights: ``load_prm_init_weights`` starts a PRM from a policy (for ``classifier`` the backbone only; the policy's
 LM head is dropped and the classifier head keeps its initialisation); ``open_prm`` opens a finished PRM for
@@ -141,8 +143,8 @@ def label_token_ids(tokenizer: Any, spec: PRMSpec) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------------------- engines
-def _head_of(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[Callable[[], torch.nn.Module], bool]:
-    """(head factory, whether the backbone has an LM output layer) of ``spec`` on the model of ``hf_config``.
+def _layout_and_label_ids(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[str, tuple[int, int] | None]:
+    """The layout of ``hf_config`` (checked against ``spec``) and, for ``lm_tokens``, the label token ids.
 
     A config naming no architectures is a causal LM's (transformers writes a bare ``Qwen2Config`` that way)."""
     layout = detect_layout(hf_config) if _config_field(hf_config, "architectures") else "lm_tokens"
@@ -152,11 +154,35 @@ def _head_of(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[Callable[[]
             f"{_config_field(hf_config, 'architectures')} make a {layout!r} PRM (write the PRM's config with "
             "prm.model.prm_hf_config_from_policy)"
         )
+    return layout, (label_token_ids(tokenizer, spec) if layout == "lm_tokens" else None)
+
+
+def _head_of(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[Callable[[], torch.nn.Module], bool]:
+    """(head factory, whether the backbone has an LM output layer) of ``spec`` on the Megatron model of
+    ``hf_config``."""
+    layout, label_ids = _layout_and_label_ids(hf_config, spec, tokenizer)
     if layout == "classifier":
         hidden_size = int(_config_field(hf_config, "hidden_size"))
         return (lambda: ClassifierHead(hidden_size)), False
-    good_id, bad_id = label_token_ids(tokenizer, spec)
-    return (lambda: LabelTokenHead(good_id, bad_id)), True
+    return (lambda: LabelTokenHead(*label_ids)), True
+
+
+def _deepspeed_prm_engine(hf_config: Any, spec: PRMSpec, tokenizer: Any, *, deepspeed, train: bool, **engine_args):
+    """The PRM's transformers model (``prm.hf_model``) on a DeepSpeed engine (training or forward-only)."""
+    from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine, DeepSpeedForwardEngine
+    from prm.hf_model import build_hf_prm
+
+    if deepspeed is None:
+        raise ValueError("engine_kind='deepspeed' needs the deepspeed settings (grpo_mega.config.DeepSpeedConfig)")
+    module = build_hf_prm(hf_config, *_layout_and_label_ids(hf_config, spec, tokenizer))
+    engine_class = DeepSpeedEngine if train else DeepSpeedForwardEngine
+    return engine_class(module, hf_config=hf_config, settings=deepspeed, megatron_stage=build_conversion_stage,
+                        **engine_args)
+
+
+def _check_engine_kind(engine_kind: str) -> None:
+    if engine_kind not in ("megatron", "deepspeed"):
+        raise ValueError(f"engine={engine_kind!r}: expected 'megatron' or 'deepspeed'")
 
 
 def build_prm_engine(
@@ -168,12 +194,20 @@ def build_prm_engine(
     total_steps: int,
     max_tokens_per_micro_batch: int,
     dtype: torch.dtype | None = None,
+    engine_kind: str = "megatron",
+    deepspeed=None,
 ):
-    """A training :class:`~grpo_mega.engine.MegatronEngine` of the PRM (outputs ``good_logprob``, ``bad_logprob``
-    per token, not shifted), at megatron's current TP / PP / DP. Raises ValueError when ``spec.layout`` is not the
-    layout of ``hf_config`` or (``lm_tokens``) a label token is not one token of ``tokenizer``."""
+    """A training engine of the PRM (outputs ``good_logprob``, ``bad_logprob`` per token, not shifted): a
+    :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP, or with ``engine_kind="deepspeed"``
+    a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
+    Raises ValueError when ``spec.layout`` is not the layout of ``hf_config`` or (``lm_tokens``) a label token is
+    not one token of ``tokenizer``."""
     from grpo_mega.engine.factory import build_engine
 
+    _check_engine_kind(engine_kind)
+    if engine_kind == "deepspeed":
+        return _deepspeed_prm_engine(hf_config, spec, tokenizer, deepspeed=deepspeed, train=True, optim=optim,
+                                     total_steps=total_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     head_factory, lm_output = _head_of(hf_config, spec, tokenizer)
     return build_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False, optim=optim,
@@ -189,10 +223,17 @@ def build_prm_forward_engine(
     *,
     max_tokens_per_micro_batch: int,
     dtype: torch.dtype | None = None,
+    engine_kind: str = "megatron",
+    deepspeed=None,
 ):
-    """The same model on a forward-only :class:`~grpo_mega.engine.MegatronForwardEngine` (scoring)."""
+    """The same model on a forward-only engine (scoring): a :class:`~grpo_mega.engine.MegatronForwardEngine`, or a
+    :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine` with ``engine_kind="deepspeed"``."""
     from grpo_mega.engine.factory import build_forward_engine
 
+    _check_engine_kind(engine_kind)
+    if engine_kind == "deepspeed":
+        return _deepspeed_prm_engine(hf_config, spec, tokenizer, deepspeed=deepspeed, train=False,
+                                     max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     head_factory, lm_output = _head_of(hf_config, spec, tokenizer)
     return build_forward_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False,
@@ -318,7 +359,14 @@ def load_prm_init_weights(engine, source: str | os.PathLike | None) -> str:
     if source_config is not None:
         _check_backbone_fits(source_config, engine.hf_config, source)
     with_head = source_config is not None and not architecture_for(source_config).lm_output
-    if kind == "hf":
+    if getattr(engine, "engine_name", "megatron") == "deepspeed":
+        from prm.hf_model import load_backbone_weights
+
+        if with_head:
+            load_initial_weights(engine, source)
+        else:
+            load_backbone_weights(engine, source)
+    elif kind == "hf":
         if with_head:
             engine.load_hf_weights(HFWeights(source))
         else:
@@ -344,7 +392,7 @@ class LoadedPRM:
     """A PRM ready to score: its forward-only engine, how it reads solutions, its tokenizer and HF config."""
 
     engine: Any
-    """A :class:`~grpo_mega.engine.MegatronForwardEngine` with outputs ``good_logprob`` / ``bad_logprob``."""
+    """A forward-only engine (Megatron or DeepSpeed) with outputs ``good_logprob`` / ``bad_logprob``."""
     spec: PRMSpec
     tokenizer: Any
     hf_config: Any
@@ -385,8 +433,11 @@ def open_prm(
     *,
     spec_overrides: dict | None = None,
     max_tokens_per_micro_batch: int = 4096,
+    engine_kind: str = "megatron",
+    deepspeed=None,
 ) -> LoadedPRM:
-    """A forward-only PRM from ``path``; collective, after ``grpo_mega.parallel.init_distributed`` (any TP/PP/DP).
+    """A forward-only PRM from ``path``; collective, after ``grpo_mega.parallel.init_distributed`` (any TP/PP/DP;
+    ``engine_kind="deepspeed"``: TP = PP = 1, a DeepSpeed forward engine with ``deepspeed``, any of the formats).
 
     ``path`` is an HF PRM folder of either layout (layout from its config.json, spec = ``default_spec`` of it), a
     converted megatron folder of one (``tools/convert_hf_to_mcore.py``), or a grpo-mega PRM training checkpoint /
@@ -416,7 +467,8 @@ def open_prm(
         hf_config, spec, tokenizer = _training_checkpoint_parts(path)
     overrides = dict(spec_overrides or {})
     spec = PRMSpec.from_dict({**spec.to_dict(), **overrides}, where="spec_overrides")
-    engine = build_prm_forward_engine(hf_config, spec, tokenizer, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    engine = build_prm_forward_engine(hf_config, spec, tokenizer, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                      engine_kind=engine_kind, deepspeed=deepspeed)
     if kind == "hf":
         engine.load_hf_weights(HFWeights(path))
     elif kind == "mcore_model":

@@ -133,6 +133,10 @@ def add_prm_arguments(parser) -> None:
     parser.add_argument("--max-length", type=int, default=None, help="longest rendered example in tokens")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--engine", default="megatron", choices=("megatron", "deepspeed"),
+                        help="forward engine of the PRM (deepspeed: --tp 1 --pp 1, processes = --nproc)")
+    parser.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
+                        help="--engine deepspeed: ZeRO stage (3 keeps the PRM's parameters partitioned)")
 
 
 def add_data_arguments(parser, *, required: bool = True) -> None:
@@ -149,11 +153,16 @@ def open_scorer(args):
     """Initialise the process group, then ``open_step_scorer`` from the command-line flags."""
     from grpo_mega.parallel import init_distributed
 
+    from grpo_mega.config import DeepSpeedConfig
+
+    if args.engine == "deepspeed" and (args.tp, args.pp) != (1, 1):
+        raise ValueError(f"--engine deepspeed runs data parallel only: use --tp 1 --pp 1 (got {args.tp}, {args.pp})")
     init_distributed(args.tp, args.pp, seed=args.seed)
     return open_step_scorer(
         args.prm, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
         chat_template=args.chat_template, system_prompt=args.system_prompt, max_length=args.max_length,
-        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, engine_kind=args.engine,
+        deepspeed=DeepSpeedConfig(zero_stage=args.zero_stage),
     )
 
 
@@ -167,15 +176,19 @@ def open_step_scorer(
     system_prompt: str | None = None,
     max_length: int | None = None,
     max_tokens_per_micro_batch: int = 8192,
+    engine_kind: str = "megatron",
+    deepspeed=None,
 ):
-    """Open the PRM at ``path`` on a forward-only engine (``prm.model.open_prm``; after ``init_distributed``) and
-    its ``StepScorer``; returns (loaded PRM, scorer). None keeps the PRM's own setting: its tag and label tokens,
-    and for a grpo-mega PRM the chat-template settings it was trained with (off for an HF PRM folder)."""
+    """Open the PRM at ``path`` on a forward-only engine (``prm.model.open_prm``; after ``init_distributed``; the
+    ``engine_kind`` ``megatron`` or ``deepspeed`` with ``deepspeed`` settings) and its ``StepScorer``; returns
+    (loaded PRM, scorer). None keeps the PRM's own setting: its tag and label tokens, and for a grpo-mega PRM the
+    chat-template settings it was trained with (off for an HF PRM folder)."""
     from prm.model import open_prm
 
     overrides = {key: value for key, value in (("step_tag", step_tag), ("good_token", good_token),
                                                 ("bad_token", bad_token)) if value is not None}
-    loaded = open_prm(path, spec_overrides=overrides, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    loaded = open_prm(path, spec_overrides=overrides, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                      engine_kind=engine_kind, deepspeed=deepspeed)
     saved = saved_render_settings(path)
     settings = RenderSettings(
         step_tag=loaded.spec.step_tag,

@@ -1,4 +1,4 @@
-"""PRM training on the Megatron engine: ``grpo-mega prm train --config FILE [key=value ...]``.
+"""PRM training on the Megatron or DeepSpeed engine (``engine``): ``grpo-mega prm train --config FILE [key=value ...]``.
 
 Each example is rendered once (``prm.rendering``: prompt + step_1 + tag + ...); the loss is the cross-entropy of
 the head's good/bad distribution at every step's tag against the step's label (hard 0/1, or the Monte-Carlo
@@ -123,7 +123,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     train_set = _render_file(cfg, cfg.data.train_file, tokenizer, settings)
     eval_set = _render_file(cfg, cfg.data.eval_file, tokenizer, settings) if cfg.data.eval_file else None
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
-                              max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch)
+                              max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+                              engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = 0
     resume_from = checkpoints.find_resume(cfg.trainer.resume)

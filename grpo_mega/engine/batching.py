@@ -81,3 +81,44 @@ def slice_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor, length: int) 
             value = value[:, :length]
         out[name] = value.contiguous()
     return out
+
+
+PADDING_ROW = -1
+"""``row_index`` of a padding row: a data-parallel rank left without rows of its own (a batch with fewer rows than
+data-parallel ranks) computes one so that it takes part in every collective; it never reaches the results."""
+
+
+def is_padding(micro: dict[str, torch.Tensor]) -> bool:
+    """True for a padding micro-batch (see ``PADDING_ROW``)."""
+    return bool((micro["row_index"] == PADDING_ROW).all())
+
+
+def padding_micro_batch(batch: dict[str, torch.Tensor], lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch's shortest row as a padding row: ``loss_mask`` 0, ``row_index`` PADDING_ROW (its loss adds 0)."""
+    shortest = int(torch.argmin(lengths))
+    micro = slice_rows(batch, torch.tensor([shortest]), int(lengths[shortest]))
+    if "loss_mask" in micro:
+        micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
+    micro["row_index"] = torch.tensor([PADDING_ROW])
+    return micro
+
+
+def rank_micro_batches(
+    batch: dict[str, torch.Tensor], max_tokens_per_micro_batch: int, dp_rank: int, dp_size: int
+) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """This data-parallel rank's micro-batches of ``batch`` (each with ``row_index``, its rows in the batch) and
+    their padding fraction. A rank without rows gets one padding micro-batch (fraction 1). ValueError for an empty
+    batch."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    if lengths.numel() == 0:
+        raise ValueError("the batch has no rows: an engine step needs at least one row")
+    own_rows = shard_rows_for_data_parallel(lengths, dp_rank, dp_size)
+    if own_rows.numel() == 0:
+        return [padding_micro_batch(batch, lengths)], 1.0
+    plan = plan_micro_batches(lengths[own_rows], max_tokens_per_micro_batch)
+    micro_batches = []
+    for rows, length in zip(plan.rows, plan.lengths):
+        micro = slice_rows(batch, own_rows[rows], length)
+        micro["row_index"] = own_rows[rows]
+        micro_batches.append(micro)
+    return micro_batches, plan.padding_fraction

@@ -1,12 +1,15 @@
 """Training and forward-only engines on DeepSpeed ZeRO (stage 1, 2 or 3) over Hugging Face causal LMs.
 
-The same interface as the Megatron engine (``grpo_mega.engine.base``), so the GRPO trainer, its checkpoints and
-weight sync run unchanged (``engine: deepspeed`` in the config). Parallelism is data-parallel only: ZeRO shards
+The same interface as the Megatron engine (``grpo_mega.engine.base``), so the GRPO trainer, PRM training, their
+checkpoints and weight sync run unchanged (``engine: deepspeed`` in the config). The model is any module whose
+``forward(input_ids)`` returns per-token outputs [B, S] named by its ``output_names`` in the engines' alignment: the
+policy's ``grpo_mega.engine.hf_policy.HFTokenLogprobModel``, or a PRM's ``prm.hf_model`` modules. Parallelism is data-parallel only: ZeRO shards
 optimizer state (1), gradients (2) and parameters (3) over all ranks; ``parallel.tensor`` and ``parallel.pipeline``
 must be 1 (megatron's parallel state is still set up, at TP = PP = 1, for the shared log-prob function).
 
 What matches the Megatron engine, so that a step gives the same loss and parameters from the same weights:
-- rows are dealt to ranks and cut into token-budget micro-batches by the same functions (``engine.batching``);
+- rows are dealt to ranks and cut into token-budget micro-batches by the same functions (``engine.batching``),
+  and the loss scale, micro-batch records and metric reduction are the same (``engine.step_records``);
   every rank runs as many micro-batches as the busiest one (padding micro-batches add exactly zero), because
   ZeRO-2/3 reduce gradients, and ZeRO-3 gathers parameters, in every forward / backward;
 - loss functions return shares of the global batch (``LossScale``): DeepSpeed averages gradients over ranks,
@@ -23,39 +26,43 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from grpo_mega.engine.base import LossFn, LossScale, NonFiniteError
-from grpo_mega.engine.batching import plan_micro_batches, shard_rows_for_data_parallel, slice_rows
+from grpo_mega.engine.base import LossFn, NonFiniteError
+from grpo_mega.engine.batching import is_padding, padding_micro_batch, rank_micro_batches
 from grpo_mega.engine.deepspeed_setup import build_adamw, deepspeed_config, import_deepspeed
-from grpo_mega.engine.hf_policy import build_hf_logprob_model
-from grpo_mega.engine.stage_engine import PADDING_ROW, is_padding
+from grpo_mega.engine.lr_schedule import build_lr_schedule, restore_lr_schedule
+from grpo_mega.engine.step_records import (
+    finish_step_metrics,
+    global_loss_scale,
+    micro_batch_record,
+    reduce_step_records,
+)
 from grpo_mega.parallel import get_device
-
-OUTPUT_NAMES = ("logprobs", "entropy")
-# Schedule settings compared on resume (as the Megatron engine's).
-_SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
 
 
 class DeepSpeedForwardEngine:
-    """Forward-only engine (the KL reference): a replicated HF model in eval mode without gradients, or with
-    ZeRO-3 a DeepSpeed engine without optimizer whose parameters stay partitioned.
+    """Forward-only engine (the KL reference, a PRM at scoring time): a replicated HF model in eval mode without
+    gradients, or with ZeRO-3 a DeepSpeed engine without optimizer whose parameters stay partitioned.
 
     Args:
-        hf_config: the transformers config of the causal LM.
+        module: the model, built in fp32 on every rank from the same seed (``init_distributed`` seeds all ranks
+            alike), its parameters under their Hugging Face names; ``module.output_names`` names its outputs.
+        hf_config: the transformers config of the model.
         settings: ``grpo_mega.config.DeepSpeedConfig`` (zero_stage, offload_optimizer, gather_bucket_mb).
         max_tokens_per_micro_batch: token budget of a micro-batch (rows x padded length).
-        logprob_chunk_size, temperature, logits_in_fp32: as the Megatron ``LMHead``.
+        megatron_stage: ``build(hf_config, gpt_config)`` of the megatron model of ``hf_config`` (TP = PP = 1), to
+            read Megatron-format weights (``engine.deepspeed_weights.MegatronShadow``); None: a GPT with LM output.
     """
 
     engine_name = "deepspeed"
 
-    def __init__(self, hf_config, *, settings, max_tokens_per_micro_batch: int, logprob_chunk_size: int = 1024,
-                 temperature: float = 1.0, logits_in_fp32: bool = True):
-        self._setup(hf_config, settings, max_tokens_per_micro_batch, logprob_chunk_size, temperature, logits_in_fp32)
+    def __init__(self, module: torch.nn.Module, *, hf_config, settings, max_tokens_per_micro_batch: int,
+                 megatron_stage: Callable | None = None):
+        self._setup(module, hf_config, settings, max_tokens_per_micro_batch, megatron_stage)
         self.module.requires_grad_(False)
         if self.zero_stage == 3:
             config = deepspeed_config(settings, clip_grad=0.0, device=self.device, world_size=self.world_size,
@@ -65,7 +72,7 @@ class DeepSpeedForwardEngine:
             self.ds = self.module.to(self.device, self._dtype)
         self.ds.eval()
 
-    def _setup(self, hf_config, settings, budget, chunk_size, temperature, logits_in_fp32) -> None:
+    def _setup(self, module, hf_config, settings, budget, megatron_stage) -> None:
         if settings.zero_stage not in (1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage={settings.zero_stage}: expected 1, 2 or 3")
         self.device = get_device()
@@ -77,45 +84,34 @@ class DeepSpeedForwardEngine:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.last_padding_fraction = 0.0
         self._dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        # Built in fp32 on every rank from the same seed (init_distributed seeds all ranks alike); DeepSpeed casts
-        # to bf16 on a GPU and partitions it.
-        self.module = build_hf_logprob_model(hf_config, chunk_size=chunk_size, temperature=temperature,
-                                             logits_in_fp32=logits_in_fp32)
+        # DeepSpeed casts the fp32 module to bf16 on a GPU and partitions it (ZeRO-3).
+        self.module = module
+        self.output_names = tuple(module.output_names)
+        self.megatron_stage = megatron_stage
 
     # ----------------------------------------------------------------- micro-batches of this rank
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches, padded with padding micro-batches to the count of the busiest rank."""
-        lengths = batch["attention_mask"].sum(dim=1)
-        if lengths.numel() == 0:
-            raise ValueError("the batch has no rows: an engine step needs at least one row")
-        own_rows = shard_rows_for_data_parallel(lengths, self.rank, self.world_size)
-        micro_batches = []
-        if own_rows.numel():
-            plan = plan_micro_batches(lengths[own_rows], self.max_tokens_per_micro_batch)
-            self.last_padding_fraction = plan.padding_fraction
-            for rows, length in zip(plan.rows, plan.lengths):
-                micro = slice_rows(batch, own_rows[rows], length)
-                micro["row_index"] = own_rows[rows]
-                micro_batches.append(micro)
-        else:
-            self.last_padding_fraction = 1.0
+        micro_batches, self.last_padding_fraction = rank_micro_batches(
+            batch, self.max_tokens_per_micro_batch, self.rank, self.world_size)
         count = torch.tensor([len(micro_batches)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         while len(micro_batches) < int(count):
-            micro_batches.append(_padding_micro_batch(batch, lengths))
+            micro_batches.append(padding_micro_batch(batch, batch["attention_mask"].sum(dim=1)))
         return [{k: v.to(self.device) for k, v in micro.items()} for micro in micro_batches]
 
     # ----------------------------------------------------------------- forward
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Head outputs {"logprobs", "entropy"} [B, L] of the whole batch, the same on every rank (no gradient)."""
+        """The model's outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient)."""
         self.ds.eval()
         rows, length = batch["input_ids"].shape
-        outputs = {name: torch.zeros(rows, length, dtype=torch.float32, device=self.device) for name in OUTPUT_NAMES}
+        outputs = {name: torch.zeros(rows, length, dtype=torch.float32, device=self.device)
+                   for name in self.output_names}
         for micro in self._micro_batches(batch):
             head_out = self.ds(micro["input_ids"])
             if not is_padding(micro):
-                for name in OUTPUT_NAMES:
+                for name in self.output_names:
                     value = head_out[name].float()
                     outputs[name][micro["row_index"], : value.shape[1]] = value
         for value in outputs.values():  # each row was computed on one rank; zeros elsewhere
@@ -157,14 +153,15 @@ class DeepSpeedForwardEngine:
         """Load a converted megatron model folder (``save_mcore_checkpoint``); collective."""
         from grpo_mega.engine.deepspeed_weights import megatron_weights_as_hf
 
-        self.load_hf_weights(megatron_weights_as_hf(self.hf_config, directory=directory))
+        self.load_hf_weights(megatron_weights_as_hf(self.hf_config, directory=directory,
+                                                     build_stage=self.megatron_stage))
 
     def model_sharded_state_dict(self) -> dict:
         """The megatron ShardedStateDict of a CPU megatron copy of this model (TP = PP = 1), so a Megatron training
         checkpoint loads into this engine (``init_from``): ``load_model_state_dict`` copies it in through HF names."""
         from grpo_mega.engine.deepspeed_weights import MegatronShadow
 
-        self._shadow = MegatronShadow(self.hf_config)
+        self._shadow = MegatronShadow(self.hf_config, build_stage=self.megatron_stage)
         return self._shadow.sharded_state_dict()
 
     def load_model_state_dict(self, state: dict) -> None:
@@ -180,16 +177,6 @@ class DeepSpeedForwardEngine:
         """Nothing derives from the weights of a forward-only engine."""
 
 
-def _padding_micro_batch(batch: dict[str, torch.Tensor], lengths: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The batch's shortest row as a padding row: loss_mask 0, ``row_index`` PADDING_ROW (its loss adds 0)."""
-    shortest = int(torch.argmin(lengths))
-    micro = slice_rows(batch, torch.tensor([shortest]), int(lengths[shortest]))
-    if "loss_mask" in micro:
-        micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
-    micro["row_index"] = torch.tensor([PADDING_ROW])
-    return micro
-
-
 class DeepSpeedEngine(DeepSpeedForwardEngine):
     """DeepSpeed ZeRO training engine behind :class:`~grpo_mega.engine.base.TrainingEngine`.
 
@@ -197,24 +184,16 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
     ``total_steps`` (the learning-rate schedule's length in trainer steps).
     """
 
-    def __init__(self, hf_config, *, settings, optim, total_steps: int, max_tokens_per_micro_batch: int,
-                 logprob_chunk_size: int = 1024, temperature: float = 1.0, logits_in_fp32: bool = True):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        self._setup(hf_config, settings, max_tokens_per_micro_batch, logprob_chunk_size, temperature, logits_in_fp32)
+    def __init__(self, module: torch.nn.Module, *, hf_config, settings, optim, total_steps: int,
+                 max_tokens_per_micro_batch: int, megatron_stage: Callable | None = None):
+        self._setup(module, hf_config, settings, max_tokens_per_micro_batch, megatron_stage)
         self.clip_grad = optim.clip_grad
         self.optimizer = build_adamw(self.module, optim)
         config = deepspeed_config(settings, clip_grad=optim.clip_grad, device=self.device,
                                   world_size=self.world_size, train=True)
         self.ds, *_ = self.deepspeed.initialize(model=self.module, optimizer=self.optimizer, config=config)
-        warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
         # megatron's schedule over the torch optimizer that ZeRO steps: the same lr / wd at every trainer step.
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=warmup, lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style=optim.decay_style,
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total_steps, 1),
-            wd_incr_style="constant",
-        )
+        self.scheduler = build_lr_schedule(self.optimizer, optim, total_steps)
         self.steps_done = 0
 
     # ----------------------------------------------------------------- training
@@ -223,11 +202,7 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
         over micro-batches and ranks. Raises NonFiniteError (nothing applied) for a NaN / Inf loss or grad norm."""
         self.ds.train()
         start = time.perf_counter()
-        loss_mask = batch["loss_mask"].float()
-        scale = LossScale(
-            global_tokens=float(loss_mask.sum().clamp(min=1)),
-            global_seqs=float((loss_mask.sum(dim=1) > 0).sum().clamp(min=1)),
-        )
+        scale = global_loss_scale(batch)
         micro_batches = self._micro_batches(batch)
         records = []
         for index, micro in enumerate(micro_batches):
@@ -238,15 +213,14 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
                 target = touch_all * 0.0  # exactly zero gradient, but every parameter takes part (ZeRO hooks)
             else:
                 loss, metrics = loss_fn(outputs, micro, scale)
-                record = {name: float(value) for name, value in metrics.items()}
-                record["loss"] = float(loss.detach())
+                record = micro_batch_record(loss, metrics)
                 records.append(record)
                 # DeepSpeed averages gradients over ranks; loss_fn returns shares of the global loss.
                 target = loss * self.world_size
                 if not math.isfinite(record["loss"]):
                     target = target + float("nan") * touch_all  # NaN gradients: ZeRO's overflow check skips the step
             self.ds.backward(target, scale_wrt_gas=False)
-        metrics = self._reduce_records(records)
+        metrics = reduce_step_records(records, device=self.device)
         lr = self.current_lr
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
@@ -254,29 +228,8 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
         if not self.ds.was_step_applied() or not math.isfinite(metrics.get("loss", 0.0)):
             raise NonFiniteError(metrics.get("loss", math.nan), grad_norm)
         self.steps_done += 1
-        metrics.update(grad_norm=grad_norm, lr=lr, step_seconds=time.perf_counter() - start,
-                       padding_fraction=self.last_padding_fraction)
-        return metrics
-
-    def _reduce_records(self, records: list[dict]) -> dict[str, float]:
-        """Sum the per-micro-batch records over micro-batches and ranks (``*_max`` names: maximum)."""
-        totals: dict[str, float] = {}
-        for record in records:
-            for name, value in record.items():
-                combine = max if name.endswith("_max") else (lambda a, b: a + b)
-                totals[name] = combine(totals[name], value) if name in totals else value
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, sorted(totals))
-        names = sorted(set().union(*gathered))
-        reduced = {}
-        for is_max in (False, True):
-            group_names = [n for n in names if n.endswith("_max") == is_max]
-            missing = -math.inf if is_max else 0.0
-            values = torch.tensor([totals.get(n, missing) for n in group_names], dtype=torch.float64,
-                                  device=self.device)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM)
-            reduced.update(zip(group_names, values.tolist()))
-        return reduced
+        return finish_step_metrics(metrics, grad_norm=grad_norm, lr=lr, started=start,
+                                   padding_fraction=self.last_padding_fraction)
 
     # ----------------------------------------------------------------- learning-rate schedule
     @property
@@ -295,12 +248,7 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
     def restore_schedule(self, saved: dict, *, position: int | None = None) -> list[str]:
         """Move the schedule to ``position`` (default: the saved ``num_steps``), keeping this engine's settings;
         returns the settings that changed, as ``"name old -> new"``."""
-        current = self.scheduler.state_dict()
-        changes = [f"{name} {saved[name]} -> {current[name]}" for name in _SCHEDULE_SETTINGS
-                   if name in saved and saved[name] != current[name]]
-        self.scheduler.num_steps = int(saved["num_steps"] if position is None else position)
-        self.scheduler.step(increment=0)
-        return changes
+        return restore_lr_schedule(self.scheduler, saved, position)
 
     # ----------------------------------------------------------------- checkpoints and weights
     def save_training_state(self, folder, *, rng_state, scheduler: dict, extra_state: dict) -> None:

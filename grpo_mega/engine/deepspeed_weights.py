@@ -80,14 +80,16 @@ def _write_partition(param: torch.nn.Parameter, full: torch.Tensor) -> None:
     partition[piece.numel() :].zero_()
 
 
-def load_named_weights(engine, weights: Mapping[str, torch.Tensor]) -> None:
+def load_named_weights(engine, weights: Mapping[str, torch.Tensor], *, optional_prefixes: tuple[str, ...] = ()) -> None:
     """Copy HF-named full tensors into the engine's parameters (ZeRO-3: each rank writes its partition; no
     communication). Every rank must pass the same tensors.
 
-    Raises ValueError naming the tensors the model needs and ``weights`` lacks, names the model does not have (a
-    tied ``lm_head.weight`` next to the embedding is accepted), and shape mismatches. The caller refreshes what
-    derives from the weights (``reload_after_weight_load``)."""
-    params = dict(engine.named_parameters())
+    Raises ValueError naming the tensors the model needs and ``weights`` lacks (except parameters whose names start
+    with one of ``optional_prefixes``, which keep their values when absent), names the model does not have (a tied
+    ``lm_head.weight`` next to the embedding is accepted), and shape mismatches. The caller refreshes what derives
+    from the weights (``reload_after_weight_load``)."""
+    params = {name: param for name, param in engine.named_parameters()
+              if name in weights or not name.startswith(optional_prefixes)}
     tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
     missing = sorted(name for name in params if name not in weights)
     unknown = sorted(name for name in weights if name not in params and not (tied and name == TIED_OUTPUT))
@@ -108,14 +110,16 @@ def load_named_weights(engine, weights: Mapping[str, torch.Tensor]) -> None:
 
 
 class MegatronShadow:
-    """A CPU megatron-core GPT of ``hf_config`` at TP = PP = 1, to read Megatron-format weights as HF-named tensors
-    (megatron's parallel state must be initialised, as ``init_distributed(1, 1)`` does)."""
+    """A CPU megatron-core model of ``hf_config`` at TP = PP = 1, to read Megatron-format weights as HF-named tensors
+    (megatron's parallel state must be initialised, as ``init_distributed(1, 1)`` does). ``build_stage(hf_config,
+    gpt_config)`` builds it (a PRM with its head: ``prm.model.build_conversion_stage``); None: a GPT with LM output."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, build_stage=None):
         from grpo_mega.model import build_gpt_model, gpt_config_from_hf
 
         self.hf_config = hf_config
-        self.model = build_gpt_model(gpt_config_from_hf(hf_config, tp=1, pp=1, dtype=torch.float32))
+        gpt_config = gpt_config_from_hf(hf_config, tp=1, pp=1, dtype=torch.float32)
+        self.model = build_gpt_model(gpt_config) if build_stage is None else build_stage(hf_config, gpt_config)
 
     def sharded_state_dict(self) -> dict:
         """The model's ShardedStateDict, for ``dist_checkpointing.load``."""
@@ -130,10 +134,11 @@ class MegatronShadow:
         return dict(export_hf_weights(self.model, self.hf_config))
 
 
-def megatron_weights_as_hf(hf_config, *, directory: str) -> dict[str, torch.Tensor]:
-    """The weights of a converted megatron model folder (``save_mcore_checkpoint``) as HF-named tensors."""
+def megatron_weights_as_hf(hf_config, *, directory: str, build_stage=None) -> dict[str, torch.Tensor]:
+    """The weights of a converted megatron model folder (``save_mcore_checkpoint``) as HF-named tensors
+    (``build_stage`` as in :class:`MegatronShadow`)."""
     from grpo_mega.checkpoint.mcore_checkpoint import load_mcore_checkpoint
 
-    shadow = MegatronShadow(hf_config)
+    shadow = MegatronShadow(hf_config, build_stage)
     load_mcore_checkpoint(shadow.model, directory)
     return shadow.hf_weights()

@@ -113,11 +113,12 @@ def build_policy_engine(
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
     if engine_kind == "deepspeed":
         from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
+        from grpo_mega.engine.hf_policy import build_hf_logprob_model
 
-        return DeepSpeedEngine(hf_config, settings=deepspeed, optim=optim, total_steps=total_steps,
-                               max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                               logprob_chunk_size=logprob_chunk_size, temperature=temperature,
-                               logits_in_fp32=logits_in_fp32)
+        module = build_hf_logprob_model(hf_config, chunk_size=logprob_chunk_size, temperature=temperature,
+                                        logits_in_fp32=logits_in_fp32)
+        return DeepSpeedEngine(module, hf_config=hf_config, settings=deepspeed, optim=optim, total_steps=total_steps,
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     _check_engine_kind(engine_kind)
     return build_engine(
         hf_config,
@@ -147,11 +148,12 @@ def build_reference_engine(
     ``engine_kind="deepspeed"``: a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine`."""
     if engine_kind == "deepspeed":
         from grpo_mega.engine.deepspeed_engine import DeepSpeedForwardEngine
+        from grpo_mega.engine.hf_policy import build_hf_logprob_model
 
-        return DeepSpeedForwardEngine(hf_config, settings=deepspeed,
-                                      max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                                      logprob_chunk_size=logprob_chunk_size, temperature=temperature,
-                                      logits_in_fp32=logits_in_fp32)
+        module = build_hf_logprob_model(hf_config, chunk_size=logprob_chunk_size, temperature=temperature,
+                                        logits_in_fp32=logits_in_fp32)
+        return DeepSpeedForwardEngine(module, hf_config=hf_config, settings=deepspeed,
+                                      max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     _check_engine_kind(engine_kind)
     return build_forward_engine(
         hf_config,

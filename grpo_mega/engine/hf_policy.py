@@ -47,6 +47,8 @@ class HFTokenLogprobModel(torch.nn.Module):
     token never attends to padding, and outputs at padding positions are ignored by the losses.
     """
 
+    output_names = ("logprobs", "entropy")
+
     def __init__(self, causal_lm: torch.nn.Module, *, chunk_size: int, temperature: float, logits_in_fp32: bool):
         super().__init__()
         self.config = causal_lm.config

@@ -20,13 +20,17 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import optimizer as megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from grpo_mega.engine.base import LossFn, LossScale, NonFiniteError
-from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider, is_padding
-
-# Schedule settings compared on resume (the position, num_steps, is restored; these come from the config).
-_SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
+from grpo_mega.engine.base import LossFn, NonFiniteError
+from grpo_mega.engine.batching import is_padding
+from grpo_mega.engine.lr_schedule import build_lr_schedule, restore_lr_schedule
+from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider
+from grpo_mega.engine.step_records import (
+    finish_step_metrics,
+    global_loss_scale,
+    micro_batch_record,
+    reduce_step_records,
+)
 
 
 class MegatronEngine(MegatronStageEngine):
@@ -90,20 +94,7 @@ class MegatronEngine(MegatronStageEngine):
             # The global group is already gloo on CPU; on GPU the optimizer needs no extra gloo groups either.
             use_gloo_process_groups=False,
         )
-        warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if warmup else optim.lr,
-            max_lr=optim.lr,
-            min_lr=optim.min_lr,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=max(total_steps, warmup + 1),
-            lr_decay_style=optim.decay_style,
-            start_wd=optim.weight_decay,
-            end_wd=optim.weight_decay,
-            wd_incr_steps=max(total_steps, 1),
-            wd_incr_style="constant",
-        )
+        self.scheduler = build_lr_schedule(self.optimizer, optim, total_steps)
         self.steps_done = 0
 
     # ----------------------------------------------------------------- training
@@ -112,11 +103,7 @@ class MegatronEngine(MegatronStageEngine):
         over micro-batches / ranks. Raises NonFiniteError (nothing applied) for a NaN / Inf loss or grad norm."""
         self.model.train()
         start = time.perf_counter()
-        loss_mask = batch["loss_mask"].float()
-        scale = LossScale(
-            global_tokens=float(loss_mask.sum().clamp(min=1)),
-            global_seqs=float((loss_mask.sum(dim=1) > 0).sum().clamp(min=1)),
-        )
+        scale = global_loss_scale(batch)
         micro_batches = self._micro_batches(batch)
         # megatron divides each micro-batch loss by the number of micro-batches and averages gradients over DP
         # ranks; loss_fn returns shares of the global loss, so undo both averages.
@@ -129,26 +116,23 @@ class MegatronEngine(MegatronStageEngine):
                     # all-masked row, so the loss is tied to the stage output only, and it reports no metrics.
                     return hidden.float().sum() * 0.0, {}
                 loss, metrics = loss_fn(self._head(hidden, micro), micro, scale)
-                record = {name: float(value) for name, value in metrics.items()}
-                record["loss"] = float(loss.detach())
-                return loss * undo_average, record
+                return loss * undo_average, micro_batch_record(loss, metrics)
 
             return compute
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         records = self._run_schedule(micro_batches, loss_func_for, forward_only=False)
-        metrics = self._reduce_records(records)
+        # Records live on the last pipeline stage; reduced over DP ranks, then shared along the pipeline.
+        metrics = reduce_step_records(
+            records, device=self.device, contributes=self.post_process,
+            groups=(mpu.get_data_parallel_group(), mpu.get_pipeline_model_parallel_group()),
+        )
         lr = self.current_lr
         grad_norm = self._apply_update(metrics.get("loss", 0.0))
         self.steps_done += 1
-        metrics.update(
-            grad_norm=grad_norm,
-            lr=lr,
-            step_seconds=time.perf_counter() - start,
-            padding_fraction=self.last_padding_fraction,
-        )
-        return metrics
+        return finish_step_metrics(metrics, grad_norm=grad_norm, lr=lr, started=start,
+                                   padding_fraction=self.last_padding_fraction)
 
     def _sub_optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
@@ -185,34 +169,6 @@ class MegatronEngine(MegatronStageEngine):
             raise RuntimeError("megatron's optimizer reported a failed step with finite gradients")
         return grad_norm
 
-    def _reduce_records(self, records: list[dict]) -> dict[str, float]:
-        """Reduce the last stage's per-micro-batch records over micro-batches and DP ranks; share with all ranks.
-
-        Records are summed (loss functions return shares of the global batch), except names ending in ``_max``,
-        which are maxima. Metric names are the union over all ranks (a rank that computed only a padding row has
-        none)."""
-        totals: dict[str, float] = {}
-        for record in records:
-            for name, value in record.items():
-                combine = max if name.endswith("_max") else (lambda a, b: a + b)
-                totals[name] = combine(totals[name], value) if name in totals else value
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(totals))
-        names = sorted(set().union(*gathered))
-        reduced = {}
-        for is_max in (False, True):
-            group_names = [n for n in names if n.endswith("_max") == is_max]
-            missing = -math.inf if is_max else 0.0
-            values = torch.tensor([totals.get(n, missing) for n in group_names], dtype=torch.float64,
-                                  device=self.device)
-            if not self.post_process:
-                values.fill_(missing)
-            op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
-            dist.all_reduce(values, op=op, group=mpu.get_data_parallel_group())
-            dist.all_reduce(values, op=op, group=mpu.get_pipeline_model_parallel_group())
-            reduced.update(zip(group_names, values.tolist()))
-        return reduced
-
     # ----------------------------------------------------------------- learning-rate schedule
     @property
     def current_lr(self) -> float:
@@ -230,15 +186,7 @@ class MegatronEngine(MegatronStageEngine):
     def restore_schedule(self, saved: dict, *, position: int | None = None) -> list[str]:
         """Move the schedule to ``position`` (default: the saved ``num_steps``) and keep this engine's settings
         (from the current config); returns the settings that changed, e.g. ``["lr_decay_steps 2 -> 4"]``."""
-        current = self.scheduler.state_dict()
-        changes = [
-            f"{name} {saved[name]} -> {current[name]}"
-            for name in _SCHEDULE_SETTINGS
-            if name in saved and saved[name] != current[name]
-        ]
-        self.scheduler.num_steps = int(saved["num_steps"] if position is None else position)
-        self.scheduler.step(increment=0)  # sets every param group's lr / weight decay at that position
-        return changes
+        return restore_lr_schedule(self.scheduler, saved, position)
 
     # ----------------------------------------------------------------- optimizer state and weights
     def optimizer_sharded_state_dict(self, model_sharded_state: dict, *, is_loading: bool) -> dict:

@@ -16,7 +16,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from grpo_mega.engine.batching import plan_micro_batches, shard_rows_for_data_parallel, slice_rows
+from grpo_mega.engine.batching import is_padding, rank_micro_batches
 from grpo_mega.parallel import get_device
 
 StageModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -26,20 +26,10 @@ its head as the submodule ``head``, called as ``head(backbone, hidden, micro_bat
 submodule of the backbone, so head parameters (if any) are trained, reduced and checkpointed with the rest, and
 megatron's schedules and gradient finalisation see a stock GPTModel."""
 
-PADDING_ROW = -1
-"""``row_index`` of a padding row: a data-parallel rank left without rows of its own (a batch with fewer rows than
-data-parallel ranks) computes one so that it takes part in every collective; it never reaches the results."""
-
-
 def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
     """Shift [B, S] values about the *next* token (position t predicts t + 1) right by one, so out[:, t] is
     about token t (the engine's convention); out[:, 0] = 0 (the first token has no prediction)."""
     return torch.nn.functional.pad(next_token_values[:, :-1], (1, 0), value=0.0)
-
-
-def is_padding(micro: dict[str, torch.Tensor]) -> bool:
-    """True for the padding micro-batch of a rank without rows (see ``PADDING_ROW``)."""
-    return bool((micro["row_index"] == PADDING_ROW).all())
 
 
 class MegatronStageEngine:
@@ -73,33 +63,10 @@ class MegatronStageEngine:
 
     # ----------------------------------------------------------------- micro-batches of this rank
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        lengths = batch["attention_mask"].sum(dim=1)
-        if lengths.numel() == 0:
-            raise ValueError("the batch has no rows: an engine step needs at least one row")
-        own_rows = shard_rows_for_data_parallel(
-            lengths, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        micro_batches, self.last_padding_fraction = rank_micro_batches(
+            batch, self.max_tokens_per_micro_batch, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         )
-        if own_rows.numel() == 0:
-            return [self._padding_micro_batch(batch, lengths)]
-        plan = plan_micro_batches(lengths[own_rows], self.max_tokens_per_micro_batch)
-        self.last_padding_fraction = plan.padding_fraction
-        micro_batches = []
-        for rows, length in zip(plan.rows, plan.lengths):
-            global_rows = own_rows[rows]
-            micro = slice_rows(batch, global_rows, length)
-            micro["row_index"] = global_rows
-            micro_batches.append({k: v.to(self.device) for k, v in micro.items()})
-        return micro_batches
-
-    def _padding_micro_batch(self, batch: dict[str, torch.Tensor], lengths: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The batch's shortest row as a padding row: loss_mask 0, ``row_index`` PADDING_ROW."""
-        shortest = int(torch.argmin(lengths))
-        micro = slice_rows(batch, torch.tensor([shortest]), int(lengths[shortest]))
-        if "loss_mask" in micro:
-            micro["loss_mask"] = torch.zeros_like(micro["loss_mask"])
-        micro["row_index"] = torch.tensor([PADDING_ROW])
-        self.last_padding_fraction = 1.0
-        return {k: v.to(self.device) for k, v in micro.items()}
+        return [{k: v.to(self.device) for k, v in micro.items()} for micro in micro_batches]
 
     def _run_schedule(self, micro_batches, loss_func_for, forward_only: bool) -> list[dict]:
         """Run megatron's schedule (1F1B with PP) and return the loss-function records of the last stage."""

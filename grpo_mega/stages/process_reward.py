@@ -117,13 +117,15 @@ class PRMStepRewards:
         return metrics
 
 
-def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micro_batch: int) -> PRMStepRewards:
-    """Open ``settings.prm`` on a forward-only engine at the job's parallel layout (after ``init_distributed``)."""
+def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micro_batch: int,
+                           engine_kind: str = "megatron", deepspeed=None) -> PRMStepRewards:
+    """Open ``settings.prm`` on a forward-only engine at the job's parallel layout (after ``init_distributed``):
+    the trainer's ``engine`` (``megatron``, or ``deepspeed`` with its ``deepspeed`` settings)."""
     from prm.scoring import open_step_scorer
 
     _, scorer = open_step_scorer(
         settings.prm, step_tag=settings.step_tag, good_token=settings.good_token, bad_token=settings.bad_token,
         chat_template=settings.chat_template, system_prompt=settings.system_prompt,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind, deepspeed=deepspeed,
     )
     return PRMStepRewards(scorer, settings)

@@ -1,0 +1,39 @@
+"""The learning-rate schedule both training engines use: megatron's ``OptimizerParamScheduler`` over the optimizer,
+counted in trainer steps, and its restore on resume (position from the checkpoint, settings from the config)."""
+
+from __future__ import annotations
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+# Schedule settings compared on resume (the position, num_steps, is restored; these come from the config).
+SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
+
+
+def build_lr_schedule(optimizer, optim, total_steps: int) -> OptimizerParamScheduler:
+    """Warm-up then ``optim.decay_style`` decay over ``total_steps`` trainer steps, constant weight decay (scaled
+    per parameter group by its ``wd_mult``); ``optim`` is ``grpo_mega.config.OptimConfig``."""
+    warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+def restore_lr_schedule(scheduler: OptimizerParamScheduler, saved: dict, position: int | None) -> list[str]:
+    """Move ``scheduler`` to ``position`` (default: the saved ``num_steps``) keeping its own settings (from the
+    current config); returns the settings that differ from ``saved``, e.g. ``["lr_decay_steps 2 -> 4"]``."""
+    current = scheduler.state_dict()
+    changes = [f"{name} {saved[name]} -> {current[name]}" for name in SCHEDULE_SETTINGS
+               if name in saved and saved[name] != current[name]]
+    scheduler.num_steps = int(saved["num_steps"] if position is None else position)
+    scheduler.step(increment=0)  # sets every param group's lr / weight decay at that position
+    return changes
