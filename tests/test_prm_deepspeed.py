@@ -1,4 +1,5 @@
-"""The PRM on the DeepSpeed engine (``engine: deepspeed``), both layouts, 2 gloo processes.
+"""The PRM on the DeepSpeed engine (``engine: deepspeed``), both layouts, 2 gloo processes; the PRM and SFT configs
+take the engine.
 
 Training: three steps of ``prm.train.prm_loss`` under ZeRO-2 give the Megatron PRM's (TP=1, DP=2) losses, gradient
 norms, step accuracies, step scores and weights from the same start (fp32, within 1e-4), and a run resumed from a
@@ -244,3 +245,14 @@ def test_prm_config_takes_the_deepspeed_engine():
         load_config(PRMConfig, None, [*required, "engine=deepspeed", "parallel.pipeline=2"], validate_prm)
     with pytest.raises(ConfigError, match=r"engine='fsdp': expected one of"):
         load_config(PRMConfig, None, [*required, "engine=fsdp"], validate_prm)
+
+
+def test_sft_config_takes_the_deepspeed_engine():
+    from grpo_mega.config import ConfigError, SFTConfig, load_config, validate_sft
+
+    required = ["model.hf_config=x", "data.train_file=y"]
+    cfg = load_config(SFTConfig, None, [*required, "engine=deepspeed", "deepspeed.offload_optimizer=true"],
+                      validate_sft)
+    assert (cfg.engine, cfg.deepspeed.zero_stage, cfg.deepspeed.offload_optimizer) == ("deepspeed", 2, True)
+    with pytest.raises(ConfigError, match="engine=deepspeed .* parallel.tensor=1 and parallel.pipeline=1"):
+        load_config(SFTConfig, None, [*required, "engine=deepspeed", "parallel.tensor=2"], validate_sft)
