@@ -21,10 +21,10 @@ from test_prm_model import (
     VOCAB,
     _max_diff,
     batch,
+    hf_prms,  # noqa: F401  (pytest fixture: the same two HF PRMs as test_prm_model's tests)
     reference_scores,
     tag_scores,
     write_causal_lm,
-    write_classifier_prm,
 )
 
 pytest.importorskip("deepspeed")
@@ -131,13 +131,6 @@ def _train_and_resume(folders: dict[str, str], root: str) -> dict:
                                    for kind, p in opened.items()}
         results[layout] = result
     return results if dist.get_rank() == 0 else {}
-
-
-@pytest.fixture(scope="module")
-def hf_prms(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf_prms")
-    return {"classifier": write_classifier_prm(root / "classifier", seed=0),
-            "lm_tokens": write_causal_lm(root / "lm_tokens", seed=2)}
 
 
 def test_zero2_training_equals_megatron_and_resumes_exactly(hf_prms, tmp_path):
