@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,38 +30,16 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from matmul_peak import matmul_peak  # noqa: E402
+from report import load_average, machine, run_script  # noqa: E402
 from workload import SIZES, build_workload, digit_reward, train_flops  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 
 
-def machine() -> dict:
-    """What the figures were measured on."""
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE")
-            * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def _python(script: str, *args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH), str(ROOT)]))
-    done = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} failed ({done.returncode}):\n{done.stdout[-4000:]}")
-
-
 def run_ours(work, args, out: Path) -> dict:
     tensor, pipeline = LAYOUTS[args.layout]
-    load_before = _load()
-    _python("ours_grpo.py", "--model", str(work.model_dir), "--prompts", str(work.train_file),
+    load_before = load_average()
+    run_script("ours_grpo.py", "--model", str(work.model_dir), "--prompts", str(work.train_file),
             "--run-dir", str(out.parent / f"ours_{work.size}" / "run"), "--num-prompts", str(args.prompts),
             "--group", str(args.group), "--max-new", str(args.max_new), "--steps", str(args.steps), "--nproc", "2",
             "--tensor", str(tensor), "--pipeline", str(pipeline), "--out", str(out))
@@ -86,15 +61,15 @@ def run_ours(work, args, out: Path) -> dict:
         "trained_tokens_per_s": tokens / update,
         "tokens_per_step": tokens, "response_tokens_per_step": response_tokens,
         "train_gflops": flops / update / 1e9,
-        "sync_bytes": (work.model_dir / "model.safetensors").stat().st_size,
+        "sync_bytes": avg("perf/sync_bytes"),  # per process: what its trainer copies into its rollout engine
         "peak_rss_mb": raw["peak_rss_mb"], "processes": raw["processes"], "layout": args.layout,
-        "steps_measured": len(rows), "load_average": [load_before, _load()], "command": raw["command"],
+        "steps_measured": len(rows), "load_average": [load_before, load_average()], "command": raw["command"],
     }
 
 
 def run_trl(work, args, out: Path) -> dict:
-    load_before = _load()
-    _python("trl_grpo.py", "--model", str(work.model_dir), "--prompts", str(work.train_file),
+    load_before = load_average()
+    run_script("trl_grpo.py", "--model", str(work.model_dir), "--prompts", str(work.train_file),
             "--num-prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
             "--steps", str(args.trl_steps), "--micro-batch", str(args.trl_micro_batch), "--threads", "2",
             "--out", str(out))
@@ -107,7 +82,7 @@ def run_trl(work, args, out: Path) -> dict:
         "generated_tokens_per_s": response_tokens / gen, "trained_tokens_per_s": tokens / update,
         "tokens_per_step": tokens, "response_tokens_per_step": response_tokens, "peak_rss_mb": raw["peak_rss_mb"],
         "processes": 1, "trl_version": raw["trl_version"], "steps_measured": len(rows),
-        "load_average": [load_before, _load()],
+        "load_average": [load_before, load_average()],
     }
 
 

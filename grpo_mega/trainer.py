@@ -31,7 +31,7 @@ from grpo_mega.evaluation import evaluate
 from grpo_mega.metrics import MetricsLogger
 from grpo_mega.parallel import destroy_distributed, destroy_model_parallel, get_device, init_distributed
 from grpo_mega.reward import get_reward_function
-from grpo_mega.rollout import build_rollout_engine, sync_weights
+from grpo_mega.rollout import SyncStats, build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
@@ -75,7 +75,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         save_config(cfg, run_dir / "config.yaml")
     if rollout_engine is None:
         rollout_engine = _build_rollout_engine(cfg, tokenizer)
-    sync_seconds = _sync(policy, rollout_engine, cfg)
+    sync = _sync(policy, rollout_engine, cfg)
     rollout = RolloutStage(rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg,
                            seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids),
                            step_reward_source=_step_reward_source(cfg))
@@ -118,10 +118,10 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 raise
             # 4. weight sync to the rollout engine
             with timer("sync"):
-                sync_seconds = _sync(policy, rollout_engine, cfg)
+                sync = _sync(policy, rollout_engine, cfg)
             metrics.update(_batch_metrics(groups, batch, alg))
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
-        metrics.update(timer.seconds, **{"timing_s/sync": sync_seconds})
+        metrics.update(timer.seconds, **{"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)})
         metrics["timing_s/step"] = sum(timer.seconds.values())
         if "perf/num_tokens" in metrics:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
@@ -227,8 +227,8 @@ def _close_rollout_engine(rollout_engine) -> None:
         close()
 
 
-def _sync(policy, rollout_engine, cfg: GRPOConfig) -> float:
-    return sync_weights(policy.export_hf_weights(), rollout_engine, bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20).seconds
+def _sync(policy, rollout_engine, cfg: GRPOConfig) -> SyncStats:
+    return sync_weights(policy.export_hf_weights(), rollout_engine, bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20)
 
 
 # ----------------------------------------------------------------------------- outputs
