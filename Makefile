@@ -32,9 +32,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# grpo-mega against TRL's GRPOTrainer on the same CPU workload and against the machine's matmul peak
-# (bench/grpo_vs_trl.py, the `bench` extra adds trl): 3M and 25M models, about 25 min on 2 idle cores;
-# `make bench BENCH_ARGS=--quick` runs the 3M model only (about 5 min). Prints the table, writes the JSON.
+# `make bench`: four benchmarks in turn, each printing its table and writing its JSON record under bench/results/
+# (path printed last); the `bench` extra adds trl. About 25 min on 2 idle cores in all (estimated from the parts):
+#   bench/grpo_vs_trl.py      grpo-mega vs TRL's GRPOTrainer on the same CPU workload, and the matmul peak (3M, 25M)
+#   bench/grpo_scaling.py     our GRPO step against layout, G, response length and model size; weight-sync s and bytes
+#   bench/prm_scoring.py      PRM scoring steps/s on 1 and 2 processes
+#   bench/logprob_memory.py   log-prob peak memory against vocabulary size, chunked vs full logits
+# `make bench BENCH_ARGS=--quick` passes --quick to each (3M model only, smaller batches: about 8 min).
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.grpo-mega-bench-installed
 
@@ -44,6 +48,9 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/grpo_vs_trl.py $(BENCH_ARGS)
+	$(PY) bench/grpo_scaling.py $(BENCH_ARGS)
+	$(PY) bench/prm_scoring.py $(BENCH_ARGS)
+	$(PY) bench/logprob_memory.py $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
