@@ -156,3 +156,20 @@ def test_changed_learning_rate_on_resume_is_followed(extended):
     assert extended["optimizer_messages"] == ["optimizer settings follow the config (betas (0.9, 0.999) -> (0.9, 0.95))"]
     assert extended["same_lr"] == 0.0
     assert "learning-rate schedule follows the config (unchanged)" in extended["messages"][2]
+
+
+def test_keep_optimizer_settings_restores_config_and_names_changes():
+    from grpo_mega.engine.lr_schedule import keep_optimizer_settings, optimizer_settings
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([weight], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    built = optimizer_settings(optimizer)
+    assert "params" not in built[0] and built[0]["betas"] == (0.9, 0.95)
+    # what a checkpoint's state would bring back: other betas and lr (lr is the schedule's, so not reported)
+    optimizer.param_groups[0].update(betas=(0.8, 0.99), lr=5.0)
+    assert keep_optimizer_settings(optimizer, built) == ["betas (0.8, 0.99) -> (0.9, 0.95)"]
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.95) and optimizer.param_groups[0]["lr"] == 1e-3
+    assert keep_optimizer_settings(optimizer, built) == []
+    with pytest.raises(ValueError, match="2 parameter groups, this model 1"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+        keep_optimizer_settings(optimizer, built)

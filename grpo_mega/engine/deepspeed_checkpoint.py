@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.checkpoint.training_files import DEEPSPEED_METADATA, write_file_atomic
+from grpo_mega.engine.lr_schedule import keep_optimizer_settings, optimizer_settings
 
 DS_DIR = "deepspeed"
 TAG = "zero"
@@ -68,21 +69,16 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
             f"{info['zero_stage']} on {info['world_size']} processes, or start a new run from its weights "
             f"(model.init_from={folder})"
         )
-    built = engine.optimizer_hyperparameters()
+    built = optimizer_settings(engine.optimizer)
     engine.ds.load_checkpoint(str(root), tag=info["tag"], load_optimizer_states=with_optimizer,
                               load_lr_scheduler_states=False, load_module_strict=True)
     if not with_optimizer:
         engine.reload_after_weight_load()
-    changes: dict[str, str] = {}
-    for group, settings in zip(engine.optimizer.param_groups, built):
-        for name, value in settings.items():
-            if name not in ("lr", "weight_decay", "max_lr", "min_lr") and group.get(name) != value:
-                changes.setdefault(name, f"{name} {group.get(name)} -> {value}")
-        group.update(settings)
+    changes = keep_optimizer_settings(engine.optimizer, built)
     state = torch.load(root / TRAINER_STATE, weights_only=True)
     rng_state = torch.load(_rng_file(root, engine.rank), weights_only=True) if with_rng else None
     return {"scheduler": state["scheduler"], "extra_state": state["extra_state"], "rng_state": rng_state,
-            "optimizer_changes": list(changes.values())}
+            "optimizer_changes": changes}
 
 
 def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:

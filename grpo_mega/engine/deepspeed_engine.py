@@ -265,10 +265,6 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
 
         return load_training_state(self, folder, with_optimizer=with_optimizer, with_rng=with_rng)
 
-    def optimizer_hyperparameters(self) -> list[dict]:
-        """Each parameter group's settings except ``params`` (what a resume keeps from the current config)."""
-        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-
     def reload_after_weight_load(self) -> None:
         """ZeRO keeps fp32 master partitions of the weights: refresh them from the loaded model."""
         self.ds.optimizer.refresh_fp32_params()

@@ -1,5 +1,6 @@
 """The learning-rate schedule both training engines use: megatron's ``OptimizerParamScheduler`` over the optimizer,
-counted in trainer steps, and its restore on resume (position from the checkpoint, settings from the config)."""
+counted in trainer steps, and its restore on resume (position from the checkpoint, settings from the config), with
+the optimizer's own hyperparameters kept from the config the same way."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 # Schedule settings compared on resume (the position, num_steps, is restored; these come from the config).
 SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
+# Parameter-group entries the schedule sets at every step: not compared by ``keep_optimizer_settings``.
+SCHEDULED_GROUP_KEYS = ("lr", "weight_decay", "max_lr", "min_lr")
 
 
 def build_lr_schedule(optimizer, optim, total_steps: int) -> OptimizerParamScheduler:
@@ -37,3 +40,24 @@ def restore_lr_schedule(scheduler: OptimizerParamScheduler, saved: dict, positio
     scheduler.num_steps = int(saved["num_steps"] if position is None else position)
     scheduler.step(increment=0)  # sets every param group's lr / weight decay at that position
     return changes
+
+
+def optimizer_settings(optimizer) -> list[dict]:
+    """Each parameter group's hyperparameters (betas, eps, wd_mult, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def keep_optimizer_settings(optimizer, built: list[dict]) -> list[str]:
+    """After loading a checkpoint's optimizer state, put back the hyperparameters ``built`` (``optimizer_settings``
+    taken before the load, i.e. from the current config); returns those the checkpoint had otherwise, as
+    ``"name old -> new"`` (lr and weight decay are the schedule's: see ``restore_lr_schedule``)."""
+    groups = optimizer.param_groups
+    if len(groups) != len(built):
+        raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this model {len(built)}")
+    changes: dict[str, str] = {}
+    for group, settings in zip(groups, built):
+        for name, value in settings.items():
+            if name not in SCHEDULED_GROUP_KEYS and group.get(name) != value:
+                changes.setdefault(name, f"{name} {group.get(name)} -> {value}")
+        group.update(settings)
+    return list(changes.values())

@@ -23,7 +23,9 @@ from megatron.core.optimizer import optimizer as megatron_optimizer
 
 from grpo_mega.engine.base import LossFn, NonFiniteError
 from grpo_mega.engine.batching import is_padding
-from grpo_mega.engine.lr_schedule import build_lr_schedule, restore_lr_schedule
+from grpo_mega.engine.lr_schedule import (
+    build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
+)
 from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
@@ -198,18 +200,9 @@ class MegatronEngine(MegatronStageEngine):
         hyperparameters (betas, eps, peak / min lr, weight-decay multipliers) stay the ones this engine was built
         with, from the current config; returns those that differ from the checkpoint's, as ``"name old -> new"``
         (``lr`` and ``weight_decay`` are set by the schedule: see ``restore_schedule``)."""
-        built = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        built = optimizer_settings(self.optimizer)
         self.optimizer.load_state_dict(state)
-        groups = self.optimizer.param_groups
-        if len(groups) != len(built):
-            raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this model {len(built)}")
-        changes: dict[str, str] = {}
-        for group, settings in zip(groups, built):
-            for name, value in settings.items():
-                if name not in ("lr", "weight_decay", "max_lr", "min_lr") and group.get(name) != value:
-                    changes.setdefault(name, f"{name} {group.get(name)} -> {value}")
-            group.update(settings)
-        return list(changes.values())
+        return keep_optimizer_settings(self.optimizer, built)
 
     def reload_after_weight_load(self) -> None:
         """bf16 training keeps fp32 master copies in the optimizer: refresh them from the loaded weights."""
