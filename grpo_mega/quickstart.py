@@ -136,6 +136,9 @@ ARMS = {
     "oracle": ("GRPO, process supervision by the task's step checker (oracle PRM)", (
         "algorithm.supervision=process", "process_reward.source=function", "reward.function=synthetic_steps")),
 }
+# What each GRPO arm's live line shows besides its step.
+SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
+SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
 ARM_KEYS = {"outcome": "os_accuracy", "process": "ps_accuracy", "oracle": "oracle_accuracy"}
 
 
@@ -152,7 +155,6 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
     arm_dir.mkdir(parents=True, exist_ok=True)
     prm_dir, history = Path(prm_summary["prm_checkpoint"]), [Path(prm_summary["labels"])]
     policy, offset, combined, seconds = sft_dir, 0, [], {}
-    shown = (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY), ("PRM score", "prm/score_mean"))
     for index in range(plan.iterations):
         name = f"iter{index + 1}"
         if index:
@@ -168,7 +170,8 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
               flush=True)
         seconds[f"grpo_process_{name}"] = _training_stage(
             f"GRPO (process, iteration {index + 1})", ["train"], "quickstart_grpo.yaml", arm_dir / name, steps,
-            shown, [*grpo, f"model.init_from={policy}", f"process_reward.prm={prm_dir}"], arm_dir / f"{name}.log")
+            SHOWN["process"], [*grpo, f"model.init_from={policy}", f"process_reward.prm={prm_dir}"],
+            arm_dir / f"{name}.log")
         rows = read_metrics(arm_dir / name / "metrics.jsonl")
         # a later iteration's step-0 evaluation is the previous iteration's final policy again
         combined += [{**row, "step": row["step"] + offset, "iteration": index + 1} for row in rows
@@ -216,7 +219,6 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
 
     grpo = [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
             *_optional("trainer.eval_every", plan.eval_every)]
-    shown = (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
         title, overrides = ARMS[arm]
@@ -233,7 +235,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         stage(f"{title} (TP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
         seconds[folder] = _training_stage(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
-            shown + ((("PRM score", "prm/score_mean"),) if arm == "process" else ()),
+            SHOWN.get(arm, SHOWN["outcome"]),
             [*grpo, f"model.init_from={sft_dir}", *overrides], run_dir / f"{folder}.log")
 
     sft_accuracy, _, steps = _accuracies(arm_dirs["outcome"] / "metrics.jsonl")
