@@ -4,6 +4,7 @@ parallel and optimizer sections, plus the PRM head, its data and the trainer set
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from grpo_mega.config import (
@@ -58,6 +59,14 @@ class PRMDataConfig:
     """Longest rendered example in tokens; longer rows are reported and handled per ``on_bad_row``."""
     on_bad_row: str = "skip"
     """``skip`` (report file:line and go on) or ``error``."""
+    replay_files: list[str] = field(default_factory=list)
+    """Earlier label files replayed beside ``train_file`` (iterative RL, DeepSeekMath Algorithm 1: the PRM trains
+    on from its last checkpoint on fresh labels of the current policy plus a share of the earlier labels). On the
+    command line: ``data.replay_files=[runs/it1/labels.jsonl,runs/it2/labels.jsonl]``. Read in ``format``."""
+    replay_fraction: float = 0.1
+    """Share of the rows of ``replay_files`` (all files together) added to every row of ``train_file``:
+    ``round(fraction * rows)`` drawn without replacement, the same rows for the same ``parallel.seed`` (a resumed run
+    trains on the same set). DeepSeekMath replays 10 %."""
 
 
 @dataclass
@@ -100,6 +109,7 @@ def validate_prm(cfg: PRMConfig) -> None:
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
+    _validate_replay(cfg.data)
     if not cfg.prm.step_tag:
         raise ConfigError("prm.step_tag must be a non-empty string")
     for key in ("total_steps", "batch_size"):
@@ -108,3 +118,14 @@ def validate_prm(cfg: PRMConfig) -> None:
     for key in ("save_before_seconds", "time_limit_seconds"):
         if getattr(cfg.trainer, key) < 0:
             raise ConfigError(f"trainer.{key} must be >= 0")
+
+
+def _validate_replay(data: PRMDataConfig) -> None:
+    if not 0.0 <= data.replay_fraction <= 1.0:
+        raise ConfigError(f"data.replay_fraction={data.replay_fraction} must be in [0, 1]")
+    for path in data.replay_files:
+        if not Path(path).is_file():
+            raise ConfigError(f"data.replay_files: {path} does not exist (or is not a file)")
+        if Path(path).resolve() == Path(data.train_file).resolve():
+            raise ConfigError(f"data.replay_files holds data.train_file ({path}): its rows are all trained on "
+                              "already; list only the earlier label files")

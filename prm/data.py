@@ -28,14 +28,17 @@ Formats (``FORMATS``), one row each, as published:
 Steps are kept as written: PRM800K, stepwise and ProcessBench steps carry no separator, the step tag written after
 each one separates them (as in TRL and Qwen2.5-Math-PRM). Malformed rows name ``file:line`` and are skipped or
 raised per ``on_bad_row`` (``grpo_mega.data.prompts.BadRows``).
+
+``replay_mix`` composes a training set of fresh rows plus a replayed share of earlier ones (``data.replay_files``).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import random
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from grpo_mega.data.prompts import BadRows, read_rows
 from prm.examples import StepExample, first_error_of
@@ -325,6 +328,22 @@ def read_examples(path: str | Path, format: str, *, on_bad_row: str = "skip", **
         examples.append(example)
     bad_rows.finish(len(examples), str(path))
     return examples
+
+
+# ----------------------------------------------------------------------------- replay
+Row = TypeVar("Row")
+
+
+def replay_mix(new_rows: Sequence[Row], history_rows: Sequence[Row], fraction: float, seed: int) -> list[Row]:
+    """A training set of every new row plus ``round(fraction * len(history_rows))`` earlier rows drawn without
+    replacement, shuffled together; deterministic in ``seed`` (DeepSeekMath's iterative RL replays 10 %)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"replay fraction must be in [0, 1], got {fraction}")
+    rng = random.Random(seed)
+    replayed = rng.sample(list(history_rows), round(fraction * len(history_rows)))
+    mixed = [*new_rows, *replayed]
+    rng.shuffle(mixed)
+    return mixed
 
 
 # ----------------------------------------------------------------------------- writing

@@ -1,12 +1,13 @@
 """The PRM's side of iterative RL (DeepSeekMath, Algorithm 1): between GRPO iterations the PRM is trained on, the
 current policy's solutions get fresh Monte-Carlo labels, and the PRM continues training from its last checkpoint on
 those labels plus a replay of a fraction (10 %) of the earlier labels. ``grpo-mega quickstart`` runs it between the
-iterations of its process-supervised arm (``QuickstartPlan.iterations``).
+iterations of its process-supervised arm (``QuickstartPlan.iterations``). The replay is ``grpo-mega prm train``'s own
+``data.replay_files`` / ``data.replay_fraction`` (``prm.train.training_examples``), the options a cluster user passes.
 """
 
 from __future__ import annotations
 
-import random
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -30,16 +31,6 @@ class RefreshPlan:
             raise ValueError(f"RefreshPlan.replay_fraction must be in [0, 1], got {self.replay_fraction}")
 
 
-def replay_mix(new_rows: Sequence[str], history_rows: Sequence[str], fraction: float, seed: int) -> list[str]:
-    """The next PRM training set: every new row plus ``round(fraction * len(history_rows))`` earlier rows drawn
-    without replacement, shuffled together; deterministic in ``seed``."""
-    rng = random.Random(seed)
-    replayed = rng.sample(list(history_rows), round(fraction * len(history_rows)))
-    mixed = [*new_rows, *replayed]
-    rng.shuffle(mixed)
-    return mixed
-
-
 def prompt_window(prompts_file: Path, start: int, count: int, out: Path) -> Path:
     """Rows ``start .. start + count`` of a jsonl prompt file (wrapping around at its end) written to ``out``: each
     refresh labels prompts the earlier ones did not."""
@@ -49,6 +40,13 @@ def prompt_window(prompts_file: Path, start: int, count: int, out: Path) -> Path
     window = [rows[(start + offset) % len(rows)] for offset in range(min(count, len(rows)))]
     out.write_text("".join(row + "\n" for row in window), encoding="utf-8")
     return out
+
+
+def replay_overrides(history: Sequence[Path], fraction: float) -> list[str]:
+    """The ``grpo-mega prm train`` overrides that replay ``fraction`` of the rows of the ``history`` label files
+    (``data.replay_files``, ``data.replay_fraction``; the list as JSON, which the override parser reads as YAML, so
+    paths with spaces or commas survive)."""
+    return [f"data.replay_files={json.dumps([str(path) for path in history])}", f"data.replay_fraction={fraction}"]
 
 
 def refresh_prm(*, model_dir: Path, policy_weights: Path, prompts_file: Path, previous_prm: Path,
@@ -63,13 +61,8 @@ def refresh_prm(*, model_dir: Path, policy_weights: Path, prompts_file: Path, pr
     labels = out_dir / f"prm_labels_iter{iteration}.jsonl"
     seconds = {"label": label_stage(policy_weights, prompts, labels, plan, seed=seed + iteration,
                                     log=out_dir / f"prm_label_iter{iteration}.log", show=show)}
-    history_rows = [row for path in history for row in Path(path).read_text(encoding="utf-8").splitlines() if row]
-    new_rows = [row for row in labels.read_text(encoding="utf-8").splitlines() if row]
-    mixed = out_dir / f"prm_train_iter{iteration}.jsonl"
-    rows = replay_mix(new_rows, history_rows, refresh.replay_fraction, seed + iteration)
-    mixed.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
     prm_dir = out_dir / f"prm_iter{iteration}"
-    seconds["train"] = train_stage(model_dir, previous_prm, mixed, prm_dir, plan, seed=seed + iteration,
+    seconds["train"] = train_stage(model_dir, previous_prm, labels, prm_dir, plan, seed=seed + iteration,
                                    steps=refresh.train_steps, log=out_dir / f"prm_train_iter{iteration}.log",
-                                   show=show)
+                                   show=show, overrides=replay_overrides(history, refresh.replay_fraction))
     return prm_dir, labels, seconds

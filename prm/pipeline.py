@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
 
@@ -80,12 +81,13 @@ def label_stage(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPl
 
 
 def train_stage(model_dir: Path, init_from: Path, labels: Path, prm_dir: Path, plan: PRMPlan, *, seed: int,
-                steps: int, log: Path, show: bool = True) -> float:
+                steps: int, log: Path, show: bool = True, overrides: Sequence[str] = ()) -> float:
     """``grpo-mega prm train`` (configs/quickstart_prm.yaml) for ``steps`` steps from ``init_from`` (a policy: a new
-    classifier head on its backbone; a PRM run: its backbone and head) on ``labels``; returns wall seconds."""
+    classifier head on its backbone; a PRM run: its backbone and head) on ``labels``, with more ``key=value``
+    ``overrides`` last (e.g. ``data.replay_files=[...]``); returns wall seconds."""
     overrides = [f"model.hf_config={model_dir}", f"model.init_from={init_from}", f"data.train_file={labels}",
                  f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false", f"parallel.seed={seed}",
-                 f"trainer.total_steps={steps}"]
+                 f"trainer.total_steps={steps}", *overrides]
     return run_stage(
         ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), "--nproc", str(plan.nproc), *overrides],
         log,

@@ -2,7 +2,9 @@
 
 Each example is rendered once (``prm.rendering``: prompt + step_1 + tag + ...); the loss is the cross-entropy of
 the head's good/bad distribution at every step's tag against the step's label (hard 0/1, or the Monte-Carlo
-fraction with ``data.labels: soft``), averaged over all steps of the global batch. TP / PP / DP, checkpoints and
+fraction with ``data.labels: soft``), averaged over all steps of the global batch. The training rows are those of
+``data.train_file`` plus, for iterative RL, a replayed share of earlier label files (``data.replay_files``,
+``data.replay_fraction``). TP / PP / DP, checkpoints and
 exact resume, metrics and the progress bar are the policy trainer's. SIGTERM / SIGUSR1 / SIGUSR2 (a scheduler's
 warning before preemption or the time limit) make every rank save the step in flight and stop with
 ``StoppedEarly`` (``grpo_mega.run_control``); the same command resumes from that checkpoint.
@@ -120,8 +122,14 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     # Data first: a bad file fails in seconds, before the model is built.
     settings = RenderSettings(step_tag=cfg.prm.step_tag, chat_template=cfg.prm.chat_template,
                               system_prompt=cfg.prm.system_prompt)
-    train_set = _render_file(cfg, cfg.data.train_file, tokenizer, settings)
-    eval_set = _render_file(cfg, cfg.data.eval_file, tokenizer, settings) if cfg.data.eval_file else None
+    examples, replayed, history = training_examples(cfg)
+    if cfg.data.replay_files and is_rank0:
+        logger.info("training set: %d rows of %s plus %d replayed of the %d rows of data.replay_files "
+                    "(data.replay_fraction=%g)", len(examples) - replayed, cfg.data.train_file, replayed, history,
+                    cfg.data.replay_fraction)
+    train_set = _render(cfg, examples, tokenizer, settings, source=_training_source(cfg))
+    eval_set = (_render(cfg, _read(cfg, cfg.data.eval_file), tokenizer, settings, source=cfg.data.eval_file)
+                if cfg.data.eval_file else None)
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
@@ -169,13 +177,36 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     return final if final is not None else checkpoints.find_resume("auto")
 
 
-def _render_file(cfg: PRMConfig, path: str, tokenizer, settings: RenderSettings):
+def training_examples(cfg: PRMConfig) -> tuple[list[StepExample], int, int]:
+    """The rows to train on: every row of ``data.train_file`` plus ``round(data.replay_fraction * N)`` of the N rows
+    of ``data.replay_files``, drawn and shuffled with ``parallel.seed`` (``prm.data.replay_mix``), so a resumed run
+    trains on the same set in the same order. Returns (rows, replayed rows, N)."""
+    from prm.data import replay_mix
+
+    new = _read(cfg, cfg.data.train_file)
+    if not cfg.data.replay_files:
+        return new, 0, 0
+    history = [example for path in cfg.data.replay_files for example in _read(cfg, path)]
+    mixed = replay_mix(new, history, cfg.data.replay_fraction, cfg.parallel.seed)
+    return mixed, len(mixed) - len(new), len(history)
+
+
+def _training_source(cfg: PRMConfig) -> str:
+    if not cfg.data.replay_files:
+        return str(cfg.data.train_file)
+    return f"{cfg.data.train_file} with replay from {', '.join(map(str, cfg.data.replay_files))}"
+
+
+def _read(cfg: PRMConfig, path: str) -> list[StepExample]:
     from prm.data import read_examples
 
     options = {"neutral_is_good": cfg.data.neutral_is_good} if cfg.data.format in ("prm800k", "auto") else {}
-    examples = read_examples(path, cfg.data.format, on_bad_row=cfg.data.on_bad_row, **options)
+    return read_examples(path, cfg.data.format, on_bad_row=cfg.data.on_bad_row, **options)
+
+
+def _render(cfg: PRMConfig, examples: list[StepExample], tokenizer, settings: RenderSettings, *, source: str):
     return render_training_set(examples, tokenizer, settings, labels=cfg.data.labels, max_length=cfg.data.max_length,
-                               policy=cfg.data.on_bad_row, source=str(path))
+                               policy=cfg.data.on_bad_row, source=source)
 
 
 def _prm_hf_config(cfg: PRMConfig, run_dir: Path) -> Path:

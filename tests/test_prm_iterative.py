@@ -1,9 +1,11 @@
-"""The PRM refresh of iterative RL: the replay mix and the windows of fresh prompts (the whole refresh runs in
-tests/test_quickstart_e2e.py)."""
+"""The PRM refresh of iterative RL: the replay mix (``prm.data.replay_mix``, what ``data.replay_files`` trains on)
+and the windows of fresh prompts (the whole refresh runs in tests/test_quickstart_e2e.py; the replay option in
+tests/test_prm_replay.py)."""
 
 import pytest
 
-from prm.iterative import RefreshPlan, prompt_window, replay_mix
+from prm.data import replay_mix
+from prm.iterative import RefreshPlan, prompt_window
 
 
 def test_replay_mix_keeps_every_new_row_and_a_fraction_of_the_history():
@@ -18,6 +20,8 @@ def test_replay_mix_keeps_every_new_row_and_a_fraction_of_the_history():
     assert mixed != replay_mix(new, history, 0.1, seed=4)
     assert sorted(replay_mix(new, [], 0.1, seed=0)) == sorted(new)
     assert len(replay_mix(new, history, 0.0, seed=0)) == 5
+    with pytest.raises(ValueError, match="replay fraction"):
+        replay_mix(new, history, 1.5, seed=0)
 
 
 def test_prompt_windows_move_on_and_wrap_around(tmp_path):
