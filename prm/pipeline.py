@@ -85,11 +85,11 @@ def train_stage(model_dir: Path, init_from: Path, labels: Path, prm_dir: Path, p
     """``grpo-mega prm train`` (configs/quickstart_prm.yaml) for ``steps`` steps from ``init_from`` (a policy: a new
     classifier head on its backbone; a PRM run: its backbone and head) on ``labels``, with more ``key=value``
     ``overrides`` last (e.g. ``data.replay_files=[...]``); returns wall seconds."""
-    overrides = [f"model.hf_config={model_dir}", f"model.init_from={init_from}", f"data.train_file={labels}",
-                 f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false", f"parallel.seed={seed}",
-                 f"trainer.total_steps={steps}", *overrides]
+    settings = [f"model.hf_config={model_dir}", f"model.init_from={init_from}", f"data.train_file={labels}",
+                f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false", f"parallel.seed={seed}",
+                f"trainer.total_steps={steps}", *overrides]
     return run_stage(
-        ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), "--nproc", str(plan.nproc), *overrides],
+        ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), "--nproc", str(plan.nproc), *settings],
         log,
         StageProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=steps,
                       metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
