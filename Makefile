@@ -29,8 +29,10 @@ demo: $(STAMP)
 
 # Two pytest workers, each taking whole test files (module fixtures and the SLURM cluster stay on one worker):
 # most tests wait on process start-up, gloo or sbatch part of the time, so two files at once fill both cores.
+# DeepSpeed JIT-builds its CPU ops into TORCH_EXTENSIONS_DIR: one folder per venv, so a second checkout's venv does not
+# rebuild over (and, if killed mid-build, leave a stale lock in) the folder another venv uses.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -m pytest -q -n 2 --dist loadfile
 
 # `make bench`: four benchmarks in turn, each printing its table and writing its JSON record under bench/results/
 # (path printed last); the `bench` extra adds trl. About 25 min on 2 idle cores in all (estimated from the parts):
