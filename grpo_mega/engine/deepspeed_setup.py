@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+STALE_LOCK_SECONDS = 600
+"""A DeepSpeed op build's lock older than this is taken for one left by a killed build."""
 
 INSTALL_HINT = "pip install 'grpo-mega[deepspeed]' (or pip install deepspeed)"
 
@@ -19,6 +26,7 @@ def import_deepspeed(device: torch.device):
     the environment already names one). Raises ImportError with the install command when it is not installed."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warn_stale_build_locks()
     try:
         import deepspeed
     except ImportError as error:
@@ -32,6 +40,26 @@ def import_deepspeed(device: torch.device):
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     return deepspeed
+
+
+def warn_stale_build_locks(now: float | None = None) -> list[Path]:
+    """Warn about (and return) DeepSpeed op build locks older than ``STALE_LOCK_SECONDS``.
+
+    DeepSpeed JIT-builds its CPU ops (e.g. ``deepspeed_shm_comm``) into torch's extension folder
+    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a ``lock`` file; a build killed midway
+    leaves the lock, and every later DeepSpeed job then waits on it forever without a word. A build takes a minute or
+    two, so an older lock is named here with the command that clears it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    stale = [lock for lock in sorted(root.glob("*/deepspeed_*/lock"))
+             if now - lock.stat().st_mtime > STALE_LOCK_SECONDS]
+    for lock in stale:
+        age = (now - lock.stat().st_mtime) / 60
+        logger.warning("DeepSpeed op build lock %s is %.0f minutes old: a killed build leaves it, and DeepSpeed then "
+                       "waits on it forever; if no build is running, remove it (rm %s)", lock, age, lock)
+    return stale
 
 
 def deepspeed_config(settings, *, clip_grad: float, device: torch.device, world_size: int, train: bool) -> dict:
