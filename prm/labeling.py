@@ -324,6 +324,9 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a verifier call that fails: stop (raise) or count it as incorrect (zero)")
     parser.add_argument("--step-pattern", default=None, help="regex ending each step (default: the synthetic "
                         "task's steps for its rows, else a blank line)")
+    parser.add_argument("--perturb-fraction", type=float, default=0.0, help="error injection (prm/perturb.py): "
+                        "share of the sampled solutions that also get a copy with one number changed in one step, "
+                        "finished by the policy and labelled like the others (default 0: none)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--generation-batch-size", type=int, default=64, help="prompts per generate call")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the engine that loads a checkpoint")
@@ -380,6 +383,7 @@ def run_label(args: argparse.Namespace) -> Path:
     from grpo_mega.parallel import destroy_distributed, init_distributed
     from grpo_mega.reward import get_reward_function
     from prm.data import write_stepwise
+    from prm.perturb import perturbed_solutions, plan_perturbations
 
     for name in ("n", "samples_per_prompt", "max_new_tokens", "generation_batch_size", "tp", "prompt_length"):
         if getattr(args, name) < 1:
@@ -387,6 +391,7 @@ def run_label(args: argparse.Namespace) -> Path:
     if args.max_prompts is not None and args.max_prompts < 1:
         raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
     reward_fn = get_reward_function(args.reward)
+    plan_perturbations([], args.perturb_fraction, 0)  # checks the fraction before any work
     out = Path(args.out)
     started = time.perf_counter()
     init_distributed(args.tp, 1, seed=args.seed, device=args.device)
@@ -401,12 +406,17 @@ def run_label(args: argparse.Namespace) -> Path:
         loaded = time.perf_counter()
         solutions = sample_solutions(policy.engine, records, samples_per_prompt=args.samples_per_prompt,
                                      sampling=sampling, step_pattern=step_pattern, seed=derive_seed(args.seed, 0))
+        plans = plan_perturbations([item.steps for item in solutions.items], args.perturb_fraction,
+                                   derive_seed(args.seed, 2))
+        items = solutions.items + perturbed_solutions(
+            policy.engine, policy.tokenizer, solutions.items, plans, sampling=sampling, step_pattern=step_pattern,
+            seed=derive_seed(args.seed, 3))
         sampled = time.perf_counter()
-        examples = monte_carlo_labels(policy.engine, policy.tokenizer, solutions.items, n=args.n, sampling=sampling,
+        examples = monte_carlo_labels(policy.engine, policy.tokenizer, items, n=args.n, sampling=sampling,
                                       reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
                                       on_error=args.on_reward_error)
         labelled = time.perf_counter()
-        for item, example in zip(solutions.items, examples):
+        for item, example in zip(items, examples):
             truth = true_labels_of(item.extra, item.steps, item.source)
             if truth is not None:
                 example.extra["true_labels"] = truth
@@ -416,10 +426,14 @@ def run_label(args: argparse.Namespace) -> Path:
             "solutions": len(examples),
             "dropped_empty_solutions": solutions.dropped_empty,
             "steps": steps,
-            "generations": len(records) * args.samples_per_prompt + (steps - len(examples)) * args.n,
-            "solution_accuracy": sum(is_correct(e.extra["outcome"]) for e in examples) / max(len(examples), 1),
+            "perturbed_solutions": len(plans),
+            "generations": len(records) * args.samples_per_prompt + len(plans) + (steps - len(examples)) * args.n,
+            # the policy's own solutions only (the perturbed copies follow them)
+            "solution_accuracy": sum(is_correct(e.extra["outcome"]) for e in examples[: len(solutions.items)])
+            / max(len(solutions.items), 1),
             "good_label_fraction": sum(map(sum, (e.labels for e in examples))) / max(steps, 1),
             "n": args.n, "samples_per_prompt": args.samples_per_prompt, "temperature": args.temperature,
+            "perturb_fraction": args.perturb_fraction,
             "step_pattern": step_pattern, "reward": args.reward, "policy": str(args.policy),
             "policy_format": policy.weights_format,
             "world_size": dist.get_world_size(),

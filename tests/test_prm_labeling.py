@@ -136,6 +136,33 @@ def test_prefix_token_ids_are_the_prompt_ids_then_the_prefix_text_without_specia
     assert tokenizer.decode(ids[3:]) == " Step 1: 2 + 3 = 5. Step 2: 5 * 2 = 10."
 
 
+def test_perturbed_copies_keep_the_prefix_change_one_step_and_let_the_policy_finish(tiny_policy):
+    from grpo_mega.data.step_split import SYNTHETIC_STEP_PATTERN
+    from grpo_mega.rollout.hf_engine import HFRolloutEngine
+    from prm.perturb import Perturbation, perturbed_solutions
+
+    policy_dir, _ = tiny_policy
+    engine = HFRolloutEngine.from_pretrained(policy_dir, policy_dir, generation_batch_size=2)
+    prompt = "Q: Start with 7. Add 5. Double. A:"
+    ids = engine.tokenizer(prompt)["input_ids"]
+    steps = [" Step 1: 7 + 5 = 12.", " Step 2: 12 * 2 = 24.", " The answer is 24."]
+    items = [LabelItem(prompt, ids, steps, "24", extra={"k": 1}, source="train.jsonl:1#0")]
+    plans = [Perturbation(0, 0, " Step 1: 7 + 5 = 13."), Perturbation(0, 1, " Step 2: 12 * 2 = 20.")]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    copies = perturbed_solutions(engine, engine.tokenizer, items, plans, sampling=sampling,
+                                 step_pattern=SYNTHETIC_STEP_PATTERN, seed=4)
+    assert [c.source for c in copies] == ["train.jsonl:1#0~perturbed@1", "train.jsonl:1#0~perturbed@2"]
+    assert copies[0].steps[0] == " Step 1: 7 + 5 = 13."
+    assert copies[1].steps[:2] == [" Step 1: 7 + 5 = 12.", " Step 2: 12 * 2 = 20."]
+    for copy, plan in zip(copies, plans):
+        assert (copy.prompt, copy.prompt_ids, copy.answer, copy.extra) == (prompt, ids, "24", {"k": 1})
+        assert len(copy.steps) > plan.step + 1  # the policy wrote more (8 tokens of a random model's text)
+        assert all(copy.steps)
+    again = perturbed_solutions(engine, engine.tokenizer, items, plans, sampling=sampling,
+                                step_pattern=SYNTHETIC_STEP_PATTERN, seed=4)
+    assert [c.steps for c in again] == [c.steps for c in copies]
+
+
 # ----------------------------------------------------------------------------- run_label end to end
 def even_length_reward(prompt, completion, answer, **extra):
     """A verifier whose verdict on a random model's text is predictable from the text: even length is correct."""
