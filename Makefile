@@ -35,7 +35,7 @@ test: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -m pytest -q -n 2 --dist loadfile
 
 # `make bench`: four benchmarks in turn, each printing its table and writing its JSON record under bench/results/
-# (path printed last); the `bench` extra adds trl. About 25 min on 2 idle cores in all (estimated from the parts):
+# (path printed last); the `bench` extra adds trl. 30 min on 2 idle cores in all (1,773 s measured 2026-11-23):
 #   bench/grpo_vs_trl.py      grpo-mega vs TRL's GRPOTrainer on the same CPU workload, and the matmul peak (3M, 25M)
 #   bench/grpo_scaling.py     our GRPO step against layout, G, response length and model size; weight-sync s and bytes
 #   bench/prm_scoring.py      PRM scoring steps/s on 1 and 2 processes
