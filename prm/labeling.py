@@ -383,7 +383,7 @@ def run_label(args: argparse.Namespace) -> Path:
     from grpo_mega.parallel import destroy_distributed, init_distributed
     from grpo_mega.reward import get_reward_function
     from prm.data import write_stepwise
-    from prm.perturb import perturbed_solutions, plan_perturbations
+    from prm.perturb import check_fraction, perturbed_solutions, plan_perturbations
 
     for name in ("n", "samples_per_prompt", "max_new_tokens", "generation_batch_size", "tp", "prompt_length"):
         if getattr(args, name) < 1:
@@ -391,7 +391,7 @@ def run_label(args: argparse.Namespace) -> Path:
     if args.max_prompts is not None and args.max_prompts < 1:
         raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
     reward_fn = get_reward_function(args.reward)
-    plan_perturbations([], args.perturb_fraction, 0)  # checks the fraction before any work
+    check_fraction(args.perturb_fraction)
     out = Path(args.out)
     started = time.perf_counter()
     init_distributed(args.tp, 1, seed=args.seed, device=args.device)

@@ -49,11 +49,16 @@ def change_last_number(step: str, rng: random.Random) -> str | None:
     return step[: last.start()] + str(rng.choice(choices)) + step[last.end():]
 
 
+def check_fraction(fraction: float) -> None:
+    """Raise ValueError naming ``--perturb-fraction`` unless ``fraction`` is in [0, 1]."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--perturb-fraction must be in [0, 1], got {fraction}")
+
+
 def plan_perturbations(step_lists: Sequence[Sequence[str]], fraction: float, seed: int) -> list[Perturbation]:
     """Which solutions get a perturbed copy, and where (see the module docstring). ``step_lists[i]``: the steps
     of solution i. A solution drawn whose steps before the last hold no number gets no copy."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"--perturb-fraction must be in [0, 1], got {fraction}")
+    check_fraction(fraction)
     rng = random.Random(seed)
     plans = []
     for index, steps in enumerate(step_lists):

@@ -42,7 +42,7 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
-def warn_stale_build_locks(now: float | None = None) -> list[Path]:
+def warn_stale_build_locks() -> list[Path]:
     """Warn about (and return) DeepSpeed op build locks older than ``STALE_LOCK_SECONDS``.
 
     DeepSpeed JIT-builds its CPU ops (e.g. ``deepspeed_shm_comm``) into torch's extension folder
@@ -52,13 +52,12 @@ def warn_stale_build_locks(now: float | None = None) -> list[Path]:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    now = time.time() if now is None else now
-    stale = [lock for lock in sorted(root.glob("*/deepspeed_*/lock"))
-             if now - lock.stat().st_mtime > STALE_LOCK_SECONDS]
+    now = time.time()
+    ages = {lock: now - lock.stat().st_mtime for lock in sorted(root.glob("*/deepspeed_*/lock"))}
+    stale = [lock for lock, age in ages.items() if age > STALE_LOCK_SECONDS]
     for lock in stale:
-        age = (now - lock.stat().st_mtime) / 60
         logger.warning("DeepSpeed op build lock %s is %.0f minutes old: a killed build leaves it, and DeepSpeed then "
-                       "waits on it forever; if no build is running, remove it (rm %s)", lock, age, lock)
+                       "waits on it forever; if no build is running, remove it (rm %s)", lock, ages[lock] / 60, lock)
     return stale
 
 
