@@ -1,5 +1,11 @@
 """The Megatron engine: one GRPO optimizer step is the same at every TP / PP / DP layout and micro-batch size,
-also for a batch with fewer rows than data-parallel ranks."""
+also for a batch with fewer rows than data-parallel ranks.
+
+Every spawned process pays ~10 s of imports (torch, megatron, transformers) before any work, so the file's work runs
+in two jobs (module fixtures): one process for the reference weights and everything at world size 1, then two
+processes that switch layout in place (destroy_model_parallel / init_model_parallel, as a job that loads a
+checkpoint at one layout and uses it at another does) for everything at world size 2. Each test asserts on its part
+of the results."""
 
 import pytest
 import torch
@@ -58,83 +64,23 @@ def _grpo_step(engine, ref_dir, out_dir=None):
     return metrics
 
 
-def _make_reference(ref_dir):
-    from grpo_mega.parallel import init_distributed
+def _switch_layout(tp, pp):
+    from grpo_mega.parallel import destroy_model_parallel, init_model_parallel
 
-    init_distributed(1, 1, seed=7, device="cpu")
-    _engine(1000).save_model_weights(ref_dir)
-
-
-def _step_at_layout(tp, pp, ref_dir, out_dir):
-    from grpo_mega.parallel import init_distributed
-
-    init_distributed(tp, pp, seed=7, device="cpu")
-    # budget 24 tokens: micro-batches of 1-3 rows of different padded lengths
-    return _grpo_step(_engine(24), ref_dir, out_dir)
+    destroy_model_parallel()
+    init_model_parallel(tp, pp, seed=7)
 
 
-def _params_of(directories):
-    from grpo_mega.parallel import init_distributed
-
-    init_distributed(1, 1, seed=7, device="cpu")
-    engine = _engine(1000)
-    out = []
-    for directory in directories:
-        engine.load_model_weights(directory)
-        out.append({name: p.detach().clone() for name, p in engine.stage.named_parameters()})
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    ref_dir = str(tmp_path_factory.mktemp("ref"))
-    run_distributed(_make_reference, 1, ref_dir)
-    return ref_dir
-
-
-def test_one_step_equal_across_layouts(reference, tmp_path):
-    layouts = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2)}
-    metrics, dirs = {}, {}
-    for name, (tp, pp, world) in layouts.items():
-        dirs[name] = str(tmp_path / name)
-        metrics[name] = run_distributed(_step_at_layout, world, tp, pp, reference, dirs[name])
-    base = metrics["tp1"][0]
-    for name, per_rank in metrics.items():
-        for rank_metrics in per_rank:  # every rank reports the same global metrics
-            assert rank_metrics["loss"] == pytest.approx(base["loss"], abs=1e-6), name
-            assert rank_metrics["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5), name
-    params = run_distributed(_params_of, 1, [dirs[n] for n in layouts])[0]
-    start = run_distributed(_params_of, 1, [reference])[0][0]
-    moved = max((params[0][k] - start[k]).abs().max().item() for k in start)
-    assert moved > 1e-3  # the step really changed the weights
-    for name, layout_params in zip(layouts, params):
-        for key, value in layout_params.items():
-            torch.testing.assert_close(value, params[0][key], atol=1e-5, rtol=0, msg=f"{name}: {key}")
-
-
-def _loss_and_grad_for_budgets(tp, pp, ref_dir, budgets):
-    from grpo_mega.parallel import init_distributed
-
-    init_distributed(tp, pp, seed=7, device="cpu")
-    return [_grpo_step(_engine(budget), ref_dir) for budget in budgets]
-
-
-@pytest.mark.parametrize("tp, pp, world", [(1, 1, 1), (1, 2, 2)])
-def test_micro_batch_size_does_not_change_loss_or_gradient(reference, tp, pp, world):
-    # 1000 tokens: one micro-batch; 12: one row per micro-batch; 30: mixed.
-    results = run_distributed(_loss_and_grad_for_budgets, world, tp, pp, reference, [1000, 12, 30])[0]
-    whole, *split = results
-    for metrics in split:
-        assert metrics["loss"] == pytest.approx(whole["loss"], abs=1e-6)
-        assert metrics["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
-        assert metrics["actor/pg_clipfrac"] == pytest.approx(whole["actor/pg_clipfrac"], abs=1e-6)
+# budget 24 tokens: micro-batches of 1-3 rows of different padded lengths
+LAYOUT_BUDGET = 24
+# 1000 tokens: one micro-batch; 12: one row per micro-batch; 30: mixed.
+BUDGETS = [1000, 12, 30]
+# (tp, pp) of the two-process layouts of test_one_step_equal_across_layouts; tp1 is the one-process run
+TWO_RANK_LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 
 
 def _one_row_step(ref_dir, row):
-    """forward_logprobs and one GRPO step on a batch of one row, at DP = world size."""
-    from grpo_mega.parallel import init_distributed
-
-    init_distributed(1, 1, seed=7, device="cpu")
+    """forward_logprobs and one GRPO step on a batch of one row, at DP = world size (layout TP=1, PP=1)."""
     engine = _engine(1000)
     engine.load_model_weights(ref_dir)
     batch = {name: value[row : row + 1] for name, value in _batch().items()}
@@ -145,23 +91,6 @@ def _one_row_step(ref_dir, row):
     metrics = engine.train_step(batch, grpo_loss_fn(settings))
     params = {name: p.detach().clone() for name, p in engine.stage.named_parameters()}
     return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "params": params}
-
-
-def test_batch_with_fewer_rows_than_data_parallel_ranks(reference):
-    """Dynamic sampling can leave 1 row for 2 DP ranks: the rank without rows computes a padding row that adds
-    nothing, so the step equals a single-process step on that row."""
-    single = run_distributed(_one_row_step, 1, reference, 2)[0]
-    dp2 = run_distributed(_one_row_step, 2, reference, 2)
-    assert single["metrics"]["loss"] != 0.0 and single["metrics"]["grad_norm"] > 0
-    for rank in dp2:
-        torch.testing.assert_close(rank["logprobs"], single["logprobs"], atol=1e-6, rtol=0)
-        torch.testing.assert_close(rank["entropy"], single["entropy"], atol=1e-6, rtol=0)
-        assert rank["metrics"].keys() == single["metrics"].keys()
-        for name in ("loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl"):
-            assert rank["metrics"][name] == pytest.approx(single["metrics"][name], abs=1e-6), name
-        assert rank["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"], rel=1e-6)
-        for name, value in single["params"].items():
-            torch.testing.assert_close(rank["params"][name], value, atol=1e-6, rtol=0, msg=name)
 
 
 def _max_and_sum_loss(outputs, micro, scale):
@@ -175,19 +104,124 @@ def _max_and_sum_loss(outputs, micro, scale):
     return (outputs["logprobs"] * mask).sum() / scale.global_tokens, metrics
 
 
-def _metrics_at_layout(tp, pp, reference):
-    from grpo_mega.parallel import init_distributed
-
-    init_distributed(tp, pp, seed=7, device="cpu")
-    engine = _engine(24)  # several micro-batches per rank
-    engine.load_model_weights(reference)
+def _probe_step(ref_dir):
+    engine = _engine(LAYOUT_BUDGET)  # several micro-batches per rank
+    engine.load_model_weights(ref_dir)
     return engine.train_step(_batch(), _max_and_sum_loss)
 
 
+def _params_of(directories):
+    """Every parameter of each checkpoint in ``directories``, loaded at the current layout (TP=1, PP=1)."""
+    engine = _engine(1000)
+    out = []
+    for directory in directories:
+        engine.load_model_weights(directory)
+        out.append({name: p.detach().clone() for name, p in engine.stage.named_parameters()})
+    return out
+
+
+def _one_rank_job(ref_dir, tp1_dir):
+    """World size 1: save the reference weights (seeded model at TP=1 / PP=1), then from them the TP=1 step of
+    each test."""
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(1, 1, seed=7, device="cpu")
+    _engine(1000).save_model_weights(ref_dir)
+    return {
+        "layout_step": _grpo_step(_engine(LAYOUT_BUDGET), ref_dir, tp1_dir),
+        "budgets": [_grpo_step(_engine(budget), ref_dir) for budget in BUDGETS],
+        "one_row": _one_row_step(ref_dir, 2),
+    }
+
+
+def _two_rank_job(ref_dir, layout_dirs, tp1_dir):
+    """World size 2, one layout after another from the reference weights; last, every layout's saved weights
+    (and the reference) read back at TP=1 / PP=1."""
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(1, 1, seed=7, device="cpu")
+    out = {"layout_steps": {}, "probe": {}}
+    for name, (tp, pp) in TWO_RANK_LAYOUTS.items():
+        _switch_layout(tp, pp)
+        out["layout_steps"][name] = _grpo_step(_engine(LAYOUT_BUDGET), ref_dir, layout_dirs[name])
+    _switch_layout(1, 2)
+    out["budgets"] = [_grpo_step(_engine(budget), ref_dir) for budget in BUDGETS]
+    for tp, pp in ((1, 1), (1, 2)):
+        _switch_layout(tp, pp)
+        out["probe"][(tp, pp)] = _probe_step(ref_dir)
+    _switch_layout(1, 1)
+    out["one_row"] = _one_row_step(ref_dir, 2)
+    params = _params_of([ref_dir, tp1_dir, *(layout_dirs[name] for name in TWO_RANK_LAYOUTS)])
+    out["start"], out["params"] = params[0], dict(zip(["tp1", *TWO_RANK_LAYOUTS], params[1:]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """(reference weights dir, the world-size-1 job's results, the TP=1 step's saved weights dir)."""
+    root = tmp_path_factory.mktemp("one_rank")
+    ref_dir, tp1_dir = str(root / "ref"), str(root / "tp1")
+    return ref_dir, run_distributed(_one_rank_job, 1, ref_dir, tp1_dir)[0], tp1_dir
+
+
+@pytest.fixture(scope="module")
+def two_ranks(one_rank, tmp_path_factory):
+    """The world-size-2 job's results, by rank."""
+    ref_dir, _, tp1_dir = one_rank
+    root = tmp_path_factory.mktemp("two_ranks")
+    layout_dirs = {name: str(root / name) for name in TWO_RANK_LAYOUTS}
+    return run_distributed(_two_rank_job, 2, ref_dir, layout_dirs, tp1_dir)
+
+
+def test_one_step_equal_across_layouts(one_rank, two_ranks):
+    # tp1: world 1; tp2 (TP=2), pp2 (PP=2), dp2 (DP=2): world 2
+    metrics = {"tp1": [one_rank[1]["layout_step"]]}
+    metrics.update({name: [rank["layout_steps"][name] for rank in two_ranks] for name in TWO_RANK_LAYOUTS})
+    base = metrics["tp1"][0]
+    for name, per_rank in metrics.items():
+        for rank_metrics in per_rank:  # every rank reports the same global metrics
+            assert rank_metrics["loss"] == pytest.approx(base["loss"], abs=1e-6), name
+            assert rank_metrics["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5), name
+    params, start = two_ranks[0]["params"], two_ranks[0]["start"]
+    moved = max((params["tp1"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3  # the step really changed the weights
+    for name, layout_params in params.items():
+        for key, value in layout_params.items():
+            torch.testing.assert_close(value, params["tp1"][key], atol=1e-5, rtol=0, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("tp, pp, world", [(1, 1, 1), (1, 2, 2)])
+def test_micro_batch_size_does_not_change_loss_or_gradient(one_rank, two_ranks, tp, pp, world):
+    # BUDGETS: 1000 tokens, one micro-batch; 12, one row per micro-batch; 30, mixed (rank 0's results)
+    results = {(1, 1, 1): one_rank[1]["budgets"], (1, 2, 2): two_ranks[0]["budgets"]}[(tp, pp, world)]
+    whole, *split = results
+    for metrics in split:
+        assert metrics["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+        assert metrics["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+        assert metrics["actor/pg_clipfrac"] == pytest.approx(whole["actor/pg_clipfrac"], abs=1e-6)
+
+
+def test_batch_with_fewer_rows_than_data_parallel_ranks(one_rank, two_ranks):
+    """Dynamic sampling can leave 1 row for 2 DP ranks: the rank without rows computes a padding row that adds
+    nothing, so the step equals a single-process step on that row."""
+    single = one_rank[1]["one_row"]
+    dp2 = [rank["one_row"] for rank in two_ranks]
+    assert single["metrics"]["loss"] != 0.0 and single["metrics"]["grad_norm"] > 0
+    for rank in dp2:
+        torch.testing.assert_close(rank["logprobs"], single["logprobs"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(rank["entropy"], single["entropy"], atol=1e-6, rtol=0)
+        assert rank["metrics"].keys() == single["metrics"].keys()
+        for name in ("loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/ppo_kl"):
+            assert rank["metrics"][name] == pytest.approx(single["metrics"][name], abs=1e-6), name
+        assert rank["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"], rel=1e-6)
+        for name, value in single["params"].items():
+            torch.testing.assert_close(rank["params"][name], value, atol=1e-6, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("tp, pp, world", [(1, 1, 2), (1, 2, 2)])
-def test_metrics_named_max_are_maxima_over_micro_batches_and_ranks(reference, tp, pp, world):
+def test_metrics_named_max_are_maxima_over_micro_batches_and_ranks(two_ranks, tp, pp, world):
     batch = _batch()
     expected_max = float(batch["input_ids"][batch["loss_mask"].bool()].max())
-    for metrics in run_distributed(_metrics_at_layout, world, tp, pp, reference):
+    for metrics in (rank["probe"][(tp, pp)] for rank in two_ranks[:world]):
         assert metrics["probe/token_id_max"] == expected_max
         assert metrics["probe/token_share"] == pytest.approx(1.0)
