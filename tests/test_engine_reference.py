@@ -34,7 +34,24 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _reference_vs_policy(tp, pp, hf_dir, work_dir):
+LAYOUTS = [(2, 1), (1, 2)]
+
+
+def _reference_vs_policy_at_layouts(hf_dir, work_dir):
+    """``_reference_vs_policy`` at each of LAYOUTS in turn, in one job of 2 processes (a spawn costs ~10 s of
+    imports per process): megatron's groups are rebuilt for each layout; results by layout."""
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+
+    init_distributed(*LAYOUTS[0], seed=4, device="cpu")
+    results = {}
+    for tp, pp in LAYOUTS:
+        destroy_model_parallel()
+        init_model_parallel(tp, pp, seed=4)
+        results[(tp, pp)] = _reference_vs_policy(hf_dir, f"{work_dir}/tp{tp}_pp{pp}")
+    return results
+
+
+def _reference_vs_policy(hf_dir, work_dir):
     from megatron.core.distributed import DistributedDataParallel
 
     from grpo_mega.checkpoint.initial_weights import load_initial_weights
@@ -42,10 +59,8 @@ def _reference_vs_policy(tp, pp, hf_dir, work_dir):
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import ForwardEngine, TrainingEngine, build_policy_engine, build_reference_engine
-    from grpo_mega.parallel import init_distributed
     from grpo_mega.sft import sft_loss
 
-    init_distributed(tp, pp, seed=4, device="cpu")
     policy_engine = build_policy_engine(
         _hf_config(), optim=OptimConfig(lr=1e-2), total_steps=2, max_tokens_per_micro_batch=24
     )
@@ -71,8 +86,12 @@ def _reference_vs_policy(tp, pp, hf_dir, work_dir):
     compare("mcore_model")
 
     records = _Records()
-    logging.getLogger("grpo_mega.checkpoint.initial_weights").addHandler(records)
-    result["kinds"].append(load_initial_weights(reference, None))
+    logger = logging.getLogger("grpo_mega.checkpoint.initial_weights")
+    logger.addHandler(records)
+    try:
+        result["kinds"].append(load_initial_weights(reference, None))
+    finally:
+        logger.removeHandler(records)
     result["warnings"] = records.messages
     stage = reference_engine.stage
     result["requires_grad"] = [name for name, p in stage.named_parameters() if p.requires_grad]
@@ -93,9 +112,15 @@ def hf_dir(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_reference_engine_matches_policy_without_optimizer_or_gradients(hf_dir, tmp_path, tp, pp):
-    per_rank = run_distributed(_reference_vs_policy, 2, tp, pp, hf_dir, str(tmp_path))
+@pytest.fixture(scope="module")
+def layout_results(hf_dir, tmp_path_factory):
+    """Rank by rank, ``_reference_vs_policy``'s results by layout."""
+    return run_distributed(_reference_vs_policy_at_layouts, 2, hf_dir, str(tmp_path_factory.mktemp("work")))
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_reference_engine_matches_policy_without_optimizer_or_gradients(layout_results, tp, pp):
+    per_rank = [by_layout[(tp, pp)] for by_layout in layout_results]
     for result in per_rank:
         assert result["kinds"] == ["hf", "hf", "training_run", "mcore_model", "random"]
         for name, (policy_outputs, reference_outputs) in result["logprobs"].items():  # (log-probs, entropies)
