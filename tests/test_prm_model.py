@@ -230,7 +230,7 @@ def _layout(tp: int, pp: int) -> None:
     init_model_parallel(tp, pp, seed=0)
 
 
-def _scores_job(folders: dict[str, str], run_dir: str, mcore_dir: str) -> dict:
+def _scores(folders: dict[str, str], run_dir: str, mcore_dir: str) -> dict:
     """Scores of open_prm at TP=2 and PP=2 for both HF layouts; of the classifier saved as a megatron folder at TP=2
     and as a training checkpoint at DP=2 (one copy of the replicated head), both opened at PP=2."""
     import torch.distributed as dist
@@ -239,10 +239,8 @@ def _scores_job(folders: dict[str, str], run_dir: str, mcore_dir: str) -> dict:
     from grpo_mega.checkpoint import HFWeights, save_mcore_checkpoint
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import OptimConfig
-    from grpo_mega.parallel import init_distributed
     from prm.model import build_prm_engine, open_prm
 
-    init_distributed(2, 1, seed=0, device="cpu")
     results: dict = {}
     for tp, pp in ((2, 1), (1, 2)):
         _layout(tp, pp)
@@ -284,9 +282,28 @@ def hf_prms(tmp_path_factory):
             "lm_tokens": write_causal_lm(root / "lm_tokens", seed=2)}
 
 
-def test_step_scores_match_transformers_at_tp2_and_pp2(hf_prms, tmp_path):
-    results = run_distributed(_scores_job, 2, {k: str(v) for k, v in hf_prms.items()}, str(tmp_path / "run"),
-                              str(tmp_path / "mcore"))[0]
+def _two_rank_job(folders: dict[str, str], policy: str, prm_dir: str, root: str) -> dict:
+    """Both tests' work on 2 processes in one job (a spawn costs ~10 s of imports per process): the scores, then
+    the training steps; each part sets its layouts (destroy_model_parallel / init_model_parallel)."""
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(1, 1, seed=0, device="cpu")
+    return {"scores": _scores(folders, f"{root}/run", f"{root}/mcore"),
+            "training": _training(folders, policy, prm_dir, root)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(hf_prms, tmp_path_factory):
+    """The 2-process job's results by rank; its policy (a tied causal LM) and the PRM config made from it."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    policy = write_causal_lm(root / "policy", seed=3, tied=True)
+    prm_dir = prm_hf_config_from_policy(policy, root / "prm_config", "classifier")
+    return run_distributed(_two_rank_job, 2, {k: str(v) for k, v in hf_prms.items()}, str(policy), str(prm_dir),
+                           str(root))
+
+
+def test_step_scores_match_transformers_at_tp2_and_pp2(hf_prms, two_ranks):
+    results = two_ranks[0]["scores"]
     ids = {layout: batch(SPECIAL.index(default_spec(layout).step_tag.strip()))["input_ids"] for layout in hf_prms}
     expected = {layout: reference_scores(folder, layout, ids[layout]) for layout, folder in hf_prms.items()}
     for layout in hf_prms:
@@ -375,12 +392,9 @@ def _init_from_policy(policy: str, prm_dir: str, run_dir: str, mcore_dir: str) -
     return results
 
 
-def _train_job(folders: dict[str, str], policy: str, prm_dir: str, root: str) -> dict:
+def _training(folders: dict[str, str], policy: str, prm_dir: str, root: str) -> dict:
     import torch.distributed as dist
 
-    from grpo_mega.parallel import init_distributed
-
-    init_distributed(1, 1, seed=0, device="cpu")
     results: dict = {"steps": {}}
     for tp, pp in ((1, 1), (2, 1), (1, 2)):  # DP=2, TP=2, PP=2
         _layout(tp, pp)
@@ -415,11 +429,8 @@ def reference_head_grads(folder: Path) -> dict[str, torch.Tensor]:
     return {f"score.{name}": p.grad for name, p in score.named_parameters()}
 
 
-def test_training_step_is_the_same_at_tp2_and_pp2_and_init_from_policy(hf_prms, tmp_path):
-    policy = write_causal_lm(tmp_path / "policy", seed=3, tied=True)
-    prm_dir = prm_hf_config_from_policy(policy, tmp_path / "prm_config", "classifier")
-    ranks = run_distributed(_train_job, 2, {k: str(v) for k, v in hf_prms.items()}, str(policy), str(prm_dir),
-                            str(tmp_path))
+def test_training_step_is_the_same_at_tp2_and_pp2_and_init_from_policy(hf_prms, two_ranks):
+    ranks = [rank["training"] for rank in two_ranks]
     steps = ranks[0]["steps"]
     expected_head = reference_head_grads(hf_prms["classifier"])
     for layout in hf_prms:
