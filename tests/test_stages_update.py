@@ -1,6 +1,9 @@
 """The update runner on the real Megatron engine (2 gloo processes, TP=2): branches that a default run never
 takes. Several updates per step compute old log-probs first (the ratio is exactly 1 at the first mini-batch);
-the KL loss against a forward-only reference is 0 while the policy equals the reference and grows after."""
+the KL loss against a forward-only reference is 0 while the policy equals the reference and grows after.
+
+Every case runs in one job of 2 processes (module fixture ``cases``; a spawn costs ~10 s of imports per process),
+each from freshly seeded groups and its own engines."""
 
 import pytest
 import torch
@@ -48,10 +51,8 @@ class _Timer:
 def _run_updates(algorithm_overrides: dict, steps: int, weights_dir: str):
     from grpo_mega.config import AlgorithmConfig, OptimConfig
     from grpo_mega.engine import build_policy_engine, build_reference_engine
-    from grpo_mega.parallel import init_distributed
     from grpo_mega.stages import UpdateRunner
 
-    init_distributed(2, 1, seed=3, device="cpu")
     algorithm = AlgorithmConfig(num_return_sequences_in_group=G, rollout_batch_size=4, response_length=9,
                                 **algorithm_overrides)
     policy = build_policy_engine(_hf_config(), optim=OptimConfig(lr=1e-2), total_steps=steps,
@@ -80,8 +81,37 @@ def _run_updates(algorithm_overrides: dict, steps: int, weights_dir: str):
     return {"steps": results, "updates": records}
 
 
-def test_ppo_epochs_with_mini_batches_compute_old_logprobs_and_start_at_ratio_one(tmp_path):
-    out = run_distributed(_run_updates, 2, {"ppo_epochs": 2, "mini_batch_size": 2}, 1, str(tmp_path))[0]
+KL_ESTIMATORS = ["k1", "k2", "k3"]
+# name: (algorithm overrides, steps)
+CASES = {
+    "ppo_epochs": ({"ppo_epochs": 2, "mini_batch_size": 2}, 1),
+    "on_policy": ({}, 1),
+    **{f"kl_{estimator}": ({"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_estimator": estimator}, 3)
+       for estimator in KL_ESTIMATORS},
+}
+
+
+def _run_cases(root: str) -> dict:
+    """``_run_updates`` for every case of CASES at TP=2, megatron's groups rebuilt (and reseeded) before each."""
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+
+    init_distributed(2, 1, seed=3, device="cpu")
+    results = {}
+    for name, (overrides, steps) in CASES.items():
+        destroy_model_parallel()
+        init_model_parallel(2, 1, seed=3)
+        results[name] = _run_updates(overrides, steps, f"{root}/{name}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Rank 0's results of every case, by name."""
+    return run_distributed(_run_cases, 2, str(tmp_path_factory.mktemp("cases")))[0]
+
+
+def test_ppo_epochs_with_mini_batches_compute_old_logprobs_and_start_at_ratio_one(cases):
+    out = cases["ppo_epochs"]
     step = out["steps"][0]
     assert step["has_old"] and "old_logprob" in step["phases"]
     assert step["metrics"]["actor/optimizer_steps"] == 4  # 2 epochs x 2 mini-batches of 2 groups
@@ -92,17 +122,16 @@ def test_ppo_epochs_with_mini_batches_compute_old_logprobs_and_start_at_ratio_on
     assert "rollout/logprob_diff_mean" in step["metrics"]
 
 
-def test_one_update_per_step_is_on_policy_without_an_old_logprob_pass(tmp_path):
-    out = run_distributed(_run_updates, 2, {}, 1, str(tmp_path))[0]
+def test_one_update_per_step_is_on_policy_without_an_old_logprob_pass(cases):
+    out = cases["on_policy"]
     step = out["steps"][0]
     assert not step["has_old"] and "old_logprob" not in step["phases"]
     assert step["metrics"]["actor/optimizer_steps"] == 1 and step["metrics"]["actor/ppo_kl"] == 0.0
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-def test_kl_loss_is_zero_while_policy_equals_reference_and_grows_after(tmp_path, estimator):
-    overrides = {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_estimator": estimator}
-    out = run_distributed(_run_updates, 2, overrides, 3, str(tmp_path))[0]
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_loss_is_zero_while_policy_equals_reference_and_grows_after(cases, estimator):
+    out = cases[f"kl_{estimator}"]
     kl = [s["metrics"]["actor/kl_loss"] for s in out["steps"]]
     assert all("ref" in s["phases"] for s in out["steps"])
     assert abs(kl[0]) < 1e-6  # step one: the reference is the policy
