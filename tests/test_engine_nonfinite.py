@@ -1,8 +1,11 @@
 """A NaN / Inf loss or gradient norm stops the step before the optimizer applies anything: NonFiniteError on
-every rank, parameters bit-identical, optimizer state untouched (the next good step equals a fresh engine's)."""
+every rank, parameters bit-identical, optimizer state untouched (the next good step equals a fresh engine's).
+Both layouts (TP=2, DP=2) run in one job of 2 processes (module fixture ``by_tp``: a spawn costs ~10 s of imports
+per process)."""
 
 import math
 
+import pytest
 import torch
 
 from dist_utils import run_distributed, tiny_qwen2_config
@@ -49,10 +52,11 @@ def _nonfinite_steps(tp):
     """At TP=tp (DP = 2 / tp): two non-finite steps, then a good one; a twin with the same weights takes only
     the good one."""
     from grpo_mega.engine import NonFiniteError
-    from grpo_mega.parallel import init_distributed
+    from grpo_mega.parallel import destroy_model_parallel, init_model_parallel
     from grpo_mega.sft import sft_loss
 
-    init_distributed(tp, 1, seed=9, device="cpu")
+    destroy_model_parallel()
+    init_model_parallel(tp, 1, seed=9)
     engine = _engine()
     twin = _engine()
     twin.load_model_state_dict(engine.stage.state_dict())
@@ -96,9 +100,26 @@ def _check(per_rank):
         assert result["steps_done_after_good"] == 1
 
 
-def test_non_finite_step_raises_on_every_rank_and_changes_nothing_tp2():
-    _check(run_distributed(_nonfinite_steps, 2, 2))
+TENSOR_PARALLEL = (2, 1)  # TP=2; TP=1, DP=2
 
 
-def test_non_finite_step_raises_on_every_rank_and_changes_nothing_dp2():
-    _check(run_distributed(_nonfinite_steps, 2, 1))
+def _nonfinite_steps_at_each_tp():
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(TENSOR_PARALLEL[0], 1, seed=9, device="cpu")
+    return {tp: _nonfinite_steps(tp) for tp in TENSOR_PARALLEL}
+
+
+@pytest.fixture(scope="module")
+def by_tp():
+    """Every rank's results of ``_nonfinite_steps``, by TP."""
+    per_rank = run_distributed(_nonfinite_steps_at_each_tp, 2)
+    return {tp: [rank[tp] for rank in per_rank] for tp in TENSOR_PARALLEL}
+
+
+def test_non_finite_step_raises_on_every_rank_and_changes_nothing_tp2(by_tp):
+    _check(by_tp[2])
+
+
+def test_non_finite_step_raises_on_every_rank_and_changes_nothing_dp2(by_tp):
+    _check(by_tp[1])

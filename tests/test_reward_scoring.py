@@ -22,7 +22,12 @@ def rank_dependent_flaky_reward(prompt, completion, answer):
     return float(len(completion)) + 100.0 * rank
 
 
-def _score_on_every_rank(on_error):
+ON_ERROR = ("zero", "raise")
+
+
+def _score_on_every_rank():
+    """Each ``on_error`` mode of ON_ERROR in turn, in one job (a spawn costs seconds of imports per process): the
+    scores (or the error) of each, by mode."""
     import torch.distributed as dist
 
     from grpo_mega.parallel import destroy_distributed, init_distributed
@@ -30,18 +35,28 @@ def _score_on_every_rank(on_error):
 
     init_distributed(1, 1, seed=0, device="cpu")
     completions = [f"c{'x' * i}{i}" for i in range(7)]
-    try:
-        results = score_across_ranks(rank_dependent_flaky_reward, ["p"] * 7, completions, ["a"] * 7, on_error=on_error)
-        outcome = [(r.score, r.failed) for r in results]
-    except RewardError as error:
-        outcome = f"RewardError: {error}"
-    dist.barrier()
+    outcomes = {}
+    for on_error in ON_ERROR:
+        try:
+            results = score_across_ranks(rank_dependent_flaky_reward, ["p"] * 7, completions, ["a"] * 7,
+                                         on_error=on_error)
+            outcomes[on_error] = [(r.score, r.failed) for r in results]
+        except RewardError as error:
+            outcomes[on_error] = f"RewardError: {error}"
+        dist.barrier()
     destroy_distributed()
-    return outcome
+    return outcomes
 
 
-def test_every_rank_gets_the_same_rewards_each_scored_once():
-    per_rank = run_distributed(_score_on_every_rank, 2, "zero")
+@pytest.fixture(scope="module")
+def by_mode():
+    """Every rank's outcome, by ``on_error`` mode."""
+    per_rank = run_distributed(_score_on_every_rank, 2)
+    return {mode: [rank[mode] for rank in per_rank] for mode in ON_ERROR}
+
+
+def test_every_rank_gets_the_same_rewards_each_scored_once(by_mode):
+    per_rank = by_mode["zero"]
     assert per_rank[0] == per_rank[1]
     # sample i is scored by rank i % 2 only (rank 1 adds 100); sample 3 raised on rank 1 and scores 0
     expected = [(float(len(f"c{'x' * i}{i}")) + 100.0 * (i % 2), False) for i in range(7)]
@@ -49,8 +64,8 @@ def test_every_rank_gets_the_same_rewards_each_scored_once():
     assert per_rank[0] == expected
 
 
-def test_on_error_raise_stops_every_rank_with_the_same_error():
-    per_rank = run_distributed(_score_on_every_rank, 2, "raise")
+def test_on_error_raise_stops_every_rank_with_the_same_error(by_mode):
+    per_rank = by_mode["raise"]
     assert per_rank[0] == per_rank[1]
     assert per_rank[0].startswith("RewardError") and "sample 3" in per_rank[0] and "timed out" in per_rank[0]
 
