@@ -2,8 +2,8 @@
 weights; ZeRO-3 trains, resumes exactly through the trainer's checkpoints and exports an HF folder that transformers
 loads with the engine's log-probs; a non-finite step changes nothing; bad configs fail naming the field.
 
-Two spawns of 2 gloo processes (DeepSpeed's CPU accelerator) keep the file well under a minute of work on top of
-the interpreter start-ups."""
+One spawn of 2 gloo processes (DeepSpeed's CPU accelerator; module fixture ``ranks``) runs the ZeRO-2 and the ZeRO-3
+work in turn: each process pays its interpreter start-up (torch, megatron, deepspeed, transformers) once."""
 
 import importlib.util
 import math
@@ -76,9 +76,7 @@ def _zero2_and_megatron_step(hf_dir):
     from grpo_mega.config import DeepSpeedConfig
     from grpo_mega.engine import build_policy_engine, build_reference_engine
     from grpo_mega.engine.base import NonFiniteError
-    from grpo_mega.parallel import init_distributed
 
-    init_distributed(1, 1, seed=7, device="cpu")
     hf_config = AutoConfig.from_pretrained(hf_dir)
     megatron = build_policy_engine(hf_config, optim=_optim(), total_steps=4, max_tokens_per_micro_batch=24)
     megatron.load_hf_weights(HFWeights(hf_dir))
@@ -113,8 +111,8 @@ def _zero2_and_megatron_step(hf_dir):
     return out
 
 
-def test_zero2_step_equals_megatron_step(hf_dir):
-    for rank in run_distributed(_zero2_and_megatron_step, 2, str(hf_dir)):
+def test_zero2_step_equals_megatron_step(ranks):
+    for rank in (r["zero2"] for r in ranks):
         megatron, deepspeed = rank["metrics"]
         real = _batch()["attention_mask"].bool()  # padding positions hold whatever their micro-batch computed
         torch.testing.assert_close(rank["logprobs"][1][real], rank["logprobs"][0][real], atol=1e-4, rtol=0)
@@ -159,9 +157,7 @@ def _zero3_train_resume_export(model_dir, run_dir):
     from grpo_mega.config import DeepSpeedConfig
     from grpo_mega.engine import build_reference_engine
     from grpo_mega.engine.deepspeed_checkpoint import save_hf_checkpoint
-    from grpo_mega.parallel import init_distributed
 
-    init_distributed(1, 1, seed=7, device="cpu")
     hf_config = AutoConfig.from_pretrained(model_dir)
     vocab = hf_config.vocab_size
     batches = [_batch(rows=8, seed=s, vocab=vocab) for s in range(3)]
@@ -225,11 +221,30 @@ def _zero3_train_resume_export(model_dir, run_dir):
     return out
 
 
-def test_zero3_resumes_exactly_and_exports_hf(tmp_path):
+def _both(hf_dir, model_dir, run_dir):
+    """The ZeRO-2 comparison, then (megatron's groups rebuilt and reseeded) the ZeRO-3 run; this order because the
+    latter wraps torch.distributed's all-gathers with a counter for the rest of the process."""
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+
+    init_distributed(1, 1, seed=7, device="cpu")
+    zero2 = _zero2_and_megatron_step(hf_dir)
+    destroy_model_parallel()
+    init_model_parallel(1, 1, seed=7)
+    return {"zero2": zero2, "zero3": _zero3_train_resume_export(model_dir, run_dir)}
+
+
+@pytest.fixture(scope="module")
+def ranks(hf_dir, tmp_path_factory):
+    """Both parts' results, by rank."""
     from tiny_task import build_tiny_task
 
-    model_dir, _ = build_tiny_task(tmp_path / "task")
-    for rank in run_distributed(_zero3_train_resume_export, 2, str(model_dir), str(tmp_path / "run")):
+    root = tmp_path_factory.mktemp("zero3")
+    model_dir, _ = build_tiny_task(root / "task")
+    return run_distributed(_both, 2, str(hf_dir), str(model_dir), str(root / "run"))
+
+
+def test_zero3_resumes_exactly_and_exports_hf(ranks):
+    for rank in (r["zero3"] for r in ranks):
         expected, resumed = rank["metrics"]
         assert rank["extra_state"] == {"position": 2} and rank["steps_done"] == 2
         assert rank["lr"] == rank["expected_lr"]
