@@ -7,6 +7,9 @@ DeepSpeed checkpoint repeats the uninterrupted step exactly. Scoring: ``open_prm
 the step scores transformers computes, from an HF PRM folder and from the DeepSpeed checkpoint (which the Megatron
 engine opens too). A classifier PRM starts from a policy's backbone (HF folder, Megatron run, converted megatron
 folder), its head untouched.
+
+Both tests' work runs in one spawn of 2 processes (module fixture ``two_ranks``): each process pays its start-up
+(torch, megatron, deepspeed, transformers) once.
 """
 
 from __future__ import annotations
@@ -89,11 +92,9 @@ def _train_and_resume(folders: dict[str, str], root: str) -> dict:
 
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import DeepSpeedConfig
-    from grpo_mega.parallel import init_distributed
     from prm.model import default_spec, open_prm
     from prm.train import prm_loss
 
-    init_distributed(1, 1, seed=0, device="cpu")
     results = {}
     for layout, folder in folders.items():
         spec = default_spec(layout)
@@ -133,8 +134,31 @@ def _train_and_resume(folders: dict[str, str], root: str) -> dict:
     return results if dist.get_rank() == 0 else {}
 
 
-def test_zero2_training_equals_megatron_and_resumes_exactly(hf_prms, tmp_path):
-    results = run_distributed(_train_and_resume, 2, {k: str(v) for k, v in hf_prms.items()}, str(tmp_path))[0]
+def _both(folders: dict[str, str], policy: str, prm_config: str, root: str) -> dict:
+    """Training and resume, then (megatron's groups rebuilt and reseeded) scoring and init from a policy."""
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+
+    init_distributed(1, 1, seed=0, device="cpu")
+    trained = _train_and_resume(folders, f"{root}/train")
+    destroy_model_parallel()
+    init_model_parallel(1, 1, seed=0)
+    return {"train": trained, "score": _score_and_init(folders, policy, prm_config, f"{root}/score")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(hf_prms, tmp_path_factory):  # noqa: F811  (hf_prms: the fixture imported above)
+    """Rank 0's results of both parts (the policy: a tied causal LM, and the PRM config made from it)."""
+    from prm.model import prm_hf_config_from_policy
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    policy = write_causal_lm(root / "policy", seed=3, tied=True)
+    prm_config = prm_hf_config_from_policy(policy, root / "prm_config", "classifier")
+    return run_distributed(_both, 2, {k: str(v) for k, v in hf_prms.items()}, str(policy), str(prm_config),
+                           str(root))[0]
+
+
+def test_zero2_training_equals_megatron_and_resumes_exactly(two_ranks):
+    results = two_ranks["train"]
     for layout, result in results.items():
         megatron, deepspeed = result["metrics"]["megatron"], result["metrics"]["deepspeed"]
         for step, (expected, got) in enumerate(zip(megatron, deepspeed)):
@@ -164,10 +188,8 @@ def _score_and_init(folders: dict[str, str], policy: str, prm_config: str, root:
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import DeepSpeedConfig
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.parallel import init_distributed
     from prm.model import build_prm_engine, default_spec, load_prm_init_weights, open_prm
 
-    init_distributed(1, 1, seed=0, device="cpu")
     zero3 = DeepSpeedConfig(zero_stage=3, gather_bucket_mb=1)
     results: dict = {"scores": {}}
     for layout, folder in folders.items():
@@ -204,13 +226,10 @@ def _score_and_init(folders: dict[str, str], policy: str, prm_config: str, root:
     return results if dist.get_rank() == 0 else {}
 
 
-def test_deepspeed_scores_match_transformers_and_init_from_policy(hf_prms, tmp_path):
-    from prm.model import default_spec, prm_hf_config_from_policy
+def test_deepspeed_scores_match_transformers_and_init_from_policy(hf_prms, two_ranks):  # noqa: F811
+    from prm.model import default_spec
 
-    policy = write_causal_lm(tmp_path / "policy", seed=3, tied=True)
-    prm_config = prm_hf_config_from_policy(policy, tmp_path / "prm_config", "classifier")
-    results = run_distributed(_score_and_init, 2, {k: str(v) for k, v in hf_prms.items()}, str(policy),
-                              str(prm_config), str(tmp_path))[0]
+    results = two_ranks["score"]
     for layout, folder in hf_prms.items():
         result = results["scores"][layout]
         expected = reference_scores(folder, layout, batch(SPECIAL.index(default_spec(layout).step_tag.strip()))
