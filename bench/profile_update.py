@@ -56,10 +56,11 @@ def main() -> None:
     _, matmul = count_parameters(hf)
     flops = train_flops(matmul, SIZES[args.size], args.rows * length, [length] * args.rows)
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         engine.train_step(batch, loss_fn)
-        seconds = time.perf_counter() - start
-        print(f"train_step {seconds:.2f} s, {flops / seconds / 1e9:.1f} GFLOP/s")
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        # CPU seconds of this process: with --threads 1 a figure that other load on the machine barely moves
+        print(f"train_step {seconds:.2f} s, {flops / seconds / 1e9:.1f} GFLOP/s; {cpu_seconds:.2f} CPU s")
     if args.profile:
         with torch.profiler.profile() as prof:
             engine.train_step(batch, loss_fn)

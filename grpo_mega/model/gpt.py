@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from grpo_mega.model.attention import use_sdpa_core_attention
 from grpo_mega.model.config_map import GPTConfig
 from grpo_mega.parallel.distributed import get_device
 
@@ -90,7 +91,8 @@ class HiddenStatesGPTModel(GPTModel):
 
 
 def transformer_layer_spec() -> ModuleSpec:
-    """Transformer Engine layers on GPU when TE is installed, else megatron-core's own layers."""
+    """Transformer Engine layers on GPU when TE is installed, else megatron-core's own layers with torch's fused
+    attention as their core attention (`grpo_mega.model.attention`)."""
     if get_device().type == "cuda":
         try:
             import transformer_engine  # noqa: F401
@@ -102,7 +104,9 @@ def transformer_layer_spec() -> ModuleSpec:
             )
 
             return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    use_sdpa_core_attention(spec)
+    return spec
 
 
 def build_gpt_model(

@@ -1,0 +1,70 @@
+"""Core attention through torch's fused scaled-dot-product attention, for megatron-core's local layers.
+
+megatron-core's own `DotProductAttention` (the local spec's core attention when Transformer Engine is absent, i.e.
+on every CPU run) writes the full [b * heads, s, s] score matrix through `baddbmm` into a preallocated buffer,
+rebuilds the causal mask with `triu` in every layer, repeats K and V for grouped-query attention and copies the
+context back to [s, b, h]. `torch.nn.functional.scaled_dot_product_attention` does the same causal softmax
+attention in one fused kernel (forward and backward) with grouped-query attention built in.
+
+`SDPADotProductAttention` takes that path in the case the engines always use (causal attention, no explicit mask:
+rows are right-padded, see `grpo_mega.engine.base`, no dropout, no sliding window, no query-key layer scaling,
+vanilla softmax, queries and keys of the same length) and hands anything else to megatron's implementation, so it
+is a drop-in replacement with the same parameters (none) and checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SDPADotProductAttention(DotProductAttention):
+    """megatron-core's DotProductAttention computed by `F.scaled_dot_product_attention` where it applies."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        config = self.config
+        self.fused = (
+            self.attn_mask_type == AttnMaskType.causal
+            and self.attention_dropout.p == 0.0
+            and self.scale_mask_softmax.window_size is None
+            and not config.apply_query_key_layer_scaling
+            and self.softmax_offset is None
+        )
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """query [sq, b, np, hn], key / value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if (
+            not self.fused
+            or attention_mask is not None
+            or mask_type != AttnMaskType.causal
+            or attention_bias is not None
+            or packed_seq_params is not None
+            or query.size(0) != key.size(0)
+        ):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        # [s, b, heads, hn] -> [b, heads, s, hn]; sdpa repeats the K/V groups itself (enable_gqa)
+        context = F.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3),
+            key.permute(1, 2, 0, 3),
+            value.permute(1, 2, 0, 3),
+            is_causal=True,
+            scale=self.softmax_scale,
+            enable_gqa=key.size(2) != query.size(2),
+        )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        sq, b = query.size(0), query.size(1)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+def use_sdpa_core_attention(layer_spec) -> None:
+    """Point a local transformer-layer spec's self-attention at `SDPADotProductAttention` (in place)."""
+    attention = layer_spec.submodules.self_attention.submodules
+    if attention.core_attention is not DotProductAttention:
+        raise ValueError(f"expected megatron's DotProductAttention in the layer spec, found {attention.core_attention}")
+    attention.core_attention = SDPADotProductAttention
