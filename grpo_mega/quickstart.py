@@ -4,8 +4,8 @@ data + tokenizer -> tiny Qwen2-shaped policy -> SFT -> Monte-Carlo step labels f
 -> PRM evaluation -> GRPO with outcome supervision and GRPO with process supervision (the learned PRM scores every
 step) from the same SFT checkpoint and seed -> held-out accuracy before / after for each arm, a table, one PNG with
 both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each stage is a
-separate ``grpo-mega`` command on 2 gloo processes (TP=2) with a YAML config from configs/ and its log in the run
-directory; the terminal shows one live line per stage (``grpo_mega.stage_runner``).
+separate ``grpo-mega`` command on 2 gloo processes (SFT at TP=2, the rest DP=2) with a YAML config from configs/ and
+its log in the run directory; the terminal shows one live line per stage (``grpo_mega.stage_runner``).
 
 Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
 that mix worked solutions with bare answers: the SFT policy then works the steps on some prompts and guesses on
@@ -225,14 +225,14 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         folder = "grpo" if arm == "outcome" else f"grpo_{arm}"
         arm_dirs[arm] = run_dir / folder
         if arm == "process" and plan.iterations > 1:
-            stage(f"{title}, {plan.iterations} iterations with PRM refreshes (TP=2 on 2 processes), logs: "
+            stage(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
                   f"{arm_dirs[arm]}/")
             seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], sft_dir, prm_summary,
                                                   model_dir, train_file))
             continue
         if arm == "process":
             overrides = (*overrides, f"process_reward.prm={prm_summary['prm_checkpoint']}")
-        stage(f"{title} (TP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
+        stage(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
         seconds[folder] = _training_stage(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
             SHOWN.get(arm, SHOWN["outcome"]),
