@@ -44,10 +44,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_stage(args) -> int:
-    from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, load_config, validate, validate_sft
-
     if args.nproc > 1 and not under_launcher():
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
+    # After the relaunch: grpo_mega.config imports torch (through grpo_mega.algo), which this process, about to
+    # become torchrun, would import for nothing.
+    from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, load_config, validate, validate_sft
+
     try:
         if args.command == "sft":
             cfg = load_config(SFTConfig, args.config, args.overrides, validate_sft)

@@ -36,17 +36,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-import torch.distributed as dist
-
-from grpo_mega.data.prompts import PromptRecord
 from grpo_mega.data.step_split import default_step_pattern, split_steps
-from grpo_mega.reward.distributed import score_across_ranks
-from grpo_mega.reward.types import RewardFunction
-from grpo_mega.rollout.base import SamplingConfig, derive_seed
-from grpo_mega.rollout.distributed import generate_across_ranks
 from prm.examples import StepExample
+
+if TYPE_CHECKING:
+    from grpo_mega.data.prompts import PromptRecord
+    from grpo_mega.reward.types import RewardFunction
+    from grpo_mega.rollout.base import SamplingConfig
+
+# torch and the distributed helpers are imported where they are used: every `grpo-mega` command builds the parser
+# with this module's flags (add_label_arguments), also the launcher process that only execs torchrun.
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,9 @@ def monte_carlo_labels(
     are replaced by ``n`` and ``seed``. ``on_error``: a verifier failure raises (``"raise"``, naming the sample)
     or counts as incorrect (``"zero"``, logged). ``extra["outcome"]`` of an example is its solution's verifier score.
     """
+    from grpo_mega.reward.distributed import score_across_ranks
+    from grpo_mega.rollout.distributed import generate_across_ranks
+
     if n < 1:
         raise ValueError(f"monte_carlo_labels: n must be >= 1, got {n}")
     for index, item in enumerate(items):
@@ -213,6 +217,8 @@ def sample_solutions(
     """``samples_per_prompt`` policy solutions per record (collective: the same on every rank), each split into
     steps with ``split_steps(text, step_pattern)``; a solution with no text is dropped and counted. ``sampling``
     gives temperature, top-p/k, max_new_tokens and stop strings; its ``n`` and ``seed`` are replaced."""
+    from grpo_mega.rollout.distributed import generate_across_ranks
+
     if samples_per_prompt < 1:
         raise ValueError(f"sample_solutions: samples_per_prompt must be >= 1, got {samples_per_prompt}")
     per_call = dataclasses.replace(sampling, n=samples_per_prompt, seed=seed)
@@ -379,9 +385,12 @@ def run_label(args: argparse.Namespace) -> Path:
     """``grpo-mega prm label``: sample solutions from the policy, label their steps by Monte-Carlo rollouts, write
     the stepwise jsonl and ``<out>.summary.json`` (rank 0); returns the output path. Runs on every rank of the
     current job (``init_distributed(tp, 1)``; the ranks split generation and scoring)."""
+    import torch.distributed as dist
+
     from grpo_mega.data.prompts import load_prompt_dataset
     from grpo_mega.parallel import destroy_distributed, init_distributed
     from grpo_mega.reward import get_reward_function
+    from grpo_mega.rollout.base import SamplingConfig, derive_seed
     from prm.data import write_stepwise
     from prm.perturb import check_fraction, perturbed_solutions, plan_perturbations
 

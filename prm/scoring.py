@@ -13,12 +13,16 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from prm.examples import StepExample
 from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: every `grpo-mega` command builds the parser with this module's flags
+# (add_score_arguments), also the launcher process that only execs torchrun.
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ def rendered_batch(
 ) -> dict[str, torch.Tensor]:
     """The engine batch of rendered examples: right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (1 at
     each step's tag position) and, with ``targets`` (one per step), ``targets`` [B, L] (the step's label there)."""
+    import torch
+
     if not rendered:
         raise ValueError("rendered_batch: no examples")
     width = max(len(r.input_ids) for r in rendered)
@@ -57,6 +63,8 @@ def rendered_batch(
 
 def scores_at_tags(good_logprob: torch.Tensor, rendered: Sequence[RenderedExample]) -> list[list[float]]:
     """P(good) = exp(good_logprob) at each example's tag positions."""
+    import torch
+
     return [
         torch.exp(good_logprob[row, torch.tensor(example.tag_positions, dtype=torch.long)]).tolist()
         for row, example in enumerate(rendered)
