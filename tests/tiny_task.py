@@ -10,7 +10,10 @@ from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
 
 SMALL_RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
              "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",
-             "trainer.tensorboard=false", "parallel.device=cpu"]
+             "trainer.tensorboard=false", "parallel.device=cpu",
+             # TP=2 on the tests' 2 processes (the quickstart's GRPO config runs DP=2): the trainer-level tests keep
+             # exercising tensor-parallel checkpoints, resumes and signals
+             "parallel.tensor=2"]
 
 
 def build_tiny_task(root: Path) -> tuple[Path, Path]:
