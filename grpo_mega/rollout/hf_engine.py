@@ -1,5 +1,6 @@
 """The ``hf`` rollout engine: transformers ``generate`` (KV cache, batched, prompts bucketed by length and
-left-padded within a batch), CPU or one GPU.
+left-padded within a batch), CPU or one GPU. The KV cache is allocated once per generate call for prompt + new
+tokens (``grpo_mega.rollout.kv_cache``) instead of growing by concatenation at every token.
 
 Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
 the full vocabulary (no top-p / top-k renormalisation), the trainer's definition: a logits processor placed
@@ -39,6 +40,7 @@ from grpo_mega.rollout.base import (
     load_hf_tokenizer,
     resolve_dtype,
 )
+from grpo_mega.rollout.kv_cache import preallocated_cache
 from grpo_mega.rollout.stopping import StopStringsOnText, cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
 
@@ -267,6 +269,7 @@ class HFRolloutEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
+            past_key_values=preallocated_cache(self.model.config, prompt_length + sampling.max_new_tokens),
             logits_processor=LogitsProcessorList([recorder, *_sampling_warpers(sampling)]),
             stopping_criteria=stopping,
         )
