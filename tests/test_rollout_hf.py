@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_mega.rollout import RolloutEngine, SamplingConfig, build_rollout_engine, sync_weights
 from grpo_mega.rollout.hf_engine import HFRolloutEngine
+from grpo_mega.rollout.kv_cache import preallocated_cache
 from grpo_mega.rollout.stopping import cut_response
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -120,6 +121,28 @@ def test_logprobs_equal_teacher_forced_recompute(tokenizer, prompts, sampling):
             if sampling.top_k:
                 ranks = (logprobs > expected[:, None]).sum(1)
                 assert int(ranks.max()) < sampling.top_k  # every sampled token was in the top k
+
+
+def test_shared_prompt_prefill_samples_what_n_separate_prefills_sample(tokenizer, prompts, monkeypatch):
+    """n samples of a prompt start from one prefill of the prompt, repeated n times: the same tokens and
+    log-probs as prefilling each row on its own (left-padded batch; "q" is a one-token prompt)."""
+    model = tiny_model(0)
+    sampling = SamplingConfig(temperature=1.0, n=3, max_new_tokens=12, seed=4)
+    shared = HFRolloutEngine(model, tokenizer, generation_batch_size=4).generate(prompts, sampling)
+    engine = HFRolloutEngine(model, tokenizer, generation_batch_size=4)
+    calls = []
+
+    def no_sharing(input_ids, attention_mask, samples, *, capacity):
+        calls.append(samples)
+        return preallocated_cache(model.config, capacity)  # empty: generate prefills all n rows itself
+
+    monkeypatch.setattr(engine, "_shared_prompt_cache", no_sharing)
+    separate = engine.generate(prompts, sampling)
+    assert calls == [3]
+    assert [c.response_ids for c in shared] == [c.response_ids for c in separate]
+    for a, b in zip(shared, separate):
+        torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs),
+                                   atol=1e-5, rtol=0)
 
 
 def test_greedy_output_does_not_depend_on_batching_and_padding(tokenizer, prompts):

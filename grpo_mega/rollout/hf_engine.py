@@ -260,16 +260,17 @@ class HFRolloutEngine:
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             do_sample=not sampling.greedy,
-            num_return_sequences=samples,
             eos_token_id=sorted(self.eos_token_ids),
             pad_token_id=self.pad_token_id,
             **neutral,
         )
+        cache = self._shared_prompt_cache(input_ids, attention_mask, samples,
+                                          capacity=prompt_length + sampling.max_new_tokens)
         sequences = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.repeat_interleave(samples, dim=0),
+            attention_mask=attention_mask.repeat_interleave(samples, dim=0),
             generation_config=config,
-            past_key_values=preallocated_cache(self.model.config, prompt_length + sampling.max_new_tokens),
+            past_key_values=cache,
             logits_processor=LogitsProcessorList([recorder, *_sampling_warpers(sampling)]),
             stopping_criteria=stopping,
         )
@@ -299,6 +300,23 @@ class HFRolloutEngine:
             completions[prompt_in_chunk].extend(
                 [completion] if samples == sampling.n else self._copies(completion, sampling.n))
         return completions
+
+    @torch.no_grad()
+    def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: int, *,
+                             capacity: int):
+        """The KV cache generate starts from: each prompt but its last token run once and its cache repeated for
+        its ``samples`` rows (what ``num_return_sequences`` would compute ``samples`` times); an empty cache when
+        there is nothing to share. generate then feeds only the last prompt token, whose logits give the first
+        sampled token."""
+        cache = preallocated_cache(self.model.config, capacity)
+        if samples == 1 or input_ids.shape[1] < 2:
+            return cache
+        # The positions generate gives left-padded rows: 0 at the first real token.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        self.model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                   position_ids=position_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(samples)
+        return cache
 
     @staticmethod
     def _copies(completion: Completion, n: int) -> list[Completion]:
