@@ -30,6 +30,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from matmul_peak import matmul_peak  # noqa: E402
+from ours_grpo import MICRO_TOKENS as OURS_MICRO_TOKENS  # noqa: E402
 from report import load_average, machine, run_script  # noqa: E402
 from workload import SIZES, build_workload, digit_reward, train_flops  # noqa: E402
 
@@ -63,7 +64,8 @@ def run_ours(work, args, out: Path) -> dict:
         "train_gflops": flops / update / 1e9,
         "sync_bytes": avg("perf/sync_bytes"),  # per process: what its trainer copies into its rollout engine
         "peak_rss_mb": raw["peak_rss_mb"], "processes": raw["processes"], "layout": args.layout,
-        "steps_measured": len(rows), "load_average": [load_before, load_average()], "command": raw["command"],
+        "steps_measured": len(rows), "step_seconds_each": [row["timing_s/step"] for row in rows],
+        "load_average": [load_before, load_average()], "command": raw["command"],
     }
 
 
@@ -82,6 +84,7 @@ def run_trl(work, args, out: Path) -> dict:
         "generated_tokens_per_s": response_tokens / gen, "trained_tokens_per_s": tokens / update,
         "tokens_per_step": tokens, "response_tokens_per_step": response_tokens, "peak_rss_mb": raw["peak_rss_mb"],
         "processes": 1, "trl_version": raw["trl_version"], "steps_measured": len(rows),
+        "step_seconds_each": [r["step"] for r in rows],
         "load_average": [load_before, load_average()],
     }
 
@@ -137,7 +140,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="our steps, the first one warm-up")
-    parser.add_argument("--trl-steps", type=int, default=2, help="TRL's steps, the first one warm-up")
+    # 3: TRL's generation time varied 36-60 s between single steps of the same 25M workload on an idle machine
+    parser.add_argument("--trl-steps", type=int, default=3, help="TRL's steps, the first one warm-up")
     parser.add_argument("--trl-micro-batch", type=int, default=64, help="completions per TRL forward/backward")
     parser.add_argument("--layout", default="dp2", choices=sorted(LAYOUTS), help="our 2-process layout")
     parser.add_argument("--quick", action="store_true", help="3m only, 2 steps each")
@@ -153,7 +157,8 @@ def main() -> None:
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "wall_seconds": round(time.time() - started, 1),
         "workload": {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new,
-                     "temperature": 1.0, "updates_per_batch": 1, "kl": 0.0, "dtype": "float32"},
+                     "temperature": 1.0, "updates_per_batch": 1, "kl": 0.0, "dtype": "float32",
+                     "micro_batch": {"ours_tokens": OURS_MICRO_TOKENS, "trl_completions": args.trl_micro_batch}},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         # headline figures: the largest model measured
         **{k: results[-1][k] for k in ("step_seconds", "trl_step_seconds", "speedup_vs_trl",

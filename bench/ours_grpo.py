@@ -28,6 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from grpo_mega.metrics import read_metrics  # noqa: E402
 
+MICRO_TOKENS = 1024
+"""Default token budget of a training micro-batch (see the module docstring)."""
+
 
 def write_prompt_file(train_file: Path, count: int, out: Path) -> Path:
     """The first ``count`` rows of ``train_file`` as their own jsonl (one fixed batch of prompts)."""
@@ -40,7 +43,7 @@ def write_prompt_file(train_file: Path, count: int, out: Path) -> Path:
 
 def run_ours(model_dir: Path, prompt_file: Path, run_dir: Path, *, num_prompts: int, group: int, max_new: int,
              steps: int, nproc: int = 2, tensor: int = 2, pipeline: int = 1, lr: float = 5e-5,
-             micro_tokens: int = 1024, overrides: tuple[str, ...] = ()) -> dict:
+             micro_tokens: int = MICRO_TOKENS, overrides: tuple[str, ...] = ()) -> dict:
     """Train ``steps`` GRPO steps; returns the per-step metric rows (``timing_s/*``, ``perf/*``) and peak RSS."""
     command = [
         sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(ROOT / "configs/quickstart_grpo.yaml"),
@@ -79,7 +82,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--tensor", type=int, default=2)
     parser.add_argument("--pipeline", type=int, default=1)
-    parser.add_argument("--micro-tokens", type=int, default=1024, help="token budget of a training micro-batch")
+    parser.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="token budget of a training micro-batch")
     parser.add_argument("--out", type=Path, default=None, help="JSON of the per-step rows and peak RSS")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
