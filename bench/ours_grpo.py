@@ -6,7 +6,7 @@ Settings mirror ``bench/trl_grpo.py``: the workload's HF folder as config, token
 no old-log-prob pass); token-mean loss; constant lr; clip 1.0; no dynamic sampling (every group is trained);
 fp32 on the CPU, the hf rollout engine, ``nproc`` gloo processes with one thread each.
 
-Micro-batches of at most ``--micro-tokens`` tokens (default 1024, the quickstart config has 4096): with two
+Micro-batches of at most ``--micro-tokens`` tokens (default 1024, as in the quickstart config; 4096 before): with two
 processes on two cores the 25M model's update ran 40-47 GFLOP/s per process at 4096-token micro-batches and
 58-62 at 512-1024 (``bench/profile_update.py --size 25m --rows 128 --threads 1`` twice at once; alone, 59-62 at
 either size). A 4096 x 1536 fp32 activation is 25 MB: two processes' working sets overflow the shared 32 MB L3
