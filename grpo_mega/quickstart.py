@@ -4,7 +4,7 @@ data + tokenizer -> tiny Qwen2-shaped policy -> SFT -> Monte-Carlo step labels f
 -> PRM evaluation -> GRPO with outcome supervision and GRPO with process supervision (the learned PRM scores every
 step) from the same SFT checkpoint and seed -> held-out accuracy before / after for each arm, a table, one PNG with
 both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each stage is a
-separate ``grpo-mega`` command on 2 gloo processes (SFT at TP=2, the rest DP=2) with a YAML config from configs/ and
+separate ``grpo-mega`` command on 2 gloo processes (data-parallel, DP=2) with a YAML config from configs/ and
 its log in the run directory; the terminal shows one live line per stage (``grpo_mega.stage_runner``).
 
 Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
@@ -202,7 +202,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     seconds["data"] = time.perf_counter() - begin
     task = [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"parallel.seed={plan.seed}"]
 
-    stage(f"SFT (TP=2 on 2 processes), log: {run_dir / 'sft.log'}")
+    stage(f"SFT (DP=2 on 2 processes), log: {run_dir / 'sft.log'}")
     sft_dir = run_dir / "sft"
     seconds["sft"] = _training_stage("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, plan.sft_steps,
                                      (("nll", "sft/nll"),), task, run_dir / "sft.log")

@@ -40,8 +40,9 @@ def test_process_count_is_tensor_times_pipeline_of_the_config_and_its_overrides(
     assert _nproc(_dry_run("train", "--config", str(config))) == 6
     assert _nproc(_dry_run("prm", "train", "--config", str(config), "parallel.pipeline=1")) == 2
     assert _nproc(_dry_run("sft", f"--config={config}", "parallel.tensor=4", "trainer.total_steps=9")) == 12
-    # quickstart_sft.yaml: TP=2, no pipeline key (default 1); quickstart_grpo.yaml: TP=1 (the quickstart passes --nproc 2)
-    assert _nproc(_dry_run("sft", "--config", "configs/quickstart_sft.yaml")) == 2
+    # the quickstart configs are TP=1 with no pipeline key (default 1): one process unless --nproc (the quickstart
+    # passes --nproc 2 and trains them data-parallel)
+    assert _nproc(_dry_run("sft", "--config", "configs/quickstart_sft.yaml")) == 1
     assert _nproc(_dry_run("train", "--config", "configs/quickstart_grpo.yaml")) == 1
 
 
