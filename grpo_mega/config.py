@@ -150,6 +150,9 @@ class ProcessRewardConfig:
     step_pattern: Optional[str] = None
     """Regex at whose matches a step ends (``grpo_mega.data.step_split``); None: the synthetic task's pattern when the
     rows carry its ``steps``, else a blank line. A completion without a match is one step ending at its last token."""
+    layout: Optional[str] = None
+    """Overrides the PRM's layout (default: its own). ``likelihood`` scores a causal LM (an HF folder or a policy
+    checkpoint, e.g. the SFT policy) by its own probability of each step: the smallest token probability in it."""
     step_tag: Optional[str] = None
     """Overrides the PRM's step tag (default: the PRM's own)."""
     good_token: Optional[str] = None
@@ -297,6 +300,8 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
     _choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
     _choice(cfg.process_reward.on_error, ("raise", "zero"), "process_reward.on_error")
+    if cfg.process_reward.layout is not None:
+        _choice(cfg.process_reward.layout, ("classifier", "lm_tokens", "likelihood"), "process_reward.layout")
     if cfg.process_reward.source == "prm":
         if alg.supervision != "process":
             raise ConfigError("process_reward.source=prm needs algorithm.supervision=process")

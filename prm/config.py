@@ -19,7 +19,7 @@ from grpo_mega.config import (
     validate_engine,
 )
 
-PRM_LAYOUT_CHOICES = ("classifier", "lm_tokens")
+PRM_LAYOUT_CHOICES = ("classifier", "lm_tokens", "likelihood")
 LABEL_KINDS = ("hard", "soft")
 
 
@@ -27,10 +27,12 @@ LABEL_KINDS = ("hard", "soft")
 class PRMHeadConfig:
     layout: str = "classifier"
     """``classifier`` (Qwen2.5-Math-PRM: a 2-way head on the backbone; a policy's config is turned into one) or
-    ``lm_tokens`` (Math-Shepherd: the LM's logits of ``good_token`` vs ``bad_token``)."""
+    ``lm_tokens`` (Math-Shepherd: the LM's logits of ``good_token`` vs ``bad_token``) or ``likelihood`` (a causal
+    LM's own probability of each step as written: the smallest p(token | text before it) over its tokens; needs
+    ``step_tag: ""``; training is binary cross-entropy on that score)."""
     step_tag: str = " ки"
     """Written after every step (``prompt + step_1 + tag + step_2 + tag ...``); the step's score is read at the
-    tag's last token. Qwen2.5-Math-PRM uses "<extra_0>", Math-Shepherd " ки"."""
+    tag's last token. Qwen2.5-Math-PRM uses "<extra_0>", Math-Shepherd " ки"; ``likelihood`` has none ("")."""
     good_token: str = "+"
     """``lm_tokens``: the label token of a good step (one token of the vocabulary)."""
     bad_token: str = "-"
@@ -110,7 +112,11 @@ def validate_prm(cfg: PRMConfig) -> None:
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
     _validate_replay(cfg.data)
-    if not cfg.prm.step_tag:
+    if cfg.prm.layout == "likelihood":
+        if cfg.prm.step_tag != "":
+            raise ConfigError(f"prm.layout=likelihood scores the steps as the policy wrote them: set prm.step_tag "
+                              f"to \"\" (got {cfg.prm.step_tag!r})")
+    elif not cfg.prm.step_tag:
         raise ConfigError("prm.step_tag must be a non-empty string")
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:

@@ -11,6 +11,10 @@ last token of its step tag). The step score is ``exp(good_logprob)``.
   the last pipeline stage as ``head.score.*``.
 - :class:`LabelTokenHead` (``lm_tokens``, Math-Shepherd): the LM logits of two label tokens ("+" good, "-" bad),
   from the rows of the backbone's vocab-parallel output matrix; no parameters of its own.
+- :class:`StepLikelihoodHead` (``likelihood``): the LM's own probability of the step as written, the smallest
+  p(token | everything before it) over the step's tokens; it needs ``batch["step_ids"]`` (which step each token
+  belongs to) and returns at every token its step's values, so the step is read at any of its tokens (the scorer
+  reads its last). No parameters of its own.
 
 Both compute in fp32 (hidden states and weights upcast), like the LM head's ``logits_in_fp32``.
 """
@@ -26,6 +30,7 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from grpo_mega.model.gpt import HiddenStatesGPTModel
+from grpo_mega.model.logprobs import vocab_parallel_logprobs_and_entropy
 
 OUTPUT_NAMES = ("good_logprob", "bad_logprob")
 """What both heads return, per token."""
@@ -115,3 +120,57 @@ class LabelTokenHead(torch.nn.Module):
         hidden = copy_to_tensor_model_parallel_region(hidden_states, group=group)
         local_logits = hidden.float() @ rows.t()  # [S, B, 2]
         return _two_class_outputs(reduce_from_tensor_model_parallel_region(local_logits, group=group))
+
+
+def segment_min(values: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] -> [B, S]: at every position, the minimum of ``values`` over the positions of the same row with the
+    same segment id (ids >= 0; rows are independent). Differentiable: the gradient goes to the minimum (shared
+    equally between ties)."""
+    if values.shape != segment_ids.shape:
+        raise ValueError(f"values {tuple(values.shape)} and segment ids {tuple(segment_ids.shape)} differ in shape")
+    rows, width = values.shape
+    segments = int(segment_ids.max()) + 1 if segment_ids.numel() else 1
+    flat = (segment_ids.long() + segments * torch.arange(rows, device=values.device).unsqueeze(1)).reshape(-1)
+    start = torch.full((rows * segments,), float("inf"), dtype=values.dtype, device=values.device)
+    minima = start.scatter_reduce(0, flat, values.reshape(-1), reduce="amin", include_self=True)
+    return minima[flat].reshape(rows, width)
+
+
+class StepLikelihoodHead(torch.nn.Module):
+    """A step's score is the LM's own probability of it: ``min over the step's tokens of p(token | tokens before)``
+    (logits at temperature 1 from the backbone's vocab-parallel output matrix, in fp32).
+
+    ``batch["step_ids"]`` [B, S] numbers the tokens of each row: 0 for tokens of no step (prompt, padding), k + 1 for
+    the tokens of step k. Returns ``good_logprob`` = log of the step's score and ``bad_logprob`` = log(1 - score) at
+    every token of a step (0 / -inf-safe values elsewhere), so the two-class loss and the scorer work unchanged at
+    the step's last token. A step that is wrong somewhere has a token the model finds unlikely there: the
+    minimum, not the mean, keeps one wrong digit from being averaged away. Training this layout (binary
+    cross-entropy on the score) raises the least likely token of a good step and lowers that of a bad one.
+    """
+
+    def __init__(self, chunk_size: int = 1024) -> None:
+        super().__init__()
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        backbone: HiddenStatesGPTModel,
+        hidden_states: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """{"good_logprob", "bad_logprob"} [B, S] (see the class docstring)."""
+        if "step_ids" not in batch:
+            raise ValueError("the likelihood PRM head needs batch['step_ids'] (render the steps without a tag)")
+        input_ids, step_ids = batch["input_ids"], batch["step_ids"]
+        next_tokens = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=0)  # [B, S]; the last is unused
+        next_logprobs, _ = vocab_parallel_logprobs_and_entropy(
+            hidden_states, backbone.lm_output_weight(), next_tokens.t(), vocab_size=backbone.unpadded_vocab_size,
+            chunk_size=self.chunk_size, logits_in_fp32=True,
+        )
+        # token t's log-probability is predicted at position t - 1; the first token has none (it is never a step's)
+        token_logprobs = torch.nn.functional.pad(next_logprobs.t()[:, :-1], (1, 0), value=0.0)
+        in_step = step_ids > 0
+        step_logprob = segment_min(torch.where(in_step, token_logprobs, torch.zeros_like(token_logprobs)), step_ids)
+        good = torch.where(in_step, step_logprob, torch.zeros_like(step_logprob)).clamp(max=-1e-6)
+        bad = torch.log(-torch.expm1(good))  # log(1 - p), finite while p < 1
+        return {"good_logprob": good, "bad_logprob": bad}

@@ -1,13 +1,19 @@
 """The PRM on the training engines: what a PRM is (``PRMSpec``), its engines, and where its weights come from.
 
-Two published layouts (``PRM_LAYOUTS``), told apart by the HF config's ``architectures``:
+Two published layouts, told apart by the HF config's ``architectures``, and a third on any causal LM
+(``PRM_LAYOUTS``):
 
 - ``classifier`` (Qwen2.5-Math-PRM): ``Qwen2ForProcessRewardModel``, a Qwen2 backbone without LM head and a step
   classifier ``score`` (:class:`~prm.heads.ClassifierHead`); steps end with the tag ``<extra_0>``.
 - ``lm_tokens`` (Math-Shepherd): an ordinary causal LM scoring a step by its next-token odds of "+" against "-"
   (:class:`~prm.heads.LabelTokenHead`); steps end with the tag `` ки``.
 
-In both, a step is scored at the last token of its step tag, from that token's own hidden state; the engines'
+- ``likelihood``: a causal LM (the policy itself, or one trained from it) scoring a step by its own probability of
+  the step as written: the smallest p(token | text before it) over the step's tokens
+  (:class:`~prm.heads.StepLikelihoodHead`); no tag (``step_tag=""``), chosen explicitly (``--layout likelihood``,
+  ``prm.layout``), since its checkpoints are ordinary causal LMs.
+
+In the first two, a step is scored at the last token of its step tag, from that token's own hidden state; the engines'
 outputs are ``good_logprob`` / ``bad_logprob`` per token (score = ``exp(good_logprob)``). ``engine_kind`` chooses the
 engine: ``megatron`` (a GPT backbone with the ``prm.heads`` head; TP / PP / DP) or ``deepspeed`` (the transformers
 model of ``prm.hf_model`` under ZeRO; data parallel only).
@@ -31,11 +37,11 @@ from typing import Any, Callable
 import torch
 
 from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURE, architecture_for
-from prm.heads import OUTPUT_NAMES, ClassifierHead, LabelTokenHead
+from prm.heads import OUTPUT_NAMES, ClassifierHead, LabelTokenHead, StepLikelihoodHead
 
 logger = logging.getLogger(__name__)
 
-PRM_LAYOUTS = ("classifier", "lm_tokens")
+PRM_LAYOUTS = ("classifier", "lm_tokens", "likelihood")
 CLASSIFIER_STEP_TAG = "<extra_0>"
 """Qwen2.5-Math-PRM's step separator."""
 LM_TOKENS_STEP_TAG = " ки"
@@ -52,9 +58,9 @@ class PRMSpec:
     tokens whose next-token odds make the step score."""
 
     layout: str
-    """``classifier`` or ``lm_tokens`` (``PRM_LAYOUTS``)."""
+    """``classifier``, ``lm_tokens`` or ``likelihood`` (``PRM_LAYOUTS``)."""
     step_tag: str
-    """Text appended after every step; the step is scored at the tag's last token."""
+    """Text appended after every step; the step is scored at the tag's last token. Empty for ``likelihood``."""
     good_token: str = "+"
     """``lm_tokens``: the label token of a good step (one token of the tokenizer)."""
     bad_token: str = "-"
@@ -63,7 +69,11 @@ class PRMSpec:
     def __post_init__(self) -> None:
         if self.layout not in PRM_LAYOUTS:
             raise ValueError(f"prm.layout must be one of {PRM_LAYOUTS}, got {self.layout!r}")
-        for name in ("step_tag", "good_token", "bad_token"):
+        if self.layout == "likelihood" and self.step_tag != "":
+            raise ValueError(f"prm.layout=likelihood scores the steps as the policy wrote them, without a tag: "
+                             f"prm.step_tag must be \"\", got {self.step_tag!r}")
+        tagged = ("step_tag",) if self.layout != "likelihood" else ()
+        for name in (*tagged, "good_token", "bad_token"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"prm.{name} must be a non-empty string, got {value!r}")
@@ -85,17 +95,23 @@ class PRMSpec:
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
         missing = [name for name in ("layout", "step_tag") if data.get(name) is None]
+        if data.get("layout") == "likelihood" and "step_tag" in missing:
+            missing.remove("step_tag")  # it has no tag
+            data = {**data, "step_tag": ""}
         if missing:
             raise ValueError(f"{where}: missing field(s) {missing}")
         return cls(**{name: value for name, value in data.items() if value is not None})
 
 
 def default_spec(layout: str) -> PRMSpec:
-    """The published convention of ``layout``: classifier tag ``<extra_0>``; lm_tokens tag `` ки`` with "+"/"-"."""
+    """The published convention of ``layout``: classifier tag ``<extra_0>``; lm_tokens tag `` ки`` with "+"/"-";
+    likelihood no tag."""
     if layout == "classifier":
         return PRMSpec("classifier", CLASSIFIER_STEP_TAG)
     if layout == "lm_tokens":
         return PRMSpec("lm_tokens", LM_TOKENS_STEP_TAG, "+", "-")
+    if layout == "likelihood":
+        return PRMSpec("likelihood", "")
     raise ValueError(f"PRM layout must be one of {PRM_LAYOUTS}, got {layout!r}")
 
 
@@ -115,6 +131,12 @@ def detect_layout(hf_config: Any) -> str:
         f"cannot tell the PRM layout from the HF config's architectures {architectures}: expected "
         f"{PRM_CLASSIFIER_ARCHITECTURE} (classifier) or a *ForCausalLM (lm_tokens)"
     )
+
+
+def config_layout(hf_config: Any) -> str:
+    """``detect_layout``, with a config that names no architectures taken as a causal LM's (``lm_tokens``):
+    transformers writes a bare ``Qwen2Config`` that way."""
+    return detect_layout(hf_config) if _config_field(hf_config, "architectures") else "lm_tokens"
 
 
 def label_token_ids(tokenizer: Any, spec: PRMSpec) -> tuple[int, int]:
@@ -146,8 +168,11 @@ def label_token_ids(tokenizer: Any, spec: PRMSpec) -> tuple[int, int]:
 def _layout_and_label_ids(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[str, tuple[int, int] | None]:
     """The layout of ``hf_config`` (checked against ``spec``) and, for ``lm_tokens``, the label token ids.
 
-    A config naming no architectures is a causal LM's (transformers writes a bare ``Qwen2Config`` that way)."""
-    layout = detect_layout(hf_config) if _config_field(hf_config, "architectures") else "lm_tokens"
+    A config naming no architectures is a causal LM's (transformers writes a bare ``Qwen2Config`` that way). A
+    causal LM is an ``lm_tokens`` PRM, or a ``likelihood`` one when ``spec`` says so."""
+    layout = config_layout(hf_config)
+    if layout == "lm_tokens" and spec.layout == "likelihood":
+        return "likelihood", None
     if layout != spec.layout:
         raise ValueError(
             f"prm.layout is {spec.layout!r} but the HF config's architectures "
@@ -164,6 +189,8 @@ def _head_of(hf_config: Any, spec: PRMSpec, tokenizer: Any) -> tuple[Callable[[]
     if layout == "classifier":
         hidden_size = int(_config_field(hf_config, "hidden_size"))
         return (lambda: ClassifierHead(hidden_size)), False
+    if layout == "likelihood":
+        return StepLikelihoodHead, True
     return (lambda: LabelTokenHead(*label_ids)), True
 
 
@@ -174,6 +201,9 @@ def _deepspeed_prm_engine(hf_config: Any, spec: PRMSpec, tokenizer: Any, *, deep
 
     if deepspeed is None:
         raise ValueError("engine_kind='deepspeed' needs the deepspeed settings (grpo_mega.config.DeepSpeedConfig)")
+    if spec.layout == "likelihood":
+        raise ValueError("prm.layout=likelihood runs on the megatron engine (engine=megatron); the deepspeed PRM "
+                         "engine has the classifier and lm_tokens layouts")
     module = build_hf_prm(hf_config, *_layout_and_label_ids(hf_config, spec, tokenizer))
     engine_class = DeepSpeedEngine if train else DeepSpeedForwardEngine
     return engine_class(module, hf_config=hf_config, settings=deepspeed, megatron_stage=build_conversion_stage,
@@ -259,8 +289,8 @@ def prm_hf_config_from_policy(policy_hf_dir: str | os.PathLike, out_dir: str | o
     policy in ``policy_hf_dir``; returns ``out_dir``.
 
     ``classifier``: the policy's config with ``architectures: ["Qwen2ForProcessRewardModel"]`` and
-    ``tie_word_embeddings: false`` (the PRM has no LM head to tie); a Qwen2 policy only. ``lm_tokens``: the
-    policy's config as it is (``architectures`` filled in from the model type when the policy's has none).
+    ``tie_word_embeddings: false`` (the PRM has no LM head to tie); a Qwen2 policy only. ``lm_tokens`` and
+    ``likelihood``: the policy's config as it is (``architectures`` filled in from the model type when the policy's has none).
     """
     from grpo_mega.checkpoint.hf_io import copy_side_files
 
@@ -458,10 +488,10 @@ def open_prm(
         raise ValueError(f"PRM {path}: {str(error).removeprefix('init_from: ')}") from None
     if kind == "hf":
         hf_config = AutoConfig.from_pretrained(path)
-        spec, tokenizer = default_spec(detect_layout(hf_config)), _load_tokenizer(path, str(path))
+        spec, tokenizer = default_spec(config_layout(hf_config)), _load_tokenizer(path, str(path))
     elif kind == "mcore_model":
         hf_config = read_checkpoint_info(path)[0]
-        spec = default_spec(detect_layout(hf_config))
+        spec = default_spec(config_layout(hf_config))
         tokenizer = _load_tokenizer(Path(path) / HF_FILES_DIR, str(path))
     else:
         hf_config, spec, tokenizer = _training_checkpoint_parts(path)

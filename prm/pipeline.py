@@ -80,10 +80,23 @@ def label_stage(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPl
     )
 
 
+LAYOUT_TITLES = {
+    "classifier": "classifier head on the policy's backbone",
+    "lm_tokens": "the policy's odds of the label tokens",
+    "likelihood": "the policy's own likelihood of each step, fine-tuned",
+}
+
+
+def _config_layout() -> str:
+    import yaml
+
+    return str(yaml.safe_load((CONFIG_DIR / "quickstart_prm.yaml").read_text())["prm"]["layout"])
+
+
 def train_stage(model_dir: Path, init_from: Path, labels: Path, prm_dir: Path, plan: PRMPlan, *, seed: int,
                 steps: int, log: Path, show: bool = True, overrides: Sequence[str] = ()) -> float:
-    """``grpo-mega prm train`` (configs/quickstart_prm.yaml) for ``steps`` steps from ``init_from`` (a policy: a new
-    classifier head on its backbone; a PRM run: its backbone and head) on ``labels``, with more ``key=value``
+    """``grpo-mega prm train`` (configs/quickstart_prm.yaml) for ``steps`` steps from ``init_from`` (a policy, or a
+    PRM run to train on) on ``labels``, with more ``key=value``
     ``overrides`` last (e.g. ``data.replay_files=[...]``); returns wall seconds."""
     settings = [f"model.hf_config={model_dir}", f"model.init_from={init_from}", f"data.train_file={labels}",
                 f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false", f"parallel.seed={seed}",
@@ -113,7 +126,7 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
           f"{plan.rollouts_per_step} Monte-Carlo rollouts per step, log: {out_dir / 'prm_label.log'}")
     seconds["label"] = label_stage(policy.weights, policy.train_file, labels, plan, seed=seed,
                                    log=out_dir / "prm_label.log", show=show)
-    stage(f"PRM training (classifier head on the policy's backbone), log: {out_dir / 'prm_train.log'}")
+    stage(f"PRM training ({LAYOUT_TITLES[_config_layout()]}), log: {out_dir / 'prm_train.log'}")
     seconds["train"] = train_stage(policy.model_dir, policy.weights, labels, prm_dir, plan, seed=seed,
                                    steps=_training_steps(plan), log=out_dir / "prm_train.log", show=show)
 

@@ -5,7 +5,9 @@ An example (prompt, steps) becomes one text::
     prompt + step_1 + tag + step_2 + tag + ... + step_n + tag
 
 where ``tag`` is the step tag (``"<extra_0>"`` for Qwen2.5-Math-PRM, ``" ки"`` for Math-Shepherd). A step's score is
-read at the LAST token of the tag that follows it, so the score sees the prompt and every step up to its own.
+read at the LAST token of the tag that follows it, so the score sees the prompt and every step up to its own. The
+``likelihood`` layout has no tag (``step_tag=""``): the text is the prompt and the steps as the policy wrote them, and
+a step is read at its own last token (its score depends on all of its tokens, ``prm.heads.StepLikelihoodHead``).
 
 With ``chat_template`` on, the text is the tokenizer's chat template applied to the messages
 ``[system (optional), user = prompt, assistant = step_1 + tag + ... + step_n + tag]`` (the Qwen2.5-Math-PRM layout);
@@ -32,15 +34,16 @@ class RenderSettings:
     """How (prompt, steps) is written as text; the same settings must be used to label, train, score and evaluate."""
 
     step_tag: str
-    """Text written after every step; its last token carries the step's score."""
+    """Text written after every step; its last token carries the step's score. Empty for the ``likelihood``
+    layout: the steps as written, each read at its own last token."""
     chat_template: bool = False
     """Wrap the text in the tokenizer's chat template (user = prompt, assistant = tagged steps)."""
     system_prompt: str | None = None
     """System message for the chat template (ignored without it)."""
 
     def __post_init__(self) -> None:
-        if not self.step_tag:
-            raise ValueError("RenderSettings.step_tag must be a non-empty string")
+        if not isinstance(self.step_tag, str):
+            raise ValueError(f"RenderSettings.step_tag must be a string, got {self.step_tag!r}")
         if self.system_prompt is not None and not self.chat_template:
             raise ValueError("RenderSettings.system_prompt needs chat_template=True (plain text has no system turn)")
 
@@ -51,15 +54,24 @@ class RenderedExample:
 
     input_ids: list[int]
     tag_positions: list[int]
+    step_starts: list[int] | None = None
+    """Per step, the index of its first token (the step's tokens run from there to its tag position)."""
 
 
 def _tagged_steps(steps: Sequence[str], tag: str) -> tuple[str, list[int]]:
     """``step_1 + tag + ... + step_n + tag`` and the offset just after each tag."""
     text, ends = "", []
     for step in steps:
+        if not step and not tag:
+            raise ValueError("an empty step cannot be scored without a step tag")
         text += step + tag
         ends.append(len(text))
     return text, ends
+
+
+def _step_starts(ends: Sequence[int], steps: Sequence[str], tag: str) -> list[int]:
+    """The character offset where each step begins, from the offsets just after the tags."""
+    return [end - len(tag) - len(step) for end, step in zip(ends, steps)]
 
 
 def render(prompt: str, steps: Sequence[str], settings: RenderSettings, tokenizer=None) -> tuple[str, list[int]]:
@@ -112,14 +124,19 @@ def _tag_token_positions(offsets: Sequence[Sequence[int]], tag_ends: Sequence[in
                 found = scan
             scan += 1
         if found is None:
-            raise ValueError(f"{where}: no token covers the last character of step {step}'s tag {tag!r}")
+            what = f"step {step}'s tag {tag!r}" if tag else f"step {step}"
+            raise ValueError(f"{where}: no token covers the last character of {what}")
         covering.append(found)
         cursor = found
     for step in range(1, len(covering)):
         if covering[step] == covering[step - 1]:
-            raise ValueError(f"{where}: the tags of steps {step - 1} and {step} ({tag!r}) end on the same token")
+            what = f"the tags of steps {step - 1} and {step} ({tag!r})" if tag else f"steps {step - 1} and {step}"
+            raise ValueError(f"{where}: {what} end on the same token")
     for step, (found, tag_end) in enumerate(zip(covering, tag_ends)):
         if spans[found][2] > tag_end:
+            if not tag:
+                raise ValueError(f"{where}: the last token of step {step} runs on into the next step's text (the "
+                                 "tokenizer merges them), so the step cannot be scored on its own tokens")
             raise ValueError(
                 f"{where}: the last token of step {step}'s tag {tag!r} runs on past the tag into the text after it; "
                 "use a tag the tokenizer keeps as its own token(s)"
@@ -127,10 +144,23 @@ def _tag_token_positions(offsets: Sequence[Sequence[int]], tag_ends: Sequence[in
     return [spans[found][0] for found in covering]
 
 
-def _checked(ids: list[int], offsets, ends: list[int], tag: str, max_length: int | None, where: str) -> RenderedExample:
+def _first_token_positions(offsets: Sequence[Sequence[int]], starts: Sequence[int]) -> list[int]:
+    """Per character offset, the index of the first token that ends after it (the token holding that character)."""
+    spans = [(index, end) for index, (start, end) in enumerate(offsets) if end > start]
+    positions, cursor = [], 0
+    for start in starts:
+        while cursor < len(spans) and spans[cursor][1] <= start:
+            cursor += 1
+        positions.append(spans[min(cursor, len(spans) - 1)][0])
+    return positions
+
+
+def _checked(ids: list[int], offsets, ends: list[int], steps: Sequence[str], tag: str, max_length: int | None,
+             where: str) -> RenderedExample:
     if max_length is not None and len(ids) > max_length:
         raise ValueError(f"{where}: rendered example has {len(ids)} tokens, more than max_length={max_length}")
-    return RenderedExample(input_ids=list(ids), tag_positions=_tag_token_positions(offsets, ends, tag, where))
+    return RenderedExample(input_ids=list(ids), tag_positions=_tag_token_positions(offsets, ends, tag, where),
+                           step_starts=_first_token_positions(offsets, _step_starts(ends, steps, tag)))
 
 
 def _encode(tokenizer, texts: list[str], settings: RenderSettings) -> tuple[list[list[int]], list]:
@@ -146,7 +176,7 @@ def tokenize_rendered(
     """Render (prompt, steps), tokenize it, and find each tag's last token; ValueError as in the module docstring."""
     text, ends = render(prompt, steps, settings, tokenizer)
     ids, offsets = _encode(tokenizer, [text], settings)
-    return _checked(ids[0], offsets[0], ends, settings.step_tag, max_length, "rendered example")
+    return _checked(ids[0], offsets[0], ends, steps, settings.step_tag, max_length, "rendered example")
 
 
 def tokenize_many(
@@ -163,6 +193,7 @@ def tokenize_many(
         return []
     ids, offsets = _encode(tokenizer, [text for text, _ in rendered], settings)
     return [
-        _checked(ids[i], offsets[i], ends, settings.step_tag, max_length, example.source or f"example {i}")
+        _checked(ids[i], offsets[i], ends, example.steps, settings.step_tag, max_length,
+                 example.source or f"example {i}")
         for i, ((_, ends), example) in enumerate(zip(rendered, examples))
     ]

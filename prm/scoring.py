@@ -31,10 +31,13 @@ DEFAULT_ROWS_PER_CALL = 512
 
 
 def rendered_batch(
-    rendered: Sequence[RenderedExample], pad_id: int, targets: Sequence[Sequence[float]] | None = None
+    rendered: Sequence[RenderedExample], pad_id: int, targets: Sequence[Sequence[float]] | None = None, *,
+    step_ids: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The engine batch of rendered examples: right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (1 at
-    each step's tag position) and, with ``targets`` (one per step), ``targets`` [B, L] (the step's label there)."""
+    each step's tag position) and, with ``targets`` (one per step), ``targets`` [B, L] (the step's label there).
+    ``step_ids`` (the ``likelihood`` layout): also ``step_ids`` [B, L], k + 1 on the tokens of step k (from its first
+    token to its tag position), 0 elsewhere."""
     import torch
 
     if not rendered:
@@ -45,10 +48,16 @@ def rendered_batch(
     attention_mask = torch.zeros((rows, width), dtype=torch.long)
     loss_mask = torch.zeros((rows, width), dtype=torch.long)
     target_values = torch.zeros((rows, width), dtype=torch.float32)
+    step_numbers = torch.zeros((rows, width), dtype=torch.long)
     for row, example in enumerate(rendered):
         length = len(example.input_ids)
         input_ids[row, :length] = torch.tensor(example.input_ids, dtype=torch.long)
         attention_mask[row, :length] = 1
+        if step_ids:
+            if example.step_starts is None:
+                raise ValueError(f"row {row}: the rendered example has no step_starts (render it with prm.rendering)")
+            for step, (first, last) in enumerate(zip(example.step_starts, example.tag_positions)):
+                step_numbers[row, first : last + 1] = step + 1
         positions = torch.tensor(example.tag_positions, dtype=torch.long)
         loss_mask[row, positions] = 1
         if targets is not None:
@@ -58,6 +67,8 @@ def rendered_batch(
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
     if targets is not None:
         batch["targets"] = target_values
+    if step_ids:
+        batch["step_ids"] = step_numbers
     return batch
 
 
@@ -103,7 +114,7 @@ class StepScorer:
         scores: list[list[float]] = []
         for start in range(0, len(rendered), self.rows_per_call):
             chunk = list(rendered[start : start + self.rows_per_call])
-            outputs = self.engine.forward(rendered_batch(chunk, self.pad_id))
+            outputs = self.engine.forward(rendered_batch(chunk, self.pad_id, step_ids=not self.settings.step_tag))
             scores.extend(scores_at_tags(outputs["good_logprob"], chunk))
         return scores
 
@@ -132,6 +143,9 @@ def add_prm_arguments(parser) -> None:
     parser.add_argument("--prm", required=True, help="grpo-mega PRM checkpoint / run dir, or an HF PRM folder")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes = tp x pp x dp)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--layout", default=None, choices=("classifier", "lm_tokens", "likelihood"),
+                        help="overrides the PRM's layout (default: its own; an HF causal LM is lm_tokens unless "
+                             "--layout likelihood, which scores the steps by the LM's own token probabilities)")
     parser.add_argument("--step-tag", default=None, help="overrides the PRM's tag (default: its own)")
     parser.add_argument("--good-token", default=None, help="lm_tokens: the good label token")
     parser.add_argument("--bad-token", default=None, help="lm_tokens: the bad label token")
@@ -167,7 +181,7 @@ def open_scorer(args):
         raise ValueError(f"--engine deepspeed runs data parallel only: use --tp 1 --pp 1 (got {args.tp}, {args.pp})")
     init_distributed(args.tp, args.pp, seed=args.seed)
     return open_step_scorer(
-        args.prm, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
+        args.prm, layout=args.layout, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
         chat_template=args.chat_template, system_prompt=args.system_prompt, max_length=args.max_length,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, engine_kind=args.engine,
         deepspeed=DeepSpeedConfig(zero_stage=args.zero_stage),
@@ -177,6 +191,7 @@ def open_scorer(args):
 def open_step_scorer(
     path: str,
     *,
+    layout: str | None = None,
     step_tag: str | None = None,
     good_token: str | None = None,
     bad_token: str | None = None,
@@ -193,8 +208,10 @@ def open_step_scorer(
     chat-template settings it was trained with (off for an HF PRM folder)."""
     from prm.model import open_prm
 
-    overrides = {key: value for key, value in (("step_tag", step_tag), ("good_token", good_token),
+    overrides = {key: value for key, value in (("layout", layout), ("step_tag", step_tag), ("good_token", good_token),
                                                 ("bad_token", bad_token)) if value is not None}
+    if layout == "likelihood" and step_tag is None:
+        overrides["step_tag"] = ""  # the likelihood layout reads the steps as written
     loaded = open_prm(path, spec_overrides=overrides, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                       engine_kind=engine_kind, deepspeed=deepspeed)
     saved = saved_render_settings(path)

@@ -155,7 +155,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(rendered), cfg.trainer.batch_size)
-        batch = rendered_batch([rendered[i] for i in rows], scorer.pad_id, [targets[i] for i in rows])
+        batch = rendered_batch([rendered[i] for i in rows], scorer.pad_id, [targets[i] for i in rows],
+                               step_ids=spec.layout == "likelihood")
         metrics = engine.train_step(batch, prm_loss)
         engine.lr_schedule_step()
         last = step == cfg.trainer.total_steps
@@ -218,11 +219,11 @@ def _prm_hf_config(cfg: PRMConfig, run_dir: Path) -> Path:
     hf_config = AutoConfig.from_pretrained(given)
     # A config without architectures (e.g. written from a bare Qwen2Config) is a policy's: a causal LM.
     layout = detect_layout(hf_config) if getattr(hf_config, "architectures", None) else "lm_tokens"
-    if layout == cfg.prm.layout:
+    if layout == cfg.prm.layout or (layout, cfg.prm.layout) == ("lm_tokens", "likelihood"):
         return given
-    if cfg.prm.layout == "lm_tokens":
+    if cfg.prm.layout in ("lm_tokens", "likelihood"):
         raise ValueError(
-            f"prm.layout=lm_tokens needs a causal LM's config, but model.hf_config={given} is a {layout} PRM"
+            f"prm.layout={cfg.prm.layout} needs a causal LM's config, but model.hf_config={given} is a {layout} PRM"
         )
     target = run_dir / PRM_HF_CONFIG_DIR
     if dist.get_rank() == 0:
@@ -239,7 +240,7 @@ def _load_initial_weights(engine, cfg: PRMConfig) -> None:
     from prm.model import load_prm_init_weights
 
     source = cfg.model.init_from
-    if source is None or cfg.prm.layout == "lm_tokens" or _is_classifier_prm(source):
+    if source is None or cfg.prm.layout in ("lm_tokens", "likelihood") or _is_classifier_prm(source):
         load_initial_weights(engine, source)
     else:
         load_prm_init_weights(engine, source)
