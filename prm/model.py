@@ -437,8 +437,9 @@ def _load_tokenizer(folder: str | os.PathLike, what: str):
         raise ValueError(f"{what}: no tokenizer could be loaded from {folder} ({error})") from None
 
 
-def _training_checkpoint_parts(path: str | os.PathLike) -> tuple[Any, PRMSpec, Any]:
-    """(HF config, spec, tokenizer) of a grpo-mega PRM checkpoint, from its saved run config."""
+def _training_checkpoint_parts(path: str | os.PathLike, layout: str | None = None) -> tuple[Any, PRMSpec, Any]:
+    """(HF config, spec, tokenizer) of a grpo-mega PRM checkpoint, from its saved run config; with ``layout``
+    ``likelihood`` also of a policy's checkpoint (SFT or GRPO: a causal LM, no prm section)."""
     from transformers import AutoConfig
 
     from grpo_mega.checkpoint.training import checkpoint_config
@@ -448,12 +449,16 @@ def _training_checkpoint_parts(path: str | os.PathLike) -> tuple[Any, PRMSpec, A
     hf_dir = model.get("hf_config")
     if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
         raise ValueError(f"{path}: the checkpoint's config model.hf_config ({hf_dir!r}) has no config.json")
-    if "prm" not in config:
-        raise ValueError(f"{path}: the checkpoint's config has no prm section: not a PRM checkpoint")
-    # The prm section also holds the rendering settings (prm.config.PRMHeadConfig): keep the spec's fields.
-    spec_fields = {field.name for field in dataclasses.fields(PRMSpec)}
-    spec = PRMSpec.from_dict({k: v for k, v in (config["prm"] or {}).items() if k in spec_fields},
-                             where=f"{path}: prm")
+    if "prm" in config:
+        # The prm section also holds the rendering settings (prm.config.PRMHeadConfig): keep the spec's fields.
+        spec_fields = {field.name for field in dataclasses.fields(PRMSpec)}
+        spec = PRMSpec.from_dict({k: v for k, v in (config["prm"] or {}).items() if k in spec_fields},
+                                 where=f"{path}: prm")
+    elif layout == "likelihood":
+        spec = default_spec("likelihood")
+    else:
+        raise ValueError(f"{path}: the checkpoint's config has no prm section: not a PRM checkpoint (a policy's "
+                         "checkpoint can score steps as a likelihood PRM: --layout likelihood)")
     tokenizer = _load_tokenizer(model.get("tokenizer") or hf_dir, f"{path}: model.tokenizer")
     return AutoConfig.from_pretrained(hf_dir), spec, tokenizer
 
@@ -472,7 +477,8 @@ def open_prm(
     ``path`` is an HF PRM folder of either layout (layout from its config.json, spec = ``default_spec`` of it), a
     converted megatron folder of one (``tools/convert_hf_to_mcore.py``), or a grpo-mega PRM training checkpoint /
     run directory (HF config, tokenizer and spec from its saved config: ``model.hf_config``, ``model.tokenizer``,
-    ``prm``). ``spec_overrides`` replaces spec fields (e.g. ``{"step_tag": "\\n\\n"}``). Raises ValueError for an
+    ``prm``), or with ``spec_overrides={"layout": "likelihood", ...}`` a policy's training checkpoint.
+    ``spec_overrides`` replaces spec fields (e.g. ``{"step_tag": "\\n\\n"}``). Raises ValueError for an
     unknown override, a layout the config contradicts, or a folder that is none of these.
     """
     from transformers import AutoConfig
@@ -494,7 +500,8 @@ def open_prm(
         spec = default_spec(config_layout(hf_config))
         tokenizer = _load_tokenizer(Path(path) / HF_FILES_DIR, str(path))
     else:
-        hf_config, spec, tokenizer = _training_checkpoint_parts(path)
+        overrides = dict(spec_overrides or {})
+        hf_config, spec, tokenizer = _training_checkpoint_parts(path, overrides.get("layout"))
     overrides = dict(spec_overrides or {})
     spec = PRMSpec.from_dict({**spec.to_dict(), **overrides}, where="spec_overrides")
     engine = build_prm_forward_engine(hf_config, spec, tokenizer, max_tokens_per_micro_batch=max_tokens_per_micro_batch,

@@ -31,7 +31,8 @@ class PRMPlan:
     planted_problems: int = 300
     """Held-out problems turned into solutions with planted errors (half of them with one error)."""
     best_of_n_prompts: int = 200
-    best_of_n: int = 4
+    best_of_n: int = 8
+    """Samples per held-out prompt for prm@N / maj@N / pass@N (also the policy's own solutions of its F1)."""
     max_new_tokens: int = 64
     nproc: int = 2
 

@@ -1,7 +1,8 @@
-"""The PRM model: specs, layout detection, label tokens, and both head layouts on the Megatron engine.
+"""The PRM model: specs, layout detection, label tokens, and the head layouts on the Megatron engine.
 
-Step scores of HF PRMs of both layouts (tiny random Qwen2 models written the way the published ones are) match
-what transformers computes, at TP=2 and at PP=2 on 2 gloo processes; a training step of either head is the same
+Step scores of HF PRMs of both published layouts (tiny random Qwen2 models written the way the published ones are),
+and of a causal LM read as a likelihood PRM, match what transformers computes, at TP=2 and at PP=2 on 2 gloo
+processes; a training step of either head is the same
 at TP=1 x DP=2, TP=2 and PP=2 (values, gradients of the replicated classifier head, parameters after the step);
 a classifier PRM starts from a policy's backbone from each kind of source, its head untouched.
 """
@@ -19,6 +20,7 @@ from transformers import Qwen2Config
 
 from prm.model import (
     PRMSpec,
+    config_layout,
     default_spec,
     detect_layout,
     label_token_ids,
@@ -32,6 +34,7 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6)
 LENGTHS = (14, 9, 12)
 TAG_POSITIONS = ((3, 7, 13), (4, 8), (2, 6, 11))  # the last token of each step tag, per row
+STEP_SPANS = (((1, 3), (4, 7), (8, 13)), ((1, 4), (5, 8)), ((2, 6), (7, 11)))  # likelihood: (first, last) token
 MAX_SCORE_DIFF = 1e-4
 
 
@@ -106,6 +109,32 @@ def batch(tag_id: int) -> dict[str, torch.Tensor]:
     return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, step_labels=step_labels)
 
 
+def likelihood_batch() -> dict[str, torch.Tensor]:
+    """The rows of ``batch`` (no tags needed) with the likelihood layout's ``step_ids`` over ``STEP_SPANS``."""
+    rows = batch(SPECIAL.index("+"))
+    step_ids = torch.zeros_like(rows["input_ids"])
+    for row, spans in enumerate(STEP_SPANS):
+        for step, (first, last) in enumerate(spans):
+            step_ids[row, first : last + 1] = step + 1
+    return {"input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "step_ids": step_ids}
+
+
+def reference_likelihood(folder: Path, ids: torch.Tensor) -> list[list[float]]:
+    """log of the likelihood score as transformers computes it: per step, the smallest log p(token | tokens before)
+    over its tokens, each row alone and unpadded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    scores = []
+    with torch.no_grad():
+        for row, spans in enumerate(STEP_SPANS):
+            row_ids = ids[row, : LENGTHS[row]]
+            logprobs = torch.log_softmax(model(row_ids[None]).logits[0], dim=-1)
+            token_logprobs = logprobs[:-1].gather(1, row_ids[1:, None])[:, 0]  # token t at index t - 1
+            scores.append([float(token_logprobs[first - 1 : last].min()) for first, last in spans])
+    return scores
+
+
 def tag_scores(good_logprob: torch.Tensor) -> list[list[float]]:
     """exp(good_logprob) at every tag position, per row."""
     return [[float(good_logprob[row, p].exp()) for p in positions] for row, positions in enumerate(TAG_POSITIONS)]
@@ -150,8 +179,15 @@ def test_spec_round_trip_defaults_and_errors():
     assert spec.to_dict() == {"layout": "lm_tokens", "step_tag": " ки", "good_token": "+", "bad_token": "-"}
     assert default_spec("classifier") == PRMSpec("classifier", "<extra_0>")
     assert default_spec("lm_tokens") == spec
-    with pytest.raises(ValueError, match=r"prm.layout must be one of \('classifier', 'lm_tokens'\), got 'value'"):
+    with pytest.raises(ValueError, match=r"prm.layout must be one of \('classifier', 'lm_tokens', 'likelihood'\), "
+                                         r"got 'value'"):
         PRMSpec("value", "x")
+    assert default_spec("likelihood") == PRMSpec("likelihood", "")
+    assert PRMSpec.from_dict({"layout": "likelihood"}) == PRMSpec("likelihood", "")  # it has no tag to name
+    with pytest.raises(ValueError, match="likelihood scores the steps as the policy wrote them, without a tag"):
+        PRMSpec("likelihood", " ки")
+    with pytest.raises(ValueError, match=r"prm.step_tag must be a non-empty string, got ''"):
+        PRMSpec("lm_tokens", "")
     with pytest.raises(ValueError, match=r"run.yaml: unknown field\(s\) \['tag'\]"):
         PRMSpec.from_dict({"layout": "classifier", "tag": "x"}, where="run.yaml")
     with pytest.raises(ValueError, match=r"missing field\(s\) \['step_tag'\]"):
@@ -167,6 +203,8 @@ def test_detect_layout():
         detect_layout(Qwen2Config(architectures=["Qwen2ForSequenceClassification"]))
     with pytest.raises(ValueError, match=r"architectures \[\]"):
         detect_layout(Qwen2Config())
+    assert config_layout(Qwen2Config()) == "lm_tokens"  # a bare config (no architectures) is a causal LM's
+    assert config_layout(Qwen2Config(architectures=["Qwen2ForProcessRewardModel"])) == "classifier"
 
 
 def test_label_token_ids(tmp_path):
@@ -258,6 +296,18 @@ def _scores(folders: dict[str, str], run_dir: str, mcore_dir: str) -> dict:
             }
             if (layout, tp) == ("classifier", 2):
                 save_mcore_checkpoint(loaded.engine.stage, mcore_dir, folder)
+        # the causal LM as a likelihood PRM (an explicit layout: its config says lm_tokens)
+        loaded = open_prm(folders["lm_tokens"], spec_overrides={"layout": "likelihood", "step_tag": ""},
+                          max_tokens_per_micro_batch=30)
+        rows = likelihood_batch()
+        outputs = loaded.engine.forward(rows)
+        total = outputs["good_logprob"].exp() + outputs["bad_logprob"].exp()
+        results[("likelihood", tp, pp)] = {
+            "spec": loaded.spec,
+            "log_scores": [[float(outputs["good_logprob"][row, last]) for _, last in spans]
+                           for row, spans in enumerate(STEP_SPANS)],
+            "sum_to_one": float((total - 1)[rows["step_ids"] > 0].abs().max()),
+        }
     _layout(1, 1)
     spec = PRMSpec("classifier", "<extra_0>")
     engine = build_prm_engine(Qwen2Config.from_pretrained(folders["classifier"]), spec, None, optim=OptimConfig(),
@@ -316,6 +366,14 @@ def test_step_scores_match_transformers_at_tp2_and_pp2(hf_prms, two_ranks):
             assert result["sum_to_one"] < 1e-5
             if tp == 2:  # rank 0 is the last stage at TP=2; at PP=2 it is the first
                 assert result["no_output_layer"] == (layout == "classifier")
+    expected_likelihood = reference_likelihood(hf_prms["lm_tokens"], likelihood_batch()["input_ids"])
+    flat = [s for row in expected_likelihood for s in row]
+    assert max(flat) - min(flat) > 1.0  # log scores spread out: a step read at the wrong tokens would show
+    for tp, pp in ((2, 1), (1, 2)):
+        result = results[("likelihood", tp, pp)]
+        assert result["spec"] == PRMSpec("likelihood", "")
+        assert _max_diff(result["log_scores"], expected_likelihood) <= MAX_SCORE_DIFF, (tp, pp)
+        assert result["sum_to_one"] < 1e-5
     checkpoint = results["checkpoint"]
     assert checkpoint["spec"] == PRMSpec("classifier", "\n\n")
     assert _max_diff(checkpoint["scores"], expected["classifier"]) <= MAX_SCORE_DIFF

@@ -161,7 +161,38 @@ def test_tokenize_many_matches_one_at_a_time_and_names_the_source(synthetic_toke
 
 
 def test_settings_are_checked():
-    with pytest.raises(ValueError, match="step_tag"):
-        RenderSettings(step_tag="")
+    with pytest.raises(ValueError, match="step_tag must be a string"):
+        RenderSettings(step_tag=None)
     with pytest.raises(ValueError, match="system_prompt needs chat_template"):
         RenderSettings(step_tag=" ки", system_prompt="hi")
+
+
+def test_without_a_tag_each_step_is_read_at_its_own_last_token(synthetic_tokenizer):
+    """The likelihood layout: the text is the prompt and the steps as written, a step's tokens run from its
+    step_starts entry to its tag position (its last token)."""
+    settings = RenderSettings(step_tag="")
+    rendered = tokenize_rendered(synthetic_tokenizer, PROMPT, STEPS, settings)
+    assert rendered.input_ids == synthetic_tokenizer(PROMPT + "".join(STEPS))["input_ids"]
+    decode = synthetic_tokenizer.decode
+    steps = [decode(rendered.input_ids[first : last + 1])
+             for first, last in zip(rendered.step_starts, rendered.tag_positions)]
+    assert steps == STEPS
+    assert decode(rendered.input_ids[: rendered.step_starts[0]]) == PROMPT
+    assert rendered.step_starts[1:] == [last + 1 for last in rendered.tag_positions[:-1]]
+    with pytest.raises(ValueError, match="an empty step cannot be scored without a step tag"):
+        tokenize_rendered(synthetic_tokenizer, PROMPT, [STEPS[0], "", STEPS[1]], settings)
+
+
+def test_without_a_tag_a_token_across_two_steps_is_an_error():
+    # the word-level tokenizer splits on whitespace: "12" + "." of two steps ... "= 1" / "2." makes "12." one word
+    tokenizer = standard_tokenizer()
+    with pytest.raises(ValueError, match="last token of step 0 runs on into the next step's text"):
+        tokenize_rendered(tokenizer, "Q", [" Step 1", "2 ."], RenderSettings(step_tag=""))
+
+
+def test_tagged_renders_also_carry_step_starts(synthetic_tokenizer):
+    rendered = tokenize_rendered(synthetic_tokenizer, PROMPT, STEPS, RenderSettings(step_tag=" ки"))
+    decode = synthetic_tokenizer.decode
+    spans = [decode(rendered.input_ids[first : last + 1])
+             for first, last in zip(rendered.step_starts, rendered.tag_positions)]
+    assert spans == [step + " ки" for step in STEPS]

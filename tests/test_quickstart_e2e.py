@@ -3,6 +3,7 @@ outcome supervision and GRPO with process supervision by the learned PRM in two 
 them (all on 2 processes) -> eval, and writes its summary."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -98,8 +99,8 @@ def _hf_nll(model_dir: Path, rows: list[dict]) -> float:
 
 @pytest.mark.slow
 def test_trained_policy_exports_to_hugging_face(fast_quickstart, tmp_path):
-    """A training checkpoint (the quickstart's SFT run, TP=2) converts to an HF folder whose loss matches the
-    trainer's."""
+    """A training checkpoint (the quickstart's SFT run) converts to an HF folder whose loss matches the trainer's,
+    and scores steps as a likelihood PRM as transformers computes them from that folder."""
     run_dir, _ = fast_quickstart
     sft_dir, train_file = run_dir / "sft", run_dir / "data" / "train.jsonl"
     hf_out = tmp_path / "hf"
@@ -112,3 +113,42 @@ def test_trained_policy_exports_to_hugging_face(fast_quickstart, tmp_path):
     hf_nll = _hf_nll(hf_out, rows)
     assert hf_nll < 3.0  # uniform over the vocabulary would be ~5.7
     assert abs(hf_nll - final_nll) < 0.35, (hf_nll, final_nll)
+
+    # The same checkpoint as a likelihood PRM: a step's score is its smallest token probability
+    planted = run_dir / "planted_errors.jsonl"
+    scores_out = tmp_path / "scores.jsonl"
+    score = subprocess.run([sys.executable, "-m", "grpo_mega.cli", "prm", "score", "--prm", str(sft_dir), "--layout",
+                            "likelihood", "--data", str(planted), "--out", str(scores_out)],
+                           capture_output=True, text=True, timeout=600)
+    assert score.returncode == 0, score.stdout[-2000:] + score.stderr[-3000:]
+    scored = [json.loads(line) for line in scores_out.read_text().splitlines()]
+    assert len(scored) == len(planted.read_text().splitlines())
+    expected = _hf_step_likelihoods(hf_out, scored[:12])
+    for row, reference in zip(scored, expected):
+        assert len(row["step_scores"]) == len(reference)
+        for got, want in zip(row["step_scores"], reference):
+            assert math.isclose(got, want, rel_tol=1e-3, abs_tol=1e-6), (row["source"], got, want)
+
+
+def _hf_step_likelihoods(model_dir: Path, rows: list[dict]) -> list[list[float]]:
+    """Per step, min over its tokens of p(token | text before) under the HF model, the steps tokenized one by one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mega.data.tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = load_tokenizer(model_dir)
+    scores = []
+    with torch.no_grad():
+        for row in rows:
+            ids, spans = tokenizer(row["prompt"]).input_ids, []
+            for step in row["steps"]:
+                start = len(ids)
+                ids += tokenizer(step, add_special_tokens=False).input_ids
+                spans.append((start, len(ids)))
+            assert ids == tokenizer(row["prompt"] + "".join(row["steps"])).input_ids
+            probs = torch.softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+            token_probs = [1.0] + [float(probs[t - 1, ids[t]]) for t in range(1, len(ids))]
+            scores.append([min(token_probs[a:b]) for a, b in spans])
+    return scores
