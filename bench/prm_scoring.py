@@ -1,8 +1,9 @@
 """PRM scoring throughput: steps scored per second by ``StepScorer.score_steps`` (what ``grpo-mega prm score`` and
 process-supervised GRPO call) on the Megatron forward engine, on 1 and 2 processes.
 
-The PRM is the quickstart's (``configs/quickstart_prm.yaml``): a classifier head on the quickstart policy's shape
-(``grpo_mega.quickstart.POLICY_SHAPE``, the synthetic task's tokenizer), step tag " ки", solutions rendered up to
+The PRM is a classifier head on the quickstart policy's shape (the quickstart's PRM layout until 2026-11-24; it now
+uses the likelihood layout, not measured here) (``grpo_mega.quickstart.POLICY_SHAPE``, the synthetic task's
+tokenizer), step tag " ки", solutions rendered up to
 192 tokens; its weights are the engine's seeded random initialisation (throughput does not depend on them). The
 solutions are the synthetic task's held-out problems with planted errors (``prm.synthetic.planted_error_examples``).
 Each layout runs in fresh processes: build the engine (``startup_seconds``), score a warm-up slice, then score all

@@ -94,14 +94,16 @@ def _grpo_mega(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _train(task, run_dir: Path, total_steps: int, *extra: str, nproc: int | None = None) -> subprocess.CompletedProcess:
-    """``prm train`` at TP=2 on 2 processes unless ``nproc`` is given (the config itself trains data-parallel)."""
+    """``prm train`` of a classifier PRM at TP=2 on 2 processes unless ``nproc`` is given (the config itself is a
+    likelihood PRM, trained data-parallel)."""
     return _grpo_mega(
         "prm", "train", "--config", str(CONFIG), *(["--nproc", str(nproc)] if nproc else []),
         f"model.hf_config={task['model']}",
         f"model.init_from={task['policy']}", f"data.train_file={task['train']}", f"data.eval_file={task['heldout']}",
         f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}", "trainer.batch_size=8",
         "trainer.save_every=2", "trainer.progress_bar=false", "trainer.tensorboard=false", "parallel.device=cpu",
-        "optim.warmup_steps=0", "optim.decay_style=constant", "parallel.tensor=2", *extra,
+        "optim.warmup_steps=0", "optim.decay_style=constant", "parallel.tensor=2", "prm.layout=classifier",
+        'prm.step_tag=" ки"', "optim.lr=1e-3", *extra,
     )
 
 
