@@ -41,7 +41,12 @@ class ParallelConfig:
     pipeline: int = 1
     """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
     max_tokens_per_micro_batch: int = 4096
-    """Token budget (rows x padded length) of one micro-batch."""
+    """Token budget (rows x padded length) of one micro-batch; with ``share_prompt_prefix``, of its packed
+    tokens."""
+    share_prompt_prefix: bool = True
+    """GRPO with the Megatron engine: the G completions of a prompt share one copy of the prompt's tokens in
+    the policy's and reference's forward and backward (``grpo_mega.engine.shared_prefix``). Exact; it saves the
+    prompt's share of the tokens x (G - 1) / G of the layer compute."""
     seed: int = 1234
     """Seed of parameter init, sampling and data order."""
     device: str = "auto"

@@ -55,6 +55,7 @@ def build_engine(
     max_tokens_per_micro_batch: int,
     dtype: torch.dtype | None = None,
     lm_output: bool = True,
+    share_prompt_prefix: bool = False,
 ) -> MegatronEngine:
     """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
     last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps; ``lm_output`` as
@@ -67,6 +68,7 @@ def build_engine(
         output_names=output_names,
         next_token_head=next_token_head,
         hf_config=hf_config,
+        share_prompt_prefix=share_prompt_prefix,
     )
 
 
@@ -79,6 +81,7 @@ def build_forward_engine(
     max_tokens_per_micro_batch: int,
     dtype: torch.dtype | None = None,
     lm_output: bool = True,
+    share_prompt_prefix: bool = False,
 ) -> MegatronForwardEngine:
     """A forward-only :class:`MegatronForwardEngine` (no optimizer, no gradients) of the same model."""
     return MegatronForwardEngine(
@@ -87,6 +90,7 @@ def build_forward_engine(
         output_names=output_names,
         next_token_head=next_token_head,
         hf_config=hf_config,
+        share_prompt_prefix=share_prompt_prefix,
     )
 
 
@@ -106,10 +110,13 @@ def build_policy_engine(
     dtype: torch.dtype | None = None,
     engine_kind: str = "megatron",
     deepspeed=None,
+    share_prompt_prefix: bool = False,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
     computed with ``logits / temperature`` so they match the sampler; ``logits_in_fp32``: the head's logits in
-    fp32 also when the model is bf16, ``model.logits_in_fp32``). ``engine_kind="deepspeed"``: the HF model on a
+    fp32 also when the model is bf16, ``model.logits_in_fp32``). ``share_prompt_prefix``: rows sharing a prompt
+    carry one copy of it through the layers (``parallel.share_prompt_prefix``; Megatron engine only, exact).
+    ``engine_kind="deepspeed"``: the HF model on a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
     if engine_kind == "deepspeed":
         from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
@@ -129,6 +136,7 @@ def build_policy_engine(
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         dtype=dtype,
+        share_prompt_prefix=share_prompt_prefix,
     )
 
 
@@ -142,6 +150,7 @@ def build_reference_engine(
     dtype: torch.dtype | None = None,
     engine_kind: str = "megatron",
     deepspeed=None,
+    share_prompt_prefix: bool = False,
 ) -> MegatronForwardEngine:
     """The KL reference: the policy's model and LM head on a forward-only engine (no optimizer, no DDP gradient
     buffers, no gradients); load its weights with ``grpo_mega.checkpoint.initial_weights.load_initial_weights``.
@@ -162,6 +171,7 @@ def build_reference_engine(
         next_token_head=True,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         dtype=dtype,
+        share_prompt_prefix=share_prompt_prefix,
     )
 
 

@@ -48,6 +48,8 @@ class MegatronEngine(MegatronStageEngine):
         next_token_head: the head's value at position t is about token t + 1 (an LM head); the engine
             re-aligns it so that position t is about token t.
         hf_config: the Hugging Face config of the backbone (names and layouts for HF export).
+        share_prompt_prefix: rows of a batch with ``prompt_lengths`` that share a prompt go through the layers
+            with one copy of it (``grpo_mega.engine.shared_prefix``; exact, megatron's local layers only).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class MegatronEngine(MegatronStageEngine):
         output_names: tuple[str, ...],
         next_token_head: bool,
         hf_config=None,
+        share_prompt_prefix: bool = False,
     ):
         module = self._build_stage(
             stage_model_provider,
@@ -67,6 +70,7 @@ class MegatronEngine(MegatronStageEngine):
             output_names=output_names,
             next_token_head=next_token_head,
             hf_config=hf_config,
+            share_prompt_prefix=share_prompt_prefix,
         )
         self.config.finalize_model_grads_func = finalize_model_grads
         self.model = DistributedDataParallel(

@@ -17,6 +17,8 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from grpo_mega.engine.batching import is_padding, rank_micro_batches
+from grpo_mega.engine.shared_prefix import is_packed, rank_shared_prefix_micro_batches
+from grpo_mega.model.attention import PackedRows
 from grpo_mega.parallel import get_device
 
 StageModelProvider = Callable[[bool, bool], torch.nn.Module]
@@ -46,6 +48,7 @@ class MegatronStageEngine:
         output_names: tuple[str, ...],
         next_token_head: bool,
         hf_config,
+        share_prompt_prefix: bool = False,
     ) -> torch.nn.Module:
         self.device = get_device()
         self.pre_process = mpu.is_pipeline_first_stage()
@@ -56,6 +59,9 @@ class MegatronStageEngine:
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.last_padding_fraction = 0.0
         module = stage_model_provider(self.pre_process, self.post_process).to(self.device)
+        # Rows that share a prompt go through the layers with one copy of it (grpo_mega.engine.shared_prefix);
+        # needs megatron's local layers (grpo_mega.model.attention), not Transformer Engine's.
+        self.share_prompt_prefix = share_prompt_prefix and module.supports_packed_rows()
         self.config = module.config
         # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
         self.config.variable_seq_lengths = True
@@ -63,7 +69,10 @@ class MegatronStageEngine:
 
     # ----------------------------------------------------------------- micro-batches of this rank
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        micro_batches, self.last_padding_fraction = rank_micro_batches(
+        split = rank_micro_batches
+        if self.share_prompt_prefix and "prompt_lengths" in batch:
+            split = rank_shared_prefix_micro_batches
+        micro_batches, self.last_padding_fraction = split(
             batch, self.max_tokens_per_micro_batch, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         )
         return [{k: v.to(self.device) for k, v in micro.items()} for micro in micro_batches]
@@ -72,18 +81,29 @@ class MegatronStageEngine:
         """Run megatron's schedule (1F1B with PP) and return the loss-function records of the last stage."""
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
+            if is_packed(micro):
+                # one sequence [1, T] in which rows share their prompt; the last stage returns the rows
+                tokens = micro["input_ids"].reshape(-1).index_select(0, micro["packed_source"])[None]
+                rows = PackedRows(micro["packed_row_gather"], micro["packed_source"])
+                hidden = model(tokens, micro["packed_positions"][None], attention_mask=None, packed_rows=rows)
+                return hidden, loss_func_for(micro)
             positions = torch.arange(micro["input_ids"].shape[1], device=self.device).expand_as(micro["input_ids"])
             # Rows are right-padded: the causal mask alone keeps padding out of every real token's attention.
             hidden = model(micro["input_ids"], positions, attention_mask=None)
             return hidden, loss_func_for(micro)
+
+        def shape(micro):  # (sequence, batch) of what flows between pipeline stages
+            if is_packed(micro):
+                return len(micro["packed_source"]), 1
+            return micro["input_ids"].shape[1], micro["input_ids"].shape[0]
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
             model=[self.model],
             num_microbatches=len(micro_batches),
-            seq_length=max(m["input_ids"].shape[1] for m in micro_batches),
-            micro_batch_size=max(m["input_ids"].shape[0] for m in micro_batches),
+            seq_length=max(shape(m)[0] for m in micro_batches),
+            micro_batch_size=max(shape(m)[1] for m in micro_batches),
             forward_only=forward_only,
         )
 
@@ -203,6 +223,7 @@ class MegatronForwardEngine(MegatronStageEngine):
         output_names: tuple[str, ...],
         next_token_head: bool,
         hf_config=None,
+        share_prompt_prefix: bool = False,
     ):
         module = self._build_stage(
             stage_model_provider,
@@ -210,6 +231,7 @@ class MegatronForwardEngine(MegatronStageEngine):
             output_names=output_names,
             next_token_head=next_token_head,
             hf_config=hf_config,
+            share_prompt_prefix=share_prompt_prefix,
         )
         module.requires_grad_(False)
         self.model = module.eval()

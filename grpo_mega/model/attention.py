@@ -10,6 +10,11 @@ attention in one fused kernel (forward and backward) with grouped-query attentio
 rows are right-padded, see `grpo_mega.engine.base`, no dropout, no sliding window, no query-key layer scaling,
 vanilla softmax, queries and keys of the same length) and hands anything else to megatron's implementation, so it
 is a drop-in replacement with the same parameters (none) and checkpoints.
+
+It also runs packed micro-batches whose rows share their prompt tokens (``grpo_mega.engine.shared_prefix``): while
+the model sets a :class:`PackedRows` on it, the packed sequence's queries, keys and values are gathered into rows
+(each row: its prompt's tokens, then its own response), attended causally row by row, and each packed token's
+context is read back from the row that owns it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,24 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+
+class PackedRows:
+    """Where the rows of a packed micro-batch live in its packed sequence: ``row_gather`` [R, L] (packed token of
+    each row position) and ``source`` [T] (flat row position ``r * L + p`` each packed token is read back from)."""
+
+    def __init__(self, row_gather: torch.Tensor, source: torch.Tensor):
+        self.row_gather = row_gather
+        self.source = source
+
+    def to_rows(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [R, L, ...]."""
+        rows, width = self.row_gather.shape
+        return packed.index_select(0, self.row_gather.reshape(-1)).view(rows, width, *packed.shape[1:])
+
+    def to_packed(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R, L, ...] -> [T, ...]."""
+        return rows.reshape(-1, *rows.shape[2:]).index_select(0, self.source)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -34,9 +57,14 @@ class SDPADotProductAttention(DotProductAttention):
             and self.softmax_offset is None
         )
 
+    packed_rows: PackedRows | None = None
+    """Set by the model around the forward of a packed micro-batch (``HiddenStatesGPTModel.forward``)."""
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         """query [sq, b, np, hn], key / value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
+        if self.packed_rows is not None:
+            return self._packed_forward(query, key, value)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if (
             not self.fused
@@ -60,6 +88,23 @@ class SDPADotProductAttention(DotProductAttention):
         # [b, np, sq, hn] -> [sq, b, np * hn]
         sq, b = query.size(0), query.size(1)
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed_forward(self, query, key, value):
+        """query [T, 1, np, hn], key / value [T, 1, ng, hn] of a packed sequence -> context [T, 1, np * hn]."""
+        if not self.fused or query.size(1) != 1:
+            raise ValueError("packed rows need the fused causal attention and a packed [T, 1] sequence")
+        packed = self.packed_rows
+
+        def rows(x):  # [T, 1, heads, hn] -> [R, heads, L, hn]
+            return packed.to_rows(x[:, 0]).transpose(1, 2)
+
+        context = F.scaled_dot_product_attention(
+            rows(query), rows(key), rows(value), is_causal=True, scale=self.softmax_scale,
+            enable_gqa=key.size(2) != query.size(2),
+        )
+        # [R, np, L, hn] -> [R, L, np * hn] -> [T, 1, np * hn]
+        context = context.transpose(1, 2).reshape(*packed.row_gather.shape, self.hidden_size_per_partition)
+        return packed.to_packed(context).unsqueeze(1)
 
 
 def use_sdpa_core_attention(layer_spec) -> None:

@@ -20,7 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from grpo_mega.model.attention import use_sdpa_core_attention
+from grpo_mega.model.attention import PackedRows, SDPADotProductAttention, use_sdpa_core_attention
 from grpo_mega.model.config_map import GPTConfig
 from grpo_mega.parallel.distributed import get_device
 
@@ -61,6 +61,48 @@ class HiddenStatesGPTModel(GPTModel):
         if sharded_offsets:
             raise ValueError("unexpected sharded offsets for a whole GPT stage")
         return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+    def supports_packed_rows(self) -> bool:
+        """Whether every layer's core attention can run packed micro-batches (``grpo_mega.model.attention``: the
+        local layers; Transformer Engine's cannot)."""
+        return all(isinstance(layer.self_attention.core_attention, SDPADotProductAttention)
+                   for layer in self.decoder.layers)
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, packed_rows: PackedRows | None = None,
+                **kwargs):
+        """GPTModel's forward; with ``packed_rows`` the input is a packed sequence [1, T] whose rows share their
+        prompt tokens (``grpo_mega.engine.shared_prefix``; ``position_ids`` [1, T] are each token's position in
+        its row, the rotary positions) and the last stage returns the rows' hidden states [L, R, H]."""
+        if packed_rows is None:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if not self.supports_packed_rows():
+            raise ValueError("packed micro-batches need megatron's local layers (not Transformer Engine)")
+        attentions = [layer.self_attention.core_attention for layer in self.decoder.layers]
+        for attention in attentions:
+            attention.packed_rows = packed_rows
+        self._rotary_positions = position_ids[0]
+        try:
+            hidden = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            for attention in attentions:
+                attention.packed_rows = None
+            self._rotary_positions = None
+        if not self.post_process:
+            return hidden
+        return packed_rows.to_rows(hidden[:, 0]).transpose(0, 1).contiguous()
+
+    _rotary_positions: torch.Tensor | None = None
+
+    def _preprocess(self, *args, **kwargs):
+        """GPTModel's, with the rotary embedding of each packed token taken at its position in its row."""
+        output = super()._preprocess(*args, **kwargs)
+        positions = self._rotary_positions
+        if positions is None:
+            return output
+        if self.position_embedding_type != "rope" or output[1] is None:
+            raise ValueError("packed micro-batches need rotary position embeddings")
+        table = self.rotary_pos_emb(int(positions.max()) + 1)  # [max position + 1, 1, 1, dim]
+        return (output[0], table.index_select(0, positions), *output[2:])
 
     def _postprocess(self, hidden_states, labels=None, **unused):
         """Return the decoder output (the decoder applies the final norm on the last stage)."""
