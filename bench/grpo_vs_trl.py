@@ -53,14 +53,16 @@ def run_ours(work, args, out: Path) -> dict:
     tokens, response_tokens, update = avg("perf/num_tokens"), avg("perf/num_response_tokens"), avg("timing_s/update")
     config = SIZES[work.size]
     per_row = tokens / (args.prompts * args.group)
-    flops = train_flops(work.matmul_parameters, config, int(tokens), [per_row] * (args.prompts * args.group))
+    # what went through the layers: with shared prompts fewer tokens than the rows hold (attention stays per row)
+    layer_tokens = avg("perf/layer_tokens") or tokens
+    flops = train_flops(work.matmul_parameters, config, int(layer_tokens), [per_row] * (args.prompts * args.group))
     return {
         "step_seconds": avg("timing_s/step"),
         "phases": {"gen+reward": avg("timing_s/gen"), "logprobs": avg("timing_s/old_logprob"),
                    "update": update, "sync": avg("timing_s/sync")},
         "generated_tokens_per_s": response_tokens / avg("timing_s/gen"),
         "trained_tokens_per_s": tokens / update,
-        "tokens_per_step": tokens, "response_tokens_per_step": response_tokens,
+        "tokens_per_step": tokens, "response_tokens_per_step": response_tokens, "layer_tokens_per_step": layer_tokens,
         "train_gflops": flops / update / 1e9,
         "sync_bytes": avg("perf/sync_bytes"),  # per process: what its trainer copies into its rollout engine
         "peak_rss_mb": raw["peak_rss_mb"], "processes": raw["processes"], "layout": args.layout,

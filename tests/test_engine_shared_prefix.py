@@ -131,7 +131,8 @@ def _run(share, budget, ref_dir):
     mask = batch["attention_mask"].bool()
     state = {k: v.detach().clone() for k, v in engine.stage.named_parameters()}
     return {"logprobs": logprobs[mask], "entropy": entropy[mask], "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"], "padding": engine.last_padding_fraction, "params": state}
+            "grad_norm": metrics["grad_norm"], "padding": engine.last_padding_fraction, "params": state,
+            "layer_tokens": metrics["layer_tokens"]}
 
 
 def _job(ref_dir):
@@ -167,5 +168,9 @@ def test_packed_engine_step_equals_row_step(layouts, layout, budget):
         assert packed["loss"] == pytest.approx(rows["loss"], abs=1e-6)
         assert packed["grad_norm"] == pytest.approx(rows["grad_norm"], rel=1e-5)
         assert rows["grad_norm"] > 1e-3
+        # the step reports the token slots it put through the layers (over all data-parallel ranks)
+        assert packed["layer_tokens"] < rows["layer_tokens"]
+        if budget == 1000:  # no group split: each prompt once
+            assert packed["layer_tokens"] == _packed_tokens(_grouped_batch())
         for key, value in rows["params"].items():
             torch.testing.assert_close(packed["params"][key], value, atol=1e-5, rtol=0, msg=key)

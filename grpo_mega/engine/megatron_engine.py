@@ -26,7 +26,7 @@ from grpo_mega.engine.batching import is_padding
 from grpo_mega.engine.lr_schedule import (
     build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
 )
-from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider
+from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider, layer_tokens
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
     global_loss_scale,
@@ -122,7 +122,9 @@ class MegatronEngine(MegatronStageEngine):
                     # all-masked row, so the loss is tied to the stage output only, and it reports no metrics.
                     return hidden.float().sum() * 0.0, {}
                 loss, metrics = loss_fn(self._head(hidden, micro), micro, scale)
-                return loss * undo_average, micro_batch_record(loss, metrics)
+                record = micro_batch_record(loss, metrics)
+                record["layer_tokens"] = float(layer_tokens(micro))
+                return loss * undo_average, record
 
             return compute
 

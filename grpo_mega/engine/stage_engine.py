@@ -8,6 +8,7 @@ sharding, micro-batching and forward results as the training engine (:class:`~gr
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -21,12 +22,21 @@ from grpo_mega.engine.shared_prefix import is_packed, rank_shared_prefix_micro_b
 from grpo_mega.model.attention import PackedRows
 from grpo_mega.parallel import get_device
 
+logger = logging.getLogger(__name__)
+
 StageModelProvider = Callable[[bool, bool], torch.nn.Module]
 """``provider(pre_process, post_process)`` builds this rank's pipeline stage: a GPT backbone stage whose
 ``forward(input_ids, position_ids, attention_mask)`` returns hidden states [S, B, H]. On the last stage it carries
 its head as the submodule ``head``, called as ``head(backbone, hidden, micro_batch) -> {name: [B, S]}``: a
 submodule of the backbone, so head parameters (if any) are trained, reduced and checkpointed with the rest, and
 megatron's schedules and gradient finalisation see a stock GPTModel."""
+
+def layer_tokens(micro: dict[str, torch.Tensor]) -> int:
+    """Token slots a micro-batch puts through the layers: its packed tokens, or rows x padded length."""
+    if is_packed(micro):
+        return len(micro["packed_source"])
+    return micro["input_ids"].numel()
+
 
 def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
     """Shift [B, S] values about the *next* token (position t predicts t + 1) right by one, so out[:, t] is
@@ -62,6 +72,8 @@ class MegatronStageEngine:
         # Rows that share a prompt go through the layers with one copy of it (grpo_mega.engine.shared_prefix);
         # needs megatron's local layers (grpo_mega.model.attention), not Transformer Engine's.
         self.share_prompt_prefix = share_prompt_prefix and module.supports_packed_rows()
+        if share_prompt_prefix and not self.share_prompt_prefix:
+            logger.info("share_prompt_prefix: off (Transformer Engine layers attend row by row)")
         self.config = module.config
         # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
         self.config.variable_seq_lengths = True

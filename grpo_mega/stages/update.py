@@ -82,6 +82,6 @@ def _average_updates(updates: list[dict[str, float]]) -> dict[str, float]:
         for k in updates[0]
     }
     renamed = {"grad_norm": "actor/grad_norm", "lr": "actor/lr", "padding_fraction": "perf/padding_fraction",
-               "loss": "actor/loss"}
+               "loss": "actor/loss", "layer_tokens": "perf/layer_tokens"}
     averaged.pop("step_seconds", None)
     return {renamed.get(k, k): v for k, v in averaged.items()}
