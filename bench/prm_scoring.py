@@ -1,10 +1,10 @@
 """PRM scoring throughput: steps scored per second by ``StepScorer.score_steps`` (what ``grpo-mega prm score`` and
 process-supervised GRPO call) on the Megatron forward engine, on 1 and 2 processes.
 
-The PRM is a classifier head on the quickstart policy's shape (the quickstart's PRM layout until 2026-11-24; it now
-uses the likelihood layout, not measured here) (``grpo_mega.quickstart.POLICY_SHAPE``, the synthetic task's
-tokenizer), step tag " ки", solutions rendered up to
-192 tokens; its weights are the engine's seeded random initialisation (throughput does not depend on them). The
+Two PRM layouts on the quickstart policy's shape (``grpo_mega.quickstart.POLICY_SHAPE``, the synthetic task's
+tokenizer): ``classifier`` (a two-class head read at the step tag " ки", Qwen2.5-Math-PRM's layout) and
+``likelihood`` (the quickstart's PRM: the causal LM's smallest token probability in each step, no tag; its head
+computes full-vocabulary log-probs). Solutions rendered up to 192 tokens; its weights are the engine's seeded random initialisation (throughput does not depend on them). The
 solutions are the synthetic task's held-out problems with planted errors (``prm.synthetic.planted_error_examples``).
 Each layout runs in fresh processes: build the engine (``startup_seconds``), score a warm-up slice, then score all
 solutions ``--repeats`` times; reported from the median pass: steps/s, solutions/s and rendered tokens/s.
@@ -12,7 +12,7 @@ solutions ``--repeats`` times; reported from the median pass: steps/s, solutions
 Layouts: ``1p`` one process with 2 threads; on 2 processes with 1 thread each: ``dp2`` (TP=1 x DP=2), ``tp2``,
 ``pp2``. Prints the table and writes the JSON record (path printed last).
 
-    python bench/prm_scoring.py            # 512 solutions, 3 passes, 4 layouts (about 2 min on 2 idle cores)
+    python bench/prm_scoring.py            # 512 solutions, 3 passes, 4 layouts x 2 PRMs (about 4 min on 2 idle cores)
     python bench/prm_scoring.py --quick    # 128 solutions, 2 passes
 """
 
@@ -37,22 +37,26 @@ LAYOUTS = {"1p": (1, 1, 1), "dp2": (1, 1, 2), "tp2": (2, 1, 2), "pp2": (1, 2, 2)
 STEP_TAG = " ки"
 MAX_LENGTH = 192
 MAX_TOKENS_PER_MICRO_BATCH = 8192
+PRM_LAYOUTS = {"classifier": STEP_TAG, "likelihood": ""}
+"""PRM layout -> its step tag."""
 
 
-def build_inputs(folder: Path, solutions: int, seed: int = 0) -> tuple[Path, list]:
-    """The synthetic task (quickstart shape), the classifier PRM's HF config folder made from its policy config,
-    and ``solutions`` held-out solutions with planted errors; returns (PRM folder, examples)."""
+def build_inputs(folder: Path, solutions: int, seed: int = 0) -> tuple[dict[str, Path], list]:
+    """The synthetic task (quickstart shape), each PRM layout's HF config folder (the classifier's made from the
+    policy config; the likelihood PRM is the policy's causal LM itself) and ``solutions`` held-out solutions with
+    planted errors; returns ({layout: PRM folder}, examples)."""
     from grpo_mega.data.synthetic import read_jsonl
     from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
     from prm.model import prm_hf_config_from_policy
     from prm.synthetic import planted_error_examples
 
     model_dir, _, heldout = build_data_and_model(folder, QuickstartPlan(num_train=1000, num_heldout=solutions), seed)
-    prm_dir = prm_hf_config_from_policy(model_dir, folder / "prm", "classifier")
-    return prm_dir, planted_error_examples(read_jsonl(heldout)[:solutions], seed=seed)
+    prm_dirs = {"classifier": prm_hf_config_from_policy(model_dir, folder / "prm", "classifier"),
+                "likelihood": Path(model_dir)}
+    return prm_dirs, planted_error_examples(read_jsonl(heldout)[:solutions], seed=seed)
 
 
-def _score(prm_dir: str, examples: list, tensor: int, pipeline: int, repeats: int) -> dict:
+def _score(prm_dir: str, prm_layout: str, examples: list, tensor: int, pipeline: int, repeats: int) -> dict:
     """One rank: build the forward engine, warm up, time ``repeats`` passes of ``score_examples``."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -63,11 +67,11 @@ def _score(prm_dir: str, examples: list, tensor: int, pipeline: int, repeats: in
 
     init_distributed(tensor, pipeline, seed=0)
     start = time.perf_counter()
-    spec = PRMSpec("classifier", STEP_TAG)
+    spec = PRMSpec(prm_layout, PRM_LAYOUTS[prm_layout])
     tokenizer = AutoTokenizer.from_pretrained(prm_dir)
     engine = build_prm_forward_engine(AutoConfig.from_pretrained(prm_dir), spec, tokenizer,
                                       max_tokens_per_micro_batch=MAX_TOKENS_PER_MICRO_BATCH)
-    scorer = StepScorer(engine, tokenizer, RenderSettings(step_tag=STEP_TAG), max_length=MAX_LENGTH)
+    scorer = StepScorer(engine, tokenizer, RenderSettings(step_tag=PRM_LAYOUTS[prm_layout]), max_length=MAX_LENGTH)
     startup = time.perf_counter() - start
     scorer.score_examples(examples[:32])  # warm-up
     seconds = []
@@ -80,13 +84,13 @@ def _score(prm_dir: str, examples: list, tensor: int, pipeline: int, repeats: in
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def throughput(layout: str, per_rank: list[dict], solutions: int) -> dict:
+def throughput(prm_layout: str, layout: str, per_rank: list[dict], solutions: int) -> dict:
     """The layout's row from its ranks' results: the slowest rank's median pass sets the rate."""
     passes = [max(seconds) for seconds in zip(*(r["seconds"] for r in per_rank))]
     median = statistics.median(passes)
     first = per_rank[0]
     tensor, pipeline, processes = LAYOUTS[layout]
-    return {"layout": layout, "processes": processes, "tensor": tensor, "pipeline": pipeline,
+    return {"prm": prm_layout, "layout": layout, "processes": processes, "tensor": tensor, "pipeline": pipeline,
             "threads_per_process": 2 if processes == 1 else 1, "solutions": solutions,
             "steps": first["scored_steps"], "tokens": first["tokens"], "pass_seconds": passes,
             "seconds": median, "steps_per_s": first["scored_steps"] / median, "solutions_per_s": solutions / median,
@@ -94,7 +98,7 @@ def throughput(layout: str, per_rank: list[dict], solutions: int) -> dict:
             "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank)}
 
 
-COLUMNS = [("layout", "layout", ""), ("procs", "processes", "d"), ("solutions", "solutions", "d"),
+COLUMNS = [("prm", "prm", ""), ("layout", "layout", ""), ("procs", "processes", "d"), ("solutions", "solutions", "d"),
            ("steps", "steps", "d"), ("pass s", "seconds", ".3f"), ("steps/s", "steps_per_s", ".0f"),
            ("solutions/s", "solutions_per_s", ".0f"), ("tokens/s", "tokens_per_s", ".0f"),
            ("startup s", "startup_seconds", ".1f"), ("RSS MiB", "peak_rss_mb", ".0f")]
@@ -107,6 +111,7 @@ def main() -> None:
     parser.add_argument("--solutions", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over all solutions (median reported)")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--prm-layouts", nargs="+", default=list(PRM_LAYOUTS), choices=list(PRM_LAYOUTS))
     parser.add_argument("--quick", action="store_true", help="128 solutions, 2 passes")
     parser.add_argument("--work", type=Path, default=Path("/tmp/grpo_mega_bench/prm_scoring"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/prm_scoring.json")
@@ -116,16 +121,19 @@ def main() -> None:
     if args.solutions < 1 or args.repeats < 1:
         parser.error("--solutions and --repeats must be positive")
     started, load_before = time.time(), load_average()
-    prm_dir, examples = build_inputs(args.work, args.solutions)
+    prm_dirs, examples = build_inputs(args.work, args.solutions)
     rows = []
-    for layout in args.layouts:
-        tensor, pipeline, processes = LAYOUTS[layout]
-        per_rank = spawn_local_ranks(_score, processes, (str(prm_dir), examples, tensor, pipeline, args.repeats),
-                                     threads=2 if processes == 1 else 1, timeout=1800)
-        rows.append(throughput(layout, per_rank, len(examples)))
-        print(f"{layout}: {rows[-1]['steps_per_s']:.0f} steps/s", flush=True)
+    for prm_layout in args.prm_layouts:
+        for layout in args.layouts:
+            tensor, pipeline, processes = LAYOUTS[layout]
+            per_rank = spawn_local_ranks(
+                _score, processes, (str(prm_dirs[prm_layout]), prm_layout, examples, tensor, pipeline, args.repeats),
+                threads=2 if processes == 1 else 1, timeout=1800)
+            rows.append(throughput(prm_layout, layout, per_rank, len(examples)))
+            print(f"{prm_layout} {layout}: {rows[-1]['steps_per_s']:.0f} steps/s", flush=True)
     record = build_record({
-        "prm": {"layout": "classifier", "shape": "grpo_mega.quickstart.POLICY_SHAPE", "step_tag": STEP_TAG,
+        "prm": {"layouts": {name: {"step_tag": tag} for name, tag in PRM_LAYOUTS.items() if name in args.prm_layouts},
+                "shape": "grpo_mega.quickstart.POLICY_SHAPE",
                 "max_length": MAX_LENGTH, "max_tokens_per_micro_batch": MAX_TOKENS_PER_MICRO_BATCH,
                 "weights": "random init", "engine": "megatron (forward-only)"},
         "repeats": args.repeats, "results": rows,

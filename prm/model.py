@@ -492,6 +492,7 @@ def open_prm(
         kind = weights_format(path)
     except ValueError as error:  # weights_format speaks of init_from; here the path is a PRM
         raise ValueError(f"PRM {path}: {str(error).removeprefix('init_from: ')}") from None
+    overrides = dict(spec_overrides or {})
     if kind == "hf":
         hf_config = AutoConfig.from_pretrained(path)
         spec, tokenizer = default_spec(config_layout(hf_config)), _load_tokenizer(path, str(path))
@@ -500,9 +501,7 @@ def open_prm(
         spec = default_spec(config_layout(hf_config))
         tokenizer = _load_tokenizer(Path(path) / HF_FILES_DIR, str(path))
     else:
-        overrides = dict(spec_overrides or {})
         hf_config, spec, tokenizer = _training_checkpoint_parts(path, overrides.get("layout"))
-    overrides = dict(spec_overrides or {})
     spec = PRMSpec.from_dict({**spec.to_dict(), **overrides}, where="spec_overrides")
     engine = build_prm_forward_engine(hf_config, spec, tokenizer, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                                       engine_kind=engine_kind, deepspeed=deepspeed)

@@ -91,11 +91,11 @@ def test_prm_throughput_takes_the_slowest_rank_of_each_pass_and_the_median_pass(
               "peak_rss_mb": 500.0},
              {"seconds": [1.5, 2.5, 2.5], "startup_seconds": 5.0, "scored_steps": 120, "tokens": 6000,
               "peak_rss_mb": 520.0}]
-    row = throughput("dp2", ranks, solutions=30)
+    row = throughput("likelihood", "dp2", ranks, solutions=30)
     assert row["pass_seconds"] == [1.5, 3.0, 2.5] and row["seconds"] == 2.5
     assert row["steps_per_s"] == pytest.approx(48.0) and row["solutions_per_s"] == pytest.approx(12.0)
     assert row["tokens_per_s"] == pytest.approx(2400.0)
-    assert (row["processes"], row["tensor"], row["threads_per_process"]) == (2, 1, 1)
+    assert (row["prm"], row["processes"], row["tensor"], row["threads_per_process"]) == ("likelihood", 2, 1, 1)
     assert row["startup_seconds"] == 5.0 and row["peak_rss_mb"] == 520.0
 
 

@@ -31,6 +31,7 @@ its head as the submodule ``head``, called as ``head(backbone, hidden, micro_bat
 submodule of the backbone, so head parameters (if any) are trained, reduced and checkpointed with the rest, and
 megatron's schedules and gradient finalisation see a stock GPTModel."""
 
+
 def layer_tokens(micro: dict[str, torch.Tensor]) -> int:
     """Token slots a micro-batch puts through the layers: its packed tokens, or rows x padded length."""
     if is_packed(micro):
@@ -73,7 +74,7 @@ class MegatronStageEngine:
         # needs megatron's local layers (grpo_mega.model.attention), not Transformer Engine's.
         self.share_prompt_prefix = share_prompt_prefix and module.supports_packed_rows()
         if share_prompt_prefix and not self.share_prompt_prefix:
-            logger.info("share_prompt_prefix: off (Transformer Engine layers attend row by row)")
+            logger.info("share_prompt_prefix: off (these layers attend row by row: Transformer Engine, dropout, ...)")
         self.config = module.config
         # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
         self.config.variable_seq_lengths = True

@@ -64,9 +64,9 @@ class HiddenStatesGPTModel(GPTModel):
 
     def supports_packed_rows(self) -> bool:
         """Whether every layer's core attention can run packed micro-batches (``grpo_mega.model.attention``: the
-        local layers; Transformer Engine's cannot)."""
+        local layers with causal attention, no dropout or window; Transformer Engine's cannot)."""
         return all(isinstance(layer.self_attention.core_attention, SDPADotProductAttention)
-                   for layer in self.decoder.layers)
+                   and layer.self_attention.core_attention.fused for layer in self.decoder.layers)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, packed_rows: PackedRows | None = None,
                 **kwargs):
