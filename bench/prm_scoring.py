@@ -4,8 +4,8 @@ process-supervised GRPO call) on the Megatron forward engine, on 1 and 2 process
 Two PRM layouts on the quickstart policy's shape (``grpo_mega.quickstart.POLICY_SHAPE``, the synthetic task's
 tokenizer): ``classifier`` (a two-class head read at the step tag " ки", Qwen2.5-Math-PRM's layout) and
 ``likelihood`` (the quickstart's PRM: the causal LM's smallest token probability in each step, no tag; its head
-computes full-vocabulary log-probs). Solutions rendered up to 192 tokens; its weights are the engine's seeded random initialisation (throughput does not depend on them). The
-solutions are the synthetic task's held-out problems with planted errors (``prm.synthetic.planted_error_examples``).
+computes full-vocabulary log-probs). Solutions are rendered up to 192 tokens; the weights are the engine's seeded
+random initialisation (throughput does not depend on them). The solutions are the synthetic task's held-out problems with planted errors (``prm.synthetic.planted_error_examples``).
 Each layout runs in fresh processes: build the engine (``startup_seconds``), score a warm-up slice, then score all
 solutions ``--repeats`` times; reported from the median pass: steps/s, solutions/s and rendered tokens/s.
 

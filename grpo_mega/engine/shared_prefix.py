@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_mega.engine.batching import padding_micro_batch, slice_rows
-
-PACKED_FIELDS = ("packed_source", "packed_positions", "packed_row_gather")
+from grpo_mega.engine.batching import padding_micro_batch, shard_rows_for_data_parallel, slice_rows
 
 
 def is_packed(micro: dict[str, torch.Tensor]) -> bool:
@@ -65,16 +63,6 @@ def _units(groups: list[list[int]], lengths: list[int], prompt_lengths: list[int
 
 def _packed_size(unit: list[int], lengths: list[int], prompt_lengths: list[int]) -> int:
     return prompt_lengths[unit[0]] + sum(lengths[row] - prompt_lengths[row] for row in unit)
-
-
-def _deal(sizes: list[int], dp_rank: int, dp_size: int) -> list[int]:
-    """Unit indices owned by ``dp_rank``: largest first, each to the rank with the fewest tokens so far."""
-    loads, owned = [0] * dp_size, [[] for _ in range(dp_size)]
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        rank = min(range(dp_size), key=lambda r: (loads[r], len(owned[r]), r))
-        owned[rank].append(index)
-        loads[rank] += sizes[index]
-    return sorted(owned[dp_rank])
 
 
 def pack_rows(micro: dict[str, torch.Tensor], units: list[list[int]], prompt_lengths: list[int]) -> None:
@@ -124,7 +112,8 @@ def rank_shared_prefix_micro_batches(
     units = _units(prompt_groups(batch["input_ids"], batch["prompt_lengths"]), lengths, prompt_lengths,
                    max_tokens_per_micro_batch)
     sizes = [_packed_size(unit, lengths, prompt_lengths) for unit in units]
-    owned = _deal(sizes, dp_rank, dp_size)
+    # units dealt like rows: largest first, each to the rank with the fewest packed tokens so far
+    owned = shard_rows_for_data_parallel(torch.tensor(sizes), dp_rank, dp_size).tolist()
     if not owned:
         return [padding_micro_batch(batch, lengths_t)], 1.0
     # first fit, largest units first
