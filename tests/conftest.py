@@ -21,6 +21,7 @@ SLOW_FILES = {
     "test_hf_conversion.py": 170,
     "test_rollout_vllm.py": 130,
     "test_engine_deepspeed.py": 110,
+    "test_gpu_check.py": 90,
     "test_training_checkpoint.py": 100,
     "test_prm_conversion.py": 75,
     "test_prm_labeling.py": 60,
