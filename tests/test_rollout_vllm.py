@@ -304,7 +304,8 @@ def _train_then_score_the_engines_samples(overrides):
         length = max(map(len, rows))
         input_ids = torch.tensor([row + [0] * (length - len(row)) for row in rows])
         attention_mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows])
-        trainer_logprobs, _ = seen["policy"].forward_logprobs({"input_ids": input_ids, "attention_mask": attention_mask})
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        trainer_logprobs, _ = seen["policy"].forward_logprobs(batch)
         seen["scored"] = [(c.response_logprobs, trainer_logprobs[i, len(c.prompt_ids):len(rows[i])].tolist())
                           for i, c in enumerate(completions)]
         close(engine)

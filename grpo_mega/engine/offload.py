@@ -135,7 +135,8 @@ def megatron_grad_buffers(ddp_model) -> list[torch.Tensor]:
         if buffer.grad_data is None:
             continue
         param_data = getattr(buffer, "param_data", None)
-        if param_data is not None and param_data.untyped_storage().data_ptr() == buffer.grad_data.untyped_storage().data_ptr():
+        grad_storage = buffer.grad_data.untyped_storage().data_ptr()
+        if param_data is not None and param_data.untyped_storage().data_ptr() == grad_storage:
             raise RuntimeError("offload: this DDP buffer keeps parameters and gradients in one storage "
                                "(megatron's shared param/grad buffer); its gradients cannot be released alone")
         grads.append(buffer.grad_data)
