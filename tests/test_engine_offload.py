@@ -89,3 +89,14 @@ def test_offload_releases_grads_and_optimizer_state_and_training_continues_exact
     assert result["released"] == result["restored"] == after["grad_buffers"] + after["optimizer_state"]
     assert result["reloaded"] == after and result["moment_identical"]
     assert result["metrics_equal"] and result["params_equal"]  # bit for bit against the twin that never offloaded
+
+
+def test_the_option_is_for_the_megatron_engine():
+    from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+
+    required = ["model.hf_config=x", "data.train_file=y"]
+    assert not load_config(GRPOConfig, None, required, validate).parallel.offload_during_rollout  # off by default
+    assert load_config(GRPOConfig, None, [*required, "parallel.offload_during_rollout=true"], validate)
+    with pytest.raises(ConfigError, match="offload_during_rollout applies to engine=megatron.*offload_optimizer"):
+        load_config(GRPOConfig, None, [*required, "parallel.offload_during_rollout=true", "engine=deepspeed"],
+                    validate)
