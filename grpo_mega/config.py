@@ -52,6 +52,10 @@ class ParallelConfig:
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``. With ``cuda`` a process uses the only
     visible GPU when it sees one (``srun --gpus-per-task=1``), else ``cuda:LOCAL_RANK``."""
+    offload_during_rollout: bool = False
+    """GRPO with the Megatron engine: from the end of each update to the next, release the gradient buffers and
+    keep the optimizer state (Adam moments, fp32 master copies) in host memory, so vLLM's weights and KV cache have
+    that room on the GPU (``grpo_mega.engine.offload``). Exact; costs two host copies of the optimizer state a step."""
 
 
 @dataclass
@@ -294,6 +298,9 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
+    if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
+        raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
+                          "deepspeed.offload_optimizer")
     if cfg.rollout.tensor_parallel < 1:
         raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel} must be >= 1")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
