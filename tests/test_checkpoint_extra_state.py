@@ -1,7 +1,7 @@
 """Checkpoints move between the Transformer Engine and the local layer specs (issue 29, defect 4).
 
 TE's modules carry `_extra_state` (quantization metadata) that megatron's local modules do not, e.g.
-``decoder.final_layernorm._extra_state`` (TENorm). TE needs a GPU, so a "TE-like" spec stands in: megatron's block
+``decoder.final_layernorm._extra_state`` (TENorm: megatron's final norm whenever TE imports). TE needs a GPU, so a "TE-like" spec stands in: megatron's block
 spec of the local layers whose final norm has a module extra state (get_extra_state / set_extra_state), which
 megatron's default sharded state dict turns into the same kind of `_extra_state` object as TE's. Everything else
 is the real path: megatron dist_checkpointing (torch_dist) at TP=2 through `save_mcore_checkpoint` /
@@ -177,3 +177,54 @@ def test_plain_state_dicts_ignore_extra_state_mismatches_only(mcore_runs):
         missing, unexpected = rank["plain_errors"]
         assert missing is not None and "decoder.final_layernorm.weight" in missing
         assert unexpected is not None and "linear_fc1.bogus" in unexpected
+
+
+def _engine_weights(engine):
+    return _weights(engine.stage)
+
+
+def _training_job(tmp: str) -> dict:
+    import grpo_mega.model.gpt as gpt
+    from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+    from grpo_mega.config import OptimConfig
+    from grpo_mega.engine import build_policy_engine
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(1, 1, seed=SEED, device="cpu")
+    local_spec = gpt.transformer_layer_spec
+
+    def engine(te_like: bool):
+        # The spec a machine with Transformer Engine would pick, swapped in where build_gpt_model asks for it.
+        gpt.transformer_layer_spec = (lambda: _spec(NormWithExtraState)) if te_like else local_spec
+        try:
+            return build_policy_engine(tiny_qwen2_config(tied=False, num_layers=LAYERS), optim=OptimConfig(lr=1e-3),
+                                       total_steps=2, max_tokens_per_micro_batch=40)
+        finally:
+            gpt.transformer_layer_spec = local_spec
+
+    config = {"parallel": {"tensor": 1, "pipeline": 1}}
+    result = {}
+    for saved_by, loaded_by in (("local", "te"), ("te", "local")):
+        writer = engine(saved_by == "te")
+        run_dir = f"{tmp}/{saved_by}"
+        manager = CheckpointManager(run_dir)
+        manager.save(writer, 1, extra_state={"prompts_consumed": 3}, config=config)
+        resumed = engine(loaded_by == "te")
+        differs_before = not _same(_engine_weights(resumed), _engine_weights(writer))
+        loaded = manager.load(resumed, manager.find_resume("auto"), seed=SEED)
+        fresh = engine(loaded_by == "te")
+        load_model_only(fresh, run_dir)
+        result[f"{saved_by}->{loaded_by}"] = {
+            "differs_before": differs_before, "step": loaded.step,
+            "resumed": _same(_engine_weights(resumed), _engine_weights(writer)),
+            "model_only": _same(_engine_weights(fresh), _engine_weights(writer)),
+        }
+    return result
+
+
+def test_training_checkpoints_resume_across_layer_specs(tmp_path):
+    result = run_distributed(_training_job, 1, str(tmp_path))[0]
+    for direction in ("local->te", "te->local"):
+        run = result[direction]
+        assert run["differs_before"] and run["step"] == 1, direction
+        assert run["resumed"] and run["model_only"], direction

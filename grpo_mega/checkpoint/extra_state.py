@@ -1,10 +1,13 @@
 """dist_checkpointing loads that move between the Transformer Engine and the local layer specs.
 
 Both specs store the same tensors under the same checkpoint keys (the local spec maps its norms onto TE's fused
-names), but not the same `_extra_state` objects: TE modules keep FP8 metadata there (e.g.
-``decoder.layers.self_attention.core_attention._extra_state``), which megatron's local modules do not have. A
-checkpoint written on a CPU node (SFT, HF -> megatron conversion: local spec) then lacks objects a TE model asks
-for, and megatron's default load fails on the first of them (Megatron-LM PR #6270 shows that error).
+names), but not the same `_extra_state` objects: TE modules keep quantization metadata there, which megatron's
+own modules do not have. ``decoder.final_layernorm._extra_state`` is one: megatron builds the final norm with TE
+(TENorm) whenever TE imports, whatever the layer spec. A checkpoint written on a CPU node (SFT, HF -> megatron
+conversion) then lacks objects a model on a TE machine asks for, and megatron's default load fails on the first
+of them ("Missing key in checkpoint state_dict: decoder.final_layernorm._extra_state/shard_0_1", the error of
+NVIDIA/cosmos#69 for a TE q_layernorm); a plain state dict fails the other way (NVIDIA/Megatron-LM#900:
+"Unexpected key(s) in state_dict: decoder.layers.0.self_attention.core_attention._extra_state").
 
 `load_sharded` asks megatron which requested keys the checkpoint lacks (``StrictHandling.RETURN_UNEXPECTED``:
 megatron reads the checkpoint's metadata and leaves those keys out of the load). Lacking `_extra_state` objects

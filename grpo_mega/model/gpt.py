@@ -31,7 +31,7 @@ from grpo_mega.parallel.distributed import get_device
 logger = logging.getLogger(__name__)
 
 EXTRA_STATE_SUFFIX = "_extra_state"
-"""torch's state-dict name for what a module returns from ``get_extra_state`` (Transformer Engine: FP8 metadata)."""
+"""torch's state-dict name for what a module returns from ``get_extra_state`` (Transformer Engine: FP8 scales)."""
 
 
 def is_extra_state(key: str) -> bool:
@@ -57,10 +57,11 @@ class HiddenStatesGPTModel(GPTModel):
     that heads must ignore). With `lm_output=False` the last stage has no `output_layer` (and the
     embeddings cannot be tied): its head works from the hidden states alone.
 
-    Checkpoints move between the Transformer Engine and the local layer specs: TE modules keep FP8 metadata as
-    `_extra_state` entries the local modules do not have (``self_attention.core_attention._extra_state``, ...).
-    `load_state_dict` therefore ignores `_extra_state` mismatches both ways: an entry the state lacks leaves the
-    module's own, an entry the model lacks is dropped; every other missing or unexpected key fails as usual.
+    Checkpoints move between machines with and without Transformer Engine: TE modules keep quantization metadata
+    as `_extra_state` entries that megatron's own modules do not have (``decoder.final_layernorm._extra_state``:
+    megatron builds the final norm with TE whenever TE imports, whatever the layer spec). `load_state_dict`
+    therefore ignores `_extra_state` mismatches both ways: an entry the state lacks leaves the module's own, an
+    entry the model lacks is dropped; every other missing or unexpected key fails as usual.
     (`grpo_mega.checkpoint.extra_state` does the same for dist_checkpointing loads.)
     """
 
