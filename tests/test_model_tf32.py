@@ -20,6 +20,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
+import grpo_mega.model.tf32 as tf32_module
 from grpo_mega.model.tf32 import tf32_if_exact, tf32_matmuls
 
 MATMUL = torch.backends.cuda.matmul
@@ -60,14 +61,17 @@ def test_tf32_if_exact_enters_only_for_low_precision_operands(restore_precision)
 # Users often set TF32 with the legacy API; torch refuses to read a flag whose legacy and new settings were mixed
 # inconsistently. Each prior runs in a fresh interpreter (legacy settings stick to the process).
 _LEGACY_PRIOR = """
+import importlib.util
 import torch
-from grpo_mega.model.tf32 import tf32_matmuls
+spec = importlib.util.spec_from_file_location("tf32", {path!r})  # the module alone: no megatron import
+tf32 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tf32)
 m = torch.backends.cuda.matmul
 {prior}
 def observe():
     return (m.allow_tf32, m.fp32_precision, torch.get_float32_matmul_precision())
 before = observe()
-with tf32_matmuls():
+with tf32.tf32_matmuls():
     assert m.fp32_precision == "tf32"
 assert observe() == before, (observe(), before)
 print("ok", before)
@@ -78,8 +82,8 @@ print("ok", before)
                                    "torch.backends.cuda.matmul.allow_tf32 = False",
                                    "torch.set_float32_matmul_precision('high')"])
 def test_tf32_matmuls_leaves_legacy_settings_readable_and_unchanged(prior):
-    result = subprocess.run([sys.executable, "-c", _LEGACY_PRIOR.format(prior=prior)], capture_output=True,
-                            text=True, timeout=120)
+    code = _LEGACY_PRIOR.format(prior=prior, path=tf32_module.__file__)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
