@@ -31,7 +31,8 @@ class ModelConfig:
     """Sequence chunk for the vocab-parallel log-prob / entropy computation (bounds peak memory)."""
     logits_in_fp32: bool = True
     """Compute each chunk's logits in fp32 before the softmax (bf16 models: rounding the logits to bf16 adds
-    sampler/trainer log-prob mismatch). No effect on fp32 models."""
+    sampler/trainer log-prob mismatch). No effect on fp32 models. On a GPU these products of upcast bf16 values
+    run as TF32 on tensor cores, which is exact for them (``grpo_mega.model.tf32``)."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from grpo_mega.checkpoint.extra_state import load_sharded
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_mega.checkpoint.training_files import (
     CHECKPOINTS_DIR,
@@ -378,7 +379,7 @@ class CheckpointManager:
             rng_template = capture_rng_state() if same_layout else None
             state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True,
                                    rng_state=rng_template)
-            loaded = dist_checkpointing.load(state, str(path))
+            loaded = load_sharded(state, path)  # TE / local layer specs either way
             engine.load_model_state_dict(loaded["model"])
             changed = []
             if info["has_optimizer"]:
@@ -450,7 +451,7 @@ def _load_model_keys(model_sharded_state: dict, path: str | os.PathLike) -> tupl
     """The checkpoint folder meant by ``path`` and its model tensors for this layout; collective."""
     folder = locate_checkpoint(path)
     # Only the model's keys are requested; the checkpoint's other entries stay on disk.
-    return folder, dist_checkpointing.load({"model": model_sharded_state}, str(folder))["model"]
+    return folder, load_sharded({"model": model_sharded_state}, folder)["model"]
 
 
 def checkpoint_config(path: str | os.PathLike) -> dict:

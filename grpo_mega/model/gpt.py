@@ -13,6 +13,10 @@ vocabulary-sized matrix.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -24,6 +28,26 @@ from grpo_mega.model.attention import PackedRows, SDPADotProductAttention, use_s
 from grpo_mega.model.config_map import GPTConfig
 from grpo_mega.parallel.distributed import get_device
 
+logger = logging.getLogger(__name__)
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+"""torch's state-dict name for what a module returns from ``get_extra_state`` (Transformer Engine: FP8 scales)."""
+
+
+def is_extra_state(key: str) -> bool:
+    """Whether a state-dict or sharded-checkpoint key is a module's ``_extra_state`` entry."""
+    return key.endswith(EXTRA_STATE_SUFFIX)
+
+
+def _ignore_extra_state_mismatches(module: torch.nn.Module, incompatible_keys) -> None:
+    """load_state_dict post-hook: `_extra_state` entries are not an error either way (see the class docstring).
+
+    torch checks ``strict`` after the post-hooks, on these same lists; other keys stay and still fail.
+    """
+    incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys if not is_extra_state(key)]
+    incompatible_keys.unexpected_keys[:] = [key for key in incompatible_keys.unexpected_keys
+                                            if not is_extra_state(key)]
+
 
 class HiddenStatesGPTModel(GPTModel):
     """GPTModel whose last pipeline stage returns final-normed hidden states [S, B, H], not logits.
@@ -32,6 +56,13 @@ class HiddenStatesGPTModel(GPTModel):
     megatron shards; `unpadded_vocab_size` is the number of real tokens (rows past it are padding
     that heads must ignore). With `lm_output=False` the last stage has no `output_layer` (and the
     embeddings cannot be tied): its head works from the hidden states alone.
+
+    Checkpoints move between machines with and without Transformer Engine: TE modules keep quantization metadata
+    as `_extra_state` entries that megatron's own modules do not have (``decoder.final_layernorm._extra_state``:
+    megatron builds the final norm with TE whenever TE imports, whatever the layer spec). `load_state_dict`
+    therefore ignores `_extra_state` mismatches both ways: an entry the state lacks leaves the module's own, an
+    entry the model lacks is dropped; every other missing or unexpected key fails as usual.
+    (`grpo_mega.checkpoint.extra_state` does the same for dist_checkpointing loads.)
     """
 
     def __init__(self, *args, unpadded_vocab_size: int, lm_output: bool = True, **kwargs) -> None:
@@ -42,6 +73,7 @@ class HiddenStatesGPTModel(GPTModel):
             raise ValueError("multi-token prediction is not supported by HiddenStatesGPTModel")
         self.unpadded_vocab_size = unpadded_vocab_size
         self.lm_output = lm_output
+        self.register_load_state_dict_post_hook(_ignore_extra_state_mismatches)
         if self.post_process and not lm_output:
             # GPTModel always builds the output layer on the last stage; drop it before any DDP
             # buffer, optimizer or checkpoint sees it. Untied, nothing else refers to it (megatron
@@ -132,20 +164,51 @@ class HiddenStatesGPTModel(GPTModel):
         return self.output_layer.weight
 
 
-def transformer_layer_spec() -> ModuleSpec:
-    """Transformer Engine layers on GPU when TE is installed, else megatron-core's own layers with torch's fused
-    attention as their core attention (`grpo_mega.model.attention`)."""
-    if get_device().type == "cuda":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
+def transformer_engine_unavailable(device_type: str) -> str | None:
+    """Why Transformer Engine layers cannot run here, or None when they can.
 
-            return get_gpt_layer_with_transformer_engine_spec()
+    megatron-core's own check decides: ``megatron.core.extensions.transformer_engine.HAVE_TE`` imports
+    ``transformer_engine.pytorch`` and so loads TE's compiled extension; an installed package whose extension does
+    not load (wrong CUDA or torch build) fails it. TE runs on GPUs only.
+    """
+    if device_type != "cuda":
+        return "no CUDA device"
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if te_extension.HAVE_TE and gpt_layer_specs.HAVE_TE:
+        return None
+    try:  # megatron swallowed the import error; repeat the import for its message
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as error:  # noqa: BLE001 - any failure to load the extension is the reason
+        return f"megatron-core cannot import it ({type(error).__name__}: {error})"
+    return "megatron-core's check (megatron.core.extensions.transformer_engine.HAVE_TE) failed"
+
+
+@functools.cache
+def _use_transformer_engine(device_type: str) -> bool:
+    """The layer choice for this process's device, logged once with its reason."""
+    reason = transformer_engine_unavailable(device_type)
+    if reason is None:
+        logger.info(
+            "layers: Transformer Engine. Shared-prompt packing (parallel.share_prompt_prefix) is off with them: "
+            "it sends a group's prompt through the layers once, as one packed sequence that only grpo_mega's "
+            "attention for megatron's local layers can attend row by row, not TE's; every row carries its own "
+            "copy of its prompt instead"
+        )
+        return True
+    logger.info("layers: megatron-core local layers with torch's fused attention (Transformer Engine: %s)", reason)
+    return False
+
+
+def transformer_layer_spec() -> ModuleSpec:
+    """Transformer Engine layers on a GPU when megatron-core can load TE (`transformer_engine_unavailable`), else
+    megatron-core's own layers with torch's fused attention as their core attention (`grpo_mega.model.attention`).
+    Checkpoints load into either (`HiddenStatesGPTModel`)."""
+    if _use_transformer_engine(get_device().type):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     use_sdpa_core_attention(spec)
     return spec
@@ -157,13 +220,14 @@ def build_gpt_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     lm_output: bool = True,
+    layer_spec: ModuleSpec | None = None,
 ) -> HiddenStatesGPTModel:
     """Build this rank's stage of the policy from a `GPTConfig` (needs megatron parallel state).
 
     pre_process (embedding) and post_process (final norm, output layer) default to whether this rank
     is the first / last pipeline stage. `lm_output=False` leaves out the output layer (the model of
-    an HF checkpoint without lm_head, e.g. a classifier PRM) and unties the embeddings. Parameters
-    are on the current device (CPU without CUDA).
+    an HF checkpoint without lm_head, e.g. a classifier PRM) and unties the embeddings. `layer_spec`
+    None: `transformer_layer_spec()`. Parameters are on the current device (CPU without CUDA).
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
@@ -171,7 +235,7 @@ def build_gpt_model(
         post_process = parallel_state.is_pipeline_last_stage()
     model = HiddenStatesGPTModel(
         config=config.transformer,
-        transformer_layer_spec=transformer_layer_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else transformer_layer_spec(),
         vocab_size=config.padded_vocab_size,
         unpadded_vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
