@@ -10,7 +10,9 @@ ones after it unless they need its output):
    CPU) matmul peak.
 2. ``distributed``: torch.distributed at world size 1 through ``init_distributed`` (NCCL on a GPU, gloo on the CPU),
    an all-reduce, and the vocab-parallel log-prob of the model's LM head on a random batch against a plain
-   ``log_softmax`` in fp64 (the trainer's log-prob numerics on this device), with its time.
+   ``log_softmax`` in fp64 (the trainer's log-prob numerics on this device), with its time; and
+   ``bench/lm_head_tf32.py``'s comparison of the bf16 LM head with and without TF32 for its logit products
+   (equality within fp32 rounding, and the speed-up, at Qwen2.5-Math-7B's head size on a GPU).
 3. ``sft``: ``grpo-mega sft`` of a random-weight policy of the chosen shape on the synthetic task (bf16 on a GPU),
    figures: first / last NLL, seconds per step and tokens/s after warm-up.
 4. ``grpo``: ``grpo-mega train`` from the SFT checkpoint with the hf rollout engine on the device, interrupted after
@@ -165,6 +167,8 @@ def stage_distributed(device: str, shape: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from lm_head_tf32 import compare_tf32_head
+
     from grpo_mega.model.logprobs import vocab_parallel_logprobs_and_entropy
     from grpo_mega.parallel import destroy_distributed, init_distributed
 
@@ -197,7 +201,13 @@ def stage_distributed(device: str, shape: dict) -> dict:
         # vocabulary rounds: 1e-3 is ~100x what that costs at these sizes, and far below a wrong result (~1).
         if not error < 1e-3:
             raise AssertionError(f"vocab-parallel log-probs differ from fp64 log_softmax by {error:.3e} (>= 1e-3)")
-        return {"backend": backend, "world_size": dist.get_world_size(),
+        head = compare_tf32_head(device) if device == "cuda" else compare_tf32_head(
+            device, tokens=64, hidden_size=32, vocab_size=300, repeats=1)
+        # TF32 runs only the products of bf16 operands, which it holds exactly: the two heads differ by the order
+        # of fp32 sums (~1e-6 relative); 1e-4 is far below what a rounded operand would cost (~1e-3).
+        if not max(head["max_rel_diff"].values()) < 1e-4:
+            raise AssertionError(f"the LM head with TF32 products differs from IEEE fp32: {head['max_rel_diff']}")
+        return {"lm_head_tf32": head, "backend": backend, "world_size": dist.get_world_size(),
                 "logprob_tokens": tokens, "logprob_max_abs_error_vs_fp64": error,
                 "logprob_fwd_bwd_seconds": round(seconds, 4),
                 "logprob_tflops": round(3 * 2 * tokens * hidden_size * vocab / seconds / 1e12, 2)}
