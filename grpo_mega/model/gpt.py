@@ -121,7 +121,8 @@ class HiddenStatesGPTModel(GPTModel):
         return (output[0], table.index_select(0, packed.positions), *output[2:])
 
     def _postprocess(self, hidden_states, labels=None, **unused):
-        """Return the decoder output (the decoder applies the final norm on the last stage), whole.
+        """Return the decoder output (the decoder applies the final norm on the last stage), on the last stage
+        whole.
 
         With sequence parallelism each TP rank holds a slice [S / tp, B, H] of it; the heads need every token
         (the LM head is vocab-parallel: each rank scores all tokens against its vocabulary shard), so the slices
@@ -134,7 +135,7 @@ class HiddenStatesGPTModel(GPTModel):
                 "HiddenStatesGPTModel does not compute a loss from labels: apply a head "
                 "(grpo_mega.model.heads) to the hidden states it returns"
             )
-        if self.config.sequence_parallel:
+        if self.config.sequence_parallel and self.post_process:  # other stages pass their slice on
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp
             )
