@@ -16,6 +16,8 @@ from omegaconf.errors import OmegaConfBaseException
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+"""``parallel.recompute``; their megatron settings: ``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``."""
 
 
 @dataclass
@@ -41,6 +43,18 @@ class ParallelConfig:
     """Tensor-parallel size."""
     pipeline: int = 1
     """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
+    sequence_parallel: Optional[bool] = None
+    """Megatron sequence parallelism: between the TP regions (norms, residual adds, dropout) each TP rank holds
+    1/tensor of the sequence instead of all of it, and TP's all-reduces become reduce-scatter / all-gather pairs.
+    Exact (same results as without). null (default) = on whenever ``tensor`` > 1; true needs ``tensor`` > 1;
+    Megatron engine only. Sequences are padded at their end to a multiple of ``tensor`` (invisible to the loss)."""
+    recompute: str = "none"
+    """Activation recompute of the trained models (policy, SFT, PRM training; forward-only engines never
+    recompute): ``none``; ``selective`` (megatron's selective recompute: each layer's core attention is re-run in
+    the backward pass, so the attention scores are not kept; little to gain with fused attention kernels);
+    ``full`` (every transformer layer is re-run in the backward pass from its saved input, megatron's method
+    ``uniform`` with one layer per checkpoint: activations are kept for one layer at a time, for about one extra
+    forward pass of compute). Exact. Megatron engine only."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget (rows x padded length) of one micro-batch; with ``share_prompt_prefix``, of its packed
     tokens."""
@@ -361,6 +375,7 @@ def validate_engine(cfg) -> None:
     """``engine`` and ``deepspeed.*`` of a GRPO, SFT or PRM config: a known engine, a layout it runs, and deepspeed
     installed when chosen."""
     _choice(cfg.engine, ENGINES, "engine")
+    validate_memory_settings(cfg)
     if cfg.engine != "deepspeed":
         return
     _choice(cfg.deepspeed.zero_stage, (1, 2, 3), "deepspeed.zero_stage")
@@ -376,6 +391,19 @@ def validate_engine(cfg) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("engine=deepspeed needs the deepspeed package, which is not installed: "
                           "pip install 'grpo-mega[deepspeed]'")
+
+
+def validate_memory_settings(cfg) -> None:
+    """``parallel.sequence_parallel`` and ``parallel.recompute`` of a GRPO, SFT or PRM config."""
+    parallel = cfg.parallel
+    _choice(parallel.recompute, RECOMPUTE_CHOICES, "parallel.recompute")
+    if parallel.sequence_parallel and parallel.tensor < 2:
+        raise ConfigError(f"parallel.sequence_parallel=true splits the sequence over tensor-parallel ranks but "
+                          f"parallel.tensor={parallel.tensor}: set parallel.sequence_parallel=null (on whenever "
+                          f"tensor > 1) or false, or parallel.tensor > 1")
+    if cfg.engine == "deepspeed" and parallel.recompute != "none":
+        raise ConfigError(f"parallel.recompute={parallel.recompute!r} is a megatron-core feature; engine=deepspeed "
+                          f"does not recompute activations: set parallel.recompute=none or engine=megatron")
 
 
 def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:

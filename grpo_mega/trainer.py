@@ -177,6 +177,7 @@ def _build_engines(cfg: GRPOConfig):
         logprob_chunk_size=cfg.model.logprob_chunk_size, temperature=cfg.rollout.temperature,
         logits_in_fp32=cfg.model.logits_in_fp32, engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
         share_prompt_prefix=cfg.parallel.share_prompt_prefix,
+        sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
     )
     policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps, **shared)
     load_initial_weights(policy, cfg.model.init_from)

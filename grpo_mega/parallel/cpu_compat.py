@@ -18,9 +18,11 @@ path. Three kinds of substitution, each listed in a table below with the reason 
 `init_distributed` applies the layer when the process computes on the CPU: without CUDA, and with
 `parallel.device: cpu` also when CUDA is present (inside the patched modules `torch.cuda.is_available()`
 then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 by
-running TP=2, PP=2 (1F1B) and DP=2 training steps with DistributedDataParallel,
-get_megatron_optimizer, gradient clipping and dist_checkpointing save/load on gloo; another minor
-version raises instead of guessing.
+running TP=2 (with and without sequence parallelism), PP=2 (1F1B) and DP=2 training steps with
+DistributedDataParallel, get_megatron_optimizer, gradient clipping and dist_checkpointing save/load on gloo;
+another minor version raises instead of guessing. gloo (torch 2.13) has the collectives sequence
+parallelism uses (all_gather_into_tensor, reduce_scatter_tensor, also asynchronous), so no collective is
+substituted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ _TORCH_VIEW_MODULES: dict[str, str] = {
     "megatron.core.tensor_parallel.random": (
         "RNG tracker: torch.cuda.get_rng_state raises without CUDA, and torch.cuda.manual_seed "
         "would silently leave the tracker's streams unseeded"
+    ),
+    "megatron.core.tensor_parallel.mappings": (
+        "sequence parallelism: all-gather / reduce-scatter output buffers on current_device()"
+    ),
+    "megatron.core.tensor_parallel.layers": (
+        "sequence parallelism: the reduce-scatter buffer of the input gradient on current_device()"
     ),
     "megatron.core.pipeline_parallel.p2p_communication": (
         "tensor-shape buffers on current_device(), torch.cuda.synchronize() after batch_isend_irecv"
