@@ -265,8 +265,8 @@ def build_gpt_model(
         post_process = parallel_state.is_pipeline_last_stage()
     if layer_spec is None:
         layer_spec = transformer_layer_spec()
-    if isinstance(layer_spec, ModuleSpec) and layer_spec.submodules.input_layernorm is RMSNorm:
-        layer_spec = local_block_spec(config.transformer, layer_spec)  # megatron's local layers: the final norm to match
+    if getattr(layer_spec.submodules, "input_layernorm", None) is RMSNorm:  # a layer spec of megatron's local layers:
+        layer_spec = local_block_spec(config.transformer, layer_spec)  # the block spec, with the final norm to match
     model = HiddenStatesGPTModel(
         config=config.transformer,
         transformer_layer_spec=layer_spec,
