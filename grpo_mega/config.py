@@ -6,6 +6,7 @@ with the key named. Checks that span fields live in :func:`validate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -138,8 +139,14 @@ class RolloutConfig:
     """Weight sync streams tensors to the rollout engine in buckets of at most this many MiB."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: share of the GPU for its weights and KV cache (on CPU the KV cache is sized from the model)."""
-    tensor_parallel: int = 1
-    """vLLM only: ranks per rollout replica (independent of parallel.tensor); must divide the number of processes."""
+    tensor_parallel: Optional[int] = None
+    """vLLM only: GPUs per rollout replica (vLLM's tensor-parallel size). The job's world_size / tensor_parallel
+    replicas each generate a share of the prompts (completions per replica = rollout_batch_size x G / replicas).
+    None (the default) takes ``parallel.tensor``: each GPU then holds the same share of the rollout weights as of
+    the training weights, so a layout whose training shard fits leaves vLLM the same room (Qwen2.5-7B at TP4 on 8
+    GPUs: 2 replicas, ~3.8 GB of bf16 weights per GPU). 1 puts a whole copy on every GPU (8 replicas, 15 GB each
+    at 7B): more replicas and no all-reduce per layer, faster where the weights are small next to
+    ``gpu_memory_utilization`` (1.5B models), out of memory where they are not. Must divide the world size."""
 
 
 @dataclass
@@ -316,8 +323,7 @@ def validate(cfg: GRPOConfig) -> None:
     if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
                           "deepspeed.offload_optimizer")
-    if cfg.rollout.tensor_parallel < 1:
-        raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel} must be >= 1")
+    validate_rollout_layout(cfg, int(os.environ.get("WORLD_SIZE", "0")))
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
@@ -369,6 +375,24 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(f"trainer.{key} must be >= 0")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("rollout.top_p must be in (0, 1]")
+
+
+def validate_rollout_layout(cfg: GRPOConfig, world_size: int) -> None:
+    """Resolve ``rollout.tensor_parallel: null`` to ``parallel.tensor``; with the vllm engine check that it divides
+    ``world_size`` (torchrun's ``WORLD_SIZE``; 0 = not known yet, outside a launcher)."""
+    rollout, derived = cfg.rollout, cfg.rollout.tensor_parallel is None
+    if derived:
+        rollout.tensor_parallel = cfg.parallel.tensor
+    source = (f"rollout.tensor_parallel (unset, so parallel.tensor={rollout.tensor_parallel})" if derived
+              else f"rollout.tensor_parallel={rollout.tensor_parallel}")
+    if rollout.tensor_parallel < 1:
+        raise ConfigError(f"{source} must be >= 1")
+    if rollout.engine == "vllm" and world_size and world_size % rollout.tensor_parallel:
+        raise ConfigError(
+            f"{source} does not divide the job's {world_size} processes: each vLLM rollout replica takes "
+            f"rollout.tensor_parallel consecutive ranks. Set rollout.tensor_parallel to a divisor of {world_size} "
+            f"(1 puts a whole copy of the model on every GPU), or run a multiple of it"
+        )
 
 
 def validate_engine(cfg) -> None:
