@@ -4,14 +4,17 @@ A transformer layer of megatron's local spec (the engine's layers: RMSNorm, fuse
 attention via SDPA, SwiGLU MLP) keeps these tensors for its backward, per token (h hidden, q = heads x head_dim,
 kv = kv_heads x head_dim, f intermediate, t TP):
 
-    2 x h   input norm: its input (the residual stream) and output (the QKV projection's input)
+    3 x h   input norm (torch's RMSNorm, unfused): its input (the residual stream), the normalised input and
+            the output (the QKV projection's input)
     (q + 2 kv) / t   the QKV projection's output (v is a view of it, so attention keeps the whole buffer)
     (q + kv) / t     q and k after rotary (new tensors, kept by attention)
     q / t            attention output (the output projection's input)
-    2 x h   pre-MLP norm: input and output (the fc1 input)
-    4 f / t          fc1 output (2f), SiLU output (f), SwiGLU product (f, the fc2 input)
+    3 x h   pre-MLP norm: the same three
+    5 f / t          fc1 output (2f), its gate half after megatron's split (f), SiLU output (f), SwiGLU product
+                     (f, the fc2 input)
 
-The 4 h terms are split over TP ranks with sequence parallelism. ``selective`` recompute drops attention's own
+(measured on CPU with saved-tensor hooks over the engine's layers; Transformer Engine's fused norms and SwiGLU keep
+less, so on GPUs with TE this is an upper bound). The 6 h terms are split over TP ranks with sequence parallelism. ``selective`` recompute drops attention's own
 saved q / k / output (they are re-run); ``full`` recompute keeps only each layer's input (h, / t with sequence
 parallelism) plus one layer's activations while it is re-run. Fused attention keeps no S x S matrix; its
 log-sum-exp (fp32, one value per head and token) is small and counted.
@@ -53,11 +56,11 @@ class Shapes:
 def layer_elements_per_token(s: Shapes, tp: int, sequence_parallel: bool, recompute: str) -> float:
     """Elements one layer keeps for backward per token (module docstring)."""
     q, kv, h, f = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    replicated = 4 * h / (tp if sequence_parallel else 1)
+    replicated = 6 * h / (tp if sequence_parallel else 1)
     attention = (q + 2 * kv) / tp + (q + kv) / tp + q / tp
     if recompute == "selective":
         attention = (q + 2 * kv) / tp  # the QKV output is kept; attention re-runs from it
-    mlp = 4 * f / tp
+    mlp = 5 * f / tp
     return replicated + attention + mlp
 
 

@@ -152,6 +152,6 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
             f"{name}={getattr(settings, name)}" for name in settings.assumed))
     parameters = sum(sum(p.numel for p in stage) for stage in policy_stages)
     return Plan(config=config_name, hardware=hardware, settings=settings, tensor=tp, pipeline=pp, data=dp,
-                dtype=dtype, parameters=parameters, policy=policy, micro_batch_tokens=layer_tokens,
+                dtype=dtype, parameters=parameters, policy=policy, stages=statics, micro_batch_tokens=layer_tokens,
                 head_tokens=head_tokens, activations=activations, logprob_buffers=logprobs, reference=reference,
                 prm=prm, prm_activations=prm_activations, vllm=vllm_plan, phases=phases, notes=notes)

@@ -22,6 +22,9 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -57,15 +60,26 @@ class ModelRequest:
     ``classifier`` (Qwen2.5-Math-PRM's score head, ``prm.heads.ClassifierHead``)."""
 
 
+class _MetaStaysMeta(TorchFunctionMode):
+    """``Tensor.cuda()`` of a meta tensor returns it: megatron moves the last stage's copy of tied embeddings to the
+    GPU for their first all-reduce (``LanguageModule.setup_embeddings_and_output_layer``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda and args and args[0].device.type == "meta":
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
 def _build_stage_params(request: ModelRequest, pp_rank: int) -> list[ParamInfo]:
     """Build (meta device) the stage of TP rank 0 / pipeline rank ``pp_rank`` under a fake process group."""
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+    from grpo_mega.parallel.cpu_compat import apply_cpu_compat
 
+    apply_cpu_compat()  # only ever in a process without CUDA (count_stage_params): megatron's PP set-up names CUDA
     dtype = getattr(torch, request.dtype)
     # megatron's default rank order puts TP innermost and PP outermost: rank = pp_rank * tp (DP = 1 here).
     dist.init_process_group("fake", store=FakeStore(), rank=pp_rank * request.tp, world_size=request.tp * request.pp)
@@ -74,7 +88,7 @@ def _build_stage_params(request: ModelRequest, pp_rank: int) -> list[ParamInfo]:
         gpt_config = gpt_config_from_hf(
             request.hf_config, tp=request.tp, pp=request.pp, dtype=dtype,
             overrides={"perform_initialization": False, "use_cpu_initialization": True})
-        with torch.device("meta"):
+        with torch.device("meta"), _MetaStaysMeta():
             model = build_gpt_model(gpt_config, lm_output=request.lm_output)
             if request.head == "classifier" and model.post_process:
                 from prm.heads import ClassifierHead
@@ -94,7 +108,6 @@ def count_in_process(requests: list[ModelRequest]) -> list[list[list[ParamInfo]]
 
 
 def _can_build_here() -> bool:
-    import torch
     import torch.distributed as dist
 
     return not dist.is_initialized() and not torch.cuda.is_available()

@@ -36,12 +36,16 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # Views and in-place results share an input's storage: that storage existed before (a parameter, a
+        # buffer) or is already counted.
+        inputs = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"}
         for leaf in tree_leaves(out):
             if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()
             key = storage.data_ptr()
-            if key == 0 or (key in self._seen and self._seen[key]() is not None):
+            if key == 0 or key in inputs or (key in self._seen and self._seen[key]() is not None):
                 continue
             nbytes = storage.nbytes()
             self._seen[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))

@@ -59,6 +59,8 @@ class Plan:
     """The policy's parameters over the whole model (all stages, one TP copy)."""
     policy: StaticBytes
     """The most loaded stage's static bytes."""
+    stages: list[StaticBytes]
+    """Static bytes of a rank of each pipeline stage (index = pipeline rank)."""
     micro_batch_tokens: int
     head_tokens: int
     activations: int
