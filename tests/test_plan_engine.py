@@ -16,6 +16,8 @@ import torch
 from dist_utils import run_distributed
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
+# the distributed optimizer's layout: sharded at DP2; at PP2 the quickstart's tied embedding copy gets its own bucket
+DISTRIBUTED_OPTIMIZER_LAYOUTS = ("dp2", "pp2")
 SIZE_25M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4)  # bench/workload.py's 25m shape
 
@@ -52,7 +54,7 @@ def _measure_job(cases):
     from grpo_mega.engine import build_policy_engine
     from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
     from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
-    from grpo_mega.plan.measure import engine_static_bytes, measure_schedule_peak
+    from grpo_mega.plan.measure import distributed_optimizer_bytes, engine_static_bytes, measure_schedule_peak
 
     init_distributed(1, 1, seed=3, device="cpu")
     results = {}
@@ -68,6 +70,8 @@ def _measure_job(cases):
             peaks = measure_schedule_peak(engine)
             engine.train_step(_full_groups_batch(cfg), grpo_loss_fn(GRPOLossSettings()))
             results[f"{name}/{layout}"] = {**engine_static_bytes(engine), "peak": peaks[0]}
+            if layout in DISTRIBUTED_OPTIMIZER_LAYOUTS:
+                results[f"{name}/{layout}/distopt"] = distributed_optimizer_bytes(engine)
     return results
 
 
@@ -94,11 +98,12 @@ def measured_and_cases(tmp_path_factory):
     return by_rank, {name: (model_dir, train_file, extra) for name, model_dir, train_file, extra in cases}
 
 
-def _plan(case, tp, pp):
+def _plan(case, tp, pp, **assume):
     from grpo_mega.plan import plan_config
 
     model_dir, train_file, extra = case
-    return plan_config(_cfg(model_dir, train_file, tp, pp, *extra), gpus_per_node=2, gpu_memory_gib=16)
+    return plan_config(_cfg(model_dir, train_file, tp, pp, *extra), gpus_per_node=2, gpu_memory_gib=16,
+                       assume=assume)
 
 
 @pytest.mark.parametrize("model", ["quickstart", "25m"])
@@ -112,6 +117,25 @@ def test_planned_static_bytes_equal_the_engine_tensors(measured_and_cases, model
         counted = measured[f"{model}/{layout}"]
         assert (stage.params, stage.grads, stage.optimizer) == (
             counted["params"], counted["grads"], counted["optimizer"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("model", ["quickstart", "25m"])
+@pytest.mark.parametrize("layout", DISTRIBUTED_OPTIMIZER_LAYOUTS)
+def test_planned_distributed_optimizer_bytes_equal_megatrons_partition(measured_and_cases, model, layout):
+    """With the distributed optimizer (planned with --assume; the engine does not shard yet): parameters and
+    gradients in megatron's padded buffers, master copies and moments for this rank's share of each bucket, as
+    megatron's DDP and DistributedOptimizer partition them."""
+    by_rank, cases = measured_and_cases
+    tp, pp = LAYOUTS[layout]
+    plan = _plan(cases[model], tp, pp, distributed_optimizer="true")
+    without = _plan(cases[model], tp, pp)
+    for rank, measured in enumerate(by_rank):
+        stage = plan.stages[rank // tp if pp > 1 else 0]
+        counted = measured[f"{model}/{layout}/distopt"]
+        assert (stage.params, stage.grads, stage.optimizer) == (
+            counted["params"], counted["grads"], counted["optimizer"]), f"rank {rank}"
+    if layout == "dp2":  # the optimizer state halves at DP2
+        assert plan.policy.optimizer == pytest.approx(without.policy.optimizer / 2, rel=0.01)
 
 
 @pytest.mark.parametrize("model", ["quickstart", "25m"])

@@ -84,3 +84,28 @@ def measure_schedule_peak(engine) -> list[int]:
 
     engine._run_schedule = measured
     return peaks
+
+
+def distributed_optimizer_bytes(engine) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} of this rank if ``engine``'s stage were wrapped with megatron's DDP for the
+    distributed optimizer: megatron builds the buffers (``DistributedDataParallel`` with
+    ``use_distributed_optimizer=True``) and partitions them over DP ranks (``DistributedOptimizer._build_gbuf_range_map``,
+    the ranges its optimizer allocates master copies and moments for). Wraps the stage again: use the engine for
+    nothing else afterwards."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    ddp = DistributedDataParallel(
+        config=engine.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                 use_distributed_optimizer=True),
+        module=engine.stage)
+    params = grads = optimizer = 0
+    for buffer in ddp.buffers:
+        params += buffer.param_data.numel() * buffer.param_data.element_size()
+        grads += buffer.grad_data.numel() * buffer.grad_data.element_size()
+        per_element = 8 + (4 if buffer.param_dtype != torch.float32 else 0)
+        for ranges in DistributedOptimizer._build_gbuf_range_map(buffer).values():
+            for bucket in ranges:
+                optimizer += per_element * sum(r["param"].size for r in bucket["param_map"].values())
+    return {"params": params, "grads": grads, "optimizer": optimizer}
