@@ -142,6 +142,9 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
             **resident_others, "vLLM weights": vllm_plan.weights, "vLLM workspace": vllm_plan.workspace,
             "vLLM KV cache": max(0, vllm_plan.kv_cache)})
         phases.append(generation)
+        if 0 < vllm_plan.sequences_held < vllm_plan.sequences_asked:
+            notes.append(f"vLLM holds {vllm_plan.sequences_held} of the {vllm_plan.sequences_asked} full-length "
+                         f"sequences a step asks of a replica: the rest wait for room (fine for memory, slower)")
         if prm_request is not None:
             phases.append(Phase("prm_scoring", {**generation.items, "PRM activations": prm_activations}))
     elif prm_request is not None:
