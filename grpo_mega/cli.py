@@ -5,8 +5,8 @@
     grpo-mega quickstart [--run-dir DIR] [--fast] [--outcome-only] [--iterations N]
                                                                 the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
-    grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume k=v] [--json] [key=value ...]
-                                                                memory per rank and phase; exit 1 if it does not fit
+    grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--json]
+                   [key=value ...]                              memory per rank and phase; exit 1 if it does not fit
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
 processes on this machine with torchrun.
@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                                             "fits (exit status 1 when it does not)")
     plan.add_argument("--config", required=True, help="YAML config file")
     plan.add_argument("--gpus-per-node", type=int, help="default: the config header's '# hardware:' line")
-    plan.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU as the device reports it (H100 80GB: 79.6)")
+    plan.add_argument("--gpu-memory-gib", type=float,
+                      help="memory of one GPU as the device reports it (H100 80GB: 79.6)")
     plan.add_argument("--nodes", type=int, help="default: the config header's, else 1")
     plan.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
                       help="plan with a memory setting the config does not set (distributed_optimizer, "

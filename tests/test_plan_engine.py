@@ -90,9 +90,9 @@ def measured_and_cases(tmp_path_factory):
     cases = [
         ("quickstart", str(quick_dir), str(train_file), ()),
         # the row path (no shared prompts) and another shape: prompt 32, response 96, G 4, 512-token budget
-        ("25m", str(big_dir), str(train_file), ("parallel.share_prompt_prefix=false", "data.prompt_length=32",
-                                               "algorithm.response_length=96", "algorithm.num_return_sequences_in_group=4",
-                                               "parallel.max_tokens_per_micro_batch=512")),
+        ("25m", str(big_dir), str(train_file), (
+            "parallel.share_prompt_prefix=false", "data.prompt_length=32", "algorithm.response_length=96",
+            "algorithm.num_return_sequences_in_group=4", "parallel.max_tokens_per_micro_batch=512")),
     ]
     by_rank = run_distributed(_measure_job, 2, cases, timeout=900)
     return by_rank, {name: (model_dir, train_file, extra) for name, model_dir, train_file, extra in cases}

@@ -14,7 +14,8 @@ kv = kv_heads x head_dim, f intermediate, t TP):
                      (f, the fc2 input)
 
 (measured on CPU with saved-tensor hooks over the engine's layers; Transformer Engine's fused norms and SwiGLU keep
-less, so on GPUs with TE this is an upper bound). The 6 h terms are split over TP ranks with sequence parallelism. ``selective`` recompute drops attention's own
+less, so on GPUs with TE this is an upper bound). The 6 h terms are split over TP ranks with sequence
+parallelism. ``selective`` recompute drops attention's own
 saved q / k / output (they are re-run); ``full`` recompute keeps only each layer's input (h, / t with sequence
 parallelism) plus one layer's activations while it is re-run. Fused attention keeps no S x S matrix; its
 log-sum-exp (fp32, one value per head and token) is small and counted.
@@ -74,7 +75,8 @@ def update_activation_bytes(s: Shapes, *, tokens: int, head_tokens: int, tp: int
     which keeps PP micro-batches in flight), log-prob buffers excluded. ``tokens``: tokens through the layers
     (packed tokens on the shared-prompt path); ``head_tokens``: tokens of the rows the LM head sees."""
     layers = s.layers // pp
-    per_layer = layer_elements_per_token(s, tp, sequence_parallel, recompute) * dtype_bytes + _lse_bytes_per_token(s, tp)
+    per_layer = (layer_elements_per_token(s, tp, sequence_parallel, recompute) * dtype_bytes
+                 + _lse_bytes_per_token(s, tp))
     stream = s.hidden / (tp if sequence_parallel else 1) * dtype_bytes
     if recompute == "full":
         kept = layers * stream * tokens + per_layer * tokens  # layer inputs + the layer being re-run

@@ -96,12 +96,13 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     from grpo_mega.model.config_map import padded_vocab_size
 
     shapes = Shapes.from_hf(policy_hf, padded_vocab_size(int(policy_hf["vocab_size"]), tp))
-    layer_tokens, head_tokens, _ = update_tokens(cfg)
-    if not cpu and cfg.parallel.share_prompt_prefix:
+    layer_tokens, head_tokens, packed = update_tokens(cfg)
+    if not cpu and packed:
         # Transformer Engine's layers cannot run packed rows: with TE installed the engine takes the row path.
-        rows_tokens = max(1, cfg.parallel.max_tokens_per_micro_batch // (cfg.data.prompt_length + cfg.algorithm.response_length))
-        layer_tokens = max(layer_tokens, rows_tokens * (cfg.data.prompt_length + cfg.algorithm.response_length))
-        notes.append("micro-batch tokens: the larger of the shared-prompt (local layers) and row (Transformer Engine) paths")
+        row = cfg.data.prompt_length + cfg.algorithm.response_length
+        layer_tokens = max(layer_tokens, max(1, cfg.parallel.max_tokens_per_micro_batch // row) * row)
+        notes.append("micro-batch tokens: the larger of the shared-prompt path (local layers) and the row path "
+                     "(Transformer Engine)")
     activations = update_activation_bytes(
         shapes, tokens=layer_tokens, head_tokens=head_tokens, tp=tp, pp=pp, dtype_bytes=dtype_bytes,
         sequence_parallel=settings.sequence_parallel, recompute=settings.recompute)
@@ -115,7 +116,8 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     if prm_request is not None:
         prm_stages = counted[-1]
         prm = max(forward_only_bytes(stage) for stage in prm_stages)
-        prm_shapes = Shapes.from_hf(prm_request.hf_config, padded_vocab_size(int(prm_request.hf_config["vocab_size"]), tp))
+        prm_hf = prm_request.hf_config
+        prm_shapes = Shapes.from_hf(prm_hf, padded_vocab_size(int(prm_hf["vocab_size"]), tp))
         prm_activations = forward_activation_bytes(prm_shapes, tokens=cfg.parallel.max_tokens_per_micro_batch, tp=tp,
                                                    dtype_bytes=dtype_bytes)
     elif prm_note:

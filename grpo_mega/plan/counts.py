@@ -118,8 +118,8 @@ def count_stage_params(requests: list[ModelRequest]) -> list[list[list[ParamInfo
     if _can_build_here():
         return count_in_process(requests)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-m", "grpo_mega.plan.counts"], input=json.dumps([asdict(r) for r in requests]),
-                          capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run([sys.executable, "-m", "grpo_mega.plan.counts"], capture_output=True, text=True, env=env,
+                          input=json.dumps([asdict(r) for r in requests]), check=False)
     if done.returncode != 0:
         raise RuntimeError(f"counting parameters in a subprocess failed:\n{done.stderr[-3000:]}")
     raw = json.loads(done.stdout.strip().splitlines()[-1])

@@ -89,8 +89,9 @@ def measure_schedule_peak(engine) -> list[int]:
 def distributed_optimizer_bytes(engine) -> dict[str, int]:
     """{"params", "grads", "optimizer"} of this rank if ``engine``'s stage were wrapped with megatron's DDP for the
     distributed optimizer: megatron builds the buffers (``DistributedDataParallel`` with
-    ``use_distributed_optimizer=True``) and partitions them over DP ranks (``DistributedOptimizer._build_gbuf_range_map``,
-    the ranges its optimizer allocates master copies and moments for). Wraps the stage again: use the engine for
+    ``use_distributed_optimizer=True``) and partitions them over DP ranks
+    (``DistributedOptimizer._build_gbuf_range_map``: the ranges its optimizer allocates master copies and moments
+    for). Wraps the stage again: use the engine for
     nothing else afterwards."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
