@@ -59,11 +59,13 @@ def format_table(plan: Plan) -> str:
     width = max(len(k) for k in items + ["total (headroom)"]) + 2
     lines.append("GiB per rank".ljust(width) + "".join(n.rjust(16) for n in names))
     for key in items:
+        unknown_prm = key == "PRM weights" and plan.prm is None
+        if not unknown_prm and not any(p.items.get(key) for p in plan.phases):
+            continue  # nothing of it anywhere (no reference without KL, no CUDA context on a CPU plan)
         cells = []
         for p in plan.phases:
             value = p.items.get(key)
-            unknown = key == "PRM weights" and plan.prm is None
-            cells.append(("unknown" if unknown else "-" if not value else _gib(value)).rjust(16))
+            cells.append(("unknown" if unknown_prm else "-" if not value else _gib(value)).rjust(16))
         lines.append(key.ljust(width) + "".join(cells))
     lines.append("total (headroom)".ljust(width) + "".join(
         f"{_gib(p.total)} ({plan.headroom(p):.0%})".rjust(16) for p in plan.phases))
