@@ -133,3 +133,25 @@ def test_prm_without_a_config_json_is_reported_unknown(capsys):
     code = main(["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", "process_reward.prm=/nonexistent/prm"])
     out = capsys.readouterr().out
     assert code == 0 and "PRM unknown" in out and "unknown" in out.split("PRM weights")[1].splitlines()[0]
+
+
+def test_stage_counts_follow_megatrons_layout_and_the_subprocess_path_gives_the_same(monkeypatch):
+    """PP2 splits the layers (the first stage holds the embedding, the last the final norm and, tied, its own copy of
+    the embedding); TP2 halves the matrices; a process with a process group or a GPU
+    (the GPU check) counts in a subprocess with the same result."""
+    from grpo_mega.plan import counts
+
+    hf = json.loads(open("configs/models/qwen2.5-math-1.5b/config.json").read())  # tied embeddings
+    whole, split, tp2 = counts.count_stage_params([
+        counts.ModelRequest(hf, 1, 1, "float32"), counts.ModelRequest(hf, 1, 2, "float32"),
+        counts.ModelRequest(hf, 2, 1, "float32")])
+    n_whole = sum(p.numel for p in whole[0])
+    embedding = next(p.numel for p in whole[0][0:1])
+    first, last = split
+    # megatron flags both copies of the tied embedding (each gets a bucket of its own with the distributed optimizer)
+    assert [p.name for p in first if p.shared_embedding] == ["embedding.word_embeddings.weight"]
+    assert [p.name for p in last if p.shared_embedding] == ["output_layer.weight"]
+    assert sum(p.numel for p in first) + sum(p.numel for p in last) == n_whole + embedding
+    assert sum(p.numel for p in tp2[0]) < 0.51 * n_whole
+    monkeypatch.setattr(counts, "_can_build_here", lambda: False)
+    assert counts.count_stage_params([counts.ModelRequest(hf, 1, 2, "float32")]) == [split]
