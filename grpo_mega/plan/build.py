@@ -51,19 +51,31 @@ def update_tokens(cfg) -> tuple[int, int, int]:
     return prompt + rows * response, rows * row, prompt + rows * response
 
 
+def _prm_hf_config(path: str) -> dict | None:
+    """The PRM's HF config: ``path/config.json`` (an HF folder, as ``open_prm`` reads it), else that of the
+    ``model.hf_config`` saved with a grpo-mega checkpoint or run directory there; None when neither exists."""
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text())
+    from grpo_mega.checkpoint.training import checkpoint_config
+
+    try:
+        hf_dir = (checkpoint_config(path).get("model") or {}).get("hf_config")
+    except (OSError, ValueError):
+        return None
+    saved = Path(hf_dir or "") / "config.json"
+    return json.loads(saved.read_text()) if hf_dir and saved.is_file() else None
+
+
 def _prm_request(cfg, dtype: str) -> tuple[ModelRequest | None, str | None]:
-    """The PRM's model request, or (None, why it is unknown)."""
+    """The PRM's model request at the job's layout, or (None, why it is unknown)."""
     if cfg.process_reward.source != "prm":
         return None, None
-    folder = Path(cfg.process_reward.prm or "")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        return None, (f"PRM unknown: {folder} has no config.json (process_reward.prm); its weights and activations are "
-                      "not counted")
-    hf = json.loads(config_file.read_text())
+    hf = _prm_hf_config(cfg.process_reward.prm or "")
+    if hf is None:
+        return None, (f"PRM unknown: {cfg.process_reward.prm} holds no config.json (nor a grpo-mega checkpoint's); "
+                      "its weights and activations are not counted (process_reward.prm)")
     classifier = PRM_CLASSIFIER_ARCHITECTURE in (hf.get("architectures") or [])
-    if cfg.process_reward.layout not in (None, "classifier") and classifier:
-        classifier = False
     return ModelRequest(hf, cfg.parallel.tensor, cfg.parallel.pipeline, dtype, lm_output=not classifier,
                         head="classifier" if classifier else "none"), None
 

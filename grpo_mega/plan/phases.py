@@ -22,11 +22,14 @@ from grpo_mega.plan.static import StaticBytes
 from grpo_mega.plan.vllm import VllmPlan
 
 CUDA_CONTEXT_BYTES = 2**30
-"""CUDA context, cuBLAS / cuDNN workspaces and kernels of one process: PyTorch's docs and issue reports put the
-context at 0.3-0.8 GiB on Hopper with CUDA 12 (lazy module loading); 1 GiB."""
+"""CUDA context, cuBLAS / cuDNN workspaces and loaded kernels of one process. Not measured here (no GPU): the
+context alone is commonly reported at 0.3-0.8 GiB on recent GPUs with CUDA 12's lazy module loading (what
+nvidia-smi shows for a process that has only touched the device); rounded up to 1 GiB. The GPU check
+(bench/gpu_check.py) measures it where a GPU is lent."""
 NCCL_BYTES = 2**30
-"""NCCL's buffers for the process's communicators (megatron's TP / DP / PP groups, vLLM's TP group): NCCL's
-default 4 MiB buffer per channel and peer, tens of MiB per communicator, plus its proxy state; 1 GiB."""
+"""NCCL's device buffers for the process's communicators (megatron's TP / DP / PP groups, vLLM's TP group): by
+NCCL's defaults (NCCL_BUFFSIZE 4 MiB per channel and peer, a few channels) tens to a few hundred MiB per
+communicator; 1 GiB for all of them. An estimate, like the context's."""
 REQUIRED_HEADROOM = 0.10
 """A plan fits when every phase leaves at least this share of the GPU free (allocator fragmentation, what the
 estimates miss)."""
@@ -56,7 +59,7 @@ class Plan:
     data: int
     dtype: str
     parameters: int
-    """The policy's parameters over the whole model (all stages, one TP copy)."""
+    """The policy's parameter elements held by one TP rank, summed over the pipeline stages."""
     policy: StaticBytes
     """The most loaded stage's static bytes."""
     stages: list[StaticBytes]

@@ -128,10 +128,8 @@ def rollout_tensor_parallel(cfg) -> int:
     return int(value) if value else int(cfg.parallel.tensor)
 
 
-def data_parallel_size(cfg, hardware: Hardware | None) -> int | None:
-    """world / (TP x PP), None without hardware; ConfigError when the layout does not divide the world."""
-    if hardware is None:
-        return None
+def data_parallel_size(cfg, hardware: Hardware) -> int:
+    """world / (TP x PP); ConfigError when the layout does not divide the world."""
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
     if hardware.world_size % model_parallel:
         raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} does not divide the "
