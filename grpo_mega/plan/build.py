@@ -86,6 +86,9 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     ``assume``: memory settings to plan with instead of the config's ({"distributed_optimizer": "true", ...},
     ``grpo_mega.plan.settings.MemorySettings``). Counts parameters from megatron's model built on the meta device
     (``grpo_mega.plan.counts``); a second or so, plus megatron's import the first time."""
+    if cfg.engine != "megatron":
+        raise ConfigError(f"engine={cfg.engine!r}: grpo-mega plan models the megatron engine (DeepSpeed's ZeRO "
+                          "partitions differently); plan with engine=megatron")
     hardware = Hardware(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, nodes=nodes)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     dp = data_parallel_size(cfg, hardware)
