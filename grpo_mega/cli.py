@@ -5,6 +5,8 @@
     grpo-mega quickstart [--run-dir DIR] [--fast] [--outcome-only] [--iterations N]
                                                                 the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
+    grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--json]
+                   [key=value ...]                              memory per rank and phase; exit 1 if it does not fit
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
 processes on this machine with torchrun.
@@ -37,6 +39,18 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--iterations", type=int, default=1,
                        help="iterative RL for the process-supervised arm: its GRPO steps in N runs, the PRM relabelled "
                             "on the current policy and trained on (with 10%% replay) between them")
+    plan = commands.add_parser("plan", help="memory per rank and per phase of a GRPO config on GPUs, and whether it "
+                                            "fits (exit status 1 when it does not)")
+    plan.add_argument("--config", required=True, help="YAML config file")
+    plan.add_argument("--gpus-per-node", type=int, help="default: the config header's '# hardware:' line")
+    plan.add_argument("--gpu-memory-gib", type=float,
+                      help="memory of one GPU as the device reports it (H100 80GB: 79.6)")
+    plan.add_argument("--nodes", type=int, help="default: the config header's, else 1")
+    plan.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
+                      help="plan with a memory setting the config does not set (distributed_optimizer, "
+                           "sequence_parallel, recompute, offload_during_rollout), e.g. distributed_optimizer=true")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
     from prm.cli import add_prm_commands
 
     add_prm_commands(commands)
@@ -102,7 +116,35 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_quickstart(args.run_dir, fast=args.fast, outcome_only=args.outcome_only,
                               iterations=args.iterations)
+    if args.command == "plan":
+        return _run_plan(args)
     return _run_stage(args)
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+    from grpo_mega.plan import plan_config
+    from grpo_mega.plan.report import format_table, to_dict
+    from grpo_mega.plan.settings import documented_hardware, parse_assume
+
+    try:
+        cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
+        documented = documented_hardware(args.config)
+        gpus = args.gpus_per_node or (documented.gpus_per_node if documented else None)
+        memory = args.gpu_memory_gib or (documented.gpu_memory_gib if documented else None)
+        nodes = args.nodes or (documented.nodes if documented else 1)
+        if gpus is None or memory is None:
+            raise ConfigError(f"{args.config} documents no '# hardware: 1 node x 8 GPUs x 79.6 GiB' line: "
+                              "pass --gpus-per-node and --gpu-memory-gib")
+        plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes,
+                           assume=parse_assume(args.assume), config_name=args.config)
+    except (ConfigError, ValueError) as error:
+        print(f"grpo-mega plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_dict(plan), indent=1) if args.json else format_table(plan))
+    return 0 if plan.fits else 1
 
 
 if __name__ == "__main__":

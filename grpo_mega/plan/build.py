@@ -1,0 +1,177 @@
+"""``plan_config``: a config object + hardware -> :class:`~grpo_mega.plan.phases.Plan`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from grpo_mega.config import ConfigError
+from grpo_mega.plan.activations import (
+    Shapes, forward_activation_bytes, logprob_buffer_bytes, update_activation_bytes,
+)
+from grpo_mega.plan.counts import ModelRequest, count_stage_params
+from grpo_mega.plan.phases import CUDA_CONTEXT_BYTES, NCCL_BYTES, Phase, Plan
+from grpo_mega.plan.settings import (
+    Hardware, data_parallel_size, memory_settings, rollout_tensor_parallel,
+)
+from grpo_mega.plan.static import forward_only_bytes, training_static_bytes
+from grpo_mega.plan.vllm import plan_vllm
+
+PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
+
+
+def read_hf_config(folder: str | Path, key: str) -> dict:
+    """The config.json of an HF folder as a dict; ConfigError naming ``key`` when there is none."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{key}={folder}: no config.json there")
+    return json.loads(path.read_text())
+
+
+def update_tokens(cfg) -> tuple[int, int, int]:
+    """(tokens through the layers, tokens of the rows the head sees, packed tokens) of the largest update
+    micro-batch: full-length rows (data.prompt_length + algorithm.response_length) filling
+    parallel.max_tokens_per_micro_batch. The shared-prompt path (``parallel.share_prompt_prefix``, megatron engine)
+    packs a group as its prompt once and its G responses (``grpo_mega.engine.shared_prefix``); the row path takes
+    as many whole rows as fit (at least one)."""
+    prompt, response = cfg.data.prompt_length, cfg.algorithm.response_length
+    budget, group = cfg.parallel.max_tokens_per_micro_batch, cfg.algorithm.num_return_sequences_in_group
+    row = prompt + response
+    rows = max(1, budget // row)
+    row_path = (rows * row, rows * row)
+    if not (cfg.parallel.share_prompt_prefix and cfg.engine == "megatron"):
+        return (*row_path, 0)
+    packed_group = prompt + group * response
+    if packed_group <= budget:
+        groups = budget // packed_group
+        return groups * packed_group, groups * group * row, groups * packed_group
+    rows = max(1, (budget - prompt) // response)
+    return prompt + rows * response, rows * row, prompt + rows * response
+
+
+def _prm_hf_config(path: str) -> dict | None:
+    """The PRM's HF config: ``path/config.json`` (an HF folder, as ``open_prm`` reads it), else that of the
+    ``model.hf_config`` saved with a grpo-mega checkpoint or run directory there; None when neither exists."""
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text())
+    from grpo_mega.checkpoint.training import checkpoint_config
+
+    try:
+        hf_dir = (checkpoint_config(path).get("model") or {}).get("hf_config")
+    except (OSError, ValueError):
+        return None
+    saved = Path(hf_dir or "") / "config.json"
+    return json.loads(saved.read_text()) if hf_dir and saved.is_file() else None
+
+
+def _prm_request(cfg, dtype: str) -> tuple[ModelRequest | None, str | None]:
+    """The PRM's model request at the job's layout, or (None, why it is unknown)."""
+    if cfg.process_reward.source != "prm":
+        return None, None
+    hf = _prm_hf_config(cfg.process_reward.prm or "")
+    if hf is None:
+        return None, (f"PRM unknown: {cfg.process_reward.prm} holds no config.json (nor a grpo-mega checkpoint's); "
+                      "its weights and activations are not counted (process_reward.prm)")
+    classifier = PRM_CLASSIFIER_ARCHITECTURE in (hf.get("architectures") or [])
+    return ModelRequest(hf, cfg.parallel.tensor, cfg.parallel.pipeline, dtype, lm_output=not classifier,
+                        head="classifier" if classifier else "none"), None
+
+
+def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 1,
+                assume: Mapping[str, Any] | None = None, config_name: str = "") -> Plan:
+    """The memory plan of ``cfg`` (a ``GRPOConfig``) on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gib`` GiB.
+    ``assume``: memory settings to plan with instead of the config's ({"distributed_optimizer": "true", ...},
+    ``grpo_mega.plan.settings.MemorySettings``). Counts parameters from megatron's model built on the meta device
+    (``grpo_mega.plan.counts``); a second or so, plus megatron's import the first time."""
+    if cfg.engine != "megatron":
+        raise ConfigError(f"engine={cfg.engine!r}: grpo-mega plan models the megatron engine (DeepSpeed's ZeRO "
+                          "partitions differently); plan with engine=megatron")
+    hardware = Hardware(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, nodes=nodes)
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    dp = data_parallel_size(cfg, hardware)
+    settings = memory_settings(cfg, dp, assume)
+    cpu = cfg.parallel.device == "cpu"
+    dtype, dtype_bytes = ("float32", 4) if cpu else ("bfloat16", 2)
+    policy_hf = read_hf_config(cfg.model.hf_config, "model.hf_config")
+    vllm = cfg.rollout.engine == "vllm"
+    rollout_tp = rollout_tensor_parallel(cfg)
+    requests = [ModelRequest(policy_hf, tp, pp, dtype)]
+    if vllm:
+        requests.append(ModelRequest(policy_hf, rollout_tp, 1, "bfloat16"))
+    prm_request, prm_note = _prm_request(cfg, dtype)
+    if prm_request is not None:
+        requests.append(prm_request)
+    counted = count_stage_params(requests)
+    policy_stages = counted[0]
+    notes = [prm_note] if prm_note else []
+
+    from grpo_mega.model.config_map import padded_vocab_size
+
+    shapes = Shapes.from_hf(policy_hf, padded_vocab_size(int(policy_hf["vocab_size"]), tp))
+    layer_tokens, head_tokens, packed = update_tokens(cfg)
+    if not cpu and packed:
+        # Transformer Engine's layers cannot run packed rows: with TE installed the engine takes the row path.
+        row = cfg.data.prompt_length + cfg.algorithm.response_length
+        layer_tokens = max(layer_tokens, max(1, cfg.parallel.max_tokens_per_micro_batch // row) * row)
+        notes.append("micro-batch tokens: the larger of the shared-prompt path (local layers) and the row path "
+                     "(Transformer Engine)")
+    activations = update_activation_bytes(
+        shapes, tokens=layer_tokens, head_tokens=head_tokens, tp=tp, pp=pp, dtype_bytes=dtype_bytes,
+        sequence_parallel=settings.sequence_parallel, recompute=settings.recompute)
+    logprobs = logprob_buffer_bytes(shapes, chunk=cfg.model.logprob_chunk_size, head_tokens=head_tokens, tp=tp)
+    # The most loaded stage: static bytes per stage (activations are the first stage's, a bound for all).
+    statics = [training_static_bytes(stage, dp, settings.distributed_optimizer) for stage in policy_stages]
+    worst = max(range(pp), key=lambda i: statics[i].total)
+    policy = statics[worst]
+    reference = forward_only_bytes(policy_stages[worst]) if cfg.algorithm.use_kl_loss else 0
+    prm = prm_activations = 0
+    if prm_request is not None:
+        prm_stages = counted[-1]
+        prm = max(forward_only_bytes(stage) for stage in prm_stages)
+        prm_hf = prm_request.hf_config
+        prm_shapes = Shapes.from_hf(prm_hf, padded_vocab_size(int(prm_hf["vocab_size"]), tp))
+        prm_activations = forward_activation_bytes(prm_shapes, tokens=cfg.parallel.max_tokens_per_micro_batch, tp=tp,
+                                                   dtype_bytes=dtype_bytes)
+    elif prm_note:
+        prm = None
+
+    base = {"CUDA context": 0 if cpu else CUDA_CONTEXT_BYTES, "NCCL": 0 if cpu else NCCL_BYTES,
+            "parameters": policy.params}
+    resident_others = {"reference (KL)": reference, "PRM weights": prm or 0}
+    update = Phase("update", {**base, "gradients": policy.grads, "optimizer": policy.optimizer, **resident_others,
+                              "activations": activations, "log-prob buffers": logprobs})
+    phases = [update]
+    vllm_plan = None
+    if vllm:
+        vllm_plan = plan_vllm(
+            shapes=Shapes.from_hf(policy_hf, int(policy_hf["vocab_size"])),
+            weight_elements=sum(p.numel for p in counted[1][0]), tensor_parallel=rollout_tp,
+            world_size=hardware.world_size, gpu_bytes=hardware.gpu_bytes,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            sequence_tokens=cfg.data.prompt_length + cfg.algorithm.response_length,
+            rollout_sequences=cfg.algorithm.rollout_batch_size * cfg.algorithm.num_return_sequences_in_group)
+        offload = settings.offload_during_rollout
+        generation = Phase("generation", {
+            **base, "gradients": 0 if offload else policy.grads, "optimizer": 0 if offload else policy.optimizer,
+            **resident_others, "vLLM weights": vllm_plan.weights, "vLLM workspace": vllm_plan.workspace,
+            "vLLM KV cache": max(0, vllm_plan.kv_cache)})
+        phases.append(generation)
+        if 0 < vllm_plan.sequences_held < vllm_plan.sequences_asked:
+            notes.append(f"vLLM holds {vllm_plan.sequences_held} of the {vllm_plan.sequences_asked} full-length "
+                         f"sequences a step asks of a replica: the rest wait for room (fine for memory, slower)")
+        if prm_request is not None:
+            phases.append(Phase("prm_scoring", {**generation.items, "PRM activations": prm_activations}))
+    elif prm_request is not None:
+        phases.append(Phase("prm_scoring", {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
+                                            **resident_others, "PRM activations": prm_activations}))
+    if settings.assumed:
+        notes.append("assumed (not from the config): " + ", ".join(
+            f"{name}={getattr(settings, name)}" for name in settings.assumed))
+    parameters = sum(sum(p.numel for p in stage) for stage in policy_stages)
+    return Plan(config=config_name, hardware=hardware, settings=settings, tensor=tp, pipeline=pp, data=dp,
+                dtype=dtype, parameters=parameters, policy=policy, stages=statics, micro_batch_tokens=layer_tokens,
+                head_tokens=head_tokens, activations=activations, logprob_buffers=logprobs, reference=reference,
+                prm=prm, prm_activations=prm_activations, vllm=vllm_plan, phases=phases, notes=notes)

@@ -1,0 +1,81 @@
+"""The plan as a table a person reads in ten seconds, and as JSON for tools."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from grpo_mega.plan.phases import REQUIRED_HEADROOM, Plan
+
+GIB = 2**30
+
+
+def _gib(value: int | None) -> str:
+    return "unknown" if value is None else f"{value / GIB:.1f}"
+
+
+def to_dict(plan: Plan) -> dict:
+    """JSON-ready plan: bytes everywhere, plus each phase's total and headroom."""
+    return {
+        "config": plan.config,
+        "hardware": asdict(plan.hardware) | {"world_size": plan.hardware.world_size, "gpu_bytes": plan.gpu_bytes},
+        "layout": {"tensor": plan.tensor, "pipeline": plan.pipeline, "data": plan.data, "dtype": plan.dtype},
+        "settings": asdict(plan.settings),
+        "parameters": plan.parameters,
+        "policy": asdict(plan.policy),
+        "micro_batch_tokens": plan.micro_batch_tokens,
+        "head_tokens": plan.head_tokens,
+        "activations": plan.activations,
+        "logprob_buffers": plan.logprob_buffers,
+        "reference": plan.reference,
+        "prm": plan.prm,
+        "prm_activations": plan.prm_activations,
+        "vllm": asdict(plan.vllm) if plan.vllm else None,
+        "phases": {p.name: {"items": p.items, "total": p.total, "headroom": plan.headroom(p)} for p in plan.phases},
+        "fits": plan.fits,
+        "problems": plan.problems,
+        "notes": plan.notes,
+    }
+
+
+def format_table(plan: Plan) -> str:
+    """Header (layout, settings), one row per byte item and one column per phase (GiB per rank), totals with
+    headroom, vLLM's sequence capacity, and the verdict."""
+    hw = plan.hardware
+    s = plan.settings
+    lines = [
+        f"{plan.config or 'config'}: {hw.nodes} node(s) x {hw.gpus_per_node} GPUs x {hw.gpu_memory_gib:g} GiB = "
+        f"{hw.world_size} ranks; policy TP{plan.tensor} x PP{plan.pipeline} x DP{plan.data} ({plan.dtype}, "
+        f"{plan.parameters / 1e9:.2f}B parameters per model-parallel rank)",
+        f"settings: distributed_optimizer={s.distributed_optimizer} sequence_parallel={s.sequence_parallel} "
+        f"recompute={s.recompute} offload_during_rollout={s.offload_during_rollout}; largest micro-batch "
+        f"{plan.micro_batch_tokens} tokens ({plan.head_tokens} in the head's rows)",
+    ]
+    if plan.vllm:
+        v = plan.vllm
+        lines.append(f"vLLM: {v.replicas} replicas x TP{v.tensor_parallel}; KV cache holds {v.sequences_held} "
+                     f"full-length sequences ({v.sequence_tokens} tokens) per replica, a step asks {v.sequences_asked}")
+    names = [p.name for p in plan.phases]
+    items = list(dict.fromkeys(key for p in plan.phases for key in p.items))
+    width = max(len(k) for k in items + ["total (headroom)"]) + 2
+    lines.append("GiB per rank".ljust(width) + "".join(n.rjust(16) for n in names))
+    for key in items:
+        unknown_prm = key == "PRM weights" and plan.prm is None
+        if not unknown_prm and not any(p.items.get(key) for p in plan.phases):
+            continue  # nothing of it anywhere (no reference without KL, no CUDA context on a CPU plan)
+        cells = []
+        for p in plan.phases:
+            value = p.items.get(key)
+            cells.append(("unknown" if unknown_prm else "-" if not value else _gib(value)).rjust(16))
+        lines.append(key.ljust(width) + "".join(cells))
+    lines.append("total (headroom)".ljust(width) + "".join(
+        f"{_gib(p.total)} ({plan.headroom(p):.0%})".rjust(16) for p in plan.phases))
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    if plan.fits:
+        worst = min(plan.phases, key=plan.headroom)
+        lines.append(f"FITS: every phase leaves >= {REQUIRED_HEADROOM:.0%} of {hw.gpu_memory_gib:g} GiB free "
+                     f"(least: {worst.name}, {plan.headroom(worst):.0%})")
+    else:
+        lines.append("DOES NOT FIT:")
+        lines.extend(f"  {problem}" for problem in plan.problems)
+    return "\n".join(lines)

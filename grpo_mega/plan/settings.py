@@ -1,0 +1,137 @@
+"""What the planner assumes about the job: the hardware, the engine's memory settings and the rollout layout.
+
+Memory settings that the engine grows over time (``parallel.distributed_optimizer``, ``parallel.sequence_parallel``,
+``parallel.recompute``, ``parallel.offload_during_rollout``) are read from the config when it has the key, with the
+engine's own default where the key is absent, and can be set for a what-if with ``assume`` (``grpo-mega plan
+--assume distributed_optimizer=true``): the plan of a setting the engine does not have yet is a forecast, and the
+report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from grpo_mega.config import ConfigError
+
+GIB = 2**30
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machines a plan is for: ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gib`` GiB each (the total
+    memory the device reports, e.g. 79.6 GiB for an 80 GB H100)."""
+
+    gpus_per_node: int
+    gpu_memory_gib: float
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1 or self.nodes < 1 or not self.gpu_memory_gib > 0:
+            raise ConfigError(f"hardware {self}: gpus_per_node and nodes must be >= 1 and gpu_memory_gib > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def gpu_bytes(self) -> int:
+        return int(self.gpu_memory_gib * GIB)
+
+
+_HARDWARE_LINE = re.compile(
+    r"^#\s*hardware:\s*(\d+)\s*nodes?\s*x\s*(\d+)\s*GPUs?\s*x\s*([0-9.]+)\s*GiB", re.IGNORECASE | re.MULTILINE)
+
+
+def documented_hardware(config_file: str | Path) -> Hardware | None:
+    """The hardware a config's header documents on a line ``# hardware: 1 node x 8 GPUs x 79.6 GiB``, or None."""
+    match = _HARDWARE_LINE.search(Path(config_file).read_text())
+    if match is None:
+        return None
+    return Hardware(gpus_per_node=int(match.group(2)), gpu_memory_gib=float(match.group(3)), nodes=int(match.group(1)))
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The engine settings that change how much memory a rank holds."""
+
+    distributed_optimizer: bool = False
+    """fp32 master copies and Adam moments sharded over data-parallel ranks (megatron's DistributedOptimizer)."""
+    sequence_parallel: bool = False
+    """Norm / residual activations split over TP ranks (megatron's sequence parallelism)."""
+    recompute: str = "none"
+    """``none``, ``selective`` (core attention re-run) or ``full`` (each layer re-run from its input)."""
+    offload_during_rollout: bool = False
+    """Gradient buffers released and optimizer state in host memory from the end of an update to the next."""
+    assumed: tuple[str, ...] = ()
+    """Settings given by ``assume`` rather than read from the config (shown in the report)."""
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"--assume {key}={value!r}: expected true or false")
+
+
+def memory_settings(cfg, data_parallel: int, assume: Mapping[str, Any] | None = None) -> MemorySettings:
+    """The memory settings of ``cfg`` (a ``GRPOConfig``): the ``parallel.*`` key where the config has it (null =
+    the engine's automatic choice: the distributed optimizer when DP > 1, sequence parallelism when TP > 1), else
+    the engine as it is without the key (all off); then ``assume`` ({name: value}) overrides."""
+    parallel = cfg.parallel
+    values: dict[str, Any] = {}
+    for name, automatic in (("distributed_optimizer", data_parallel > 1),
+                            ("sequence_parallel", parallel.tensor > 1)):
+        if hasattr(parallel, name):
+            value = getattr(parallel, name)
+            values[name] = automatic if value is None else bool(value)
+    for name in ("recompute", "offload_during_rollout"):
+        if hasattr(parallel, name):
+            values[name] = getattr(parallel, name)
+    known = {f.name for f in dataclasses.fields(MemorySettings)} - {"assumed"}
+    assumed = []
+    for name, value in (assume or {}).items():
+        if name not in known:
+            raise ConfigError(f"--assume {name}: unknown setting; expected one of {sorted(known)}")
+        values[name] = str(value).strip().lower() if name == "recompute" else _as_bool(name, value)
+        assumed.append(name)
+    if values.get("recompute", "none") not in RECOMPUTE_CHOICES:
+        raise ConfigError(f"recompute={values['recompute']!r}: expected one of {RECOMPUTE_CHOICES}")
+    if values.get("sequence_parallel") and parallel.tensor < 2:
+        raise ConfigError("sequence_parallel=true needs parallel.tensor > 1")
+    return MemorySettings(**values, assumed=tuple(assumed))
+
+
+def parse_assume(items: list[str] | None) -> dict[str, str]:
+    """``["distributed_optimizer=true", ...]`` -> {name: value}; ConfigError for an item without ``=``."""
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--assume {item!r}: expected name=value, e.g. distributed_optimizer=true")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def rollout_tensor_parallel(cfg) -> int:
+    """vLLM ranks per replica: ``rollout.tensor_parallel``, or the policy's ``parallel.tensor`` where that is unset
+    (null / 0)."""
+    value = getattr(cfg.rollout, "tensor_parallel", None)
+    return int(value) if value else int(cfg.parallel.tensor)
+
+
+def data_parallel_size(cfg, hardware: Hardware) -> int:
+    """world / (TP x PP); ConfigError when the layout does not divide the world."""
+    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+    if hardware.world_size % model_parallel:
+        raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} does not divide the "
+                          f"{hardware.world_size} GPUs ({hardware.nodes} node(s) x {hardware.gpus_per_node})")
+    return hardware.world_size // model_parallel

@@ -1,0 +1,118 @@
+"""Bytes a training rank holds for its whole life: parameters, the DDP gradient buffers and the optimizer state,
+as the engine allocates them (``grpo_mega.engine.megatron_engine``):
+
+- megatron's ``DistributedDataParallel`` with ``grad_reduce_in_fp32=True`` and ``overlap_grad_reduce=False``: one
+  contiguous fp32 gradient buffer per parameter dtype (``_ParamAndGradBuffer``), one bucket; with the distributed
+  optimizer each parameter starts at a multiple of 64 elements, the buffer is padded to lcm(DP, 128) and the
+  last stage's copy of tied embeddings gets a bucket of its own, and the parameters move into a param buffer of the
+  same (padded) length in their dtype;
+- megatron's optimizer (Adam): bf16 parameters get an fp32 master copy (``Float16OptimizerWithFloat16Params``),
+  fp32 parameters are stepped in place; two fp32 moments (``exp_avg``, ``exp_avg_sq``) per element. With the
+  distributed optimizer each DP rank keeps master copies and moments for its 1/DP slice of each bucket only.
+  Adam's step counters (one scalar per tensor, on the host) are not counted.
+
+The layout rules are megatron-core 0.16's (``distributed/param_and_grad_buffer.py``); the CPU tests check the
+result against the tensors the engine really allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from grpo_mega.plan.counts import DTYPE_BYTES, ParamInfo
+
+GRAD_BYTES = 4  # grad_reduce_in_fp32=True
+MOMENT_BYTES = 8  # Adam exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4  # fp32 master copy of a bf16 / fp16 parameter
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One DDP buffer: its parameters' (start, end) element ranges, its buckets' (start, end), its length."""
+
+    dtype: str
+    ranges: tuple[tuple[int, int], ...]
+    buckets: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1][1] if self.buckets else 0
+
+
+def buffer_layouts(params: list[ParamInfo], data_parallel: int, distributed_optimizer: bool) -> list[BufferLayout]:
+    """The gradient buffers megatron's DDP builds for ``params`` (trainable, in ``named_parameters`` order), with
+    one bucket per buffer (``overlap_grad_reduce=False``), following ``_ParamAndGradBuffer.__init__``."""
+    layouts = []
+    for dtype in dict.fromkeys(p.dtype for p in params):  # buffers in order of first appearance, as DDP does
+        members = [p for p in params if p.dtype == dtype][::-1]  # reverse order: roughly the backward order
+        divisor = math.lcm(data_parallel, 128)
+        ranges, buckets = [], []
+        bucket_start = start = 0
+        open_bucket = False
+        for param in members:
+            if distributed_optimizer:
+                start = math.ceil(start / 64) * 64
+            own_bucket = param.shared_embedding and distributed_optimizer
+            if own_bucket and open_bucket:
+                end = math.ceil(start / divisor) * divisor
+                buckets.append((bucket_start, end))
+                bucket_start = start = end
+            ranges.append((start, start + param.numel))
+            start += param.numel
+            open_bucket = True
+            if own_bucket:
+                end = math.ceil(start / divisor) * divisor
+                buckets.append((bucket_start, end))
+                bucket_start = start = end
+                open_bucket = False
+        if open_bucket:
+            end = math.ceil(start / divisor) * divisor if distributed_optimizer else start
+            buckets.append((bucket_start, end))
+        layouts.append(BufferLayout(dtype, tuple(ranges[::-1]), tuple(buckets)))
+    return layouts
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What one training rank allocates for its model, gradients and optimizer (bytes)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    """fp32 master copies + Adam moments."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _shard_elements(layout: BufferLayout, data_parallel: int, dp_rank: int) -> int:
+    """Parameter elements (padding excluded) in DP rank ``dp_rank``'s slice of every bucket of ``layout``."""
+    total = 0
+    for bucket_start, bucket_end in layout.buckets:
+        size = (bucket_end - bucket_start) // data_parallel
+        lo, hi = bucket_start + dp_rank * size, bucket_start + (dp_rank + 1) * size
+        total += sum(max(0, min(end, hi) - max(start, lo)) for start, end in layout.ranges)
+    return total
+
+
+def training_static_bytes(params: list[ParamInfo], data_parallel: int, distributed_optimizer: bool) -> StaticBytes:
+    """Static bytes of the most loaded DP rank of a stage whose trainable parameters are ``params``."""
+    layouts = buffer_layouts(params, data_parallel, distributed_optimizer)
+    grads = sum(layout.numel for layout in layouts) * GRAD_BYTES
+    if not distributed_optimizer:
+        weights = sum(p.bytes for p in params)
+        optimizer = sum(p.numel * (MOMENT_BYTES + (MASTER_BYTES if DTYPE_BYTES[p.dtype] < 4 else 0)) for p in params)
+        return StaticBytes(weights, grads, optimizer)
+    weights = sum(layout.numel * DTYPE_BYTES[layout.dtype] for layout in layouts)
+    optimizer = max(
+        sum(_shard_elements(layout, data_parallel, rank)
+            * (MOMENT_BYTES + (MASTER_BYTES if DTYPE_BYTES[layout.dtype] < 4 else 0)) for layout in layouts)
+        for rank in range(data_parallel))
+    return StaticBytes(weights, grads, optimizer)
+
+
+def forward_only_bytes(params: list[ParamInfo]) -> int:
+    """A forward-only engine (reference, PRM) holds its parameters and nothing else."""
+    return sum(p.bytes for p in params)

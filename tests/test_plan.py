@@ -1,0 +1,171 @@
+"""`grpo-mega plan` on its own (no engine): what it reads from the config, the micro-batch it plans for, the verdict
+and exit status, and every shipped real-model config fitting its documented hardware with 10 % headroom in every
+phase. The checks against the engine's real allocations are in test_plan_engine.py."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+
+REAL_CONFIGS = ["qwen2.5-math-1.5b_grpo", "qwen2.5-math-7b_grpo", "qwen2.5-math-7b_grpo_prm",
+                "qwen2.5-math-7b_grpo_2node", "llama-3.1-8b_grpo", "llama-3.1-8b_grpo_2node"]
+# The PRM config points at a downloaded folder; plan it with the architecture shipped in configs/models.
+PRM_ARCHITECTURE = "process_reward.prm=configs/models/qwen2.5-math-prm-7b"
+
+
+def _load(name, *overrides):
+    return load_config(GRPOConfig, f"configs/{name}.yaml", [PRM_ARCHITECTURE, *overrides] if "prm" in name
+                       else list(overrides), validate)
+
+
+def _plan(name, *overrides, **assume):
+    from grpo_mega.plan import plan_config
+    from grpo_mega.plan.settings import documented_hardware
+
+    hardware = documented_hardware(f"configs/{name}.yaml")
+    assert hardware is not None, f"configs/{name}.yaml has no '# hardware:' line"
+    return plan_config(_load(name, *overrides), gpus_per_node=hardware.gpus_per_node,
+                       gpu_memory_gib=hardware.gpu_memory_gib, nodes=hardware.nodes, assume=assume)
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_shipped_config_fits_its_documented_hardware(name):
+    """Every phase leaves >= 10 % of the GPU free, at the config's rollout layout and with vLLM at the policy's TP
+    (the two rollout.tensor_parallel choices), and vLLM's KV cache holds at least one full-length sequence."""
+    cfg = _load(name)
+    for rollout_tp in sorted({cfg.rollout.tensor_parallel or cfg.parallel.tensor, cfg.parallel.tensor}):
+        plan = _plan(name, f"rollout.tensor_parallel={rollout_tp}")
+        assert plan.fits, (rollout_tp, plan.problems)
+        assert {p.name for p in plan.phases} >= {"update", "generation"}
+        assert all(plan.headroom(p) >= 0.10 for p in plan.phases)
+        assert plan.vllm.sequences_held >= 1
+    if "prm" in name:
+        assert plan.prm and plan.prm > 0 and plan.phase("prm_scoring").total > plan.phase("generation").total
+
+
+def test_seven_b_static_bytes_are_eighteen_bytes_a_parameter_and_shard_with_the_distributed_optimizer():
+    """bf16 weights (2) + fp32 gradient buffer (4) + fp32 master (4) + Adam moments (8) per parameter of the rank;
+    the distributed optimizer divides the last 12 by DP (up to megatron's padding)."""
+    plan = _plan("qwen2.5-math-7b_grpo")
+    elements = plan.parameters
+    norms = (plan.policy.params - 2 * elements) // 2  # the local spec keeps its norm weights in fp32
+    assert 0 < norms < 1e6
+    assert plan.policy.grads == 4 * elements
+    assert plan.policy.optimizer == 12 * elements - 4 * norms
+    sharded = _plan("qwen2.5-math-7b_grpo", distributed_optimizer="true")
+    assert sharded.policy.optimizer == pytest.approx(plan.policy.optimizer / plan.data, rel=1e-3)
+    assert sharded.phase("update").total < plan.phase("update").total
+
+
+def test_settings_read_from_the_config_when_it_has_them_else_the_engine_today():
+    from grpo_mega.plan.settings import memory_settings
+
+    today = SimpleNamespace(parallel=SimpleNamespace(tensor=4))
+    assert memory_settings(today, 2) == memory_settings(today, 2, {})  # all off
+    assert not memory_settings(today, 2).distributed_optimizer
+    later = SimpleNamespace(parallel=SimpleNamespace(tensor=4, distributed_optimizer=None, sequence_parallel=None,
+                                                     recompute="full", offload_during_rollout=True))
+    settings = memory_settings(later, 2)
+    assert (settings.distributed_optimizer, settings.sequence_parallel, settings.recompute,
+            settings.offload_during_rollout) == (True, True, "full", True)
+    assert not memory_settings(later, 1).distributed_optimizer  # automatic: only when DP > 1
+    assumed = memory_settings(today, 2, {"distributed_optimizer": "true", "recompute": "selective"})
+    assert assumed.distributed_optimizer and assumed.recompute == "selective"
+    assert assumed.assumed == ("distributed_optimizer", "recompute")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        memory_settings(today, 2, {"distributed_optimiser": "true"})
+    with pytest.raises(ConfigError, match="true or false"):
+        memory_settings(today, 2, {"distributed_optimizer": "maybe"})
+
+
+def test_rollout_tensor_parallel_defaults_to_the_policy_tp_when_unset():
+    from grpo_mega.plan.settings import rollout_tensor_parallel
+
+    for value, expected in ((None, 4), (0, 4), (2, 2)):
+        cfg = SimpleNamespace(rollout=SimpleNamespace(tensor_parallel=value), parallel=SimpleNamespace(tensor=4))
+        assert rollout_tensor_parallel(cfg) == expected
+
+
+def test_largest_micro_batch_on_the_shared_prompt_and_row_paths():
+    from grpo_mega.plan.build import update_tokens
+
+    cfg = load_config(GRPOConfig, "configs/quickstart_grpo.yaml", ["model.hf_config=x", "data.train_file=x"])
+    # prompt 64, response 64, G 8, budget 1024: one packed group of 64 + 8 x 64 tokens, its 8 rows in the head
+    assert update_tokens(cfg)[:2] == (576, 1024)
+    cfg.parallel.share_prompt_prefix = False
+    assert update_tokens(cfg)[:2] == (1024, 1024)  # 8 rows of 128
+    cfg.parallel.share_prompt_prefix, cfg.parallel.max_tokens_per_micro_batch = True, 300
+    assert update_tokens(cfg)[:2] == (64 + 3 * 64, 3 * 128)  # a group larger than the budget is split
+
+
+def test_documented_hardware_line(tmp_path):
+    from grpo_mega.plan.settings import documented_hardware
+
+    path = tmp_path / "c.yaml"
+    path.write_text("# a config\n# hardware: 2 nodes x 8 GPUs x 79.6 GiB (H100 80GB)\nparallel:\n  tensor: 4\n")
+    hardware = documented_hardware(path)
+    assert (hardware.nodes, hardware.gpus_per_node, hardware.gpu_memory_gib, hardware.world_size) == (2, 8, 79.6, 16)
+    path.write_text("parallel:\n  tensor: 4\n")
+    assert documented_hardware(path) is None
+
+
+def test_cli_exits_non_zero_naming_the_phase_when_the_config_does_not_fit(capsys):
+    from grpo_mega.cli import main
+
+    config = "configs/qwen2.5-math-7b_grpo.yaml"
+    assert main(["plan", "--config", config, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] and set(report["phases"]) == {"update", "generation"}
+    assert report["layout"] == {"tensor": 4, "pipeline": 1, "data": 2, "dtype": "bfloat16"}
+    # 40 GiB GPUs: the update no longer fits
+    assert main(["plan", "--config", config, "--gpu-memory-gib", "40"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "update:" in out and "max_tokens_per_micro_batch" in out
+    assert main(["plan", "--config", config, "--gpus-per-node", "6"]) == 2  # TP4 does not divide 6 GPUs
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_prm_without_a_config_json_is_reported_unknown(capsys):
+    from grpo_mega.cli import main
+
+    code = main(["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", "process_reward.prm=/nonexistent/prm"])
+    out = capsys.readouterr().out
+    assert code == 0 and "PRM unknown" in out and "unknown" in out.split("PRM weights")[1].splitlines()[0]
+
+
+def test_stage_counts_follow_megatrons_layout_and_the_subprocess_path_gives_the_same(monkeypatch):
+    """PP2 splits the layers (the first stage holds the embedding, the last the final norm and, tied, its own copy of
+    the embedding); TP2 halves the matrices; a process with a process group or a GPU
+    (the GPU check) counts in a subprocess with the same result."""
+    from grpo_mega.plan import counts
+
+    hf = json.loads(open("configs/models/qwen2.5-math-1.5b/config.json").read())  # tied embeddings
+    whole, split, tp2 = counts.count_stage_params([
+        counts.ModelRequest(hf, 1, 1, "float32"), counts.ModelRequest(hf, 1, 2, "float32"),
+        counts.ModelRequest(hf, 2, 1, "float32")])
+    n_whole = sum(p.numel for p in whole[0])
+    embedding = next(p.numel for p in whole[0][0:1])
+    first, last = split
+    # megatron flags both copies of the tied embedding (each gets a bucket of its own with the distributed optimizer)
+    assert [p.name for p in first if p.shared_embedding] == ["embedding.word_embeddings.weight"]
+    assert [p.name for p in last if p.shared_embedding] == ["output_layer.weight"]
+    assert sum(p.numel for p in first) + sum(p.numel for p in last) == n_whole + embedding
+    assert sum(p.numel for p in tp2[0]) < 0.51 * n_whole
+    monkeypatch.setattr(counts, "_can_build_here", lambda: False)
+    assert counts.count_stage_params([counts.ModelRequest(hf, 1, 2, "float32")]) == [split]
+
+
+def test_prm_read_from_an_hf_folder_or_a_grpo_mega_checkpoint(tmp_path, monkeypatch):
+    """An HF PRM folder's config.json; for a grpo-mega checkpoint / run directory (no config.json), the config.json
+    of the model.hf_config saved with it; None (reported unknown) when it is neither."""
+    import grpo_mega.checkpoint.training as training
+    from grpo_mega.plan.build import _prm_hf_config
+
+    hf = json.loads(open("configs/models/qwen2.5-math-prm-7b/config.json").read())
+    assert _prm_hf_config("configs/models/qwen2.5-math-prm-7b") == hf
+    assert _prm_hf_config(str(tmp_path)) is None  # no config.json, no checkpoint
+    saved = {"model": {"hf_config": "configs/models/qwen2.5-math-prm-7b"}}
+    monkeypatch.setattr(training, "checkpoint_config", lambda path: saved)
+    assert _prm_hf_config(str(tmp_path)) == hf
