@@ -226,9 +226,11 @@ def build_prm_engine(
     dtype: torch.dtype | None = None,
     engine_kind: str = "megatron",
     deepspeed=None,
+    distributed_optimizer: bool = True,
 ):
     """A training engine of the PRM (outputs ``good_logprob``, ``bad_logprob`` per token, not shifted): a
-    :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP, or with ``engine_kind="deepspeed"``
+    :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP (``distributed_optimizer``:
+    ``parallel.distributed_optimizer``), or with ``engine_kind="deepspeed"``
     a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
     Raises ValueError when ``spec.layout`` is not the layout of ``hf_config`` or (``lm_tokens``) a label token is
     not one token of ``tokenizer``."""
@@ -242,7 +244,7 @@ def build_prm_engine(
     return build_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False, optim=optim,
         total_steps=total_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch, dtype=dtype,
-        lm_output=lm_output,
+        lm_output=lm_output, distributed_optimizer=distributed_optimizer,
     )
 
 

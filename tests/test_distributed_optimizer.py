@@ -7,6 +7,8 @@ ones are gone, as after a kill) then resume from step 2: at DP=1 (one process), 
 optimizer and with the same one. Every continuation must follow the uninterrupted run.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,11 +129,11 @@ def runs(tmp_path_factory):
     resumed = {name: [rank[name] for rank in run_distributed(_two_rank_resumes, 2, run_dirs)]
                for name, *_ in TWO_RANK_RESUMES}
     resumed["dp1_from_distributed"] = run_distributed(_one_rank_resume, 1, run_dirs[True])
-    return dp2, resumed
+    return dp2, resumed, run_dirs
 
 
 def test_step_with_distributed_optimizer_equals_step_without(runs):
-    dp2, _ = runs
+    dp2, *_ = runs
     for rank in dp2:
         plain, sharded = rank[False], rank[True]
         assert plain["kind"] != "DistributedOptimizer" and sharded["kind"] == "DistributedOptimizer"
@@ -148,7 +150,7 @@ def test_step_with_distributed_optimizer_equals_step_without(runs):
 
 
 def test_distributed_optimizer_halves_optimizer_state_per_rank_at_dp2(runs):
-    dp2, _ = runs
+    dp2, *_ = runs
     for rank in dp2:
         plain, sharded = rank[False]["bytes"], rank[True]["bytes"]
         # fp32 model: the parameters are their own master copy; Adam's two moments are the optimizer state.
@@ -162,7 +164,7 @@ def test_distributed_optimizer_halves_optimizer_state_per_rank_at_dp2(runs):
 
 @pytest.mark.parametrize("name", [name for name, *_ in TWO_RANK_RESUMES] + ["dp1_from_distributed"])
 def test_resume_continues_like_the_uninterrupted_run(runs, name):
-    dp2, resumed = runs
+    dp2, resumed, _ = runs
     straight = dp2[0][True]  # equal to the plain run (test above)
     same_layout = name.startswith("dp2")
     expected_kind = "DistributedOptimizer" if name.startswith("dp2_distributed") else "FP32Optimizer"
@@ -178,3 +180,28 @@ def test_resume_continues_like_the_uninterrupted_run(runs, name):
     if name != "tp2_from_distributed":  # TP=2 shards are compared through the probe above
         for name_, value in straight["params"][TOTAL_STEPS].items():
             torch.testing.assert_close(resumed[name][0]["params"][name_], value, atol=1e-5, rtol=0, msg=name_)
+
+
+def test_optimizer_state_that_cannot_be_mapped_is_a_start_up_error_naming_the_setting(runs):
+    """A tensor the other optimizer needs and the checkpoint lacks: a ValueError naming the setting and the way
+    out, never a fresh optimizer. (Here the master copy of a parameter the checkpoint does not have.)"""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from grpo_mega.checkpoint.optimizer_state import _request_across_modes
+    from grpo_mega.checkpoint.training_files import STEP_DIR
+
+    *_, run_dirs = runs
+    for saved_distributed, wanted in ((False, "optimizer.state.param."), (True, "optimizer.state.fp32_param.")):
+        checkpoints = Path(run_dirs[saved_distributed]) / "checkpoints"
+        path = next(p for p in checkpoints.iterdir() if STEP_DIR.match(p.name))
+        known = ShardedTensor.from_rank_offsets(wanted + "embedding.word_embeddings.weight", torch.zeros(2))
+        assert _request_across_modes({"a": known}, path, saved_distributed=saved_distributed) == {0: known}
+        assert known.key == ("embedding.word_embeddings.weight" if not saved_distributed  # fp32: the weights
+                             else "optimizer.state.param.embedding.word_embeddings.weight")
+        unknown = ShardedTensor.from_rank_offsets(wanted + "decoder.no_such.weight", torch.zeros(2))
+        with pytest.raises(ValueError) as error:
+            _request_across_modes({"a": unknown}, path, saved_distributed=saved_distributed)
+        message = str(error.value)
+        assert f"parallel.distributed_optimizer={str(saved_distributed).lower()}" in message
+        assert f"resume with parallel.distributed_optimizer: {str(saved_distributed).lower()}" in message
+        assert "model.init_from" in message
