@@ -19,8 +19,11 @@ path. Three kinds of substitution, each listed in a table below with the reason 
 `parallel.device: cpu` also when CUDA is present (inside the patched modules `torch.cuda.is_available()`
 then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 by
 running TP=2, PP=2 (1F1B) and DP=2 training steps with DistributedDataParallel,
-get_megatron_optimizer, gradient clipping and dist_checkpointing save/load on gloo; another minor
-version raises instead of guessing.
+get_megatron_optimizer (also its DistributedOptimizer), gradient clipping and dist_checkpointing save/load on
+gloo; another minor version raises instead of guessing. The collectives the DistributedOptimizer adds
+(reduce_scatter_tensor, all_gather_into_tensor, inside torch's _coalescing_manager) exist in gloo since torch
+2.2 / 2.3 (all-reduce then the rank's chunk; all-gather), below our torch>=2.5, so no collective is substituted
+here (checked with torch 2.13 by tests/test_distributed_optimizer.py).
 """
 
 from __future__ import annotations
