@@ -6,6 +6,7 @@ with the key named. Checks that span fields live in :func:`validate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+"""``parallel.recompute``; their megatron settings: ``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``."""
 
 
 @dataclass
@@ -31,7 +34,8 @@ class ModelConfig:
     """Sequence chunk for the vocab-parallel log-prob / entropy computation (bounds peak memory)."""
     logits_in_fp32: bool = True
     """Compute each chunk's logits in fp32 before the softmax (bf16 models: rounding the logits to bf16 adds
-    sampler/trainer log-prob mismatch). No effect on fp32 models."""
+    sampler/trainer log-prob mismatch). No effect on fp32 models. On a GPU these products of upcast bf16 values
+    run as TF32 on tensor cores, which is exact for them (``grpo_mega.model.tf32``)."""
 
 
 @dataclass
@@ -40,6 +44,18 @@ class ParallelConfig:
     """Tensor-parallel size."""
     pipeline: int = 1
     """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
+    sequence_parallel: Optional[bool] = None
+    """Megatron sequence parallelism: between the TP regions (norms, residual adds, dropout) each TP rank holds
+    1/tensor of the sequence instead of all of it, and TP's all-reduces become reduce-scatter / all-gather pairs.
+    Exact (same results as without). null (default) = on whenever ``tensor`` > 1; true needs ``tensor`` > 1;
+    Megatron engine only. Sequences are padded at their end to a multiple of ``tensor`` (invisible to the loss)."""
+    recompute: str = "none"
+    """Activation recompute of the trained models (policy, SFT, PRM training; forward-only engines never
+    recompute): ``none``; ``selective`` (megatron's selective recompute: each layer's core attention is re-run in
+    the backward pass, so the attention scores are not kept; little to gain with fused attention kernels);
+    ``full`` (every transformer layer is re-run in the backward pass from its saved input, megatron's method
+    ``uniform`` with one layer per checkpoint: activations are kept for one layer at a time, for about one extra
+    forward pass of compute). Exact. Megatron engine only."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget (rows x padded length) of one micro-batch; with ``share_prompt_prefix``, of its packed
     tokens."""
@@ -58,6 +74,10 @@ class ParallelConfig:
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``. With ``cuda`` a process uses the only
     visible GPU when it sees one (``srun --gpus-per-task=1``), else ``cuda:LOCAL_RANK``."""
+    offload_during_rollout: bool = False
+    """GRPO with the Megatron engine: from the end of each update to the next, release the gradient buffers and
+    keep the optimizer state (Adam moments, fp32 master copies) in host memory, so vLLM's weights and KV cache have
+    that room on the GPU (``grpo_mega.engine.offload``). Exact; costs two host copies of the optimizer state a step."""
 
 
 @dataclass
@@ -125,8 +145,14 @@ class RolloutConfig:
     """Weight sync streams tensors to the rollout engine in buckets of at most this many MiB."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: share of the GPU for its weights and KV cache (on CPU the KV cache is sized from the model)."""
-    tensor_parallel: int = 1
-    """vLLM only: ranks per rollout replica (independent of parallel.tensor); must divide the number of processes."""
+    tensor_parallel: Optional[int] = None
+    """vLLM only: GPUs per rollout replica (vLLM's tensor-parallel size). The job's world_size / tensor_parallel
+    replicas each generate a share of the prompts (completions per replica = rollout_batch_size x G / replicas).
+    None (the default) takes ``parallel.tensor``: each GPU then holds the same share of the rollout weights as of
+    the training weights, so a layout whose training shard fits leaves vLLM the same room (Qwen2.5-7B at TP4 on 8
+    GPUs: 2 replicas, ~3.8 GB of bf16 weights per GPU). 1 puts a whole copy on every GPU (8 replicas, 15 GB each
+    at 7B): more replicas and no all-reduce per layer, faster where the weights are small next to
+    ``gpu_memory_utilization`` (1.5B models), out of memory where they are not. Must divide the world size."""
 
 
 @dataclass
@@ -300,8 +326,10 @@ def validate(cfg: GRPOConfig) -> None:
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
-    if cfg.rollout.tensor_parallel < 1:
-        raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel} must be >= 1")
+    if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
+        raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
+                          "deepspeed.offload_optimizer")
+    validate_rollout_layout(cfg, int(os.environ.get("WORLD_SIZE", "0")))
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
@@ -355,10 +383,29 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError("rollout.top_p must be in (0, 1]")
 
 
+def validate_rollout_layout(cfg: GRPOConfig, world_size: int) -> None:
+    """Resolve ``rollout.tensor_parallel: null`` to ``parallel.tensor``; with the vllm engine check that it divides
+    ``world_size`` (torchrun's ``WORLD_SIZE``; 0 = not known yet, outside a launcher)."""
+    rollout, derived = cfg.rollout, cfg.rollout.tensor_parallel is None
+    if derived:
+        rollout.tensor_parallel = cfg.parallel.tensor
+    source = (f"rollout.tensor_parallel (unset, so parallel.tensor={rollout.tensor_parallel})" if derived
+              else f"rollout.tensor_parallel={rollout.tensor_parallel}")
+    if rollout.tensor_parallel < 1:
+        raise ConfigError(f"{source} must be >= 1")
+    if rollout.engine == "vllm" and world_size and world_size % rollout.tensor_parallel:
+        raise ConfigError(
+            f"{source} does not divide the job's {world_size} processes: each vLLM rollout replica takes "
+            f"rollout.tensor_parallel consecutive ranks. Set rollout.tensor_parallel to a divisor of {world_size} "
+            f"(1 puts a whole copy of the model on every GPU), or run a multiple of it"
+        )
+
+
 def validate_engine(cfg) -> None:
     """``engine`` and ``deepspeed.*`` of a GRPO, SFT or PRM config: a known engine, a layout it runs, and deepspeed
     installed when chosen."""
     _choice(cfg.engine, ENGINES, "engine")
+    validate_memory_settings(cfg)
     if cfg.engine != "deepspeed":
         return
     _choice(cfg.deepspeed.zero_stage, (1, 2, 3), "deepspeed.zero_stage")
@@ -374,6 +421,19 @@ def validate_engine(cfg) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("engine=deepspeed needs the deepspeed package, which is not installed: "
                           "pip install 'grpo-mega[deepspeed]'")
+
+
+def validate_memory_settings(cfg) -> None:
+    """``parallel.sequence_parallel`` and ``parallel.recompute`` of a GRPO, SFT or PRM config."""
+    parallel = cfg.parallel
+    _choice(parallel.recompute, RECOMPUTE_CHOICES, "parallel.recompute")
+    if parallel.sequence_parallel and parallel.tensor < 2:
+        raise ConfigError(f"parallel.sequence_parallel=true splits the sequence over tensor-parallel ranks but "
+                          f"parallel.tensor={parallel.tensor}: set parallel.sequence_parallel=null (on whenever "
+                          f"tensor > 1) or false, or parallel.tensor > 1")
+    if cfg.engine == "deepspeed" and parallel.recompute != "none":
+        raise ConfigError(f"parallel.recompute={parallel.recompute!r} is a megatron-core feature; engine=deepspeed "
+                          f"does not recompute activations: set parallel.recompute=none or engine=megatron")
 
 
 def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:

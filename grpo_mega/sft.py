@@ -75,6 +75,8 @@ def run_sft(cfg: SFTConfig) -> Path:
         logits_in_fp32=cfg.model.logits_in_fp32,
         engine_kind=cfg.engine,
         deepspeed=cfg.deepspeed,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute=cfg.parallel.recompute,
         distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)

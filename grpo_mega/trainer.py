@@ -3,7 +3,10 @@
 One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion
 and per step -> dynamic-sampling filter) -> the batch builder (advantages on ``prompt + response`` rows) -> the
 update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the learning-rate schedule advances
-one step -> weight sync to the rollout engine -> metrics -> checkpoint / evaluation on schedule.
+one step -> weight sync to the rollout engine, on every step (vLLM discards its weights when it sleeps) ->
+metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) -> checkpoint / evaluation on
+schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and optimizer state stay in host
+memory from the end of one update to the start of the next (sync, generation, rewards).
 Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself.
 """
 
@@ -30,6 +33,7 @@ from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.evaluation import evaluate
 from grpo_mega.metrics import MetricsLogger
 from grpo_mega.parallel import destroy_distributed, destroy_model_parallel, get_device, init_distributed
+from grpo_mega.perf.memory import PhaseMemory
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import SyncStats, build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
@@ -75,7 +79,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         save_config(cfg, run_dir / "config.yaml")
     if rollout_engine is None:
         rollout_engine = _build_rollout_engine(cfg, tokenizer)
-    sync = _sync(policy, rollout_engine, cfg)
+    offload = cfg.parallel.offload_during_rollout
+    sync = _sync(policy, rollout_engine, cfg, offload=offload)
+    memory = PhaseMemory(get_device())
     rollout = RolloutStage(rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg,
                            seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids),
                            step_reward_source=_step_reward_source(cfg))
@@ -100,7 +106,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         timer = Timer()
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter
-        with timer("gen"):
+        if offload:  # a checkpoint save took the optimizer state back
+            policy.offload_to_host()
+        with timer("gen"), memory.phase("generation"):
             groups, metrics = rollout.run(step)
         _release_rollout_memory(rollout_engine)
         if cfg.trainer.dump_rollouts and is_rank0:
@@ -110,18 +118,22 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         else:
             # 2. advantages on prompt + response rows; 3. old / reference log-probs and the updates
             batch = build_training_batch(groups, alg, tokenizer.pad_token_id)
+            if offload:
+                policy.reload_from_host()
             try:
-                metrics.update(updater.run(batch, len(groups), step, timer))
+                with memory.phase("update"):
+                    metrics.update(updater.run(batch, len(groups), step, timer))
             except NonFiniteError as error:  # recorded as it was (NaN / Inf), then the run stops naming the step
                 metrics_log.log(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
                 metrics_log.close()
                 raise
-            # 4. weight sync to the rollout engine
-            with timer("sync"):
-                sync = _sync(policy, rollout_engine, cfg)
             metrics.update(_batch_metrics(groups, batch, alg))
+        # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights
+        with timer("sync"):
+            sync = _sync(policy, rollout_engine, cfg, offload=offload)
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
         metrics.update(timer.seconds, **{"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)})
+        metrics.update(memory.metrics())
         metrics["timing_s/step"] = sum(timer.seconds.values())
         if "perf/num_tokens" in metrics:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
@@ -165,6 +177,7 @@ def _build_engines(cfg: GRPOConfig):
         logprob_chunk_size=cfg.model.logprob_chunk_size, temperature=cfg.rollout.temperature,
         logits_in_fp32=cfg.model.logits_in_fp32, engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
         share_prompt_prefix=cfg.parallel.share_prompt_prefix,
+        sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
     )
     policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps, **shared)
     load_initial_weights(policy, cfg.model.init_from)
@@ -228,7 +241,11 @@ def _close_rollout_engine(rollout_engine) -> None:
         close()
 
 
-def _sync(policy, rollout_engine, cfg: GRPOConfig) -> SyncStats:
+def _sync(policy, rollout_engine, cfg: GRPOConfig, *, offload: bool) -> SyncStats:
+    """Full weight sync; with ``offload`` the gradient buffers and optimizer state leave the device first, so the
+    rollout engine's weights (and then its KV cache) wake into the room they held."""
+    if offload:
+        policy.offload_to_host()
     return sync_weights(policy.export_hf_weights(), rollout_engine, bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20)
 
 

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # Launch a grpo-mega command on this machine with torchrun.
-#   launch/local.sh [--dry-run] [NPROC] COMMAND [ARGS...]
-#   launch/local.sh train --config configs/quickstart_grpo.yaml [key=value ...]
+#   launch/local.sh [--dry-run] [--dp N | NPROC] COMMAND [ARGS...]
+#   launch/local.sh train --config configs/qwen2.5-math-7b_grpo.yaml [key=value ...]   # its world_size: 8
+#   launch/local.sh --dp 2 train --config configs/quickstart_grpo.yaml                 # 1 x 1 x 2 = 2
 #   launch/local.sh 4 prm train --config configs/quickstart_prm.yaml parallel.tensor=2
 # NPROC processes (one per GPU on a GPU node; on CPU, gloo processes sharing the cores). Without NPROC, the
-# config's parallel layout decides: parallel.tensor x parallel.pipeline from --config FILE and the key=value
-# overrides (one data-parallel replica; give NPROC, a multiple of it, for data parallelism).
+# config's whole world size: parallel.tensor x parallel.pipeline x data parallel, from --config FILE and the
+# key=value overrides, where data parallel is --dp N, else the world size the config was written for (its
+# "# world_size: N" line, as the shipped real-model configs have) divided by tensor x pipeline, else 1.
 # --dry-run prints the torchrun command line instead of running it. PYTHON: the interpreter (default: python).
 set -euo pipefail
-usage="usage: launch/local.sh [--dry-run] [NPROC] COMMAND [ARGS...]"
+usage="usage: launch/local.sh [--dry-run] [--dp N | NPROC] COMMAND [ARGS...]"
 dry_run=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
+dp=
+if [[ "${1:-}" == "--dp" || "${1:-}" == --dp=* ]]; then
+  if [[ "$1" == "--dp" ]]; then dp=${2:-}; shift $(( $# > 1 ? 2 : 1 )); else dp=${1#--dp=}; shift; fi
+  [[ "$dp" =~ ^[0-9]+$ ]] && (( dp > 0 )) || { echo "launch/local.sh: --dp must be an integer >= 1, got '$dp'" >&2; exit 2; }
+fi
 (( $# > 0 )) || { echo "$usage" >&2; exit 2; }
 python=${PYTHON:-python}
 
-if [[ "$1" =~ ^[0-9]+$ ]]; then
+if [[ -z "$dp" && "$1" =~ ^[0-9]+$ ]]; then
   nproc=$1
   shift
   (( nproc > 0 )) || { echo "launch/local.sh: NPROC must be >= 1, got $nproc" >&2; exit 2; }
@@ -32,18 +39,21 @@ else
     esac
   done
   if [[ -z "$config" ]]; then
-    echo "launch/local.sh: no NPROC given and no --config to read parallel.tensor x parallel.pipeline from" >&2
+    echo "launch/local.sh: no NPROC given and no --config to read the world size (parallel.tensor x" \
+         "parallel.pipeline x data parallel) from" >&2
     echo "$usage" >&2
     exit 2
   fi
   nproc=$("$python" -c '
+import re
 import sys
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-path, overrides = sys.argv[1], sys.argv[2:]
+path, dp, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 try:
-    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    text = open(path).read()
+    cfg = OmegaConf.merge(OmegaConf.create(text), OmegaConf.from_dotlist(overrides))
 except FileNotFoundError:
     sys.exit(f"launch/local.sh: config file {path} does not exist")
 except OmegaConfBaseException as error:
@@ -54,8 +64,22 @@ for key in ("parallel.tensor", "parallel.pipeline"):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         sys.exit(f"launch/local.sh: {key} must be an integer >= 1, got {value!r} ({path} and overrides)")
     sizes.append(value)
-print(sizes[0] * sizes[1])
-' "$config" "${overrides[@]}") || exit 2
+model_parallel = sizes[0] * sizes[1]
+if dp:
+    print(model_parallel * int(dp))
+    sys.exit()
+worlds = re.findall(r"^# world_size: (\d+)[ \t]*$", text, flags=re.MULTILINE)
+if len(worlds) > 1:
+    sys.exit(f"launch/local.sh: {path} has {len(worlds)} \"# world_size: N\" lines; keep one")
+if not worlds:
+    print(model_parallel)  # one data-parallel replica
+    sys.exit()
+world = int(worlds[0])
+if world % model_parallel:
+    sys.exit(f"launch/local.sh: parallel.tensor x parallel.pipeline = {sizes[0]} x {sizes[1]} does not divide the "
+             f"world size {world} of {path} (its \"# world_size: {world}\" line); give --dp N or NPROC")
+print(world)
+' "$config" "$dp" "${overrides[@]}") || exit 2
 fi
 
 (( $# > 0 )) || { echo "$usage" >&2; exit 2; }

@@ -226,10 +226,13 @@ def build_prm_engine(
     dtype: torch.dtype | None = None,
     engine_kind: str = "megatron",
     deepspeed=None,
+    sequence_parallel: bool | None = None,
+    recompute: str = "none",
     distributed_optimizer: bool = True,
 ):
     """A training engine of the PRM (outputs ``good_logprob``, ``bad_logprob`` per token, not shifted): a
-    :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP (``distributed_optimizer``:
+    :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP (``sequence_parallel``,
+    ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute``; ``distributed_optimizer``:
     ``parallel.distributed_optimizer``), or with ``engine_kind="deepspeed"``
     a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
     Raises ValueError when ``spec.layout`` is not the layout of ``hf_config`` or (``lm_tokens``) a label token is
@@ -238,13 +241,16 @@ def build_prm_engine(
 
     _check_engine_kind(engine_kind)
     if engine_kind == "deepspeed":
+        if sequence_parallel or recompute != "none":
+            raise ValueError("parallel.sequence_parallel and parallel.recompute need engine=megatron")
         return _deepspeed_prm_engine(hf_config, spec, tokenizer, deepspeed=deepspeed, train=True, optim=optim,
                                      total_steps=total_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     head_factory, lm_output = _head_of(hf_config, spec, tokenizer)
     return build_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False, optim=optim,
         total_steps=total_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch, dtype=dtype,
-        lm_output=lm_output, distributed_optimizer=distributed_optimizer,
+        lm_output=lm_output, sequence_parallel=sequence_parallel, recompute=recompute,
+        distributed_optimizer=distributed_optimizer,
     )
 
 
@@ -257,8 +263,10 @@ def build_prm_forward_engine(
     dtype: torch.dtype | None = None,
     engine_kind: str = "megatron",
     deepspeed=None,
+    sequence_parallel: bool | None = None,
 ):
-    """The same model on a forward-only engine (scoring): a :class:`~grpo_mega.engine.MegatronForwardEngine`, or a
+    """The same model on a forward-only engine (scoring): a :class:`~grpo_mega.engine.MegatronForwardEngine`
+    (``sequence_parallel``: ``parallel.sequence_parallel``, None = on whenever TP > 1), or a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine` with ``engine_kind="deepspeed"``."""
     from grpo_mega.engine.factory import build_forward_engine
 
@@ -270,6 +278,7 @@ def build_prm_forward_engine(
     return build_forward_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch, dtype=dtype, lm_output=lm_output,
+        sequence_parallel=sequence_parallel,
     )
 
 

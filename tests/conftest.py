@@ -18,9 +18,11 @@ SLOW_FILES = {
     "test_trainer_hardening.py": 290,
     "test_trainer_preemption.py": 230,
     "test_prm_commands.py": 220,
+    "test_slurm_two_nodes.py": 240,  # 2026-11-25: 142 s alone, 240 s beside test_slurm.py on the other worker
     "test_hf_conversion.py": 170,
     "test_rollout_vllm.py": 130,
     "test_engine_deepspeed.py": 110,
+    "test_gpu_check.py": 90,
     "test_training_checkpoint.py": 100,
     "test_prm_conversion.py": 75,
     "test_prm_labeling.py": 60,

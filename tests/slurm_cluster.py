@@ -44,21 +44,33 @@ def _node_idle(node: str) -> bool:
     return out.returncode == 0 and out.stdout.strip() in {"idle", "mix", "alloc"}
 
 
-def _install() -> float:
+def apt_install(packages: list[str]) -> float:
+    """Install Debian ``packages`` with apt-get (root); the seconds it took. Skips the test with the reason when the
+    machine cannot. Waits for the dpkg lock, which another pytest worker's install may hold."""
     if os.geteuid() != 0:
-        pytest.skip("SLURM is not installed and installing it needs root")
+        pytest.skip(f"{' '.join(packages)} not installed and installing needs root")
     if shutil.which("apt-get") is None:
-        pytest.skip("SLURM is not installed and there is no apt-get to install it")
+        pytest.skip(f"{' '.join(packages)} not installed and there is no apt-get to install them")
     start = time.monotonic()
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    result = _run(["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], timeout=600, env=env)
+    install = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y", "--no-install-recommends", *packages]
+    result = _run(install, timeout=1200, env=env)
     if result.returncode != 0:
-        update = _run(["apt-get", "update"], timeout=300, env=env)
-        result = _run(["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], timeout=600,
-                      env=env)
+        update = _run(["apt-get", "-o", "DPkg::Lock::Timeout=600", "update"], timeout=900, env=env)
+        result = _run(install, timeout=1200, env=env)
         if result.returncode != 0:
-            pytest.skip(f"apt-get install slurm-wlm munge failed: {(update.stderr + result.stderr)[-800:]}")
+            pytest.skip(f"apt-get install {' '.join(packages)} failed: {(update.stderr + result.stderr)[-800:]}")
     return time.monotonic() - start
+
+
+def _install() -> float:
+    return apt_install(["slurm-wlm", "munge"])
+
+
+def cpu_node_options() -> list[str]:
+    """sbatch options that fit the scripts' GPU-node requests (#SBATCH --gpus-per-node / --cpus-per-task) to a test
+    cluster's CPU nodes: command-line options override #SBATCH lines."""
+    return ["--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}"]
 
 
 def _memory_mb() -> int:

@@ -1,5 +1,6 @@
-"""launch/local.sh: the process count comes from the command line or, when not given, from the config's parallel
-layout (parallel.tensor x parallel.pipeline after the key=value overrides); read from its --dry-run output."""
+"""launch/local.sh: the process count comes from the command line or, when not given, from the config: its whole
+world size, parallel.tensor x parallel.pipeline (after the key=value overrides) x data parallel, which is --dp N or
+the config's "# world_size: N" line divided by tensor x pipeline; read from its --dry-run output."""
 
 import os
 import shlex
@@ -34,6 +35,19 @@ def _nproc(command: list[str]) -> int:
     return int(flag.split("=", 1)[1])
 
 
+def test_process_count_is_the_world_size_the_config_was_written_for(tmp_path):
+    # the shipped real-model configs: TP4 x PP1 with "# world_size: 8" is 8 processes (DP2), not the 4 of TP x PP
+    assert _nproc(_dry_run("train", "--config", "configs/qwen2.5-math-7b_grpo.yaml")) == 8
+    assert _nproc(_dry_run("train", "--config", "configs/llama-3.1-8b_grpo.yaml", "parallel.tensor=4")) == 8
+    config = tmp_path / "world.yaml"
+    config.write_text("# world_size: 12\nparallel:\n  tensor: 2\n  pipeline: 3\n")
+    assert _nproc(_dry_run("train", "--config", str(config))) == 12
+    assert _nproc(_dry_run("train", "--config", str(config), "parallel.pipeline=1")) == 12  # DP 6 instead of 2
+    # --dp N: tensor x pipeline x N, whatever the comment says
+    assert _nproc(_dry_run("--dp", "3", "train", "--config", str(config))) == 18
+    assert _nproc(_dry_run("--dp=2", "train", "--config", "configs/quickstart_grpo.yaml", "parallel.tensor=2")) == 4
+
+
 def test_process_count_is_tensor_times_pipeline_of_the_config_and_its_overrides(tmp_path):
     config = tmp_path / "layout.yaml"
     config.write_text("parallel:\n  tensor: 2\n  pipeline: 3\ntrainer:\n  total_steps: 5\n")
@@ -65,6 +79,11 @@ def test_threads_are_the_cores_split_between_the_processes():
 
 @pytest.mark.parametrize("args, message", [
     (["prm", "label", "--n", "8"], "no NPROC given and no --config"),
+    (["train", "--config", "configs/qwen2.5-math-7b_grpo.yaml", "parallel.tensor=3"],
+     'parallel.tensor x parallel.pipeline = 3 x 1 does not divide the world size 8 of '
+     'configs/qwen2.5-math-7b_grpo.yaml (its "# world_size: 8" line); give --dp N or NPROC'),
+    (["--dp", "0", "train", "--config", "configs/quickstart_grpo.yaml"], "--dp must be an integer >= 1, got '0'"),
+    (["--dp", "two", "train", "--config", "configs/quickstart_grpo.yaml"], "--dp must be an integer >= 1, got 'two'"),
     (["train", "--config", "missing.yaml"], "config file missing.yaml does not exist"),
     (["train", "--config", "configs/quickstart_grpo.yaml", "parallel.tensor=two"],
      "parallel.tensor must be an integer >= 1, got 'two'"),

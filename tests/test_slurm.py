@@ -16,7 +16,7 @@ import pytest
 from grpo_mega.metrics import read_metrics
 from tiny_task import build_tiny_task, tiny_run_overrides
 
-from slurm_cluster import slurm_cluster
+from slurm_cluster import cpu_node_options, slurm_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart_grpo.yaml"
@@ -35,6 +35,19 @@ def test_launch_scripts_parse(script):
     assert result.returncode == 0, result.stderr
     if script.suffix == ".sbatch":
         assert "#SBATCH --ntasks-per-node" in script.read_text()
+
+
+@pytest.mark.parametrize("script", [TRAIN_SBATCH, PRM_SBATCH], ids=lambda p: p.name)
+def test_training_jobs_ask_for_whole_gpu_nodes(script):
+    """Where GPUs are scheduled as gres, a job that does not ask for them gets none: the request is active (not a
+    commented-out ##SBATCH line), with the CPUs, the memory and the node to itself."""
+    lines = set(re.findall(r"^#SBATCH (--[\w-]+(?:=\S+)?)", script.read_text(), flags=re.MULTILINE))
+    assert {"--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive", "--mem=0"} <= lines
+    assert any(re.fullmatch(r"--cpus-per-task=\d+", line) for line in lines)
+    common = (SLURM_DIR / "common.sh").read_text()
+    # the torchrun step gets the job's CPUs (srun takes --cpus-per-task only from SRUN_CPUS_PER_TASK since 22.05)
+    assert re.search(r"export SRUN_CPUS_PER_TASK=\$\{SRUN_CPUS_PER_TASK:-\$SLURM_CPUS_PER_TASK\}", common)
+    assert "SLURM_GPUS_ON_NODE" in common
 
 
 def test_the_rendezvous_host_is_computed_inside_the_step():
@@ -69,7 +82,8 @@ def _job_env(**extra: str) -> dict[str, str]:
 
 
 def _submit(log_dir: Path, *args) -> str:
-    result = subprocess.run(["sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", str(TRAIN_SBATCH), *args],
+    result = subprocess.run(["sbatch", "--parsable", *cpu_node_options(), f"--output={log_dir}/%x-%j.out",
+                             str(TRAIN_SBATCH), *args],
                             cwd=REPO, env=_job_env(CONFIG=str(CONFIG)), capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
@@ -217,7 +231,8 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
     labels, prm_run, grpo_run = tmp_path / "labels.jsonl", tmp_path / "prm", tmp_path / "grpo"
     total = 40  # a tiny PRM step takes a fraction of a second: room for the signal to arrive mid-run
     env = _job_env(PRM_CONFIG=str(PRM_CONFIG), GRPO_CONFIG=str(CONFIG), **_label_env(task, prm_policy, labels),
-                   PRM_SBATCH=f"--output={tmp_path}/%x-%j.out", GRPO_SBATCH=f"--output={tmp_path}/%x-%j.out")
+                   PRM_SBATCH=" ".join([*cpu_node_options(), f"--output={tmp_path}/%x-%j.out"]),
+                   GRPO_SBATCH=" ".join([*cpu_node_options(), f"--output={tmp_path}/%x-%j.out"]))
     grpo = _overrides(task, grpo_run, "trainer.total_steps=1", "algorithm.supervision=process",
                       "process_reward.source=prm", f"process_reward.prm={prm_run}")
     args = [*_prm_overrides(task, prm_policy, prm_run, total), "--", *grpo]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grpo_mega.checkpoint.extra_state import load_sharded
 from grpo_mega.checkpoint.hf_io import copy_side_files
 from grpo_mega.checkpoint.hf_layouts import architecture_for
 
@@ -105,10 +106,9 @@ def load_mcore_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
     not read), not the other way round. Raises ValueError when the folder is not a checkpoint, when the
     model's padded vocabulary differs from the saved one, when the model needs an LM output layer the
     checkpoint does not have, or when the checkpoint lacks tensors of the model (megatron raises for a
-    global shape mismatch).
+    global shape mismatch). Transformer Engine's `_extra_state` objects are not required either way: a checkpoint
+    of the local layer spec loads into TE layers and the other way round (`grpo_mega.checkpoint.extra_state`).
     """
-    from megatron.core import dist_checkpointing
-
     hf_config, info = read_checkpoint_info(ckpt_dir)
     table = architecture_for(hf_config)
     gpt = _gpt(model)
@@ -124,7 +124,7 @@ def load_mcore_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
         )
     covered = {name: sharded for name, sharded in gpt.sharded_state_dict().items()
                if name.startswith(table.model_prefixes)}
-    state = dist_checkpointing.load(covered, str(ckpt_dir))
+    state = load_sharded(covered, ckpt_dir)
     missing, unexpected = gpt.load_state_dict(state, strict=False)
     missing = [name for name in missing if name.startswith(table.model_prefixes)]
     if missing or unexpected:

@@ -35,6 +35,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from grpo_mega.checkpoint.extra_state import load_sharded
 from grpo_mega.checkpoint.optimizer_state import SETTING, load_across_modes
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_mega.checkpoint.training_files import (
@@ -390,7 +391,7 @@ class CheckpointManager:
             across = info["has_optimizer"] and saved_distributed != _distributed_optimizer(engine)
             state = _sharded_state(engine, with_optimizer=info["has_optimizer"] and not across, is_loading=True,
                                    rng_state=rng_template)
-            loaded = dist_checkpointing.load(state, str(path))
+            loaded = load_sharded(state, path)  # TE / local layer specs either way
             engine.load_model_state_dict(loaded["model"])
             changed = []
             if across:
@@ -468,7 +469,7 @@ def _load_model_keys(model_sharded_state: dict, path: str | os.PathLike) -> tupl
     """The checkpoint folder meant by ``path`` and its model tensors for this layout; collective."""
     folder = locate_checkpoint(path)
     # Only the model's keys are requested; the checkpoint's other entries stay on disk.
-    return folder, dist_checkpointing.load({"model": model_sharded_state}, str(folder))["model"]
+    return folder, load_sharded({"model": model_sharded_state}, folder)["model"]
 
 
 def checkpoint_config(path: str | os.PathLike) -> dict:

@@ -20,18 +20,25 @@ def stage_provider(
     dtype: torch.dtype | None = None,
     *,
     lm_output: bool = True,
+    sequence_parallel: bool | None = None,
+    recompute: str = "none",
 ) -> StageModelProvider:
     """``provider(pre_process, post_process)`` of a GPT backbone from ``hf_config`` with ``head_factory()`` on
     the last stage, at megatron's current TP / PP (``grpo_mega.parallel.init_distributed``). ``dtype`` None:
     fp32 on the CPU, the model config's default (bf16) on a GPU. ``lm_output=False``: the backbone has no LM
-    output layer (a classifier PRM, whose head works from the hidden states alone)."""
+    output layer (a classifier PRM, whose head works from the hidden states alone). ``sequence_parallel``
+    (``parallel.sequence_parallel``): None is on whenever TP > 1; ``recompute``: ``parallel.recompute``
+    (``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``)."""
     if dtype is None and get_device().type == "cpu":
         dtype = torch.float32
+    tp = mpu.get_tensor_model_parallel_world_size()
     gpt_config = gpt_config_from_hf(
         hf_config,
-        tp=mpu.get_tensor_model_parallel_world_size(),
+        tp=tp,
         pp=mpu.get_pipeline_model_parallel_world_size(),
         dtype=dtype,
+        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp),
+        recompute=recompute,
     )
 
     def provider(pre_process: bool, post_process: bool) -> torch.nn.Module:
@@ -42,6 +49,16 @@ def stage_provider(
         return backbone
 
     return provider
+
+
+def resolve_sequence_parallel(setting: bool | None, tp: int) -> bool:
+    """``parallel.sequence_parallel`` at tensor-parallel size ``tp``: None (auto) is on whenever TP > 1; true at
+    TP=1 is an error (there is no TP group to split the sequence over)."""
+    if setting is None:
+        return tp > 1
+    if setting and tp < 2:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tensor > 1: set it to null (auto) or false")
+    return bool(setting)
 
 
 def build_engine(
@@ -56,13 +73,17 @@ def build_engine(
     dtype: torch.dtype | None = None,
     lm_output: bool = True,
     share_prompt_prefix: bool = False,
+    sequence_parallel: bool | None = None,
+    recompute: str = "none",
     distributed_optimizer: bool = True,
 ) -> MegatronEngine:
     """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
     last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps; ``lm_output`` as
-    in :func:`stage_provider`; ``distributed_optimizer``: ``parallel.distributed_optimizer``."""
+    in :func:`stage_provider`, and ``sequence_parallel``, ``recompute``; ``distributed_optimizer``:
+    ``parallel.distributed_optimizer``."""
     return MegatronEngine(
-        stage_provider(hf_config, head_factory, dtype, lm_output=lm_output),
+        stage_provider(hf_config, head_factory, dtype, lm_output=lm_output, sequence_parallel=sequence_parallel,
+                       recompute=recompute),
         optim=optim,
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
@@ -84,10 +105,12 @@ def build_forward_engine(
     dtype: torch.dtype | None = None,
     lm_output: bool = True,
     share_prompt_prefix: bool = False,
+    sequence_parallel: bool | None = None,
 ) -> MegatronForwardEngine:
-    """A forward-only :class:`MegatronForwardEngine` (no optimizer, no gradients) of the same model."""
+    """A forward-only :class:`MegatronForwardEngine` (no optimizer, no gradients) of the same model. It never runs
+    a backward pass, so it takes no ``recompute``."""
     return MegatronForwardEngine(
-        stage_provider(hf_config, head_factory, dtype, lm_output=lm_output),
+        stage_provider(hf_config, head_factory, dtype, lm_output=lm_output, sequence_parallel=sequence_parallel),
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         output_names=output_names,
         next_token_head=next_token_head,
@@ -113,6 +136,8 @@ def build_policy_engine(
     engine_kind: str = "megatron",
     deepspeed=None,
     share_prompt_prefix: bool = False,
+    sequence_parallel: bool | None = None,
+    recompute: str = "none",
     distributed_optimizer: bool = True,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
@@ -120,9 +145,11 @@ def build_policy_engine(
     fp32 also when the model is bf16, ``model.logits_in_fp32``). ``share_prompt_prefix``: rows sharing a prompt
     carry one copy of it through the layers (``parallel.share_prompt_prefix``; Megatron engine only, exact).
     ``distributed_optimizer``: shard optimizer state over DP ranks (``parallel.distributed_optimizer``; Megatron).
-    ``engine_kind="deepspeed"``: the HF model on a
+    ``sequence_parallel`` and ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute`` (Megatron
+    engine only). ``engine_kind="deepspeed"``: the HF model on a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
     if engine_kind == "deepspeed":
+        _check_megatron_only(sequence_parallel, recompute)
         from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
         from grpo_mega.engine.hf_policy import build_hf_logprob_model
 
@@ -141,6 +168,8 @@ def build_policy_engine(
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         dtype=dtype,
         share_prompt_prefix=share_prompt_prefix,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
         distributed_optimizer=distributed_optimizer,
     )
 
@@ -156,11 +185,16 @@ def build_reference_engine(
     engine_kind: str = "megatron",
     deepspeed=None,
     share_prompt_prefix: bool = False,
+    sequence_parallel: bool | None = None,
+    recompute: str = "none",
 ) -> MegatronForwardEngine:
     """The KL reference: the policy's model and LM head on a forward-only engine (no optimizer, no DDP gradient
     buffers, no gradients); load its weights with ``grpo_mega.checkpoint.initial_weights.load_initial_weights``.
-    ``engine_kind="deepspeed"``: a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine`."""
+    ``sequence_parallel`` as the policy's; ``recompute`` is accepted so that the policy's settings can be passed
+    whole, and has no effect (no backward pass). ``engine_kind="deepspeed"``: a
+    :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine`."""
     if engine_kind == "deepspeed":
+        _check_megatron_only(sequence_parallel, recompute)
         from grpo_mega.engine.deepspeed_engine import DeepSpeedForwardEngine
         from grpo_mega.engine.hf_policy import build_hf_logprob_model
 
@@ -177,7 +211,17 @@ def build_reference_engine(
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         dtype=dtype,
         share_prompt_prefix=share_prompt_prefix,
+        sequence_parallel=sequence_parallel,
     )
+
+
+def _check_megatron_only(sequence_parallel: bool | None, recompute: str) -> None:
+    """Sequence parallelism and recompute are megatron-core features: the DeepSpeed engine (ZeRO on the HF model,
+    no TP) has neither."""
+    if sequence_parallel:
+        raise ValueError("parallel.sequence_parallel needs engine=megatron with parallel.tensor > 1")
+    if recompute != "none":
+        raise ValueError(f"parallel.recompute={recompute!r} needs engine=megatron: set parallel.recompute=none")
 
 
 def _check_engine_kind(engine_kind: str) -> None:

@@ -7,6 +7,10 @@ The same code runs with NCCL on GPUs and with gloo on CPUs (``grpo_mega.parallel
 A step checks the loss and the global gradient norm before the optimizer touches anything: a NaN or Inf raises
 :class:`~grpo_mega.engine.base.NonFiniteError` on every rank with the parameters and optimizer state unchanged.
 The learning-rate schedule counts trainer steps (``lr_schedule_step``), not optimizer steps.
+
+With ``parallel.offload_during_rollout`` the trainer calls ``offload_to_host`` before generation and
+``reload_from_host`` before the update (``grpo_mega.engine.offload``); every method that needs the gradient buffers
+or the optimizer state takes them back first, so a forgotten reload costs time, never correctness.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from grpo_mega.engine.distributed_optimizer import (
 from grpo_mega.engine.lr_schedule import (
     build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
 )
+from grpo_mega.engine.offload import StorageOffload, device_bytes, megatron_grad_buffers, megatron_optimizer_state
 from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider, layer_tokens
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
@@ -114,11 +119,13 @@ class MegatronEngine(MegatronStageEngine):
         )
         self.scheduler = build_lr_schedule(self.optimizer, optim, total_steps)
         self.steps_done = 0
+        self._offload = StorageOffload()
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` with ``loss_fn`` at the current learning rate; metrics are summed
         over micro-batches / ranks. Raises NonFiniteError (nothing applied) for a NaN / Inf loss or grad norm."""
+        self.reload_from_host()
         self.model.train()
         start = time.perf_counter()
         scale = global_loss_scale(batch)
@@ -216,10 +223,33 @@ class MegatronEngine(MegatronStageEngine):
         (from the current config); returns the settings that changed, e.g. ``["lr_decay_steps 2 -> 4"]``."""
         return restore_lr_schedule(self.scheduler, saved, position)
 
+    # ----------------------------------------------------------------- offload during rollout
+    def offload_to_host(self) -> int:
+        """Release the gradient buffers (their content is dead between optimizer steps) and move the optimizer
+        state (moments, fp32 master copies) to host memory; returns the device bytes released. No-op when
+        already offloaded."""
+        if self._offload.active:
+            return 0
+        return self._offload.offload(keep=self._optimizer_tensors(), discard=megatron_grad_buffers(self.model))
+
+    def reload_from_host(self) -> int:
+        """Bring back what ``offload_to_host`` released (exactly; gradient buffers zeroed); returns the bytes."""
+        return self._offload.restore()
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this engine holds for training beyond the weights: ``grad_buffers`` and ``optimizer_state`` on
+        the training device, ``host`` offloaded to host memory."""
+        return {"grad_buffers": device_bytes(megatron_grad_buffers(self.model)),
+                "optimizer_state": device_bytes(self._optimizer_tensors()), "host": self._offload.host_bytes}
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return megatron_optimizer_state(self.optimizer, self.stage.parameters())
+
     # ----------------------------------------------------------------- optimizer state and weights
     def optimizer_sharded_state_dict(self, model_sharded_state: dict, *, is_loading: bool) -> dict:
         """The optimizer's ShardedStateDict over ``model_sharded_state`` (from ``model_sharded_state_dict``); with
         the distributed optimizer in megatron's ``fully_reshardable`` format (loadable at any TP / PP / DP)."""
+        self.reload_from_host()
         if not self.distributed_optimizer:
             return self.optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading)
         if is_loading:
@@ -232,6 +262,7 @@ class MegatronEngine(MegatronStageEngine):
         hyperparameters (betas, eps, peak / min lr, weight-decay multipliers) stay the ones this engine was built
         with, from the current config; returns those that differ from the checkpoint's, as ``"name old -> new"``
         (``lr`` and ``weight_decay`` are set by the schedule: see ``restore_schedule``)."""
+        self.reload_from_host()
         built = optimizer_settings(self.optimizer)
         if self.distributed_optimizer:
             load_distributed_optimizer_state(self.optimizer, state)
@@ -241,4 +272,5 @@ class MegatronEngine(MegatronStageEngine):
 
     def reload_after_weight_load(self) -> None:
         """bf16 training keeps fp32 master copies in the optimizer: refresh them from the loaded weights."""
+        self.reload_from_host()
         self.optimizer.reload_model_params()

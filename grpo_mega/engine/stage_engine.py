@@ -97,7 +97,7 @@ class MegatronStageEngine:
             if is_packed(micro):
                 # one sequence [1, T] in which rows share their prompt; the last stage returns the rows
                 tokens = micro["input_ids"].reshape(-1).index_select(0, micro["packed_source"])[None]
-                rows = PackedRows(micro["packed_row_gather"], micro["packed_source"])
+                rows = PackedRows(micro["packed_row_gather"], micro["packed_source"], micro["packed_positions"])
                 hidden = model(tokens, micro["packed_positions"][None], attention_mask=None, packed_rows=rows)
                 return hidden, loss_func_for(micro)
             positions = torch.arange(micro["input_ids"].shape[1], device=self.device).expand_as(micro["input_ids"])

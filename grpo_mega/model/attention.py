@@ -11,10 +11,10 @@ rows are right-padded, see `grpo_mega.engine.base`, no dropout, no sliding windo
 vanilla softmax, queries and keys of the same length) and hands anything else to megatron's implementation, so it
 is a drop-in replacement with the same parameters (none) and checkpoints.
 
-It also runs packed micro-batches whose rows share their prompt tokens (``grpo_mega.engine.shared_prefix``): while
-the model sets a :class:`PackedRows` on it, the packed sequence's queries, keys and values are gathered into rows
-(each row: its prompt's tokens, then its own response), attended causally row by row, and each packed token's
-context is read back from the row that owns it.
+It also runs packed micro-batches whose rows share their prompt tokens (``grpo_mega.engine.shared_prefix``): given
+a :class:`PackedRows` as megatron's ``packed_seq_params``, the packed sequence's queries, keys and values are
+gathered into rows (each row: its prompt's tokens, then its own response), attended causally row by row, and each
+packed token's context is read back from the row that owns it.
 """
 
 from __future__ import annotations
@@ -22,25 +22,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
 
-class PackedRows:
+class PackedRows(PackedSeqParams):
     """Where the rows of a packed micro-batch live in its packed sequence: ``row_gather`` [R, L] (packed token of
-    each row position) and ``source`` [T] (flat row position ``r * L + p`` each packed token is read back from)."""
+    each row position), ``source`` [T] (flat row position ``r * L + p`` each packed token is read back from) and
+    ``positions`` [T'] (each packed token's position in its row, the rotary position; T' >= T when the sequence is
+    padded for sequence parallelism, the padding tokens at the end).
 
-    def __init__(self, row_gather: torch.Tensor, source: torch.Tensor):
+    It reaches the attention as megatron's ``packed_seq_params`` (format ``sbhd``, which megatron treats as an
+    ordinary sequence), the one argument megatron hands from the model to every layer's core attention, also
+    when activation recompute re-runs a layer or its attention in the backward pass."""
+
+    def __init__(self, row_gather: torch.Tensor, source: torch.Tensor, positions: torch.Tensor):
+        max_position = int(positions.max()) + 1
+        super().__init__(qkv_format="sbhd", max_seqlen_q=max_position, max_seqlen_kv=max_position)
         self.row_gather = row_gather
         self.source = source
+        self.positions = positions
 
     def to_rows(self, packed: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [R, L, ...]."""
+        """[T', ...] -> [R, L, ...]."""
         rows, width = self.row_gather.shape
         return packed.index_select(0, self.row_gather.reshape(-1)).view(rows, width, *packed.shape[1:])
 
     def to_packed(self, rows: torch.Tensor) -> torch.Tensor:
-        """[R, L, ...] -> [T, ...]."""
-        return rows.reshape(-1, *rows.shape[2:]).index_select(0, self.source)
+        """[R, L, ...] -> [T', ...]; the padding tokens past T get zeros (nothing reads them)."""
+        packed = rows.reshape(-1, *rows.shape[2:]).index_select(0, self.source)
+        padding = len(self.positions) - len(self.source)
+        if padding:
+            packed = torch.cat((packed, packed.new_zeros(padding, *packed.shape[1:])))
+        return packed
+
+    def padded(self, length: int) -> "PackedRows":
+        """The same rows in a packed sequence of ``length`` >= T' tokens (padding tokens at rotary position 0)."""
+        extra = length - len(self.positions)
+        if extra < 0:
+            raise ValueError(f"cannot pad a packed sequence of {len(self.positions)} tokens to {length}")
+        return PackedRows(self.row_gather, self.source, torch.nn.functional.pad(self.positions, (0, extra)))
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -57,14 +78,11 @@ class SDPADotProductAttention(DotProductAttention):
             and self.softmax_offset is None
         )
 
-    packed_rows: PackedRows | None = None
-    """Set by the model around the forward of a packed micro-batch (``HiddenStatesGPTModel.forward``)."""
-
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         """query [sq, b, np, hn], key / value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
-        if self.packed_rows is not None:
-            return self._packed_forward(query, key, value)
+        if isinstance(packed_seq_params, PackedRows):
+            return self._packed_forward(query, key, value, packed_seq_params)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if (
             not self.fused
@@ -89,11 +107,10 @@ class SDPADotProductAttention(DotProductAttention):
         sq, b = query.size(0), query.size(1)
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
-    def _packed_forward(self, query, key, value):
+    def _packed_forward(self, query, key, value, packed: PackedRows):
         """query [T, 1, np, hn], key / value [T, 1, ng, hn] of a packed sequence -> context [T, 1, np * hn]."""
         if not self.fused or query.size(1) != 1:
             raise ValueError("packed rows need the fused causal attention and a packed [T, 1] sequence")
-        packed = self.packed_rows
 
         def rows(x):  # [T, 1, heads, hn] -> [R, heads, L, hn]
             return packed.to_rows(x[:, 0]).transpose(1, 2)

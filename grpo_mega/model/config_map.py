@@ -51,6 +51,16 @@ QKV_BIAS_BY_MODEL_TYPE: dict[str, Callable[[Any], bool]] = {
     "llama": lambda hf: False,  # attention_bias=True also biases o_proj, which _check_supported rejects
 }
 
+# parallel.recompute -> megatron's activation-recompute fields. "selective" is megatron's selective recompute with
+# its default modules (the core attention: the [s, s] scores, Korthikanti et al. 2022). "full" re-runs every
+# transformer layer in the backward pass from its saved input (method uniform, one layer per checkpoint: megatron's
+# usual choice, the smallest peak: one layer's activations live at a time, plus every layer's [s, b, h] input).
+RECOMPUTE_SETTINGS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
 # megatron-core implements llama3 RoPE scaling with these constants fixed; only the factor is free.
 _LLAMA3_FIXED_ROPE = {
     "low_freq_factor": 1.0,
@@ -158,6 +168,8 @@ def gpt_config_from_hf(
     tp: int = 1,
     pp: int = 1,
     dtype: torch.dtype | None = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
     overrides: Mapping[str, Any] | None = None,
 ) -> GPTConfig:
     """Translate an HF Qwen2/Llama config (PretrainedConfig or config.json dict) for megatron-core.
@@ -167,6 +179,10 @@ def gpt_config_from_hf(
     further TransformerConfig fields (e.g. recompute_granularity, variable_seq_lengths). Raises
     ValueError naming the field for an unsupported architecture, setting or override, and for
     a TP/PP split the model does not allow (`validate_model_split`).
+
+    `sequence_parallel` (needs tp > 1) splits the sequence dimension of the activations outside the TP regions
+    over the TP ranks (megatron's sequence parallelism); `recompute` is a key of `RECOMPUTE_SETTINGS`
+    (``parallel.recompute``).
     """
     hf = _as_hf_config(hf_config)
     _check_supported(hf)
@@ -198,7 +214,13 @@ def gpt_config_from_hf(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not has_cuda,
+        sequence_parallel=sequence_parallel,
     )
+    if sequence_parallel and tp < 2:
+        raise ValueError("sequence_parallel needs tensor parallelism (tp > 1), got tp=1")
+    if recompute not in RECOMPUTE_SETTINGS:
+        raise ValueError(f"recompute={recompute!r}: expected one of {tuple(RECOMPUTE_SETTINGS)}")
+    fields.update(RECOMPUTE_SETTINGS[recompute])
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     for name in overrides or {}:
         if name not in known:

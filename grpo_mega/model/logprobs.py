@@ -28,6 +28,11 @@ would otherwise carry an error of up to 0.03, straight into log p). W is upcast 
 a time, so the extra memory is a [chunk_size, H] fp32 block, not a copy of W; the backward product
 dL/dz W is accumulated in fp32 the same way. Gradients reach h and W in their own dtype. fp32
 models compute the same either way.
+
+On a GPU, the logit products h W^T of upcast bf16/fp16 operands (forward, and its recomputation in backward) run
+with TF32 allowed (`grpo_mega.model.tf32`): both operands are exact in TF32, so the tensor cores compute the same
+products with fp32 accumulation, instead of the fp32 cores' IEEE path at a seventh of the rate. The two backward
+products with dL/dz keep IEEE fp32: dL/dz is a genuine fp32 value that TF32 would round.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+from grpo_mega.model.tf32 import tf32_if_exact
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -73,16 +80,18 @@ def _chunk_logits(
     """fp32 logits z = h W^T / T of one chunk over the real rows: one [chunk, V/tp] buffer.
 
     With logits_in_fp32 and bf16/fp16 operands, the product itself is computed in fp32 (exact products of the
-    low-precision values, fp32 accumulation and result), `block_rows` rows of W upcast at a time; otherwise it is
-    computed in the operands' dtype and its result upcast (a bf16 matmul rounds every logit to 8 significant
-    bits). fp32 operands take the same plain matmul either way.
+    low-precision values, fp32 accumulation and result), `block_rows` rows of W upcast at a time, as TF32 on a GPU
+    when both are bf16/fp16 (exact: module docstring); otherwise it is computed in the operands' dtype and its
+    result upcast (a bf16 matmul rounds every logit to 8 significant bits). fp32 operands take the same plain
+    matmul either way.
     """
     if _upcast_matmuls(hidden.dtype, weight.dtype, logits_in_fp32):
         hidden32 = hidden.float()
         logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-        for begin in range(0, weight.shape[0], block_rows):
-            block = weight[begin : begin + block_rows]
-            logits[:, begin : begin + block.shape[0]] = hidden32 @ block.float().t()
+        with tf32_if_exact(hidden.dtype, weight.dtype):
+            for begin in range(0, weight.shape[0], block_rows):
+                block = weight[begin : begin + block_rows]
+                logits[:, begin : begin + block.shape[0]] = hidden32 @ block.float().t()
     else:
         logits = torch.matmul(hidden, weight.t()).float()
     if temperature != 1.0:
@@ -96,7 +105,8 @@ def _chunk_grad_hidden(
     """dL/dh = dL/dz W of one chunk, returned in `dtype` (the hidden states').
 
     With fp32 logits and low-precision W, accumulated in fp32 over blocks of `block_rows` rows of W and rounded
-    once; otherwise dL/dz is cast to W's dtype and multiplied there (as the forward product was).
+    once, in IEEE fp32 (dL/dz is not exact in TF32); otherwise dL/dz is cast to W's dtype and multiplied there (as
+    the forward product was).
     """
     if _upcast_matmuls(dtype, weight.dtype, logits_in_fp32):
         grad = torch.zeros(grad_logits.shape[0], weight.shape[1], dtype=torch.float32, device=weight.device)

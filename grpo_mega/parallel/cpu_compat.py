@@ -18,12 +18,13 @@ path. Three kinds of substitution, each listed in a table below with the reason 
 `init_distributed` applies the layer when the process computes on the CPU: without CUDA, and with
 `parallel.device: cpu` also when CUDA is present (inside the patched modules `torch.cuda.is_available()`
 then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 by
-running TP=2, PP=2 (1F1B) and DP=2 training steps with DistributedDataParallel,
-get_megatron_optimizer (also its DistributedOptimizer), gradient clipping and dist_checkpointing save/load on
-gloo; another minor version raises instead of guessing. The collectives the DistributedOptimizer adds
-(reduce_scatter_tensor, all_gather_into_tensor, inside torch's _coalescing_manager) exist in gloo since torch
-2.2 / 2.3 (all-reduce then the rank's chunk; all-gather), below our torch>=2.5, so no collective is substituted
-here (checked with torch 2.13 by tests/test_distributed_optimizer.py).
+running TP=2 (with and without sequence parallelism), PP=2 (1F1B) and DP=2 training steps with
+DistributedDataParallel, get_megatron_optimizer (also its DistributedOptimizer), gradient clipping and
+dist_checkpointing save/load on gloo; another minor version raises instead of guessing. gloo has the collectives
+sequence parallelism and the DistributedOptimizer use (all_gather_into_tensor, reduce_scatter_tensor, also
+asynchronous and inside torch's _coalescing_manager; in gloo since torch 2.2 / 2.3, below our torch>=2.5), so no
+collective is substituted (checked with torch 2.13 by tests/test_sequence_parallel.py and
+tests/test_distributed_optimizer.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ _TORCH_VIEW_MODULES: dict[str, str] = {
     "megatron.core.tensor_parallel.random": (
         "RNG tracker: torch.cuda.get_rng_state raises without CUDA, and torch.cuda.manual_seed "
         "would silently leave the tracker's streams unseeded"
+    ),
+    "megatron.core.tensor_parallel.mappings": (
+        "sequence parallelism: all-gather / reduce-scatter output buffers on current_device()"
+    ),
+    "megatron.core.tensor_parallel.layers": (
+        "sequence parallelism: the reduce-scatter buffer of the input gradient on current_device()"
     ),
     "megatron.core.pipeline_parallel.p2p_communication": (
         "tensor-shape buffers on current_device(), torch.cuda.synchronize() after batch_isend_irecv"

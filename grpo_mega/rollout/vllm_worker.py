@@ -1,4 +1,5 @@
-"""What runs inside a vLLM worker for grpo-mega: the weight-sync extension, and the CPU backend's weight packing.
+"""What runs inside a vLLM worker for grpo-mega: the weight-sync extension, the CPU backend's weight packing, and
+the logits processor that keeps sampling inside the tokenizer's vocabulary.
 
 The extension (:class:`VLLMWeightReceiver`) is mixed into every vLLM worker by ``worker_extension_cls`` and called
 through ``LLM.collective_rpc``. The engine core runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -18,6 +19,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 
 def _on_cpu() -> bool:
@@ -88,3 +90,30 @@ class VLLMWeightReceiver:
         """After the last bucket: on CPU, pack the new weights for the GEMM kernels (returns the number of layers
         repacked; 0 on other platforms)."""
         return repack_cpu_weights(self.model_runner.model) if _on_cpu() else 0
+
+
+SAMPLED_VOCAB_KEY = "grpo_mega_sampled_vocab_size"
+"""Key of the engine's ``hf_overrides`` that gives :class:`TokenizerVocabMask` the tokenizer's size."""
+
+
+class TokenizerVocabMask(LogitsProcessor):
+    """Never sample a token id the tokenizer does not have (``logits[:, len(tokenizer):] = -inf``, as verl does).
+
+    Checkpoints pad their embedding past the tokenizer (Qwen2.5: 152,064 rows for 151,665 tokens) and vLLM samples
+    over every row. The size comes from the model config's ``grpo_mega_sampled_vocab_size``, set by the engine
+    through ``hf_overrides``. Applied to every request, greedy included (it can change the argmax); vLLM applies it
+    before sampling, so ``processed_logprobs`` are normalised over the tokenizer's ids."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        self.limit = getattr(vllm_config.model_config.hf_config, SAMPLED_VOCAB_KEY, None)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Nothing per request: the mask is the same for every row."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None and logits.shape[-1] > self.limit:
+            logits[:, self.limit:] = float("-inf")
+        return logits

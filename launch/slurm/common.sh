@@ -2,7 +2,7 @@
 # step, the USR1 stop request, and the requeue of a job that stopped early with a checkpoint.
 #
 # Environment it reads (exported to the job by sbatch):
-#   NPROC_PER_NODE  ranks per node (default: the node's GPUs, or 2 gloo processes on a CPU node)
+#   NPROC_PER_NODE  ranks per node (default: the job's GPUs on the node, or 2 gloo processes on a CPU node)
 #   RDZV_PORT       torchrun rendezvous port on the first node (default: derived from the job id; step k of the
 #                   job uses RDZV_PORT + k)
 #   PYTHON          interpreter with grpo_mega installed (default: python on PATH)
@@ -20,10 +20,16 @@ grpo_job_setup() {
   echo "=== grpo-mega job ${SLURM_JOB_ID} ${SLURM_JOB_NAME:-} SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}" \
        "nodes=${SLURM_JOB_NODELIST} $(date -u +%FT%TZ)"
   if [[ -z "${NPROC_PER_NODE:-}" ]]; then
-    local gpus=0
-    if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+    # The GPUs SLURM gave the job on this node (--gpus-per-node), else those nvidia-smi lists, else 2 on CPU.
+    local gpus=${SLURM_GPUS_ON_NODE:-0}
+    if (( gpus == 0 )) && command -v nvidia-smi >/dev/null 2>&1; then
+      gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    fi
     if (( gpus > 0 )); then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
   fi
+  # srun steps do not take --cpus-per-task from the job since Slurm 22.05 (only from SRUN_CPUS_PER_TASK): without
+  # this the torchrun step, and all the ranks it starts, would be bound to one CPU where tasks are bound to cores.
+  if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}; fi
   local cores=${SLURM_CPUS_ON_NODE:-$(nproc)}
   local threads=$(( cores / NPROC_PER_NODE ))
   export NPROC_PER_NODE

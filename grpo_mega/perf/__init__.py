@@ -1,0 +1,1 @@
+"""Performance measurement of a run (memory per phase)."""

@@ -1,0 +1,74 @@
+"""bench/gpu_check.py, the one-command check of the GPU path, on the CPU (``--device cpu``, tiny sizes): every stage
+runs through the same code as on a GPU, so the check cannot rot between the sessions that have a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import gpu_check  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory) -> tuple[int, dict]:
+    work = tmp_path_factory.mktemp("gpu_check")
+    done = subprocess.run([sys.executable, str(REPO / "bench/gpu_check.py"), "--device", "cpu", "--work",
+                           str(work / "runs"), "--out", str(work / "report.json")],
+                          capture_output=True, text=True, timeout=900)
+    assert (work / "report.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return done.returncode, json.loads((work / "report.json").read_text())
+
+
+def test_every_stage_passes_on_the_cpu(cpu_report):
+    code, report = cpu_report
+    failed = {name: stage.get("error") or stage.get("skipped") for name, stage in report["stages"].items()
+              if not stage.get("ok")}
+    assert failed == {} and code == 0 and report["ok"]
+    assert list(report["stages"]) == ["environment", "distributed", "task", "sft", "grpo", "conversion"]
+
+
+def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
+    _, report = cpu_report
+    stages = report["stages"]
+    assert stages["distributed"]["backend"] == "gloo" and stages["distributed"]["world_size"] == 1
+    assert stages["distributed"]["logprob_max_abs_error_vs_fp64"] < 1e-4  # fp32 on the CPU
+    # TF32 is a GPU setting: on the CPU the head with and without its scope computes the same bits
+    assert set(stages["distributed"]["lm_head_tf32"]["max_rel_diff"].values()) == {0.0}
+    assert stages["sft"]["nll_last"] < stages["sft"]["nll_first"]
+    steps = stages["grpo"]["steps"]
+    assert [step["step"] for step in steps] == [1, 2, 3]  # two steps, a resume, the third
+    for step in steps:
+        assert step["rollout/logprob_diff_mean"] < 1e-4  # fp32 sampler and trainer on the same weights
+        assert step["generation_tokens_per_second"] > 0 and step["update_tokens_per_second"] > 0
+        assert 0 < step["update_mfu_vs_measured_matmul_peak"] < 1
+    assert any(line.startswith("PASS") for line in stages["conversion"]["compare_output"])
+
+
+def test_a_failed_stage_is_reported_and_the_next_still_runs(tmp_path):
+    report = gpu_check.Report(tmp_path / "report.json", {})
+
+    def broken():
+        raise RuntimeError("kernel exploded")
+
+    assert report.run("first", broken) is None
+    assert report.run("second", lambda: {"figure": 1.5}) == {"figure": 1.5}
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["ok"] is False
+    assert written["stages"]["first"]["ok"] is False and "kernel exploded" in written["stages"]["first"]["error"]
+    assert written["stages"]["second"] == {"ok": True, "seconds": written["stages"]["second"]["seconds"],
+                                           "figure": 1.5}
+
+
+def test_a_wrong_weight_sync_fails_the_grpo_stage():
+    """The sampler / trainer log-prob bound separates rounding (1e-2) from a different model (~1)."""
+    row = {"step": 1, "rollout/logprob_diff_mean": 0.9}
+    with pytest.raises(AssertionError, match="log-prob difference"):
+        gpu_check.check_logprob_agreement([row])
+    gpu_check.check_logprob_agreement([{"step": 1, "rollout/logprob_diff_mean": 0.02}])

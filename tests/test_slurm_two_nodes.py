@@ -1,0 +1,98 @@
+"""launch/slurm/train.sbatch across two SLURM nodes: two slurmd in two network namespaces joined by a private veth
+link (slurm_two_nodes.py), one torchrun per node, the c10d rendezvous and gloo across the link. One job is told to
+stop (USR1 to the batch shell, as --signal=B:USR1@300 does before the time limit): both ranks save the same step,
+the job requeues itself, resumes on both nodes from that checkpoint and completes, with every step logged once.
+Multi-node is where peers' users report stalls (a rendezvous host that only one node can resolve, a step that sees
+the other node's address wrong); this is the same script a user submits, with the CPU test cluster's options."""
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import cpu_node_options
+from slurm_two_nodes import NODES, two_node_cluster
+from tiny_task import build_tiny_task, tiny_run_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "quickstart_grpo.yaml"
+TRAIN_SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
+TOTAL_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from two_node_cluster()
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
+
+
+def _job(cluster, job_id: str) -> dict[str, str]:
+    out = cluster.run("scontrol", "-o", "show", "job", job_id).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _wait_for(predicate, timeout: float, what: str, log: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    text = log.read_text()[-4000:] if log.exists() else "(no log)"
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; log:\n{text}")
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    """Every step line of metrics.jsonl in order, repeats included."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_two_node_job_stops_on_usr1_requeues_resumes_and_completes(cluster, task, tmp_path):
+    run_dir = tmp_path / "run"
+    # One rank per node (world 2, data parallel across the link); a checkpoint only when told to stop and at the end.
+    overrides = tiny_run_overrides(task, run_dir, "parallel.tensor=1", "trainer.save_every=0",
+                                   f"trainer.total_steps={TOTAL_STEPS}")
+    env = cluster.env(CONFIG=str(CONFIG), NPROC_PER_NODE="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    submit = cluster.run("sbatch", "--parsable", "--nodes=2", *cpu_node_options(), f"--output={tmp_path}/%x-%j.out",
+                         str(TRAIN_SBATCH), *overrides, env=env)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    log = tmp_path / f"grpo-mega-{job_id}.out"
+    try:
+        _wait_for(lambda: _logged_steps(run_dir), 240, "step 1 in metrics.jsonl", log)
+        assert cluster.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
+        _wait_for(lambda: "requeueing" in log.read_text(), 120, "the batch script to requeue the job", log)
+        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=10 on the cluster).
+        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
+        running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"}
+        state = _wait_for(lambda: (s := _job(cluster, job_id).get("JobState")) not in running and s, 300,
+                          f"job {job_id} to finish", log)
+    finally:
+        cluster.run("scancel", job_id)
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    first, second = text.split("SLURM_RESTART_COUNT=1")
+    # Both runs on both nodes; the rank-0 node hosts the rendezvous, which the other node reaches over the link.
+    for part in (first, second):
+        assert re.search(r"nodes=gmnode\[1-2\]", part), part[:500]
+    # The stop: both ranks after the same step, agreed through an all-reduce across the link. One rank per node: two
+    # ranks means both torchruns joined the rendezvous (--nnodes=2 waits for both).
+    stopped = [int(n) for n in re.findall(r"grpo-mega train: stopped after step (\d+)", first)]
+    assert len(stopped) == 2 and stopped[0] == stopped[1] and 1 <= stopped[0] < TOTAL_STEPS, first[-4000:]
+    assert "USR1 received" in first and "requeueing" in first
+    assert re.search(rf"resumed from \S*step_{stopped[0]:06d} at step {stopped[0]}", second), second[-4000:]
+    assert "stopped after step" not in second
+    # Every step logged exactly once across the two runs, and the final checkpoint written.
+    assert _logged_steps(run_dir) == list(range(1, TOTAL_STEPS + 1))
+    complete = run_dir / "checkpoints" / f"step_{TOTAL_STEPS:06d}" / "complete.json"
+    assert json.loads(complete.read_text())["step"] == TOTAL_STEPS
