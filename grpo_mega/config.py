@@ -63,6 +63,12 @@ class ParallelConfig:
     """GRPO with the Megatron engine: the G completions of a prompt share one copy of the prompt's tokens in
     the policy's and reference's forward and backward (``grpo_mega.engine.shared_prefix``). Exact; it saves the
     prompt's share of the tokens x (G - 1) / G of the layer compute."""
+    distributed_optimizer: bool = True
+    """Megatron engine, DP > 1: shard the fp32 master weights and Adam moments (12 bytes per parameter) over the
+    data-parallel ranks with megatron's DistributedOptimizer (gradients reduce-scattered, updated parameters
+    all-gathered); each rank keeps 1/DP of them. Exact: a step equals the plain optimizer's. At DP = 1 there is
+    nothing to shard and the plain optimizer is used. Checkpoints resume with it or without it, at any TP / PP / DP,
+    whichever setting wrote them."""
     seed: int = 1234
     """Seed of parameter init, sampling and data order."""
     device: str = "auto"

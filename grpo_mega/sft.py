@@ -77,6 +77,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         deepspeed=cfg.deepspeed,
         sequence_parallel=cfg.parallel.sequence_parallel,
         recompute=cfg.parallel.recompute,
+        distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = 0

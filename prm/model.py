@@ -228,10 +228,12 @@ def build_prm_engine(
     deepspeed=None,
     sequence_parallel: bool | None = None,
     recompute: str = "none",
+    distributed_optimizer: bool = True,
 ):
     """A training engine of the PRM (outputs ``good_logprob``, ``bad_logprob`` per token, not shifted): a
     :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP (``sequence_parallel``,
-    ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute``), or with ``engine_kind="deepspeed"``
+    ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute``; ``distributed_optimizer``:
+    ``parallel.distributed_optimizer``), or with ``engine_kind="deepspeed"``
     a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
     Raises ValueError when ``spec.layout`` is not the layout of ``hf_config`` or (``lm_tokens``) a label token is
     not one token of ``tokenizer``."""
@@ -248,6 +250,7 @@ def build_prm_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False, optim=optim,
         total_steps=total_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch, dtype=dtype,
         lm_output=lm_output, sequence_parallel=sequence_parallel, recompute=recompute,
+        distributed_optimizer=distributed_optimizer,
     )
 
 

@@ -133,7 +133,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
-                              sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute)
+                              sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
+                              distributed_optimizer=cfg.parallel.distributed_optimizer)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = 0
     resume_from = checkpoints.find_resume(cfg.trainer.resume)

@@ -7,7 +7,8 @@ the previous checkpoint untouched and ``latest`` naming a complete checkpoint. R
 against the files on disk and never loads a checkpoint that fails the check.
 
 Model and optimizer tensors are stored with their global shapes, so a checkpoint loads at any TP / PP / DP
-(the padded vocabulary is the same at every TP, see ``grpo_mega.model.config_map.padded_vocab_size``).
+(the padded vocabulary is the same at every TP, see ``grpo_mega.model.config_map.padded_vocab_size``), with or
+without the distributed optimizer whichever it was saved with (``grpo_mega.checkpoint.optimizer_state``).
 The learning-rate schedule resumes at its saved position (in trainer steps) with the settings of the current
 config, so a run can be extended (``trainer.total_steps``) or its ``optim.*`` changed on resume.
 Engines are driven only through their interface (``grpo_mega.engine.base.TrainingEngine``); the DeepSpeed engine
@@ -35,6 +36,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from grpo_mega.checkpoint.extra_state import load_sharded
+from grpo_mega.checkpoint.optimizer_state import SETTING, load_across_modes
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_mega.checkpoint.training_files import (
     CHECKPOINTS_DIR,
@@ -76,6 +78,11 @@ class LoadedCheckpoint(NamedTuple):
 def _engine_name(engine) -> str:
     """``megatron`` or ``deepspeed``: which engine's files a checkpoint holds."""
     return getattr(engine, "engine_name", "megatron")
+
+
+def _distributed_optimizer(engine) -> bool:
+    """Whether the engine's optimizer state is sharded over DP ranks (megatron's DistributedOptimizer)."""
+    return bool(getattr(engine, "distributed_optimizer", False))
 
 
 def _distributed() -> bool:
@@ -244,6 +251,7 @@ class CheckpointManager:
             "layout": _layout(),
             "cuda_rng": torch.cuda.is_available(),
             "param_dtype": str(engine.param_dtype).removeprefix("torch."),
+            "distributed_optimizer": _distributed_optimizer(engine),
             "lr_schedule_unit": "trainer_steps",
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -377,12 +385,22 @@ class CheckpointManager:
         else:
             # A template of the right structure; dist_checkpointing replaces it with the saved object.
             rng_template = capture_rng_state() if same_layout else None
-            state = _sharded_state(engine, with_optimizer=info["has_optimizer"], is_loading=True,
+            # Saved with the distributed optimizer and resumed without it, or the other way round: the optimizer
+            # state is mapped across (grpo_mega.checkpoint.optimizer_state); absent in older checkpoints: without.
+            saved_distributed = info.get("distributed_optimizer", False)
+            across = info["has_optimizer"] and saved_distributed != _distributed_optimizer(engine)
+            state = _sharded_state(engine, with_optimizer=info["has_optimizer"] and not across, is_loading=True,
                                    rng_state=rng_template)
             loaded = load_sharded(state, path)  # TE / local layer specs either way
             engine.load_model_state_dict(loaded["model"])
             changed = []
-            if info["has_optimizer"]:
+            if across:
+                changed = engine.load_optimizer_state_dict(
+                    load_across_modes(engine, path, saved_distributed=saved_distributed))
+                if _is_rank0():
+                    logger.info("%s saved with %s=%s, resumed with %s: optimizer state mapped across", path,
+                                SETTING, str(saved_distributed).lower(), str(not saved_distributed).lower())
+            elif info["has_optimizer"]:
                 changed = engine.load_optimizer_state_dict(loaded["optimizer"])
             else:
                 engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights

@@ -75,10 +75,12 @@ def build_engine(
     share_prompt_prefix: bool = False,
     sequence_parallel: bool | None = None,
     recompute: str = "none",
+    distributed_optimizer: bool = True,
 ) -> MegatronEngine:
     """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
     last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps; ``lm_output`` as
-    in :func:`stage_provider`, and ``sequence_parallel``, ``recompute``."""
+    in :func:`stage_provider`, and ``sequence_parallel``, ``recompute``; ``distributed_optimizer``:
+    ``parallel.distributed_optimizer``."""
     return MegatronEngine(
         stage_provider(hf_config, head_factory, dtype, lm_output=lm_output, sequence_parallel=sequence_parallel,
                        recompute=recompute),
@@ -89,6 +91,7 @@ def build_engine(
         next_token_head=next_token_head,
         hf_config=hf_config,
         share_prompt_prefix=share_prompt_prefix,
+        distributed_optimizer=distributed_optimizer,
     )
 
 
@@ -135,11 +138,13 @@ def build_policy_engine(
     share_prompt_prefix: bool = False,
     sequence_parallel: bool | None = None,
     recompute: str = "none",
+    distributed_optimizer: bool = True,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
     computed with ``logits / temperature`` so they match the sampler; ``logits_in_fp32``: the head's logits in
     fp32 also when the model is bf16, ``model.logits_in_fp32``). ``share_prompt_prefix``: rows sharing a prompt
     carry one copy of it through the layers (``parallel.share_prompt_prefix``; Megatron engine only, exact).
+    ``distributed_optimizer``: shard optimizer state over DP ranks (``parallel.distributed_optimizer``; Megatron).
     ``sequence_parallel`` and ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute`` (Megatron
     engine only). ``engine_kind="deepspeed"``: the HF model on a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
@@ -165,6 +170,7 @@ def build_policy_engine(
         share_prompt_prefix=share_prompt_prefix,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
+        distributed_optimizer=distributed_optimizer,
     )
 
 

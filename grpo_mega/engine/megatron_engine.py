@@ -27,6 +27,13 @@ from megatron.core.optimizer import optimizer as megatron_optimizer
 
 from grpo_mega.engine.base import LossFn, NonFiniteError
 from grpo_mega.engine.batching import is_padding
+from grpo_mega.engine.distributed_optimizer import (
+    CHECKPOINT_METADATA,
+    load_distributed_optimizer_state,
+    prepare_distributed_optimizer_load,
+    shards_optimizer_state,
+    static_memory_bytes,
+)
 from grpo_mega.engine.lr_schedule import (
     build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
 )
@@ -55,6 +62,8 @@ class MegatronEngine(MegatronStageEngine):
         hf_config: the Hugging Face config of the backbone (names and layouts for HF export).
         share_prompt_prefix: rows of a batch with ``prompt_lengths`` that share a prompt go through the layers
             with one copy of it (``grpo_mega.engine.shared_prefix``; exact, megatron's local layers only).
+        distributed_optimizer: shard the fp32 master weights and Adam moments over the data-parallel ranks
+            (megatron's DistributedOptimizer) when DP > 1 (``parallel.distributed_optimizer``); exact.
     """
 
     def __init__(
@@ -68,6 +77,7 @@ class MegatronEngine(MegatronStageEngine):
         next_token_head: bool,
         hf_config=None,
         share_prompt_prefix: bool = False,
+        distributed_optimizer: bool = True,
     ):
         module = self._build_stage(
             stage_model_provider,
@@ -78,10 +88,12 @@ class MegatronEngine(MegatronStageEngine):
             share_prompt_prefix=share_prompt_prefix,
         )
         self.config.finalize_model_grads_func = finalize_model_grads
+        self.distributed_optimizer = shards_optimizer_state(distributed_optimizer)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=self.distributed_optimizer,
             ),
             module=module,
         )
@@ -99,7 +111,7 @@ class MegatronEngine(MegatronStageEngine):
                 clip_grad=optim.clip_grad,
                 bf16=bf16,
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=self.distributed_optimizer,
             ),
             [self.model],
             # The global group is already gloo on CPU; on GPU the optimizer needs no extra gloo groups either.
@@ -158,7 +170,9 @@ class MegatronEngine(MegatronStageEngine):
 
         megatron's ``optimizer.step()`` split in its parts so that nothing is applied to a non-finite step:
         prepare_grads (grads to the optimizer's main grads), get_grad_norm (global over TP / PP; DP ranks hold
-        the same reduced grads), clipping by that norm, step_with_ready_grads.
+        the same reduced grads, or with the distributed optimizer each its shard of them, and the norm is then
+        reduced over DP too), clipping by that norm, step_with_ready_grads (which, with the distributed
+        optimizer, all-gathers the updated parameters).
         """
         found_inf = bool(self.optimizer.prepare_grads())  # only a grad scaler (fp16) finds inf here
         grad_norm = float(self.optimizer.get_grad_norm())
@@ -183,6 +197,12 @@ class MegatronEngine(MegatronStageEngine):
         if not self.optimizer.step_with_ready_grads():
             raise RuntimeError("megatron's optimizer reported a failed step with finite gradients")
         return grad_norm
+
+    def static_memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: {"parameters", "gradients", "optimizer_state"} (fp32 master copies and Adam
+        state, allocated at the first step), each storage counted once; see
+        ``grpo_mega.engine.distributed_optimizer.static_memory_bytes``."""
+        return static_memory_bytes(self.stage, self.model, self.optimizer)
 
     # ----------------------------------------------------------------- learning-rate schedule
     @property
@@ -227,9 +247,15 @@ class MegatronEngine(MegatronStageEngine):
 
     # ----------------------------------------------------------------- optimizer state and weights
     def optimizer_sharded_state_dict(self, model_sharded_state: dict, *, is_loading: bool) -> dict:
-        """The optimizer's ShardedStateDict over ``model_sharded_state`` (from ``model_sharded_state_dict``)."""
+        """The optimizer's ShardedStateDict over ``model_sharded_state`` (from ``model_sharded_state_dict``); with
+        the distributed optimizer in megatron's ``fully_reshardable`` format (loadable at any TP / PP / DP)."""
         self.reload_from_host()
-        return self.optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading)
+        if not self.distributed_optimizer:
+            return self.optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading)
+        if is_loading:
+            prepare_distributed_optimizer_load(self.optimizer)
+        return self.optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading,
+                                                 metadata=CHECKPOINT_METADATA)
 
     def load_optimizer_state_dict(self, state: dict) -> list[str]:
         """Restore a loaded optimizer state: moments, step counts and, with bf16, the fp32 master copies. The
@@ -238,7 +264,10 @@ class MegatronEngine(MegatronStageEngine):
         (``lr`` and ``weight_decay`` are set by the schedule: see ``restore_schedule``)."""
         self.reload_from_host()
         built = optimizer_settings(self.optimizer)
-        self.optimizer.load_state_dict(state)
+        if self.distributed_optimizer:
+            load_distributed_optimizer_state(self.optimizer, state)
+        else:
+            self.optimizer.load_state_dict(state)
         return keep_optimizer_settings(self.optimizer, built)
 
     def reload_after_weight_load(self) -> None:

@@ -19,10 +19,12 @@ path. Three kinds of substitution, each listed in a table below with the reason 
 `parallel.device: cpu` also when CUDA is present (inside the patched modules `torch.cuda.is_available()`
 then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 by
 running TP=2 (with and without sequence parallelism), PP=2 (1F1B) and DP=2 training steps with
-DistributedDataParallel, get_megatron_optimizer, gradient clipping and dist_checkpointing save/load on gloo;
-another minor version raises instead of guessing. gloo (torch 2.13) has the collectives sequence
-parallelism uses (all_gather_into_tensor, reduce_scatter_tensor, also asynchronous), so no collective is
-substituted.
+DistributedDataParallel, get_megatron_optimizer (also its DistributedOptimizer), gradient clipping and
+dist_checkpointing save/load on gloo; another minor version raises instead of guessing. gloo has the collectives
+sequence parallelism and the DistributedOptimizer use (all_gather_into_tensor, reduce_scatter_tensor, also
+asynchronous and inside torch's _coalescing_manager; in gloo since torch 2.2 / 2.3, below our torch>=2.5), so no
+collective is substituted (checked with torch 2.13 by tests/test_sequence_parallel.py and
+tests/test_distributed_optimizer.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ _TORCH_VIEW_MODULES: dict[str, str] = {
     "megatron.core.distributed.param_and_grad_buffer": "param/grad buffers on current_device()",
     "megatron.core.optimizer.optimizer": "found_inf / scale tensors with device='cuda'",
     "megatron.core.optimizer.clip_grads": "grad-norm and overflow buffers with device='cuda'",
+    "megatron.core.optimizer.distrib_optimizer": (
+        "distributed optimizer: load_state_dict allocates the optimizer-state shards on current_device()"
+    ),
     "megatron.core.utils": (
         "GlobalMemoryBuffer on current_device(), local_multi_tensor_l2_norm with device='cuda'"
     ),
@@ -81,6 +86,15 @@ _CPU_AS_CUDA_FUNCTIONS: dict[tuple[str, str], str] = {
     ): "tied embeddings across pipeline stages: weight.data.cuda() before the all-reduce",
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"): (
         "asserts grad.type() == 'torch.cuda.FloatTensor'"
+    ),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"): (
+        "marks 16-bit parameters for fp32 main copies by param.type() == 'torch.cuda.BFloat16Tensor'"
+    ),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"): (
+        "sorts parameters by param.type() in the CUDA spellings and raises TypeError for any other (CPU) type"
+    ),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"): (
+        "checkpointing (fully_reshardable): send_tensor.cuda() before gathering the state shards over DP"
     ),
 }
 
@@ -186,7 +200,8 @@ class _CpuAsCuda(TorchFunctionMode):
         if func is torch.Tensor.cuda and args[0].device.type == "cpu":
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return func(*args).replace("torch.", "torch.cuda.", 1)
+            name = func(*args)  # already the CUDA spelling when an enclosing call runs in this mode too
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
 
@@ -197,6 +212,15 @@ def _run_as_cuda(function: Callable) -> Callable:
             return function(*args, **kwargs)
 
     return run
+
+
+def _wrap_as_cuda(owner: Any, attribute: str) -> None:
+    """Replace ``owner.attribute`` by a version that runs in :class:`_CpuAsCuda`; a classmethod stays one."""
+    raw = vars(owner).get(attribute) if isinstance(owner, type) else None
+    if isinstance(raw, classmethod):
+        setattr(owner, attribute, classmethod(_run_as_cuda(raw.__func__)))
+    else:
+        setattr(owner, attribute, _run_as_cuda(getattr(owner, attribute)))
 
 
 def _resolve(module_name: str, dotted: str) -> tuple[Any, str]:
@@ -247,5 +271,5 @@ def apply_cpu_compat() -> None:
     for (owner, attribute), replacement in rng_sites.items():
         setattr(owner, attribute, replacement)
     for owner, attribute in cuda_method_sites:
-        setattr(owner, attribute, _run_as_cuda(getattr(owner, attribute)))
+        _wrap_as_cuda(owner, attribute)
     _applied = True
