@@ -179,7 +179,8 @@ def _build_engines(cfg: GRPOConfig):
         share_prompt_prefix=cfg.parallel.share_prompt_prefix,
         sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
     )
-    policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps, **shared)
+    policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
+                                 distributed_optimizer=cfg.parallel.distributed_optimizer, **shared)
     load_initial_weights(policy, cfg.model.init_from)
     reference = None
     if cfg.algorithm.use_kl_loss:
