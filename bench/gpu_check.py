@@ -20,7 +20,8 @@ ones after it unless they need its output):
    logged once and the resumed run must start where the first ended. Figures per step: the sampler / trainer
    log-prob difference, generation tokens/s, update tokens/s and model FLOP utilisation (6 x matmul parameters per
    token plus causal attention, over the measured matmul peak and, on known GPUs, the data-sheet peak), the
-   ``memory/*`` metrics the trainer logs, and every ``timing_s/*``.
+   ``memory/*`` metrics the trainer logs, and every ``timing_s/*``; and ``grpo-mega plan``'s update phase for the
+   run's config beside the measured update peak (``memory_against_plan``).
 5. ``conversion``: the SFT checkpoint exported to Hugging Face (``tools/convert_mcore_to_hf.py``) and compared with
    the megatron model on the same tokens (``tools/compare_with_hf.py``).
 
@@ -326,7 +327,40 @@ def stage_grpo(work: Path, task: dict, device: str, settings: dict, grpo_steps: 
         raise AssertionError(f"GRPO logged steps {steps}, expected 1..{grpo_steps} once each")
     trained_rows = settings["rollout_batch"] * settings["group"]  # dynamic sampling is off: every row is trained
     check_logprob_agreement(rows)
-    return {"steps": [_step_figures(row, task, trained_rows, peak_tflops) for row in rows]}
+    steps = [_step_figures(row, task, trained_rows, peak_tflops) for row in rows]
+    return {"steps": steps, "memory_vs_plan": memory_against_plan(run_dir, device, task, steps[-1])}
+
+
+def memory_against_plan(run_dir: Path, device: str, task: dict, last_step: dict) -> dict:
+    """``grpo-mega plan``'s update phase for the run's own config (one rank, this device's memory) beside the update
+    phase the trainer measured (``memory/update/peak_gib``). On a GPU the measured figure is torch's peak allocated
+    bytes, which hold what the plan counts less the CUDA context and NCCL (outside torch's allocator), plus the hf
+    rollout engine's bf16 copy of the weights (on the GPU all run long; the plan models vLLM, which sleeps); on the
+    CPU it is the process's resident memory, which holds the Python and library runtime too, so only the GPU figure
+    is a check of the plan."""
+    import torch
+
+    from grpo_mega.config import GRPOConfig, load_config
+    from grpo_mega.plan import plan_config
+
+    cfg = load_config(GRPOConfig, run_dir / "config.yaml")
+    if device == "cuda":
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:
+        import psutil
+
+        memory_gib = psutil.virtual_memory().total / 2**30
+    plan = plan_config(cfg, gpus_per_node=1, gpu_memory_gib=memory_gib)
+    update = dict(plan.phase("update").items)
+    outside_torch = update.pop("CUDA context", 0) + update.pop("NCCL", 0)
+    rollout_weights = task["parameters"] * (2 if device == "cuda" else 4)
+    planned = (sum(update.values()) + rollout_weights) / 2**30
+    figures = {"planned_update_items_gib": {name: value / 2**30 for name, value in update.items()},
+               "planned_outside_torch_gib": outside_torch / 2**30, "hf_rollout_weights_gib": rollout_weights / 2**30,
+               "planned_update_in_torch_gib": planned, "measured_update_peak_gib": last_step.get("memory/update/peak_gib")}
+    if figures["measured_update_peak_gib"]:
+        figures["measured_over_planned"] = figures["measured_update_peak_gib"] / planned
+    return figures
 
 
 def check_logprob_agreement(rows: list[dict]) -> None:

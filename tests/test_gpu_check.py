@@ -48,6 +48,8 @@ def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
         assert step["rollout/logprob_diff_mean"] < 1e-4  # fp32 sampler and trainer on the same weights
         assert step["generation_tokens_per_second"] > 0 and step["update_tokens_per_second"] > 0
         assert 0 < step["update_mfu_vs_measured_matmul_peak"] < 1
+    memory = stages["grpo"]["memory_vs_plan"]  # grpo-mega plan's update phase beside the trainer's memory metric
+    assert memory["planned_update_in_torch_gib"] > 0 and memory["measured_update_peak_gib"] > 0
     assert any(line.startswith("PASS") for line in stages["conversion"]["compare_output"])
 
 
