@@ -250,6 +250,15 @@ class TrainerConfig:
     """0 = greedy evaluation."""
     progress_bar: bool = True
     tensorboard: bool = True
+    """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go, as verl's ``trainer.logger``: ``jsonl`` (``run_dir/metrics.jsonl``, which resume, plots and
+    summaries read: always on), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases, run
+    ``run_dir``'s name in ``wandb_project``, the run config logged; needs ``pip install 'grpo-mega[wandb]'``)."""
+    wandb_project: str = "grpo-mega"
+    wandb_mode: str = "auto"
+    """``online``, ``offline`` (files under ``run_dir/wandb``; upload later with ``wandb sync``) or ``auto``:
+    ``WANDB_MODE`` when set, else online when ``WANDB_API_KEY`` is set, else offline (clusters without network)."""
     dump_rollouts: bool = False
     """Write every step's prompts, completions and rewards to ``run_dir/rollouts/step_N.jsonl`` (rank 0)."""
     save_before_seconds: float = 0.0
@@ -287,18 +296,73 @@ def _choice(value: str, allowed, key: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected one of {tuple(allowed)}")
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+def validate_optim(optim: OptimConfig, total_steps: int) -> None:
+    """The optimizer and schedule settings of any config, checked before megatron's scheduler asserts on them."""
+    _choice(optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    if not optim.lr > 0:
+        raise ConfigError(f"optim.lr={optim.lr} must be > 0")
+    if not 0 <= optim.min_lr <= optim.lr:
+        raise ConfigError(
+            f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}: the schedule decays from "
+            f"optim.lr down to optim.min_lr; lower optim.min_lr too (e.g. optim.min_lr={optim.lr / 10:g}, or 0)")
+    if optim.warmup_steps < 0 or (optim.warmup_steps and optim.warmup_steps >= total_steps):
+        raise ConfigError(
+            f"optim.warmup_steps={optim.warmup_steps} must be >= 0 and fewer than trainer.total_steps={total_steps} "
+            "(the warm-up would never reach optim.lr); lower optim.warmup_steps or raise trainer.total_steps")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be in [0, 1)")
+    for key in ("adam_eps", "weight_decay", "clip_grad"):
+        if getattr(optim, key) < 0:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be >= 0")
+
+
+def validate_trainer_common(trainer) -> None:
+    """Settings every trainer section shares: step counts and loggers."""
+    for key in ("total_steps",):
+        if getattr(trainer, key) < 1:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 1")
+    for key in ("save_every", "keep_last"):
+        if getattr(trainer, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 0")
+    for name in trainer.loggers:
+        _choice(name, LOGGERS, "trainer.loggers")
+    if "jsonl" not in trainer.loggers:
+        raise ConfigError(f"trainer.loggers={list(trainer.loggers)} must include jsonl: run_dir/metrics.jsonl is what "
+                          "resume, plots and summaries read (add tensorboard / wandb beside it)")
+    _choice(trainer.wandb_mode, ("auto", "online", "offline"), "trainer.wandb_mode")
+    if "wandb" in trainer.loggers:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.loggers lists wandb, which is not installed: pip install 'grpo-mega[wandb]' "
+                              "(or remove wandb from trainer.loggers)")
+
+
+def validate_parallel(parallel: ParallelConfig) -> None:
+    """Layout sizes and the device."""
+    _choice(parallel.device, DEVICE_CHOICES, "parallel.device")
+    for key in ("tensor", "pipeline", "max_tokens_per_micro_batch"):
+        if getattr(parallel, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
+
+
 def validate(cfg: GRPOConfig) -> None:
     """Cross-field checks that typed fields cannot express."""
     alg = cfg.algorithm
     validate_engine(cfg)
+    validate_optim(cfg.optim, cfg.trainer.total_steps)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
     if cfg.rollout.tensor_parallel < 1:
         raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel} must be >= 1")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
-    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
-    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
     _choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     _choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
     _choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
@@ -333,6 +397,9 @@ def validate(cfg: GRPOConfig) -> None:
             f"algorithm.mini_batch_size={alg.mini_batch_size} must divide "
             f"algorithm.rollout_batch_size={alg.rollout_batch_size}"
         )
+    if alg.dynamic_sampling and alg.max_sampling_rounds < 1:
+        raise ConfigError(f"algorithm.max_sampling_rounds={alg.max_sampling_rounds} must be >= 1 with "
+                          "algorithm.dynamic_sampling=true")
     if alg.dual_clip_loss is not None and alg.dual_clip_loss <= 1:
         raise ConfigError(f"algorithm.dual_clip_loss={alg.dual_clip_loss} must be > 1")
     if alg.overlong_buffer >= alg.response_length:
@@ -347,6 +414,27 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(f"trainer.{key} must be >= 0")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("rollout.top_p must be in (0, 1]")
+    if cfg.data.prompt_length < 1:
+        raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
+    _check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
+                          "data.prompt_length + algorithm.response_length")
+
+
+def _check_context_length(model: ModelConfig, length: int, what: str) -> None:
+    """The longest sequence a run builds must fit the model's ``max_position_embeddings`` (read from the
+    HF config when the folder is there; a missing folder is reported later by the loader)."""
+    import json
+
+    config_file = Path(model.hf_config) / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        limit = json.loads(config_file.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError(f"{what} = {length} tokens is more than the model's max_position_embeddings={limit} "
+                          f"({config_file}); lower them")
 
 
 def validate_engine(cfg) -> None:
@@ -408,7 +496,15 @@ class SFTDataConfig:
     train_file: str = "???"
     """jsonl / parquet rows with a prompt and a target response."""
     prompt_field: str = "prompt"
+    """Prompt/response rows: the field of the user's text."""
     response_field: str = "solution"
+    """Prompt/response rows: the field of the target response (GSM8K: ``answer``)."""
+    messages_field: Optional[str] = None
+    """Conversation rows: the field holding a ``[{role, content}, ...]`` list (e.g. ``messages``) ending with the
+    assistant turn to learn; earlier turns are context. Needs ``chat_template: true``. None: prompt/response rows."""
+    chat_template: bool = False
+    """Render examples with the tokenizer's chat template exactly as GRPO's ``data.chat_template`` renders prompts:
+    the loss is on the assistant turn (through its end-of-turn token) only. Set it for a chat / instruct model."""
     max_length: int = 512
     """Longest prompt + response in tokens; longer rows are reported and handled per ``on_bad_row``."""
     on_bad_row: str = "skip"
@@ -426,6 +522,15 @@ class SFTTrainerConfig:
     resume: str = "auto"
     progress_bar: bool = True
     tensorboard: bool = True
+    """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go, as verl's ``trainer.logger``: ``jsonl`` (``run_dir/metrics.jsonl``, which resume, plots and
+    summaries read: always on), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases, run
+    ``run_dir``'s name in ``wandb_project``, the run config logged; needs ``pip install 'grpo-mega[wandb]'``)."""
+    wandb_project: str = "grpo-mega"
+    wandb_mode: str = "auto"
+    """``online``, ``offline`` (files under ``run_dir/wandb``; upload later with ``wandb sync``) or ``auto``:
+    ``WANDB_MODE`` when set, else online when ``WANDB_API_KEY`` is set, else offline (clusters without network)."""
 
 
 @dataclass
@@ -444,9 +549,15 @@ class SFTConfig:
 def validate_sft(cfg: SFTConfig) -> None:
     """Cross-field checks of an SFT config."""
     validate_engine(cfg)
+    validate_optim(cfg.optim, cfg.trainer.total_steps)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
-    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
-    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
+    if cfg.data.messages_field is not None and not cfg.data.chat_template:
+        raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
+                          "template can render: set data.chat_template=true (or data.messages_field=null for "
+                          "prompt/response rows)")
+    _check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")
