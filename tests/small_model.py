@@ -30,6 +30,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 49152
 FULL_LAYERS = 30
+WEIGHT_STD = {"model.embed_tokens.weight": 0.15}
 NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Mark"]
 ITEMS = ["clips", "apples", "books", "pages", "cookies", "marbles", "stickers", "pencils"]
 
@@ -96,8 +97,9 @@ def build_small_chat_model(folder: Path, *, layers: int = FULL_LAYERS, seed: int
     """Write a random-weight HF model of the stand-in's shape (``layers`` deep), its tokenizer and
     ``folder/gsm8k.jsonl`` (``data_rows`` GSM8K-format rows); returns ``folder``.
 
-    Weights are HF's own initialisation (normal, std 0.02) with the norms perturbed (1 + N(0, 0.1^2)), so a norm
-    that is swapped or dropped in a conversion changes the logits."""
+    Weights are normal, std 0.05 (the embedding 0.15), norms 1 + N(0, 0.1^2): logits reach ~30 as a trained
+    model's do (HF's init, std 0.02, gives ~2, where fp32 rounding is 100x smaller than in a real model), and a
+    norm swapped or dropped in a conversion changes them."""
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
@@ -108,7 +110,6 @@ def build_small_chat_model(folder: Path, *, layers: int = FULL_LAYERS, seed: int
     model = AutoModelForCausalLM.from_config(llama_config(layers)).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1)
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, WEIGHT_STD.get(name, 0.05))
     model.save_pretrained(folder)
     return folder
