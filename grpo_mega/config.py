@@ -158,6 +158,9 @@ class ProcessRewardConfig:
     layout: Optional[str] = None
     """Overrides the PRM's layout (default: its own). ``likelihood`` scores a causal LM (an HF folder or a policy
     checkpoint, e.g. the SFT policy) by its own probability of each step: the smallest token probability in it."""
+    likelihood_tokens: Optional[str] = None
+    """``likelihood``: ``all`` (the smallest probability over a step's tokens) or ``result`` (over its result, the
+    numbers after its last ``=``: natural-language steps); default as the PRM was trained, else ``all``."""
     step_tag: Optional[str] = None
     """Overrides the PRM's step tag (default: the PRM's own)."""
     good_token: Optional[str] = None
@@ -376,6 +379,15 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError("process_reward.source=prm needs algorithm.supervision=process")
         if not cfg.process_reward.prm:
             raise ConfigError("process_reward.source=prm needs process_reward.prm (a PRM checkpoint or HF PRM folder)")
+        if cfg.process_reward.layout is None and Path(cfg.process_reward.prm).exists():
+            from prm.model import check_layout_is_known
+
+            try:
+                check_layout_is_known(cfg.process_reward.prm, "process_reward.layout")
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    if cfg.process_reward.likelihood_tokens is not None:
+        _choice(cfg.process_reward.likelihood_tokens, ("all", "result"), "process_reward.likelihood_tokens")
     for key in ("max_counted_steps", "min_steps"):
         if getattr(cfg.process_reward, key) < 0:
             raise ConfigError(f"process_reward.{key} must be >= 0")

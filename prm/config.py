@@ -44,6 +44,11 @@ class PRMHeadConfig:
     """Wrap the rendered text with the tokenizer's chat template (user = prompt, assistant = tagged steps)."""
     system_prompt: Optional[str] = None
     """System message of the chat template, when ``chat_template`` is on."""
+    likelihood_tokens: str = "all"
+    """``likelihood``: a step's score is the minimum token probability over ``all`` its tokens (a self-consistency
+    signal that fits formula-only steps such as the synthetic task's) or over its ``result`` (the numbers after
+    its last ``=``; natural-language steps such as GSM8K's, where wording tokens would decide the minimum).
+    Saved with the PRM: scoring and GRPO read it the same way."""
 
 
 @dataclass
@@ -114,6 +119,7 @@ def validate_prm(cfg: PRMConfig) -> None:
     validate_parallel(cfg.parallel)
     _choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
     _choice(cfg.data.labels, LABEL_KINDS, "data.labels")
+    _choice(cfg.prm.likelihood_tokens, ("all", "result"), "prm.likelihood_tokens")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     if cfg.prm.layout == "lm_tokens" and cfg.prm.good_token == cfg.prm.bad_token:
         raise ConfigError(f"prm.good_token and prm.bad_token are both {cfg.prm.good_token!r}: the lm_tokens layout "

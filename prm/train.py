@@ -121,6 +121,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                    bad_token=cfg.prm.bad_token)
     # Data first: a bad file fails in seconds, before the model is built.
     settings = RenderSettings(step_tag=cfg.prm.step_tag, chat_template=cfg.prm.chat_template,
+                              likelihood_tokens=cfg.prm.likelihood_tokens,
                               system_prompt=cfg.prm.system_prompt)
     examples, replayed, history = training_examples(cfg)
     if cfg.data.replay_files and is_rank0:
