@@ -483,7 +483,11 @@ def check_layout_is_known(path: str | os.PathLike, key: str) -> None:
     else:
         from grpo_mega.checkpoint.training import checkpoint_config
 
-        layout = "lm_tokens" if not (checkpoint_config(path).get("prm") or {}).get("layout") else None
+        if not (checkpoint_config(path).get("prm") or {}).get("layout"):
+            raise ValueError(f"{path} is a policy's training checkpoint, which reads as a PRM only by its own "
+                             f"probability of each step: choose {key} likelihood (add likelihood_tokens=result for "
+                             "natural-language steps)")
+        layout = None
     if layout == "lm_tokens":
         raise ValueError(
             f"{path} is a causal LM, which reads as a PRM two ways; choose one with {key}: lm_tokens (a "

@@ -97,19 +97,21 @@ def build_small_chat_model(folder: Path, *, layers: int = FULL_LAYERS, seed: int
     """Write a random-weight HF model of the stand-in's shape (``layers`` deep), its tokenizer and
     ``folder/gsm8k.jsonl`` (``data_rows`` GSM8K-format rows); returns ``folder``.
 
-    Weights are normal, std 0.05 (the embedding 0.15), norms 1 + N(0, 0.1^2): logits reach ~30 as a trained
-    model's do (HF's init, std 0.02, gives ~2, where fp32 rounding is 100x smaller than in a real model), and a
+    Weights are normal, std 0.05 (the embedding 0.15; 0.001 on the rows past the tokenizer's), norms 1 + N(0, 0.1^2):
+    logits reach ~20 as a trained model's do (HF's init, std 0.02, gives ~2, where fp32 rounding is 100x smaller than in a real model), and a
     norm swapped or dropped in a conversion changes them."""
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
     rows = gsm8k_rows(data_rows, seed)
     write_jsonl(rows, folder / "gsm8k.jsonl")
-    build_tokenizer(tokenizer_texts(rows), folder)
+    tokenizer = build_tokenizer(tokenizer_texts(rows), folder)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(llama_config(layers)).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, WEIGHT_STD.get(name, 0.05))
+        # rows no token maps to are never trained in a real model: near zero, they are rarely sampled
+        model.get_input_embeddings().weight[len(tokenizer):].normal_(0.0, 0.001)
     model.save_pretrained(folder)
     return folder
