@@ -18,7 +18,9 @@ SLOW_FILES = {
     "test_trainer_hardening.py": 290,
     "test_trainer_preemption.py": 230,
     "test_prm_commands.py": 220,
+    "test_readme_small_model.py": 200,
     "test_hf_conversion.py": 170,
+    "test_small_model_compare.py": 150,
     "test_rollout_vllm.py": 130,
     "test_engine_deepspeed.py": 110,
     "test_training_checkpoint.py": 100,
@@ -30,6 +32,7 @@ SLOW_FILES = {
     "test_prm_replay.py": 50,
     "test_prm_model.py": 45,
     "test_engine_reference.py": 45,
+    "test_warning_filters.py": 40,
     "test_stages_update.py": 35,
 }
 

@@ -93,9 +93,10 @@ def tokenizer_texts(rows: list[dict]) -> list[str]:
     return [row["question"] + "\n" + row["answer"] for row in rows] + [SYSTEM_PROMPT, "user assistant system"]
 
 
-def build_small_chat_model(folder: Path, *, layers: int = FULL_LAYERS, seed: int = 0, data_rows: int = 64) -> Path:
-    """Write a random-weight HF model of the stand-in's shape (``layers`` deep), its tokenizer and
-    ``folder/gsm8k.jsonl`` (``data_rows`` GSM8K-format rows); returns ``folder``.
+def build_small_chat_model(folder: Path, *, layers: int = FULL_LAYERS, seed: int = 0, data_rows: int = 64,
+                           data_file: Path | None = None) -> Path:
+    """Write a random-weight HF model of the stand-in's shape (``layers`` deep) and its tokenizer in ``folder``, and
+    ``data_rows`` GSM8K-format rows in ``data_file`` (default ``folder/../gsm8k.jsonl``); returns ``folder``.
 
     Weights are normal, std 0.05 (the embedding 0.15; 0.001 on the rows past the tokenizer's), norms 1 + N(0, 0.1^2):
     logits reach ~20 as a trained model's do (HF's init, std 0.02, gives ~2, where fp32 rounding is 100x smaller than in a real model), and a
@@ -104,7 +105,7 @@ def build_small_chat_model(folder: Path, *, layers: int = FULL_LAYERS, seed: int
 
     folder = Path(folder)
     rows = gsm8k_rows(data_rows, seed)
-    write_jsonl(rows, folder / "gsm8k.jsonl")
+    write_jsonl(rows, data_file or folder.parent / "gsm8k.jsonl")
     tokenizer = build_tokenizer(tokenizer_texts(rows), folder)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(llama_config(layers)).float().eval()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from small_model import SYSTEM_PROMPT, VOCAB_SIZE, build_small_chat_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def _command(line: str, paths: dict[str, str]) -> list[str]:
 
 def test_readme_small_model_section_runs_as_written(tmp_path):
     model = build_small_chat_model(tmp_path / "SmolLM2-135M-Instruct", layers=2, data_rows=48)
-    paths = {"MODEL": str(model), "DATA": str(model / "gsm8k.jsonl")}
+    paths = {"MODEL": str(model), "DATA": str(tmp_path / "gsm8k.jsonl")}
     commands = readme_commands()
     assert [_kind(shlex.split(c)) for c in commands] == list(SHORTER)  # the section's whole flow, in order
     runs = tmp_path / "runs" / "small"
@@ -93,12 +94,12 @@ def test_readme_small_model_section_runs_as_written(tmp_path):
             _score_with_the_other_layouts(tmp_path, runs)
 
     # SFT trained in the chat format GRPO prompts in; GRPO ran its steps on a pipeline of 2 from the SFT output
-    sft_config = (runs / "sft" / "config.yaml").read_text()
-    assert "chat_template: true" in sft_config
+    assert yaml.safe_load((runs / "sft" / "config.yaml").read_text())["data"]["chat_template"]
     grpo_rows = [json.loads(line) for line in (runs / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in grpo_rows if row["step"] > 0] == [1, 2]
-    grpo_config = (runs / "grpo" / "config.yaml").read_text()
-    assert "pipeline: 2" in grpo_config and f"init_from: {runs / 'sft'}" in grpo_config.replace("'", "")
+    grpo_config = yaml.safe_load((runs / "grpo" / "config.yaml").read_text())
+    assert grpo_config["parallel"]["pipeline"] == 2 and grpo_config["model"]["init_from"] == "runs/small/sft"
+    assert grpo_config["data"]["chat_template"] and grpo_config["algorithm"]["supervision"] == "process"
     # the exported policy is the same model, ready for transformers, with its chat template
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -115,14 +116,13 @@ def test_readme_small_model_section_runs_as_written(tmp_path):
 
 
 def _score_with_the_other_layouts(cwd: Path, runs: Path) -> None:
-    """``prm score`` with the other layouts a causal LM reads as, on the same labels: the README's PRM is the
-    likelihood of each step's result (already run); here the HF model read as ``lm_tokens`` (Math-Shepherd's layout on an HF causal
-    LM) and the SFT policy as ``likelihood`` over all tokens, each chosen explicitly. (The ``classifier`` layout is Qwen2ForProcessRewardModel, on Qwen2
-    backbones only: grpo-mega refuses it on this Llama model, and test_prm_commands covers it.)"""
+    """``prm score`` with the other layout a causal LM reads as, on the same labels: the README's PRM is the
+    likelihood of each step's result (already run); here the HF model read as ``lm_tokens`` (Math-Shepherd's
+    layout), chosen explicitly. (The ``classifier`` layout is Qwen2ForProcessRewardModel, on Qwen2 backbones only:
+    grpo-mega refuses it on this Llama model; test_prm_commands covers it on Qwen2.)"""
     labels = str(runs / "prm_labels.jsonl")
     scored = {"likelihood/result": runs / "prm_scores.jsonl"}
-    for name, prm, extra in (("lm_tokens", runs.parents[1] / "SmolLM2-135M-Instruct", ["--layout", "lm_tokens"]),
-                             ("likelihood/all", runs / "sft", ["--layout", "likelihood", "--likelihood-tokens", "all"])):
+    for name, prm, extra in (("lm_tokens", runs.parents[1] / "SmolLM2-135M-Instruct", ["--layout", "lm_tokens"]),):
         scored[name] = runs / f"prm_scores_{name.replace('/', '_')}.jsonl"
         _run(["grpo-mega", "prm", "score", "--prm", str(prm), "--data", labels, "--out", str(scored[name]), *extra],
              cwd)
