@@ -302,7 +302,7 @@ def _choice(value: str, allowed, key: str) -> None:
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
-def validate_optim(optim: OptimConfig, total_steps: int) -> None:
+def validate_optim(optim: OptimConfig) -> None:
     """The optimizer and schedule settings of any config, checked before megatron's scheduler asserts on them."""
     _choice(optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
     if not optim.lr > 0:
@@ -311,10 +311,9 @@ def validate_optim(optim: OptimConfig, total_steps: int) -> None:
         raise ConfigError(
             f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}: the schedule decays from "
             f"optim.lr down to optim.min_lr; lower optim.min_lr too (e.g. optim.min_lr={optim.lr / 10:g}, or 0)")
-    if optim.warmup_steps < 0 or (optim.warmup_steps and optim.warmup_steps >= total_steps):
-        raise ConfigError(
-            f"optim.warmup_steps={optim.warmup_steps} must be >= 0 and fewer than trainer.total_steps={total_steps} "
-            "(the warm-up would never reach optim.lr); lower optim.warmup_steps or raise trainer.total_steps")
+    # (a warm-up as long as the run is cut to total_steps - 1 by the schedule: shortened runs keep their config)
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(optim, key) < 1:
             raise ConfigError(f"optim.{key}={getattr(optim, key)} must be in [0, 1)")
@@ -357,7 +356,7 @@ def validate(cfg: GRPOConfig) -> None:
     """Cross-field checks that typed fields cannot express."""
     alg = cfg.algorithm
     validate_engine(cfg)
-    validate_optim(cfg.optim, cfg.trainer.total_steps)
+    validate_optim(cfg.optim)
     validate_trainer_common(cfg.trainer)
     validate_parallel(cfg.parallel)
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
@@ -561,7 +560,7 @@ class SFTConfig:
 def validate_sft(cfg: SFTConfig) -> None:
     """Cross-field checks of an SFT config."""
     validate_engine(cfg)
-    validate_optim(cfg.optim, cfg.trainer.total_steps)
+    validate_optim(cfg.optim)
     validate_trainer_common(cfg.trainer)
     validate_parallel(cfg.parallel)
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")

@@ -114,7 +114,7 @@ class PRMConfig:
 def validate_prm(cfg: PRMConfig) -> None:
     """Cross-field checks of a PRM training config."""
     validate_engine(cfg)
-    validate_optim(cfg.optim, cfg.trainer.total_steps)
+    validate_optim(cfg.optim)
     validate_trainer_common(cfg.trainer)
     validate_parallel(cfg.parallel)
     _choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
