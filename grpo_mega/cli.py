@@ -88,12 +88,29 @@ def _run_stage(args) -> int:
     return 0
 
 
+KNOWN_HARMLESS_WARNINGS = (
+    # megatron-core at import: it runs on torch's own kernels when Apex / Transformer Engine are absent (as on CPU)
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    # megatron's TransformerConfig default for CUDA graphs, which grpo-mega does not use
+    r"full scope is deprecated",
+    # a tuning hint for CUDA async all-reduce; no effect on results
+    r".*CUDA_DEVICE_MAX_CONNECTIONS",
+)
+"""Messages (regexes from the start) of the UserWarnings every run printed once per process and import, none of
+which a user can act on. Other warnings of these libraries still show."""
+QUIET_DEPRECATIONS_OF = ("megatron", "torch.distributed.checkpoint", "torch.distributed._shard", "transformers")
+"""Libraries whose deprecation notices concern their own internals (not a user's code or config)."""
+
+
 def _quiet_libraries() -> None:
-    """Keep the console for our progress and warnings: megatron logs every parameter name at INFO, and
-    megatron / torch.distributed.checkpoint repeat deprecation and "no Apex / Transformer Engine" warnings."""
+    """Keep the console for our progress and warnings that matter: megatron logs every parameter name at INFO, and
+    megatron / torch.distributed.checkpoint repeat deprecation and "no Apex / Transformer Engine" warnings in every
+    process. Installed by the entry points only (``grpo-mega``, ``tools/*``), never at import of the package."""
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    for module in ("megatron", "torch.distributed.checkpoint", "torch.distributed._shard", "transformers"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+    for message in KNOWN_HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for module in QUIET_DEPRECATIONS_OF:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
 

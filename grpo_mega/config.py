@@ -190,6 +190,9 @@ class ProcessRewardConfig:
     layout: Optional[str] = None
     """Overrides the PRM's layout (default: its own). ``likelihood`` scores a causal LM (an HF folder or a policy
     checkpoint, e.g. the SFT policy) by its own probability of each step: the smallest token probability in it."""
+    likelihood_tokens: Optional[str] = None
+    """``likelihood``: ``all`` (the smallest probability over a step's tokens) or ``result`` (over its result, the
+    numbers after its last ``=``: natural-language steps); default as the PRM was trained, else ``all``."""
     step_tag: Optional[str] = None
     """Overrides the PRM's step tag (default: the PRM's own)."""
     good_token: Optional[str] = None
@@ -282,6 +285,15 @@ class TrainerConfig:
     """0 = greedy evaluation."""
     progress_bar: bool = True
     tensorboard: bool = True
+    """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go, as verl's ``trainer.logger``: ``jsonl`` (``run_dir/metrics.jsonl``, which resume, plots and
+    summaries read: always on), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases, run
+    ``run_dir``'s name in ``wandb_project``, the run config logged; needs ``pip install 'grpo-mega[wandb]'``)."""
+    wandb_project: str = "grpo-mega"
+    wandb_mode: str = "auto"
+    """``online``, ``offline`` (files under ``run_dir/wandb``; upload later with ``wandb sync``) or ``auto``:
+    ``WANDB_MODE`` when set, else online when ``WANDB_API_KEY`` is set, else offline (clusters without network)."""
     dump_rollouts: bool = False
     """Write every step's prompts, completions and rewards to ``run_dir/rollouts/step_N.jsonl`` (rank 0)."""
     save_before_seconds: float = 0.0
@@ -319,10 +331,66 @@ def _choice(value: str, allowed, key: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected one of {tuple(allowed)}")
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+def validate_optim(optim: OptimConfig) -> None:
+    """The optimizer and schedule settings of any config, checked before megatron's scheduler asserts on them."""
+    _choice(optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    if not optim.lr > 0:
+        raise ConfigError(f"optim.lr={optim.lr} must be > 0")
+    if not 0 <= optim.min_lr <= optim.lr:
+        raise ConfigError(
+            f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}: the schedule decays from "
+            f"optim.lr down to optim.min_lr; lower optim.min_lr too (e.g. optim.min_lr={optim.lr / 10:g}, or 0)")
+    # (a warm-up as long as the run is cut to total_steps - 1 by the schedule: shortened runs keep their config)
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be in [0, 1)")
+    for key in ("adam_eps", "weight_decay", "clip_grad"):
+        if getattr(optim, key) < 0:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be >= 0")
+
+
+def validate_trainer_common(trainer) -> None:
+    """Settings every trainer section shares: step counts and loggers."""
+    for key in ("total_steps",):
+        if getattr(trainer, key) < 1:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 1")
+    for key in ("save_every", "keep_last"):
+        if getattr(trainer, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 0")
+    for name in trainer.loggers:
+        _choice(name, LOGGERS, "trainer.loggers")
+    if "jsonl" not in trainer.loggers:
+        raise ConfigError(f"trainer.loggers={list(trainer.loggers)} must include jsonl: run_dir/metrics.jsonl is what "
+                          "resume, plots and summaries read (add tensorboard / wandb beside it)")
+    _choice(trainer.wandb_mode, ("auto", "online", "offline"), "trainer.wandb_mode")
+    if "wandb" in trainer.loggers:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.loggers lists wandb, which is not installed: pip install 'grpo-mega[wandb]' "
+                              "(or remove wandb from trainer.loggers)")
+
+
+def validate_parallel(parallel: ParallelConfig) -> None:
+    """Layout sizes and the device."""
+    _choice(parallel.device, DEVICE_CHOICES, "parallel.device")
+    for key in ("tensor", "pipeline", "max_tokens_per_micro_batch"):
+        if getattr(parallel, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
+
+
 def validate(cfg: GRPOConfig) -> None:
     """Cross-field checks that typed fields cannot express."""
     alg = cfg.algorithm
     validate_engine(cfg)
+    validate_optim(cfg.optim)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
     _choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     _choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
     _choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
@@ -331,8 +399,6 @@ def validate(cfg: GRPOConfig) -> None:
                           "deepspeed.offload_optimizer")
     validate_rollout_layout(cfg, int(os.environ.get("WORLD_SIZE", "0")))
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
-    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
-    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
     _choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     _choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
     _choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
@@ -346,6 +412,15 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError("process_reward.source=prm needs algorithm.supervision=process")
         if not cfg.process_reward.prm:
             raise ConfigError("process_reward.source=prm needs process_reward.prm (a PRM checkpoint or HF PRM folder)")
+        if cfg.process_reward.layout is None and Path(cfg.process_reward.prm).exists():
+            from prm.model import check_layout_is_known
+
+            try:
+                check_layout_is_known(cfg.process_reward.prm, "process_reward.layout")
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    if cfg.process_reward.likelihood_tokens is not None:
+        _choice(cfg.process_reward.likelihood_tokens, ("all", "result"), "process_reward.likelihood_tokens")
     for key in ("max_counted_steps", "min_steps"):
         if getattr(cfg.process_reward, key) < 0:
             raise ConfigError(f"process_reward.{key} must be >= 0")
@@ -367,6 +442,9 @@ def validate(cfg: GRPOConfig) -> None:
             f"algorithm.mini_batch_size={alg.mini_batch_size} must divide "
             f"algorithm.rollout_batch_size={alg.rollout_batch_size}"
         )
+    if alg.dynamic_sampling and alg.max_sampling_rounds < 1:
+        raise ConfigError(f"algorithm.max_sampling_rounds={alg.max_sampling_rounds} must be >= 1 with "
+                          "algorithm.dynamic_sampling=true")
     if alg.dual_clip_loss is not None and alg.dual_clip_loss <= 1:
         raise ConfigError(f"algorithm.dual_clip_loss={alg.dual_clip_loss} must be > 1")
     if alg.overlong_buffer >= alg.response_length:
@@ -381,6 +459,27 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(f"trainer.{key} must be >= 0")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("rollout.top_p must be in (0, 1]")
+    if cfg.data.prompt_length < 1:
+        raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
+    _check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
+                          "data.prompt_length + algorithm.response_length")
+
+
+def _check_context_length(model: ModelConfig, length: int, what: str) -> None:
+    """The longest sequence a run builds must fit the model's ``max_position_embeddings`` (read from the
+    HF config when the folder is there; a missing folder is reported later by the loader)."""
+    import json
+
+    config_file = Path(model.hf_config) / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        limit = json.loads(config_file.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError(f"{what} = {length} tokens is more than the model's max_position_embeddings={limit} "
+                          f"({config_file}); lower them")
 
 
 def validate_rollout_layout(cfg: GRPOConfig, world_size: int) -> None:
@@ -474,7 +573,15 @@ class SFTDataConfig:
     train_file: str = "???"
     """jsonl / parquet rows with a prompt and a target response."""
     prompt_field: str = "prompt"
+    """Prompt/response rows: the field of the user's text."""
     response_field: str = "solution"
+    """Prompt/response rows: the field of the target response (GSM8K: ``answer``)."""
+    messages_field: Optional[str] = None
+    """Conversation rows: the field holding a ``[{role, content}, ...]`` list (e.g. ``messages``) ending with the
+    assistant turn to learn; earlier turns are context. Needs ``chat_template: true``. None: prompt/response rows."""
+    chat_template: bool = False
+    """Render examples with the tokenizer's chat template exactly as GRPO's ``data.chat_template`` renders prompts:
+    the loss is on the assistant turn (through its end-of-turn token) only. Set it for a chat / instruct model."""
     max_length: int = 512
     """Longest prompt + response in tokens; longer rows are reported and handled per ``on_bad_row``."""
     on_bad_row: str = "skip"
@@ -492,6 +599,15 @@ class SFTTrainerConfig:
     resume: str = "auto"
     progress_bar: bool = True
     tensorboard: bool = True
+    """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go, as verl's ``trainer.logger``: ``jsonl`` (``run_dir/metrics.jsonl``, which resume, plots and
+    summaries read: always on), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases, run
+    ``run_dir``'s name in ``wandb_project``, the run config logged; needs ``pip install 'grpo-mega[wandb]'``)."""
+    wandb_project: str = "grpo-mega"
+    wandb_mode: str = "auto"
+    """``online``, ``offline`` (files under ``run_dir/wandb``; upload later with ``wandb sync``) or ``auto``:
+    ``WANDB_MODE`` when set, else online when ``WANDB_API_KEY`` is set, else offline (clusters without network)."""
 
 
 @dataclass
@@ -510,9 +626,15 @@ class SFTConfig:
 def validate_sft(cfg: SFTConfig) -> None:
     """Cross-field checks of an SFT config."""
     validate_engine(cfg)
+    validate_optim(cfg.optim)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
-    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
-    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
+    if cfg.data.messages_field is not None and not cfg.data.chat_template:
+        raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
+                          "template can render: set data.chat_template=true (or data.messages_field=null for "
+                          "prompt/response rows)")
+    _check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")

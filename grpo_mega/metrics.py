@@ -1,18 +1,63 @@
-"""Metrics of a run: one jsonl line per step, TensorBoard scalars and a progress bar (rank 0 only)."""
+"""Metrics of a run: one jsonl line per step, TensorBoard scalars, Weights & Biases, and a progress bar (rank 0
+only). ``trainer.loggers`` picks the sinks (as verl's ``trainer.logger``); every sink gets the same metric names."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import secrets
 import time
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+WANDB_ID_FILE = "wandb_run_id"
+"""In ``run_dir``: the W&B run id, so a resumed run logs on into the same W&B run."""
+
+
+def logger_options(cfg: Any) -> dict[str, Any]:
+    """The ``MetricsLogger`` keyword arguments of a run config (GRPO, SFT or PRM): its ``trainer.loggers`` and W&B
+    settings, and the whole config for W&B's run config."""
+    trainer = cfg.trainer
+    return {"tensorboard": trainer.tensorboard, "loggers": tuple(trainer.loggers), "wandb_project": trainer.wandb_project,
+            "wandb_mode": trainer.wandb_mode, "config": asdict(cfg) if is_dataclass(cfg) else dict(cfg)}
+
+
+def wandb_mode(setting: str) -> str:
+    """``online`` / ``offline`` for ``trainer.wandb_mode``; ``auto``: ``WANDB_MODE`` when set, else online only when
+    an API key is in the environment (no key, or a cluster without network: offline, synced later)."""
+    if setting != "auto":
+        return setting
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def start_wandb(run_dir: Path, *, project: str, mode: str, config: dict | None):
+    """A W&B run for ``run_dir`` (files under ``run_dir/wandb``), resumed when the run directory had one."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+    id_file.write_text(run_id + "\n")
+    resolved = wandb_mode(mode)
+    run = wandb.init(project=project, name=run_dir.resolve().name, id=run_id, resume="allow", dir=str(run_dir),
+                     config=config, mode=resolved, settings=wandb.Settings(silent=True))
+    if resolved == "offline":
+        logger.info("W&B run %s is offline under %s; upload it with: wandb sync %s", run_id, run_dir / "wandb",
+                    Path(run.dir).parent)
+    return run
 
 
 class MetricsLogger:
     """Writes ``metrics.jsonl`` in ``run_dir`` (appending, so a resumed run continues the file; rows of steps after
     ``start_step``, logged by a job that died before saving them, are dropped first, so every step has one row),
-    TensorBoard events under ``run_dir/tensorboard`` and a tqdm bar showing step, reward and ETA. Inactive off
-    rank 0."""
+    and with ``loggers`` TensorBoard events under ``run_dir/tensorboard`` and a W&B run (``config`` as its run
+    config); a tqdm bar shows step, reward and ETA. Inactive off rank 0."""
 
     def __init__(
         self,
@@ -24,10 +69,14 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress_bar: bool = True,
         bar_metric: str = "critic/score/mean",
+        loggers: Sequence[str] = ("jsonl", "tensorboard"),
+        config: dict | None = None,
+        wandb_project: str = "grpo-mega",
+        wandb_mode: str = "auto",
     ):
         self.active = active
         self.bar_metric = bar_metric
-        self.writer = self.bar = None
+        self.writer = self.bar = self.wandb = None
         if not active:
             return
         run_dir = Path(run_dir)
@@ -35,7 +84,9 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         drop_rows_after(self.path, start_step)
         self.file = self.path.open("a", encoding="utf-8")
-        if tensorboard:
+        if "wandb" in loggers:
+            self.wandb = start_wandb(run_dir, project=wandb_project, mode=wandb_mode, config=config)
+        if tensorboard and "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
@@ -57,6 +108,8 @@ class MetricsLogger:
         if self.writer is not None:
             for name, value in clean.items():
                 self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
         if self.bar is not None:
             if advance:
                 self.bar.update(1)
@@ -70,6 +123,8 @@ class MetricsLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.file.close()
 
 

@@ -2,7 +2,8 @@
 Megatron or DeepSpeed).
 
 ``grpo-mega sft --config FILE [key=value ...]``: the loss is the token-mean negative log-likelihood of the
-response tokens (prompt tokens are context only), normalised over the global batch.
+response tokens (prompt tokens are context only), normalised over the global batch. Examples are rendered as GRPO
+renders its prompts (``grpo_mega.data.chat``), so ``data.chat_template`` gives a chat model its own format in both.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from transformers import AutoConfig
 from grpo_mega.batch import sequences_to_batch
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.checkpoint.training import CheckpointManager
-from grpo_mega.config import SFTConfig, save_config
+from grpo_mega.config import SFTConfig, SFTDataConfig, save_config
+from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
-from grpo_mega.metrics import MetricsLogger
+from grpo_mega.metrics import MetricsLogger, logger_options
 from grpo_mega.parallel import destroy_distributed, init_distributed
 
 logger = logging.getLogger(__name__)
@@ -36,26 +38,64 @@ def sft_loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], s
     return loss, {"sft/nll": loss.detach()}
 
 
+def sft_messages(row: dict, data: SFTDataConfig) -> list[dict]:
+    """The conversation of one checked row: its ``data.messages_field`` list, or user = prompt field and
+    assistant = response field."""
+    if data.messages_field is not None:
+        return row[data.messages_field]
+    return [{"role": "user", "content": row[data.prompt_field]},
+            {"role": "assistant", "content": row[data.response_field]}]
+
+
+def check_sft_row(row, data: SFTDataConfig) -> str | None:
+    """Why a row cannot be an SFT example, naming the config key to change; None when it can."""
+    if data.messages_field is None:
+        error = check_row(row, data.prompt_field, data.response_field, answer_key="data.response_field",
+                          answer_kind="response")
+        if error is None and not isinstance(row[data.response_field], str):
+            error = f"response field {data.response_field!r} must be a string, got {row[data.response_field]!r:.60}"
+        return error
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if data.messages_field not in row:
+        return (f"missing messages field {data.messages_field!r}; set data.messages_field to the field that holds "
+                f"the conversation, or data.messages_field=null for prompt/response rows (this row has {sorted(row)})")
+    try:
+        check_messages(row[data.messages_field], final_role="assistant")
+    except ChatFormatError as error:
+        return f"{data.messages_field}: {error}"
+    return None
+
+
 def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """Tokenized (prompt, response + EOS) pairs; bad rows are reported with file:line and skipped or raised."""
+    """Tokenized (prompt, response) pairs; bad rows are reported with file:line and skipped or raised.
+
+    Rows are conversations (``data.messages_field``) or prompt/response pairs, rendered by
+    ``grpo_mega.data.chat.ChatFormat``: with ``data.chat_template`` the prompt is the chat template up to the
+    assistant's generation prompt (what GRPO gives the policy) and the response is the last assistant turn through
+    its end-of-turn token; earlier turns are context. Only the response tokens carry the loss."""
+    data = cfg.data
+    if data.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"data.chat_template=true but the tokenizer ({cfg.model.tokenizer or cfg.model.hf_config}) "
+                         "has no chat template: set data.chat_template=false or use a tokenizer that has one")
+    chat = ChatFormat(tokenizer, use_chat_template=data.chat_template)
     prompts, responses = [], []
-    bad_rows = BadRows(cfg.data.on_bad_row)
-    for location, row, error in read_rows(cfg.data.train_file):
-        error = error or check_row(row, cfg.data.prompt_field, cfg.data.response_field)
-        if error is None and not isinstance(row[cfg.data.response_field], str):
-            error = f"response field {cfg.data.response_field!r} must be a string, got {row[cfg.data.response_field]!r:.60}"
+    bad_rows = BadRows(data.on_bad_row)
+    for location, row, error in read_rows(data.train_file):
+        error = error or check_sft_row(row, data)
         if error is None:
-            prompt = tokenizer(row[cfg.data.prompt_field]).input_ids
-            response = tokenizer(row[cfg.data.response_field], add_special_tokens=False).input_ids
-            response = response + [tokenizer.eos_token_id]
-            if len(prompt) + len(response) > cfg.data.max_length:
-                error = f"{len(prompt) + len(response)} tokens, more than data.max_length={cfg.data.max_length}"
+            try:
+                prompt, response = chat.render_example(sft_messages(row, data))
+            except ChatFormatError as format_error:
+                error = str(format_error)
+        if error is None and len(prompt) + len(response) > data.max_length:
+            error = f"{len(prompt) + len(response)} tokens, more than data.max_length={data.max_length}"
         if error is not None:
             bad_rows.reject(location, error)
             continue
         prompts.append(prompt)
         responses.append(response)
-    bad_rows.finish(len(prompts), str(cfg.data.train_file))
+    bad_rows.finish(len(prompts), str(data.train_file))
     return prompts, responses
 
 
@@ -93,7 +133,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     prompts, responses = load_sft_examples(cfg, tokenizer)
     metrics_log = MetricsLogger(
         run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
-        tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar, bar_metric="sft/nll",
+        progress_bar=cfg.trainer.progress_bar, bar_metric="sft/nll", **logger_options(cfg),
     )
     final = None
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):

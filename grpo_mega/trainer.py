@@ -31,7 +31,7 @@ from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.evaluation import evaluate
-from grpo_mega.metrics import MetricsLogger
+from grpo_mega.metrics import MetricsLogger, logger_options
 from grpo_mega.parallel import destroy_distributed, destroy_model_parallel, get_device, init_distributed
 from grpo_mega.perf.memory import PhaseMemory
 from grpo_mega.reward import get_reward_function
@@ -94,7 +94,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                         on_error=cfg.reward.on_error) if eval_prompts else {}
 
     metrics_log = MetricsLogger(run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
-                                tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar)
+                                progress_bar=cfg.trainer.progress_bar, **logger_options(cfg))
     eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
     if eval_metrics:
         metrics_log.log(0, eval_metrics, advance=False)

@@ -8,15 +8,18 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_mega.config import (
-    DEVICE_CHOICES,
     ConfigError,
     DeepSpeedConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     SFTTrainerConfig,
+    _check_context_length,
     _choice,
     validate_engine,
+    validate_optim,
+    validate_parallel,
+    validate_trainer_common,
 )
 
 PRM_LAYOUT_CHOICES = ("classifier", "lm_tokens", "likelihood")
@@ -41,6 +44,11 @@ class PRMHeadConfig:
     """Wrap the rendered text with the tokenizer's chat template (user = prompt, assistant = tagged steps)."""
     system_prompt: Optional[str] = None
     """System message of the chat template, when ``chat_template`` is on."""
+    likelihood_tokens: str = "all"
+    """``likelihood``: a step's score is the minimum token probability over ``all`` its tokens (a self-consistency
+    signal that fits formula-only steps such as the synthetic task's) or over its ``result`` (the numbers after
+    its last ``=``; natural-language steps such as GSM8K's, where wording tokens would decide the minimum).
+    Saved with the PRM: scoring and GRPO read it the same way."""
 
 
 @dataclass
@@ -106,11 +114,20 @@ class PRMConfig:
 def validate_prm(cfg: PRMConfig) -> None:
     """Cross-field checks of a PRM training config."""
     validate_engine(cfg)
+    validate_optim(cfg.optim)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
     _choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
     _choice(cfg.data.labels, LABEL_KINDS, "data.labels")
+    _choice(cfg.prm.likelihood_tokens, ("all", "result"), "prm.likelihood_tokens")
     _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
-    _choice(cfg.optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
-    _choice(cfg.parallel.device, DEVICE_CHOICES, "parallel.device")
+    if cfg.prm.layout == "lm_tokens" and cfg.prm.good_token == cfg.prm.bad_token:
+        raise ConfigError(f"prm.good_token and prm.bad_token are both {cfg.prm.good_token!r}: the lm_tokens layout "
+                          "scores a step by their odds, so they must differ")
+    if cfg.prm.system_prompt is not None and not cfg.prm.chat_template:
+        raise ConfigError("prm.system_prompt is the chat template's system turn: set prm.chat_template=true too "
+                          "(or prm.system_prompt=null)")
+    _check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     _validate_replay(cfg.data)
     if cfg.prm.layout == "likelihood":
         if cfg.prm.step_tag != "":

@@ -141,7 +141,8 @@ class StepLikelihoodHead(torch.nn.Module):
     (logits at temperature 1 from the backbone's vocab-parallel output matrix, in fp32).
 
     ``batch["step_ids"]`` [B, S] numbers the tokens of each row: 0 for tokens of no step (prompt, padding), k + 1 for
-    the tokens of step k. Returns ``good_logprob`` = log of the step's score and ``bad_logprob`` = log(1 - score) at
+    the tokens of step k; with ``batch["step_counted"]`` only the tokens marked there enter a step's minimum (its
+    result, ``prm.rendering.result_spans``). Returns ``good_logprob`` = log of the step's score and ``bad_logprob`` = log(1 - score) at
     every token of a step (0 / -inf-safe values elsewhere), so the two-class loss and the scorer work unchanged at
     the step's last token. A step that is wrong somewhere has a token the model finds unlikely there: the
     minimum, not the mean, keeps one wrong digit from being averaged away. Training this layout (binary
@@ -169,8 +170,17 @@ class StepLikelihoodHead(torch.nn.Module):
         )
         # token t's log-probability is predicted at position t - 1; the first token has none (it is never a step's)
         token_logprobs = torch.nn.functional.pad(next_logprobs.t()[:, :-1], (1, 0), value=0.0)
-        in_step = step_ids > 0
-        step_logprob = segment_min(torch.where(in_step, token_logprobs, torch.zeros_like(token_logprobs)), step_ids)
-        good = torch.where(in_step, step_logprob, torch.zeros_like(step_logprob)).clamp(max=-1e-6)
-        bad = torch.log(-torch.expm1(good))  # log(1 - p), finite while p < 1
-        return {"good_logprob": good, "bad_logprob": bad}
+        return step_likelihood_outputs(token_logprobs, step_ids, batch.get("step_counted"))
+
+
+def step_likelihood_outputs(token_logprobs: torch.Tensor, step_ids: torch.Tensor,
+                            step_counted: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The likelihood layout's reduction: [B, S] log p(token t | before) -> ``good_logprob`` = the minimum over the
+    counted tokens of t's step (all of the step's tokens without ``step_counted``), ``bad_logprob`` = log(1 - p),
+    at every token of a step. Uncounted tokens enter as log 1 = 0, which never lowers a minimum."""
+    in_step = step_ids > 0
+    counted = in_step if step_counted is None else in_step & (step_counted > 0)
+    step_logprob = segment_min(torch.where(counted, token_logprobs, torch.zeros_like(token_logprobs)), step_ids)
+    good = torch.where(in_step, step_logprob, torch.zeros_like(step_logprob)).clamp(max=-1e-6)
+    bad = torch.log(-torch.expm1(good))  # log(1 - p), finite while p < 1
+    return {"good_logprob": good, "bad_logprob": bad}

@@ -474,6 +474,39 @@ def _training_checkpoint_parts(path: str | os.PathLike, layout: str | None = Non
     return AutoConfig.from_pretrained(hf_dir), spec, tokenizer
 
 
+def check_layout_is_known(path: str | os.PathLike, key: str) -> None:
+    """ValueError naming ``key`` when ``path`` is a plain causal LM (an HF or converted folder, or a policy's
+    training checkpoint) and no layout was chosen: it reads as a PRM two ways, and taking ``lm_tokens`` silently
+    gives meaningless scores on a model never trained with label tokens."""
+    from grpo_mega.checkpoint.mcore_checkpoint import read_checkpoint_info
+    from grpo_mega.checkpoint.training_files import weights_format
+
+    try:
+        kind = weights_format(path)
+    except ValueError:
+        return  # open_prm reports the unusable path
+    if kind == "hf":
+        from transformers import AutoConfig
+
+        layout = config_layout(AutoConfig.from_pretrained(path))
+    elif kind == "mcore_model":
+        layout = config_layout(read_checkpoint_info(path)[0])
+    else:
+        from grpo_mega.checkpoint.training import checkpoint_config
+
+        if not (checkpoint_config(path).get("prm") or {}).get("layout"):
+            raise ValueError(f"{path} is a policy's training checkpoint, which reads as a PRM only by its own "
+                             f"probability of each step: choose {key} likelihood (add likelihood_tokens=result for "
+                             "natural-language steps)")
+        layout = None
+    if layout == "lm_tokens":
+        raise ValueError(
+            f"{path} is a causal LM, which reads as a PRM two ways; choose one with {key}: lm_tokens (a "
+            "Math-Shepherd-style PRM trained to write a good/bad label token after each step) or likelihood (the "
+            "LM's own probability of each step: a self-consistency signal, e.g. from the SFT policy; add "
+            "likelihood_tokens=result for natural-language steps)")
+
+
 def open_prm(
     path: str | os.PathLike,
     *,

@@ -22,11 +22,25 @@ apart (a special token, or a string that starts and ends at token boundaries).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from prm.examples import StepExample
+
+
+LIKELIHOOD_TOKENS = ("all", "result")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def result_spans(step: str) -> list[tuple[int, int]]:
+    """Character spans of a step's result: the numbers after its last ``=``, else all its numbers, else the whole
+    step. "so 48 + 24 = 72 clips" -> the span of "72"; "She sold 72 clips in total." -> "72"."""
+    tail = step.rfind("=") + 1
+    spans = [match.span() for match in _NUMBER.finditer(step, tail)] if tail else []
+    spans = spans or [match.span() for match in _NUMBER.finditer(step)]
+    return spans or [(0, len(step))]
 
 
 @dataclass(frozen=True)
@@ -40,10 +54,17 @@ class RenderSettings:
     """Wrap the text in the tokenizer's chat template (user = prompt, assistant = tagged steps)."""
     system_prompt: str | None = None
     """System message for the chat template (ignored without it)."""
+    likelihood_tokens: str = "all"
+    """The ``likelihood`` layout: which tokens of a step its score is the minimum over. ``all``: every token (a
+    self-consistency signal; fits steps that are all formula, like the synthetic task's). ``result``: the step's
+    result, the numbers after its last ``=`` (all its numbers when it has none; all its tokens when it has no
+    number), so the wording of a natural-language step cannot decide its score (``result_spans``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.step_tag, str):
             raise ValueError(f"RenderSettings.step_tag must be a string, got {self.step_tag!r}")
+        if self.likelihood_tokens not in LIKELIHOOD_TOKENS:
+            raise ValueError(f"likelihood_tokens must be one of {LIKELIHOOD_TOKENS}, got {self.likelihood_tokens!r}")
         if self.system_prompt is not None and not self.chat_template:
             raise ValueError("RenderSettings.system_prompt needs chat_template=True (plain text has no system turn)")
 
@@ -56,6 +77,8 @@ class RenderedExample:
     tag_positions: list[int]
     step_starts: list[int] | None = None
     """Per step, the index of its first token (the step's tokens run from there to its tag position)."""
+    counted: list[list[int]] | None = None
+    """``likelihood_tokens="result"``: per step, the indices of the tokens its score is read from (None: all)."""
 
 
 def _tagged_steps(steps: Sequence[str], tag: str) -> tuple[str, list[int]]:
@@ -155,12 +178,23 @@ def _first_token_positions(offsets: Sequence[Sequence[int]], starts: Sequence[in
     return positions
 
 
+def _result_token_positions(offsets, ends: Sequence[int], steps: Sequence[str], tag: str) -> list[list[int]]:
+    """Per step, the tokens overlapping its ``result_spans``."""
+    counted = []
+    for start, step in zip(_step_starts(ends, steps, tag), steps):
+        spans = [(start + a, start + b) for a, b in result_spans(step)]
+        counted.append([index for index, (first, last) in enumerate(offsets)
+                        if last > first and any(first < b and a < last for a, b in spans)])
+    return counted
+
+
 def _checked(ids: list[int], offsets, ends: list[int], steps: Sequence[str], tag: str, max_length: int | None,
-             where: str) -> RenderedExample:
+             where: str, likelihood_tokens: str = "all") -> RenderedExample:
     if max_length is not None and len(ids) > max_length:
         raise ValueError(f"{where}: rendered example has {len(ids)} tokens, more than max_length={max_length}")
+    counted = _result_token_positions(offsets, ends, steps, tag) if likelihood_tokens == "result" else None
     return RenderedExample(input_ids=list(ids), tag_positions=_tag_token_positions(offsets, ends, tag, where),
-                           step_starts=_first_token_positions(offsets, _step_starts(ends, steps, tag)))
+                           step_starts=_first_token_positions(offsets, _step_starts(ends, steps, tag)), counted=counted)
 
 
 def _encode(tokenizer, texts: list[str], settings: RenderSettings) -> tuple[list[list[int]], list]:
@@ -176,7 +210,8 @@ def tokenize_rendered(
     """Render (prompt, steps), tokenize it, and find each tag's last token; ValueError as in the module docstring."""
     text, ends = render(prompt, steps, settings, tokenizer)
     ids, offsets = _encode(tokenizer, [text], settings)
-    return _checked(ids[0], offsets[0], ends, steps, settings.step_tag, max_length, "rendered example")
+    return _checked(ids[0], offsets[0], ends, steps, settings.step_tag, max_length, "rendered example",
+                    settings.likelihood_tokens)
 
 
 def tokenize_many(
@@ -194,6 +229,6 @@ def tokenize_many(
     ids, offsets = _encode(tokenizer, [text for text, _ in rendered], settings)
     return [
         _checked(ids[i], offsets[i], ends, example.steps, settings.step_tag, max_length,
-                 example.source or f"example {i}")
+                 example.source or f"example {i}", settings.likelihood_tokens)
         for i, ((_, ends), example) in enumerate(zip(rendered, examples))
     ]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from prm.examples import StepExample
-from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+from prm.rendering import LIKELIHOOD_TOKENS, RenderedExample, RenderSettings, tokenize_rendered
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,8 @@ def rendered_batch(
     """The engine batch of rendered examples: right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (1 at
     each step's tag position) and, with ``targets`` (one per step), ``targets`` [B, L] (the step's label there).
     ``step_ids`` (the ``likelihood`` layout): also ``step_ids`` [B, L], k + 1 on the tokens of step k (from its first
-    token to its tag position), 0 elsewhere."""
+    token to its tag position), 0 elsewhere, and, for examples rendered with ``likelihood_tokens="result"``,
+    ``step_counted`` [B, L]: 1 on the tokens a step's score is read from."""
     import torch
 
     if not rendered:
@@ -49,6 +50,8 @@ def rendered_batch(
     loss_mask = torch.zeros((rows, width), dtype=torch.long)
     target_values = torch.zeros((rows, width), dtype=torch.float32)
     step_numbers = torch.zeros((rows, width), dtype=torch.long)
+    counted = torch.zeros((rows, width), dtype=torch.bool)
+    any_counted = False
     for row, example in enumerate(rendered):
         length = len(example.input_ids)
         input_ids[row, :length] = torch.tensor(example.input_ids, dtype=torch.long)
@@ -58,6 +61,11 @@ def rendered_batch(
                 raise ValueError(f"row {row}: the rendered example has no step_starts (render it with prm.rendering)")
             for step, (first, last) in enumerate(zip(example.step_starts, example.tag_positions)):
                 step_numbers[row, first : last + 1] = step + 1
+                if example.counted is None:
+                    counted[row, first : last + 1] = True
+                else:  # likelihood_tokens="result": only the tokens of the step's result
+                    counted[row, torch.tensor(example.counted[step], dtype=torch.long)] = True
+                    any_counted = True
         positions = torch.tensor(example.tag_positions, dtype=torch.long)
         loss_mask[row, positions] = 1
         if targets is not None:
@@ -69,6 +77,8 @@ def rendered_batch(
         batch["targets"] = target_values
     if step_ids:
         batch["step_ids"] = step_numbers
+        if any_counted:
+            batch["step_counted"] = counted.long()
     return batch
 
 
@@ -144,8 +154,13 @@ def add_prm_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes = tp x pp x dp)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--layout", default=None, choices=("classifier", "lm_tokens", "likelihood"),
-                        help="overrides the PRM's layout (default: its own; an HF causal LM is lm_tokens unless "
-                             "--layout likelihood, which scores the steps by the LM's own token probabilities)")
+                        help="overrides the PRM's layout (default: its own: a grpo-mega PRM's, or a classifier PRM's "
+                             "from its config). A plain causal LM needs it: lm_tokens (a Math-Shepherd-style PRM "
+                             "trained on label tokens) or likelihood (the LM's own probability of each step)")
+    parser.add_argument("--likelihood-tokens", default=None, choices=LIKELIHOOD_TOKENS,
+                        help="--layout likelihood: a step's score is its least likely token among all its tokens "
+                             "(all) or among its result's, the numbers after its last '=' (result; for "
+                             "natural-language steps). Default: as the PRM was trained, else all")
     parser.add_argument("--step-tag", default=None, help="overrides the PRM's tag (default: its own)")
     parser.add_argument("--good-token", default=None, help="lm_tokens: the good label token")
     parser.add_argument("--bad-token", default=None, help="lm_tokens: the bad label token")
@@ -179,9 +194,13 @@ def open_scorer(args):
 
     if args.engine == "deepspeed" and (args.tp, args.pp) != (1, 1):
         raise ValueError(f"--engine deepspeed runs data parallel only: use --tp 1 --pp 1 (got {args.tp}, {args.pp})")
+    if args.layout is None:
+        from prm.model import check_layout_is_known
+
+        check_layout_is_known(args.prm, "--layout")
     init_distributed(args.tp, args.pp, seed=args.seed)
     return open_step_scorer(
-        args.prm, layout=args.layout, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
+        args.prm, layout=args.layout, likelihood_tokens=args.likelihood_tokens, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
         chat_template=args.chat_template, system_prompt=args.system_prompt, max_length=args.max_length,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, engine_kind=args.engine,
         deepspeed=DeepSpeedConfig(zero_stage=args.zero_stage),
@@ -197,6 +216,7 @@ def open_step_scorer(
     bad_token: str | None = None,
     chat_template: bool | None = None,
     system_prompt: str | None = None,
+    likelihood_tokens: str | None = None,
     max_length: int | None = None,
     max_tokens_per_micro_batch: int = 8192,
     engine_kind: str = "megatron",
@@ -219,6 +239,7 @@ def open_step_scorer(
         step_tag=loaded.spec.step_tag,
         chat_template=chat_template if chat_template is not None else bool(saved.get("chat_template", False)),
         system_prompt=system_prompt if system_prompt is not None else saved.get("system_prompt"),
+        likelihood_tokens=likelihood_tokens or saved.get("likelihood_tokens") or "all",
     )
     return loaded, StepScorer(loaded.engine, loaded.tokenizer, settings, max_length=max_length)
 

@@ -27,7 +27,7 @@ from grpo_mega.config import save_config
 from grpo_mega.data.prompts import BadRows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale
-from grpo_mega.metrics import MetricsLogger
+from grpo_mega.metrics import MetricsLogger, logger_options
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
 from prm.config import PRMConfig
@@ -121,6 +121,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                    bad_token=cfg.prm.bad_token)
     # Data first: a bad file fails in seconds, before the model is built.
     settings = RenderSettings(step_tag=cfg.prm.step_tag, chat_template=cfg.prm.chat_template,
+                              likelihood_tokens=cfg.prm.likelihood_tokens,
                               system_prompt=cfg.prm.system_prompt)
     examples, replayed, history = training_examples(cfg)
     if cfg.data.replay_files and is_rank0:
@@ -150,7 +151,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
     metrics_log = MetricsLogger(
         run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
-        tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar, bar_metric="prm/loss",
+        progress_bar=cfg.trainer.progress_bar, bar_metric="prm/loss", **logger_options(cfg),
     )
     final = stop_reason = None
     rendered, targets = train_set

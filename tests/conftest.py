@@ -19,7 +19,9 @@ SLOW_FILES = {
     "test_trainer_preemption.py": 230,
     "test_prm_commands.py": 220,
     "test_slurm_two_nodes.py": 240,  # 2026-11-25: 142 s alone, 240 s beside test_slurm.py on the other worker
+    "test_readme_small_model.py": 200,
     "test_hf_conversion.py": 170,
+    "test_small_model_compare.py": 150,
     "test_rollout_vllm.py": 130,
     "test_engine_deepspeed.py": 110,
     "test_gpu_check.py": 90,
@@ -32,6 +34,7 @@ SLOW_FILES = {
     "test_prm_replay.py": 50,
     "test_prm_model.py": 45,
     "test_engine_reference.py": 45,
+    "test_warning_filters.py": 40,
     "test_stages_update.py": 35,
 }
 

@@ -11,7 +11,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from grpo_mega.cli import _quiet_libraries as quiet_known_warnings
 from grpo_mega.launcher import spawn_local_ranks, under_launcher
+
+# The tools are entry points: the known-harmless library warnings are filtered here (in this process, before the
+# tool imports megatron) and in every rank the tool starts (`_quiet_then_run`).
+quiet_known_warnings()
+
+
+def _quiet_then_run(fn: Callable, *args: Any) -> Any:
+    """A spawned rank's entry: filters are per process, so install them again before the worker imports megatron."""
+    quiet_known_warnings()
+    return fn(*args)
 
 
 def run_job(fn: Callable, world_size: int, *args: Any) -> Any:
@@ -21,7 +32,7 @@ def run_job(fn: Callable, world_size: int, *args: Any) -> Any:
     spawned; a failing rank raises here with its traceback.
     """
     if not under_launcher():
-        return spawn_local_ranks(fn, world_size, args)[0]
+        return spawn_local_ranks(_quiet_then_run, world_size, (fn, *args))[0]
     from grpo_mega.parallel import destroy_distributed, read_launch_env
 
     env = read_launch_env()

@@ -15,6 +15,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from grpo_mega.data.chat import ChatFormat, user_turn
+
 logger = logging.getLogger(__name__)
 
 BAD_ROW_POLICIES = ("skip", "error")
@@ -90,23 +92,18 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, Any, str | None]]:
 
 
 class PromptFormatter:
-    """Turns a raw prompt into the policy's input text and ids: chat template if available, else a format string."""
+    """Turns a raw prompt into the policy's input text and ids: chat template if available, else a format string
+    (``grpo_mega.data.chat``, the rendering SFT trains on)."""
 
     def __init__(self, tokenizer, use_chat_template: bool = True, prompt_format: str = "{prompt}") -> None:
-        if "{prompt}" not in prompt_format:
-            raise ValueError(f"prompt_format must contain '{{prompt}}', got {prompt_format!r}")
+        self.format = ChatFormat(tokenizer, use_chat_template, prompt_format)
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
-        self.uses_chat_template = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+        self.uses_chat_template = self.format.uses_chat_template
 
     def __call__(self, raw_prompt: str) -> tuple[str, list[int]]:
         """(formatted text, token ids). A chat template writes its own special tokens, so none are added then."""
-        if self.uses_chat_template:
-            messages = [{"role": "user", "content": raw_prompt}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        text = self.prompt_format.format(prompt=raw_prompt)
-        return text, list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return self.format.render_prompt(user_turn(raw_prompt))
 
 
 class BadRows:
@@ -136,19 +133,24 @@ class BadRows:
             raise ValueError(f"no usable rows in {source} ({len(self.skipped)} skipped; first: {first})")
 
 
-def check_row(row: Any, prompt_field: str, answer_field: str | None) -> str | None:
-    """Why the row is unusable (not an object, no non-empty string prompt, no scalar answer), or None."""
+def check_row(row: Any, prompt_field: str, answer_field: str | None, *, answer_key: str = "data.answer_field",
+              answer_kind: str = "answer") -> str | None:
+    """Why the row is unusable (not an object, no non-empty string prompt, no scalar answer), or None. A missing
+    field's message names the config key that chooses it (``data.prompt_field``, ``answer_key``) and the row's
+    fields, so the fix is one override away."""
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
     if prompt_field not in row:
-        return f"missing prompt field {prompt_field!r} (fields: {sorted(row)})"
+        return (f"missing prompt field {prompt_field!r}; set data.prompt_field to the field that holds the prompt "
+                f"(this row has {sorted(row)})")
     if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
         return f"prompt field {prompt_field!r} must be a non-empty string, got {row[prompt_field]!r:.60}"
     if answer_field is not None:
         if answer_field not in row:
-            return f"missing answer field {answer_field!r} (fields: {sorted(row)})"
+            return (f"missing {answer_kind} field {answer_field!r}; set {answer_key} to the field that holds the "
+                    f"{answer_kind} (this row has {sorted(row)})")
         if row[answer_field] is None or isinstance(row[answer_field], (dict, list)):
-            return f"answer field {answer_field!r} must be a string or number, got {row[answer_field]!r:.60}"
+            return f"{answer_kind} field {answer_field!r} must be a string or number, got {row[answer_field]!r:.60}"
     return None
 
 

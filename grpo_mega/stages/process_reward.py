@@ -126,6 +126,6 @@ def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micr
     _, scorer = open_step_scorer(
         settings.prm, layout=settings.layout, step_tag=settings.step_tag, good_token=settings.good_token, bad_token=settings.bad_token,
         chat_template=settings.chat_template, system_prompt=settings.system_prompt,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind, deepspeed=deepspeed,
+        likelihood_tokens=settings.likelihood_tokens, max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind, deepspeed=deepspeed,
     )
     return PRMStepRewards(scorer, settings)
