@@ -225,7 +225,9 @@ def _use_transformer_engine(device_type: str) -> bool:
             "copy of its prompt instead"
         )
         return True
-    logger.info("layers: megatron-core local layers with torch's fused attention (Transformer Engine: %s)", reason)
+    # On a GPU the reason matters (TE was expected); on the CPU it is the only choice, so it is not worth a line.
+    logger.log(logging.INFO if device_type == "cuda" else logging.DEBUG,
+               "layers: megatron-core local layers with torch's fused attention (Transformer Engine: %s)", reason)
     return False
 
 
