@@ -242,7 +242,11 @@ def build_task(work: Path, shape_name: str, max_position: int) -> dict:
 
     files = build_synthetic_task(work / "data", num_train=2000, num_heldout=16, seed=0)
     tokenizer = load_tokenizer(files.tokenizer)
-    shape = SHAPES[shape_name]
+    shape = dict(SHAPES[shape_name])
+    if shape_name == "tiny":
+        # The embedding as large as the tokenizer: the trainer's log-probs are over every row, the samplers' over the
+        # tokenizer's ids, which a random model with spare rows tells apart (the 0.5B shape keeps its spare rows).
+        shape["vocab_size"] = len(tokenizer)
     if shape["vocab_size"] < len(tokenizer):
         raise ValueError(f"shape {shape_name}: vocab_size {shape['vocab_size']} < tokenizer's {len(tokenizer)}")
     config = Qwen2Config(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
