@@ -135,7 +135,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
-                              distributed_optimizer=bool(cfg.parallel.distributed_optimizer))  # auto = off for the PRM: see README
+                              distributed_optimizer=bool(cfg.parallel.distributed_optimizer))  # auto: off for the PRM (issue note 2026-11-25)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
     start_step = 0
     resume_from = checkpoints.find_resume(cfg.trainer.resume)
