@@ -48,13 +48,14 @@ def test_shipped_config_fits_its_documented_hardware(name):
 def test_seven_b_static_bytes_are_eighteen_bytes_a_parameter_and_shard_with_the_distributed_optimizer():
     """bf16 weights (2) + fp32 gradient buffer (4) + fp32 master (4) + Adam moments (8) per parameter of the rank;
     the distributed optimizer divides the last 12 by DP (up to megatron's padding)."""
-    plan = _plan("qwen2.5-math-7b_grpo")
+    plan = _plan("qwen2.5-math-7b_grpo", distributed_optimizer="false")
     elements = plan.parameters
     norms = (plan.policy.params - 2 * elements) // 2  # the local spec keeps its norm weights in fp32
     assert 0 < norms < 1e6
     assert plan.policy.grads == 4 * elements
     assert plan.policy.optimizer == 12 * elements - 4 * norms
-    sharded = _plan("qwen2.5-math-7b_grpo", distributed_optimizer="true")
+    sharded = _plan("qwen2.5-math-7b_grpo")  # the default at DP > 1
+    assert sharded.settings.distributed_optimizer
     assert sharded.policy.optimizer == pytest.approx(plan.policy.optimizer / plan.data, rel=1e-3)
     assert sharded.phase("update").total < plan.phase("update").total
 

@@ -122,13 +122,13 @@ def test_planned_static_bytes_equal_the_engine_tensors(measured_and_cases, model
 @pytest.mark.parametrize("model", ["quickstart", "25m"])
 @pytest.mark.parametrize("layout", DISTRIBUTED_OPTIMIZER_LAYOUTS)
 def test_planned_distributed_optimizer_bytes_equal_megatrons_partition(measured_and_cases, model, layout):
-    """With the distributed optimizer (planned with --assume; the engine does not shard yet): parameters and
+    """With the distributed optimizer (assumed on, as the engine turns it on at DP > 1): parameters and
     gradients in megatron's padded buffers, master copies and moments for this rank's share of each bucket, as
     megatron's DDP and DistributedOptimizer partition them."""
     by_rank, cases = measured_and_cases
     tp, pp = LAYOUTS[layout]
     plan = _plan(cases[model], tp, pp, distributed_optimizer="true")
-    without = _plan(cases[model], tp, pp)
+    without = _plan(cases[model], tp, pp, distributed_optimizer="false")
     for rank, measured in enumerate(by_rank):
         stage = plan.stages[rank // tp if pp > 1 else 0]
         counted = measured[f"{model}/{layout}/distopt"]

@@ -248,8 +248,13 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
         return (job["JobState"], job["Reason"]) == ("PENDING", "Dependency") and job["Dependency"].startswith(
             f"afterok:{prm_job}")
 
+    def pending_then_held() -> bool:
+        job = _job(grpo_job)
+        assert job["JobState"] == "PENDING", job  # it never starts before the PRM job completes
+        return held()  # right after sbatch the reason reads None until the scheduler has looked at the job
+
     try:
-        assert held(), _job(grpo_job)
+        _wait_for(pending_then_held, 60, "the GRPO job to wait on its dependency", grpo_log)
         _wait_for(lambda: _logged_steps(prm_run), 240, "PRM step 1 in metrics.jsonl", prm_log)
         subprocess.run(["scancel", "--signal=USR1", "--batch", prm_job], check=True, timeout=30)
         _wait_for(lambda: "requeueing" in prm_log.read_text(), 120, "the batch script to requeue the job", prm_log)
