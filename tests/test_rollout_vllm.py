@@ -327,6 +327,11 @@ def test_a_step_without_an_update_still_leaves_vllm_with_the_policys_weights(tas
     [(scored, events)] = run_distributed(_train_then_score_the_engines_samples, 1, overrides, timeout=400)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert rows[0]["actor/grad_norm"] > 0 and "actor/grad_norm" not in rows[1]  # step 2: no update
+    # ... which still logs what it generated and synced in that step, and no trained-batch figures
+    assert rows[1]["rollout/zero_signal_group_fraction"] == 1.0 and rows[1]["rollout/kept_group_fraction"] == 0
+    assert 0 < rows[1]["rollout/sampled_response_length/mean"] <= rows[1]["rollout/sampled_response_length/max"]
+    assert rows[1]["timing_s/sync"] > 0 and rows[1]["perf/sync_bytes"] == rows[0]["perf/sync_bytes"] > 0
+    assert "response_length/mean" not in rows[1] and "response_length/mean" in rows[0]
     assert events.count("sleep 2") == 2 and events.count("wake ['weights']") == 2  # a full sync after each step
     diffs = [abs(a - b) for engine_logprobs, trainer_logprobs in scored
              for a, b in zip(engine_logprobs, trainer_logprobs, strict=True)]

@@ -10,7 +10,7 @@ from grpo_mega.data.prompts import PromptRecord
 from grpo_mega.reward import StepRewards
 from grpo_mega.rollout.base import Completion, SamplingConfig
 from grpo_mega.stages import RolloutBatch, RolloutStage, build_training_batch
-from grpo_mega.stages.rollout import keep_informative_groups
+from grpo_mega.stages.rollout import keep_informative_groups, zero_signal_group_fraction
 from grpo_mega.stages.step_tokens import step_end_tokens
 
 G = 4
@@ -71,6 +71,12 @@ def test_all_groups_equal_leaves_nothing_to_train_on():
     scored, _ = stage(exact_match).score(records, completions)
     kept = keep_informative_groups(scored, G)
     assert len(kept) == 0 and kept.rewards.numel() == 0 and kept.completions == []
+
+
+def test_zero_signal_groups_are_those_whose_g_scores_are_all_equal():
+    scores = torch.tensor([1, 0, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0.5, 0.5, 0.5, 0.25], dtype=torch.float32)
+    assert zero_signal_group_fraction(scores, G) == 0.5  # groups 2 (all wrong) and 3 (all right)
+    assert zero_signal_group_fraction(scores[4:12], G) == 1.0 and zero_signal_group_fraction(scores[:4], G) == 0.0
 
 
 def test_a_failing_reward_call_scores_zero_and_is_counted():

@@ -109,7 +109,7 @@ class RolloutStage:
         """Up to ``rollout_batch_size`` groups; with dynamic sampling only groups whose rewards differ, sampling
         more prompts for up to ``max_sampling_rounds`` rounds."""
         alg, G = self.algorithm, self.sampling.n
-        kept, sampled_scores, failures = None, [], 0
+        kept, sampled_scores, sampled_lengths, failures = None, [], [], 0
         self._step_metrics = []
         rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
         for round_index in range(rounds):
@@ -121,6 +121,7 @@ class RolloutStage:
             scored, round_failures = self.score(records, completions)
             failures += round_failures
             sampled_scores.append(scored.scores)
+            sampled_lengths.extend(len(c.response_ids) for c in completions)
             if alg.dynamic_sampling:
                 by_steps = alg.supervision == "process" and scored.step_rewards is not None
                 scored = keep_informative_groups(scored, G, by_steps=by_steps)
@@ -129,9 +130,16 @@ class RolloutStage:
                 break
         kept = kept.first_groups(alg.rollout_batch_size)
         every_sample = torch.cat(sampled_scores)
+        lengths = torch.tensor(sampled_lengths, dtype=torch.float32)
         metrics = {
-            # critic/score/* describe the trained batch (after dynamic sampling, as in verl); this is every sample.
+            # critic/score/* and response_length/* describe the trained batch (after dynamic sampling, as in verl);
+            # rollout/sampled_* describe every sample, so a step without an update still logs what it generated.
             "rollout/sampled_score/mean": float(every_sample.mean()),
+            "rollout/sampled_response_length/mean": float(lengths.mean()),
+            "rollout/sampled_response_length/max": float(lengths.max()),
+            "rollout/sampled_response_length/clip_ratio": float((lengths >= alg.response_length).float().mean()),
+            # groups of G equal outcome scores: no outcome-supervised gradient (what dynamic sampling filters out)
+            "rollout/zero_signal_group_fraction": zero_signal_group_fraction(every_sample, G),
             "rollout/kept_group_fraction": len(kept) * G / len(every_sample),
             "rollout/sampling_rounds": float(round_index + 1),
             "reward/failures": float(failures),
@@ -188,6 +196,12 @@ class RolloutStage:
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends
+
+
+def zero_signal_group_fraction(scores: torch.Tensor, group_size: int) -> float:
+    """The share of groups (``group_size`` consecutive scores) whose scores are all equal."""
+    groups = scores.view(-1, group_size)
+    return float((groups == groups[:, :1]).all(dim=1).float().mean())
 
 
 def _merge_rounds(per_round: list[dict[str, float]]) -> dict[str, float]:
