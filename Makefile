@@ -30,9 +30,10 @@ demo: $(STAMP)
 # Two pytest workers, each taking whole test files (module fixtures and the SLURM cluster stay on one worker):
 # most tests wait on process start-up, gloo or sbatch part of the time, so two files at once fill both cores.
 # DeepSpeed JIT-builds its CPU ops into TORCH_EXTENSIONS_DIR: one folder per venv, so a second checkout's venv does not
-# rebuild over (and, if killed mid-build, leave a stale lock in) the folder another venv uses.
+# rebuild over (and, if killed mid-build, leave a stale lock in) the folder another venv uses. The 15 slowest tests
+# are listed at the end, so a CI log shows where the time went (tests/conftest.py SLOW_FILES orders the files).
 test: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -m pytest -q -n 2 --dist loadfile
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # `make bench`: four benchmarks in turn, each printing its table and writing its JSON record under bench/results/
 # (path printed last); the `bench` extra adds trl. 30 min on 2 idle cores in all (1,773 s measured 2026-11-23):

@@ -10,32 +10,32 @@ then fill in around the long ones and both workers finish at about the same time
 
 from __future__ import annotations
 
-# Approximate seconds of the slowest files under `make test` (2 cores, CI and local runs of 2026-11-24); only their
-# order matters, and a file missing here just runs after them.
+# Approximate seconds of the slowest files under `make test` (2 idle cores, measured 2026-11-25 with --durations=0;
+# test_sft_preemption.py estimated); only their order matters, and a file missing here just runs after them.
 SLOW_FILES = {
-    "test_slurm.py": 330,
-    "test_quickstart_e2e.py": 320,
-    "test_trainer_hardening.py": 290,
-    "test_trainer_preemption.py": 230,
-    "test_prm_commands.py": 220,
-    "test_slurm_two_nodes.py": 240,  # 2026-11-25: 142 s alone, 240 s beside test_slurm.py on the other worker
-    "test_readme_small_model.py": 200,
-    "test_hf_conversion.py": 170,
-    "test_small_model_compare.py": 150,
-    "test_rollout_vllm.py": 130,
-    "test_engine_deepspeed.py": 110,
-    "test_gpu_check.py": 90,
-    "test_training_checkpoint.py": 100,
-    "test_prm_conversion.py": 75,
-    "test_prm_labeling.py": 60,
-    "test_prm_deepspeed.py": 60,
-    "test_model_parallel.py": 55,
-    "test_engine_megatron.py": 55,
-    "test_prm_replay.py": 50,
-    "test_prm_model.py": 45,
-    "test_engine_reference.py": 45,
-    "test_warning_filters.py": 40,
-    "test_stages_update.py": 35,
+    "test_quickstart_e2e.py": 315,
+    "test_trainer_hardening.py": 235,
+    "test_slurm.py": 210,
+    "test_prm_commands.py": 160,
+    "test_trainer_preemption.py": 155,
+    "test_gpu_check.py": 150,
+    "test_readme_small_model.py": 140,
+    "test_rollout_vllm.py": 110,
+    "test_hf_conversion.py": 95,
+    "test_distributed_optimizer.py": 95,
+    "test_engine_deepspeed.py": 80,
+    "test_training_checkpoint.py": 80,
+    "test_slurm_two_nodes.py": 75,
+    "test_sequence_parallel.py": 75,
+    "test_engine_megatron.py": 45,
+    "test_checkpoint_extra_state.py": 45,
+    "test_prm_replay.py": 40,
+    "test_sft_preemption.py": 40,
+    "test_sft_chat_format.py": 40,
+    "test_plan_engine.py": 35,
+    "test_prm_labeling.py": 35,
+    "test_model_parallel.py": 35,
+    "test_prm_conversion.py": 35,
 }
 
 

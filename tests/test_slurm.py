@@ -1,7 +1,8 @@
 """launch/slurm/* on a real one-node SLURM cluster (installed with apt when missing, see slurm_cluster.py): a
-2-step training job completes; a job told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does before the
-time limit) saves, requeues itself and resumes from the saved step, for GRPO and for PRM training; pipeline.sh
-chains labels + PRM training and GRPO as dependent jobs."""
+2-step training job completes; pipeline.sh chains labels + PRM training and GRPO as dependent jobs, and its PRM job,
+told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does before the time limit), saves, requeues itself
+and resumes from the saved step. The same stop-requeue-resume of a GRPO job (train.sbatch) runs across two nodes in
+test_slurm_two_nodes.py."""
 
 import json
 import os
@@ -130,34 +131,6 @@ def test_train_sbatch_runs_two_steps_on_one_node(cluster, task, tmp_path):
     assert state == "COMPLETED", text[-4000:]
     assert "SLURM_RESTART_COUNT=0" in text
     assert _steps(run_dir) == [1, 2]
-
-
-@pytest.mark.slow
-def test_usr1_to_the_batch_shell_saves_requeues_and_resumes(cluster, task, tmp_path):
-    run_dir = tmp_path / "run"
-    job_id = _submit(tmp_path, *_overrides(task, run_dir, "trainer.total_steps=40"))
-    log = tmp_path / f"grpo-mega-{job_id}.out"
-    try:
-        _wait_for(lambda: _steps(run_dir), 240, "step 1 in metrics.jsonl", log)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-        _wait_for(lambda: "requeueing" in log.read_text(), 120, "the batch script to requeue the job", log)
-
-        # A requeued job starts again only after the job credential lifetime (120 s by default; the test cluster
-        # sets AuthInfo=cred_expire=10): starting it earlier fails with "Job credential revoked".
-        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to be requeued and restart",
-                  log)
-        _wait_for(lambda: re.search(r"resumed from \S*step_\d+", log.read_text()), 240, "the resumed run", log)
-        text = log.read_text()
-        stopped = [int(n) for n in re.findall(r"grpo-mega train: stopped after step (\d+)", text)]
-        assert stopped and 1 <= stopped[0] < 40, text[-4000:]
-        assert re.search(rf"resumed from \S*step_{stopped[0]:06d}", text), text[-4000:]
-        assert "USR1 received" in text and "requeueing" in text
-        _wait_for(lambda: len(_steps(run_dir)) > stopped[0], 240, "a step after the resume", log)
-        assert _steps(run_dir)[: stopped[0] + 1] == list(range(1, stopped[0] + 2))
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-        _wait_for(lambda: _job(job_id).get("JobState") in {None, "CANCELLED", "COMPLETED", "FAILED"}, 120,
-                  f"job {job_id} to end", log)
 
 
 @pytest.mark.slow
