@@ -69,7 +69,7 @@ def preflight(args: argparse.Namespace):
     from transformers import AutoConfig
 
     from grpo_mega.checkpoint import HFWeights, architecture_for, check_hf_weights
-    from grpo_mega.checkpoint.hf_layouts import read_model_dims
+    from grpo_mega.checkpoint.hf_transforms import read_model_dims
     from grpo_mega.model import gpt_config_from_hf
 
     if not (args.hf / "config.json").is_file():
