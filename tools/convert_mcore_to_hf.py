@@ -84,7 +84,7 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
     from grpo_mega.checkpoint.weights_only import load_model_state
     from grpo_mega.model import gpt_config_from_hf
     from grpo_mega.parallel import init_distributed
-    from prm.model import build_conversion_stage
+    from prm.engines import build_conversion_stage
 
     start = time.perf_counter()
     init_distributed(tp, pp, seed=0)
