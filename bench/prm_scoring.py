@@ -47,7 +47,7 @@ def build_inputs(folder: Path, solutions: int, seed: int = 0) -> tuple[dict[str,
     planted errors; returns ({layout: PRM folder}, examples)."""
     from grpo_mega.data.synthetic import read_jsonl
     from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
-    from prm.model import prm_hf_config_from_policy
+    from prm.spec import prm_hf_config_from_policy
     from prm.synthetic import planted_error_examples
 
     model_dir, _, heldout = build_data_and_model(folder, QuickstartPlan(num_train=1000, num_heldout=solutions), seed)
@@ -61,7 +61,8 @@ def _score(prm_dir: str, prm_layout: str, examples: list, tensor: int, pipeline:
     from transformers import AutoConfig, AutoTokenizer
 
     from grpo_mega.parallel import destroy_distributed, init_distributed
-    from prm.model import PRMSpec, build_prm_forward_engine
+    from prm.engines import build_prm_forward_engine
+    from prm.spec import PRMSpec
     from prm.rendering import RenderSettings
     from prm.scoring import StepScorer
 

@@ -413,7 +413,7 @@ def validate(cfg: GRPOConfig) -> None:
         if not cfg.process_reward.prm:
             raise ConfigError("process_reward.source=prm needs process_reward.prm (a PRM checkpoint or HF PRM folder)")
         if cfg.process_reward.layout is None and Path(cfg.process_reward.prm).exists():
-            from prm.model import check_layout_is_known
+            from prm.spec import check_layout_is_known
 
             try:
                 check_layout_is_known(cfg.process_reward.prm, "process_reward.layout")

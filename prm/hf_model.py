@@ -119,7 +119,7 @@ def build_hf_prm(hf_config, layout: str, label_ids: tuple[int, int] | None) -> t
 
 # --------------------------------------------------------------------------------------------- policy weights
 class _HFWeightsReader:
-    """Stands in for an engine so that ``load_initial_weights`` reads any ``model.init_from`` source as HF-named
+    """Stands in for an engine so that ``grpo_mega.engine.source_weights`` reads any model source as HF-named
     tensors (``weights``): an HF folder, a converted megatron folder (through a CPU megatron copy of the PRM, which
     reads a policy's backbone), a DeepSpeed or a Megatron training checkpoint (its backbone keys only)."""
 
@@ -155,17 +155,20 @@ class _HFWeightsReader:
 
 def load_backbone_weights(engine, source) -> str:
     """Load the backbone of ``source`` (a policy: HF folder, converted megatron folder, training checkpoint or run
-    directory) into a DeepSpeed classifier PRM engine; its LM head is not read and the classifier head keeps its
-    initialisation. Collective. Returns the format loaded. ValueError naming the source when tensors are missing."""
-    from grpo_mega.checkpoint.initial_weights import load_initial_weights
+    directory, or its ``ModelSource``) into a DeepSpeed classifier PRM engine; its LM head is not read and the
+    classifier head keeps its initialisation. Collective. Returns the format loaded. ValueError naming the source
+    when tensors are missing."""
+    from grpo_mega.checkpoint.source import resolve_model_source
     from grpo_mega.engine.deepspeed_weights import load_named_weights
+    from grpo_mega.engine.source_weights import load_source_weights
 
+    model = resolve_model_source(source)
     reader = _HFWeightsReader(engine.hf_config, engine.megatron_stage)
-    kind = load_initial_weights(reader, source)
+    load_source_weights(reader, model)
     wanted = [name for name, _ in engine.named_parameters() if not name.startswith(CLASSIFIER_PREFIX)]
     missing = [name for name in wanted if name not in reader.weights]
     if missing:
-        raise ValueError(f"{source}: the policy's weights lack backbone tensors of the PRM: {missing[:8]}")
+        raise ValueError(f"{model.path}: the policy's weights lack backbone tensors of the PRM: {missing[:8]}")
     load_named_weights(engine, {name: reader.weights[name] for name in wanted}, optional_prefixes=(CLASSIFIER_PREFIX,))
     engine.reload_after_weight_load()
-    return kind
+    return model.kind

@@ -255,7 +255,7 @@ def policy_folders(policy: str | Path) -> tuple[str, Path, Path]:
     converted megatron folder (its ``hf/`` side files), a grpo-mega training checkpoint or run directory (its saved
     config's ``model.hf_config`` and ``model.tokenizer``); collective for checkpoints (rank 0 locates them)."""
     from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR
-    from grpo_mega.checkpoint.training import checkpoint_config
+    from grpo_mega.checkpoint.source import checkpoint_config
     from grpo_mega.checkpoint.training_files import weights_format
 
     policy = Path(policy)

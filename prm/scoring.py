@@ -21,6 +21,8 @@ from prm.rendering import LIKELIHOOD_TOKENS, RenderedExample, RenderSettings, to
 if TYPE_CHECKING:
     import torch
 
+    from prm.spec import PRMChoices
+
 # torch is imported where it is used: every `grpo-mega` command builds the parser with this module's flags
 # (add_score_arguments), also the launcher process that only execs torchrun.
 
@@ -191,17 +193,15 @@ def open_scorer(args):
     from grpo_mega.parallel import init_distributed
 
     from grpo_mega.config import DeepSpeedConfig
+    from prm.spec import PRMChoices, check_layout_is_known
 
     if args.engine == "deepspeed" and (args.tp, args.pp) != (1, 1):
         raise ValueError(f"--engine deepspeed runs data parallel only: use --tp 1 --pp 1 (got {args.tp}, {args.pp})")
     if args.layout is None:
-        from prm.model import check_layout_is_known
-
         check_layout_is_known(args.prm, "--layout")
     init_distributed(args.tp, args.pp, seed=args.seed)
     return open_step_scorer(
-        args.prm, layout=args.layout, likelihood_tokens=args.likelihood_tokens, step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token,
-        chat_template=args.chat_template, system_prompt=args.system_prompt, max_length=args.max_length,
+        args.prm, PRMChoices.of(args), max_length=args.max_length,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, engine_kind=args.engine,
         deepspeed=DeepSpeedConfig(zero_stage=args.zero_stage),
     )
@@ -209,14 +209,8 @@ def open_scorer(args):
 
 def open_step_scorer(
     path: str,
+    choices: PRMChoices | None = None,
     *,
-    layout: str | None = None,
-    step_tag: str | None = None,
-    good_token: str | None = None,
-    bad_token: str | None = None,
-    chat_template: bool | None = None,
-    system_prompt: str | None = None,
-    likelihood_tokens: str | None = None,
     max_length: int | None = None,
     max_tokens_per_micro_batch: int = 8192,
     engine_kind: str = "megatron",
@@ -224,35 +218,18 @@ def open_step_scorer(
 ):
     """Open the PRM at ``path`` on a forward-only engine (``prm.model.open_prm``; after ``init_distributed``; the
     ``engine_kind`` ``megatron`` or ``deepspeed`` with ``deepspeed`` settings) and its ``StepScorer``; returns
-    (loaded PRM, scorer). None keeps the PRM's own setting: its tag and label tokens, and for a grpo-mega PRM the
-    chat-template settings it was trained with (off for an HF PRM folder)."""
+    (loaded PRM, scorer). ``choices`` (``prm.spec.PRMChoices``, default none) override how the PRM reads solutions;
+    a None keeps the PRM's own setting: its tag and label tokens, and for a grpo-mega PRM the chat-template settings
+    it was trained with (off for an HF PRM folder). The PRM's source is read once, by ``open_prm``."""
     from prm.model import open_prm
+    from prm.spec import PRMChoices
 
-    overrides = {key: value for key, value in (("layout", layout), ("step_tag", step_tag), ("good_token", good_token),
-                                                ("bad_token", bad_token)) if value is not None}
-    if layout == "likelihood" and step_tag is None:
-        overrides["step_tag"] = ""  # the likelihood layout reads the steps as written
-    loaded = open_prm(path, spec_overrides=overrides, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                      engine_kind=engine_kind, deepspeed=deepspeed)
-    saved = saved_render_settings(path)
-    settings = RenderSettings(
-        step_tag=loaded.spec.step_tag,
-        chat_template=chat_template if chat_template is not None else bool(saved.get("chat_template", False)),
-        system_prompt=system_prompt if system_prompt is not None else saved.get("system_prompt"),
-        likelihood_tokens=likelihood_tokens or saved.get("likelihood_tokens") or "all",
-    )
+    choices = choices or PRMChoices()
+    loaded = open_prm(path, spec_overrides=choices.spec_overrides(),
+                      max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
+                      deepspeed=deepspeed)
+    settings = choices.render_settings(loaded.spec, loaded.source)
     return loaded, StepScorer(loaded.engine, loaded.tokenizer, settings, max_length=max_length)
-
-
-def saved_render_settings(path: str) -> dict:
-    """The ``prm`` config section a grpo-mega PRM was trained with ({} for an HF or megatron folder)."""
-    from grpo_mega.checkpoint.training_files import weights_format
-
-    if weights_format(path) not in ("training_checkpoint", "training_run"):
-        return {}
-    from grpo_mega.checkpoint.training import checkpoint_config
-
-    return dict(checkpoint_config(path).get("prm") or {})
 
 
 def read_data(args, path: str | None = None) -> list[StepExample]:

@@ -106,7 +106,8 @@ def evaluate_steps(scorer: StepScorer, rendered: list[RenderedExample], targets:
 def run_prm_train(cfg: PRMConfig) -> Path:
     """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises
     ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank)."""
-    from prm.model import PRMSpec, build_prm_engine
+    from prm.engines import build_prm_engine
+    from prm.spec import PRMSpec
 
     stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds,
                                  end_time=run_end_time(cfg.trainer.time_limit_seconds)).install()
@@ -216,7 +217,7 @@ def _render(cfg: PRMConfig, examples: list[StepExample], tokenizer, settings: Re
 def _prm_hf_config(cfg: PRMConfig, run_dir: Path) -> Path:
     """The PRM's HF config folder: ``model.hf_config`` when it already describes this layout; for a classifier
     on a causal LM's config, a PRM config written into the run directory (rank 0 writes, all wait)."""
-    from prm.model import detect_layout, prm_hf_config_from_policy
+    from prm.spec import detect_layout, prm_hf_config_from_policy
 
     given = Path(cfg.model.hf_config)
     hf_config = AutoConfig.from_pretrained(given)
@@ -251,13 +252,10 @@ def _load_initial_weights(engine, cfg: PRMConfig) -> None:
 
 def _is_classifier_prm(source: str) -> bool:
     """Whether ``source`` holds a classifier PRM (its head included): an HF PRM folder or a grpo-mega PRM run."""
-    from grpo_mega.checkpoint.training import checkpoint_config
-    from grpo_mega.checkpoint.training_files import weights_format
-    from prm.model import detect_layout
+    from grpo_mega.checkpoint.source import resolve_model_source
+    from prm.spec import detect_layout
 
-    kind = weights_format(source)
-    if kind == "hf":
-        return detect_layout(AutoConfig.from_pretrained(source)) == "classifier"
-    if kind in ("training_checkpoint", "training_run"):
-        return (checkpoint_config(source).get("prm") or {}).get("layout") == "classifier"
-    return False
+    model = resolve_model_source(source)
+    if model.kind == "hf":
+        return detect_layout(model.hf_config) == "classifier"
+    return model.trained_prm.get("layout") == "classifier"

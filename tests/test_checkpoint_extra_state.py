@@ -185,7 +185,8 @@ def _engine_weights(engine):
 
 def _training_job(tmp: str) -> dict:
     import grpo_mega.model.gpt as gpt
-    from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+    from grpo_mega.checkpoint.training import CheckpointManager
+    from grpo_mega.checkpoint.weights_only import load_model_only
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
     from grpo_mega.parallel import init_distributed

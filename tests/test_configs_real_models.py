@@ -172,7 +172,7 @@ def test_process_supervised_config_scores_steps_with_qwen_math_prm():
     from transformers import AutoConfig
 
     from grpo_mega.checkpoint.hf_layouts import architecture_for
-    from prm.model import detect_layout
+    from prm.spec import detect_layout
 
     cfg = _load("qwen2.5-math-7b_grpo_prm.yaml")
     assert cfg.algorithm.supervision == "process" and cfg.process_reward.source == "prm"

@@ -153,7 +153,8 @@ def _count_gathers():
 def _zero3_train_resume_export(model_dir, run_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+    from grpo_mega.checkpoint.training import CheckpointManager
+    from grpo_mega.checkpoint.weights_only import load_model_only
     from grpo_mega.config import DeepSpeedConfig
     from grpo_mega.engine import build_reference_engine
     from grpo_mega.engine.deepspeed_checkpoint import save_hf_checkpoint

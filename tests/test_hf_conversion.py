@@ -24,14 +24,8 @@ from grpo_mega.checkpoint import (
     hf_to_mcore_shards,
     mcore_shards_to_hf,
 )
-from grpo_mega.checkpoint.hf_layouts import (
-    FUSED_NORM_NAMES,
-    GATE_UP,
-    QKV_GROUPED,
-    VOCAB_ROWS,
-    ModelDims,
-    model_tensor_name,
-)
+from grpo_mega.checkpoint.hf_layouts import FUSED_NORM_NAMES, model_tensor_name
+from grpo_mega.checkpoint.hf_transforms import GATE_UP, QKV_GROUPED, VOCAB_ROWS, ModelDims
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"

@@ -161,12 +161,12 @@ def test_stage_counts_follow_megatrons_layout_and_the_subprocess_path_gives_the_
 def test_prm_read_from_an_hf_folder_or_a_grpo_mega_checkpoint(tmp_path, monkeypatch):
     """An HF PRM folder's config.json; for a grpo-mega checkpoint / run directory (no config.json), the config.json
     of the model.hf_config saved with it; None (reported unknown) when it is neither."""
-    import grpo_mega.checkpoint.training as training
+    import grpo_mega.checkpoint.source as source
     from grpo_mega.plan.build import _prm_hf_config
 
     hf = json.loads(open("configs/models/qwen2.5-math-prm-7b/config.json").read())
     assert _prm_hf_config("configs/models/qwen2.5-math-prm-7b") == hf
     assert _prm_hf_config(str(tmp_path)) is None  # no config.json, no checkpoint
     saved = {"model": {"hf_config": "configs/models/qwen2.5-math-prm-7b"}}
-    monkeypatch.setattr(training, "checkpoint_config", lambda path: saved)
+    monkeypatch.setattr(source, "checkpoint_config", lambda path: saved)
     assert _prm_hf_config(str(tmp_path)) == hf

@@ -67,7 +67,8 @@ def _prm_engine(folder: str, layout: str, engine_kind: str, zero_stage: int = 2)
 
     from grpo_mega.checkpoint import HFWeights
     from grpo_mega.config import DeepSpeedConfig
-    from prm.model import build_prm_engine, default_spec
+    from prm.engines import build_prm_engine
+    from prm.spec import default_spec
 
     engine = build_prm_engine(AutoConfig.from_pretrained(folder), default_spec(layout),
                               AutoTokenizer.from_pretrained(folder), optim=_optim(), total_steps=STEPS,
@@ -92,7 +93,8 @@ def _train_and_resume(folders: dict[str, str], root: str) -> dict:
 
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import DeepSpeedConfig
-    from prm.model import default_spec, open_prm
+    from prm.model import open_prm
+    from prm.spec import default_spec
     from prm.train import prm_loss
 
     results = {}
@@ -148,7 +150,7 @@ def _both(folders: dict[str, str], policy: str, prm_config: str, root: str) -> d
 @pytest.fixture(scope="module")
 def two_ranks(hf_prms, tmp_path_factory):  # noqa: F811  (hf_prms: the fixture imported above)
     """Rank 0's results of both parts (the policy: a tied causal LM, and the PRM config made from it)."""
-    from prm.model import prm_hf_config_from_policy
+    from prm.spec import prm_hf_config_from_policy
 
     root = tmp_path_factory.mktemp("two_ranks")
     policy = write_causal_lm(root / "policy", seed=3, tied=True)
@@ -188,7 +190,9 @@ def _score_and_init(folders: dict[str, str], policy: str, prm_config: str, root:
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import DeepSpeedConfig
     from grpo_mega.engine import build_policy_engine
-    from prm.model import build_prm_engine, default_spec, load_prm_init_weights, open_prm
+    from prm.engines import build_prm_engine
+    from prm.model import load_prm_init_weights, open_prm
+    from prm.spec import default_spec
 
     zero3 = DeepSpeedConfig(zero_stage=3, gather_bucket_mb=1)
     results: dict = {"scores": {}}
@@ -227,7 +231,7 @@ def _score_and_init(folders: dict[str, str], policy: str, prm_config: str, root:
 
 
 def test_deepspeed_scores_match_transformers_and_init_from_policy(hf_prms, two_ranks):  # noqa: F811
-    from prm.model import default_spec
+    from prm.spec import default_spec
 
     results = two_ranks["score"]
     for layout, folder in hf_prms.items():

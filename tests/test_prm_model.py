@@ -18,13 +18,13 @@ import torch
 from dist_utils import run_distributed
 from transformers import Qwen2Config
 
-from prm.model import (
+from prm.model import load_prm_init_weights
+from prm.spec import (
     PRMSpec,
     config_layout,
     default_spec,
     detect_layout,
     label_token_ids,
-    load_prm_init_weights,
     prm_hf_config_from_policy,
 )
 
@@ -277,7 +277,8 @@ def _scores(folders: dict[str, str], run_dir: str, mcore_dir: str) -> dict:
     from grpo_mega.checkpoint import HFWeights, save_mcore_checkpoint
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import OptimConfig
-    from prm.model import build_prm_engine, open_prm
+    from prm.engines import build_prm_engine
+    from prm.model import open_prm
 
     results: dict = {}
     for tp, pp in ((2, 1), (1, 2)):
@@ -403,7 +404,7 @@ def _training_step(folder: str, layout: str) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from grpo_mega.checkpoint import HFWeights
-    from prm.model import build_prm_engine
+    from prm.engines import build_prm_engine
 
     spec = default_spec(layout)
     engine = build_prm_engine(AutoConfig.from_pretrained(folder), spec, AutoTokenizer.from_pretrained(folder),
@@ -425,7 +426,7 @@ def _init_from_policy(policy: str, prm_dir: str, run_dir: str, mcore_dir: str) -
     from grpo_mega.checkpoint import HFWeights, save_mcore_checkpoint
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.engine import build_policy_engine
-    from prm.model import build_prm_engine
+    from prm.engines import build_prm_engine
 
     policy_engine = build_policy_engine(AutoConfig.from_pretrained(policy), optim=_optim(), total_steps=1,
                                         max_tokens_per_micro_batch=64)

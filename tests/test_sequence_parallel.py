@@ -117,7 +117,8 @@ def _prm_config():
 
 def _prm_step(sequence_parallel, prm_dir):
     from grpo_mega.config import OptimConfig
-    from prm.model import PRMSpec, build_prm_engine
+    from prm.engines import build_prm_engine
+    from prm.spec import PRMSpec
     from prm.train import prm_loss
 
     engine = build_prm_engine(_prm_config(), PRMSpec("classifier", "<tag>"), None,
@@ -138,7 +139,8 @@ def _job(ref_dir, prm_dir):
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
     from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
-    from prm.model import PRMSpec, build_prm_engine
+    from prm.engines import build_prm_engine
+    from prm.spec import PRMSpec
 
     init_distributed(1, 1, seed=3, device="cpu")
     build_policy_engine(tiny_qwen2_config(tied=False), optim=OptimConfig(), total_steps=1,

@@ -132,7 +132,8 @@ class _Records(logging.Handler):
 def _resume_at(run_dir, save_dir, load_model_only_too):
     """Resume from ``run_dir`` at megatron's current layout, save again into ``save_dir`` (unless None) at once,
     and train to the end."""
-    from grpo_mega.checkpoint.training import CheckpointManager, load_model_only
+    from grpo_mega.checkpoint.training import CheckpointManager
+    from grpo_mega.checkpoint.weights_only import load_model_only
 
     records = _Records()
     logging.getLogger("grpo_mega.checkpoint.training").addHandler(records)

@@ -69,7 +69,7 @@ def preflight(args: argparse.Namespace):
     from transformers import AutoConfig
 
     from grpo_mega.checkpoint import HFWeights, architecture_for, check_hf_weights
-    from grpo_mega.checkpoint.hf_layouts import read_model_dims
+    from grpo_mega.checkpoint.hf_transforms import read_model_dims
     from grpo_mega.model import gpt_config_from_hf
 
     if not (args.hf / "config.json").is_file():
@@ -91,7 +91,7 @@ def convert(hf_dir: Path, out_dir: Path, tp: int, pp: int, dtype: torch.dtype) -
     from grpo_mega.checkpoint import HFWeights, load_hf_weights, save_mcore_checkpoint
     from grpo_mega.model import gpt_config_from_hf
     from grpo_mega.parallel import init_distributed
-    from prm.model import build_conversion_stage
+    from prm.engines import build_conversion_stage
 
     start = time.perf_counter()
     init_distributed(tp, pp, seed=0)

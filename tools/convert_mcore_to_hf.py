@@ -46,21 +46,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def read_source(ckpt: Path) -> tuple[object, Path, str, bool]:
     """(HF config, folder of its config/tokenizer files, stored parameter dtype, is a training checkpoint)."""
-    from transformers import AutoConfig
-
     from grpo_mega.checkpoint import read_checkpoint_info
-    from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR
-    from grpo_mega.checkpoint.training import checkpoint_config, locate_checkpoint
-    from grpo_mega.checkpoint.training_files import read_checkpoint_state, weights_format
+    from grpo_mega.checkpoint.source import resolve_model_source
+    from grpo_mega.checkpoint.training_files import read_checkpoint_state
 
-    if weights_format(ckpt) not in ("training_checkpoint", "training_run"):
+    source = resolve_model_source(ckpt)
+    if not source.is_checkpoint:
         hf_config, info = read_checkpoint_info(ckpt)
-        return hf_config, ckpt / HF_FILES_DIR, info["dtype"], False
-    hf_dir = checkpoint_config(ckpt).get("model", {}).get("hf_config")
-    if not hf_dir or not (Path(hf_dir) / "config.json").is_file():
+        return hf_config, source.hf_config_folder, info["dtype"], False
+    if source.hf_config is None:
+        hf_dir = source.model_settings.get("hf_config")
         raise ValueError(f"{ckpt}: the run's model.hf_config ({hf_dir!r}) has no config.json to describe the model")
-    dtype = read_checkpoint_state(locate_checkpoint(ckpt)).get("param_dtype", "float32")
-    return AutoConfig.from_pretrained(hf_dir), Path(hf_dir), dtype, True
+    dtype = read_checkpoint_state(source.folder).get("param_dtype", "float32")
+    return source.hf_config, source.hf_config_folder, dtype, True
 
 
 def preflight(args: argparse.Namespace) -> object:
@@ -83,10 +81,10 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
     import torch.distributed as dist
 
     from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files, export_hf_weights, load_mcore_checkpoint
-    from grpo_mega.checkpoint.training import load_model_state
+    from grpo_mega.checkpoint.weights_only import load_model_state
     from grpo_mega.model import gpt_config_from_hf
     from grpo_mega.parallel import init_distributed
-    from prm.model import build_conversion_stage
+    from prm.engines import build_conversion_stage
 
     start = time.perf_counter()
     init_distributed(tp, pp, seed=0)
@@ -119,14 +117,10 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
 
 def _deepspeed_folder(ckpt: Path) -> Path | None:
     """The checkpoint folder when ``ckpt`` is (or a run directory's newest is) a DeepSpeed-engine checkpoint."""
-    from grpo_mega.checkpoint.training import locate_checkpoint
-    from grpo_mega.checkpoint.training_files import weights_format
-    from grpo_mega.engine.deepspeed_checkpoint import is_deepspeed_checkpoint
+    from grpo_mega.checkpoint.source import resolve_model_source
 
-    if weights_format(ckpt) not in ("training_checkpoint", "training_run"):
-        return None
-    folder = locate_checkpoint(ckpt)
-    return folder if is_deepspeed_checkpoint(folder) else None
+    source = resolve_model_source(ckpt)
+    return source.folder if source.saved_by == "deepspeed" else None
 
 
 def _export_deepspeed(args: argparse.Namespace, hf_config) -> None:

@@ -1,4 +1,5 @@
-"""Checkpoints: HF <-> megatron-core conversion (tables, TP/PP sharding, export) and model checkpoints."""
+"""Checkpoints: where model weights come from (`source`), HF <-> megatron-core conversion (tables, TP/PP sharding,
+export), model and training checkpoints."""
 
 from grpo_mega.checkpoint.hf_compare import compare_logits, mcore_logits
 from grpo_mega.checkpoint.hf_convert import (

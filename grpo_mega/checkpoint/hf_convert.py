@@ -24,14 +24,13 @@ import torch.distributed as dist
 from grpo_mega.checkpoint.hf_io import HFWeights
 from grpo_mega.checkpoint.hf_layouts import (
     ArchitectureTable,
-    ModelDims,
     StageRow,
     architecture_for,
     model_tensor_name,
-    read_model_dims,
     stage_layers,
     stage_rows,
 )
+from grpo_mega.checkpoint.hf_transforms import ModelDims, read_model_dims
 from grpo_mega.model.config_map import padded_vocab_size as default_padded_vocab_size
 from grpo_mega.parallel.layout import validate_model_split
 

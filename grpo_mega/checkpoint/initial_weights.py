@@ -3,8 +3,9 @@
 One entry point for the policy, the KL reference (a forward-only engine) and an ``lm_tokens`` PRM: a Hugging Face
 folder, a converted megatron model folder, a grpo-mega training checkpoint or a run directory (its newest complete
 checkpoint), each at the job's TP / PP, with the bf16 master copies of a training engine following the weights.
+The path is resolved once (``grpo_mega.checkpoint.source``) and the engine loads it (``engine.load_model_source``).
 A classifier PRM started from a policy (whose LM head it does not have) goes through
-``prm.model.load_prm_init_weights``, which calls this for the other layout.
+``prm.model.load_prm_init_weights``, which loads the backbone only.
 """
 
 from __future__ import annotations
@@ -12,30 +13,22 @@ from __future__ import annotations
 import logging
 import os
 
-from grpo_mega.checkpoint.training import load_model_only
-from grpo_mega.checkpoint.training_files import weights_format
+from grpo_mega.checkpoint.source import ModelSource, resolve_model_source
 
 logger = logging.getLogger(__name__)
 
 
-def load_initial_weights(engine, source: str | os.PathLike | None) -> str:
+def load_initial_weights(engine, source: str | os.PathLike | ModelSource | None) -> str:
     """Load ``source`` into ``engine`` (a training or forward-only engine); collective. Returns the format
     loaded: ``hf``, ``mcore_model``, ``training_checkpoint``, ``training_run``, or ``random`` for None.
 
     None leaves the engine's random initialisation (with a warning). Raises ValueError naming the folder when it
-    is none of the known formats (``grpo_mega.checkpoint.training_files.weights_format``) or does not fit the
+    is none of the known formats (``grpo_mega.checkpoint.source.resolve_model_source``) or does not fit the
     model (shapes, vocabulary, missing tensors).
     """
     if source is None:
         logger.warning("model.init_from is not set: the model starts from random weights")
         return "random"
-    kind = weights_format(source)
-    if kind == "hf":
-        from grpo_mega.checkpoint.hf_io import HFWeights
-
-        engine.load_hf_weights(HFWeights(source))
-    elif kind == "mcore_model":
-        engine.load_mcore_model(str(source))
-    else:  # a training checkpoint or a run directory: only its model weights
-        load_model_only(engine, source)
-    return kind
+    source = resolve_model_source(source)
+    engine.load_model_source(source)
+    return source.kind

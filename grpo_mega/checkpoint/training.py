@@ -12,7 +12,9 @@ without the distributed optimizer whichever it was saved with (``grpo_mega.check
 The learning-rate schedule resumes at its saved position (in trainer steps) with the settings of the current
 config, so a run can be extended (``trainer.total_steps``) or its ``optim.*`` changed on resume.
 Engines are driven only through their interface (``grpo_mega.engine.base.TrainingEngine``); the DeepSpeed engine
-writes its own files into the same staging folder instead (``grpo_mega.engine.deepspeed_checkpoint``).
+writes its own files into the same staging folder instead (``engine.save_training_state``).
+Reading only the model of a checkpoint (``model.init_from``, a PRM to score with) is ``grpo_mega.checkpoint.source``
+(which checkpoint, its config) and ``grpo_mega.checkpoint.weights_only`` (its model tensors).
 RNG states belong to one rank of one layout: they are restored when the layout matches, and the generators
 are reseeded (with a warning) when it does not.
 """
@@ -93,7 +95,7 @@ def _is_rank0() -> bool:
     return not _distributed() or dist.get_rank() == 0
 
 
-def _rank0_decides(decide: Callable[[], T]) -> T:
+def rank0_decides(decide: Callable[[], T]) -> T:
     """Run ``decide()`` on global rank 0 only and give its result, or its error, to every rank.
 
     File-system decisions (which checkpoint, is it complete) are made once, so every rank acts on the same
@@ -228,10 +230,10 @@ class CheckpointManager:
         start = time.perf_counter()
         final = self.checkpoints_dir / step_dir_name(step)
         staging = self.checkpoints_dir / f"{TMP_PREFIX}{final.name}"
-        _rank0_decides(lambda: self._prepare_staging(staging))  # a broadcast: no rank writes before it is done
+        rank0_decides(lambda: self._prepare_staging(staging))  # a broadcast: no rank writes before it is done
 
         with_optimizer = engine.steps_done > 0  # before the first step the optimizer has no state to save
-        if _engine_name(engine) == "deepspeed":  # DeepSpeed's own files (grpo_mega.engine.deepspeed_checkpoint)
+        if _engine_name(engine) == "deepspeed":  # DeepSpeed's own files (the engine writes them)
             engine.save_training_state(staging, rng_state=rng_state, scheduler=engine.schedule_state_dict(),
                                        extra_state=extra_state)
         else:
@@ -255,7 +257,7 @@ class CheckpointManager:
             "lr_schedule_unit": "trainer_steps",
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        _rank0_decides(lambda: self._publish(staging, final, info, config_text))
+        rank0_decides(lambda: self._publish(staging, final, info, config_text))
         if _is_rank0():
             logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - start)
         return final
@@ -326,7 +328,7 @@ class CheckpointManager:
         if resume == "none":
             return None
         if resume == "auto":
-            return _rank0_decides(self._newest_complete)
+            return rank0_decides(self.newest_complete)
 
         def check_explicit() -> Path:
             problem = checkpoint_problem(resume)
@@ -334,9 +336,11 @@ class CheckpointManager:
                 raise ValueError(f"trainer.resume={resume!r} is not a complete training checkpoint: {problem}")
             return Path(resume)
 
-        return _rank0_decides(check_explicit)
+        return rank0_decides(check_explicit)
 
-    def _newest_complete(self) -> Path | None:
+    def newest_complete(self) -> Path | None:
+        """The checkpoint ``latest`` names if complete, else the newest complete ``step_N``; in this process only
+        (``find_resume`` is the collective one). Each skipped folder is logged with the reason."""
         latest_target = None
         latest = self.checkpoints_dir / LATEST_FILE
         if latest.is_file():
@@ -371,7 +375,7 @@ class CheckpointManager:
         from grpo_mega.parallel import seed_everything
 
         path = Path(path)
-        info = _rank0_decides(lambda: read_checkpoint_state(path))
+        info = rank0_decides(lambda: read_checkpoint_state(path))
         # A CPU-only process cannot take a CUDA generator state (or the other way round): reseed then too.
         saved_cuda = info.get("cuda_rng", False)  # absent in the first checkpoints of this format: CPU runs
         same_layout = info["layout"] == _layout() and saved_cuda == torch.cuda.is_available()
@@ -438,59 +442,3 @@ def _restore_schedule(engine, saved: dict, info: dict) -> None:
             ", ".join(changes) or "unchanged", position, engine.current_lr,
             f" (the checkpoint counted {saved['num_steps']} optimizer steps)" if legacy else "",
         )
-
-
-def locate_checkpoint(path: str | os.PathLike) -> Path:
-    """The complete checkpoint folder meant by ``path``: the folder itself, or a run directory's newest complete
-    checkpoint. Rank 0 decides; raises ValueError when there is none."""
-    path = Path(path)
-
-    def locate() -> Path:
-        if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
-            newest = CheckpointManager(path)._newest_complete()
-            if newest is None:
-                raise ValueError(f"run directory {path} holds no complete checkpoint")
-            return newest
-        read_checkpoint_state(path)
-        return path
-
-    return _rank0_decides(locate)
-
-
-def load_model_state(model: torch.nn.Module, path: str | os.PathLike) -> Path:
-    """Load the model weights of a training checkpoint (or a run directory's newest) into a built model of this
-    job's layout; collective. Returns the folder loaded."""
-    folder, model_state = _load_model_keys(model.sharded_state_dict(), path)
-    model.load_state_dict(model_state)
-    return folder
-
-
-def _load_model_keys(model_sharded_state: dict, path: str | os.PathLike) -> tuple[Path, dict]:
-    """The checkpoint folder meant by ``path`` and its model tensors for this layout; collective."""
-    folder = locate_checkpoint(path)
-    # Only the model's keys are requested; the checkpoint's other entries stay on disk.
-    return folder, load_sharded({"model": model_sharded_state}, folder)["model"]
-
-
-def checkpoint_config(path: str | os.PathLike) -> dict:
-    """The run config stored with a training checkpoint (or a run directory's newest checkpoint)."""
-    return yaml.safe_load((locate_checkpoint(path) / CONFIG_FILE).read_text()) or {}
-
-
-def load_model_only(engine, path: str | os.PathLike) -> Path:
-    """Load only the model weights of a training checkpoint (``model.init_from``), at any layout; collective.
-
-    ``path`` is a checkpoint folder or a run directory (its newest complete checkpoint is used). Optimizer,
-    schedule, RNG and step stay as they are: a new run starts from these weights. Works on training and
-    forward-only engines. Returns the folder loaded. Raises ValueError when there is no complete checkpoint there.
-    """
-    from grpo_mega.engine.deepspeed_checkpoint import deepspeed_checkpoint_weights, is_deepspeed_checkpoint
-
-    folder = locate_checkpoint(path)
-    if is_deepspeed_checkpoint(folder):  # saved by the DeepSpeed engine: its HF-named weights, for either engine
-        engine.load_hf_weights(deepspeed_checkpoint_weights(folder))
-        return folder
-    folder, model_state = _load_model_keys(engine.model_sharded_state_dict(), folder)
-    engine.load_model_state_dict(model_state)
-    engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
-    return folder

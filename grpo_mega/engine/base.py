@@ -95,6 +95,10 @@ class ForwardEngine(Protocol):
     def load_mcore_model(self, directory: str) -> None:
         """Load the backbone of a converted megatron model folder, then ``reload_after_weight_load``."""
 
+    def load_model_source(self, source) -> None:
+        """Load the weights of a ``grpo_mega.checkpoint.source.ModelSource`` (HF folder, converted folder, training
+        checkpoint of either engine) with the loaders above (``grpo_mega.engine.source_weights``)."""
+
     def reload_after_weight_load(self) -> None:
         """Make everything derived from the weights follow them (bf16: the optimizer's fp32 master copies)."""
 

@@ -10,7 +10,8 @@ prunes as for the Megatron engine; for a DeepSpeed engine the staging folder hol
 
 ZeRO partitions belong to one number of processes and one stage: a resume must use the same ones (a clear error
 otherwise); the weights alone load anywhere, by either engine, through :func:`deepspeed_checkpoint_weights`
-(``model.init_from``), and :func:`export_deepspeed_checkpoint_to_hf` writes them as a Hugging Face folder.
+(``model.init_from``, via ``grpo_mega.engine.source_weights``; ``grpo_mega.checkpoint.source`` tells such a folder
+by its metadata file), and :func:`export_deepspeed_checkpoint_to_hf` writes them as a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -32,11 +33,6 @@ TRAINER_STATE = "trainer_state.pt"
 
 def _rng_file(root: Path, rank: int) -> Path:
     return root / "rng" / f"rank_{rank:05d}.pt"
-
-
-def is_deepspeed_checkpoint(folder: str | os.PathLike) -> bool:
-    """Whether a training checkpoint folder was written by the DeepSpeed engine."""
-    return (Path(folder) / DEEPSPEED_METADATA).is_file()
 
 
 def save_training_state(engine, folder, *, rng_state, scheduler: dict, extra_state: dict) -> None:

@@ -156,6 +156,13 @@ class DeepSpeedForwardEngine:
         self.load_hf_weights(megatron_weights_as_hf(self.hf_config, directory=directory,
                                                      build_stage=self.megatron_stage))
 
+    def load_model_source(self, source) -> None:
+        """Load the weights of ``source`` (a ``grpo_mega.checkpoint.source.ModelSource``: HF folder, converted
+        folder, training checkpoint of either engine); collective (``grpo_mega.engine.source_weights``)."""
+        from grpo_mega.engine.source_weights import load_source_weights
+
+        load_source_weights(self, source)
+
     def model_sharded_state_dict(self) -> dict:
         """The megatron ShardedStateDict of a CPU megatron copy of this model (TP = PP = 1), so a Megatron training
         checkpoint loads into this engine (``init_from``): ``load_model_state_dict`` copies it in through HF names."""

@@ -112,7 +112,7 @@ def load_named_weights(engine, weights: Mapping[str, torch.Tensor], *, optional_
 class MegatronShadow:
     """A CPU megatron-core model of ``hf_config`` at TP = PP = 1, to read Megatron-format weights as HF-named tensors
     (megatron's parallel state must be initialised, as ``init_distributed(1, 1)`` does). ``build_stage(hf_config,
-    gpt_config)`` builds it (a PRM with its head: ``prm.model.build_conversion_stage``); None: a GPT with LM output."""
+    gpt_config)`` builds it (a PRM with its head: ``prm.engines.build_conversion_stage``); None: a GPT with LM output."""
 
     def __init__(self, hf_config, build_stage=None):
         from grpo_mega.model import build_gpt_model, gpt_config_from_hf

@@ -200,6 +200,38 @@ class MegatronStageEngine:
         load_mcore_checkpoint(self.stage, directory)
         self.reload_after_weight_load()
 
+    def load_model_source(self, source, *, backbone_only: bool = False) -> None:
+        """Load the weights of ``source`` (a ``grpo_mega.checkpoint.source.ModelSource``: HF folder, converted
+        folder, training checkpoint of either engine) at this job's TP / PP; collective.
+
+        ``backbone_only``: the source's LM output layer is not read and this model's head keeps its values (a
+        classifier PRM started from a causal LM); raises ValueError naming the folder when backbone tensors lack.
+        """
+        from grpo_mega.engine.source_weights import holds_hf_weights, load_source_weights, source_hf_weights
+
+        if not backbone_only:
+            load_source_weights(self, source)
+            return
+        if holds_hf_weights(source):
+            from grpo_mega.checkpoint.hf_convert import load_hf_weights
+
+            load_hf_weights(self.stage, source_hf_weights(source), source.hf_config, skip_lm_output=True)
+        elif source.kind == "mcore_model":
+            from grpo_mega.checkpoint.mcore_checkpoint import load_mcore_checkpoint
+
+            load_mcore_checkpoint(self.stage, source.folder)  # reads the tensors its table covers: no head
+        else:
+            from grpo_mega.checkpoint.weights_only import read_checkpoint_model
+
+            wanted = {name: value for name, value in self.model_sharded_state_dict().items()
+                      if not name.startswith("head.")}
+            missing, unexpected = self.stage.load_state_dict(read_checkpoint_model(wanted, source.folder),
+                                                             strict=False)
+            missing = [name for name in missing if not name.startswith("head.")]
+            if missing or unexpected:
+                raise ValueError(f"{source.folder}: model tensors missing {missing[:8]}, unexpected {unexpected[:8]}")
+        self.reload_after_weight_load()
+
     def reload_after_weight_load(self) -> None:
         """Nothing derives from the weights here; the training engine refreshes its fp32 master copies."""
 

@@ -57,7 +57,7 @@ def _prm_hf_config(path: str) -> dict | None:
     config_file = Path(path) / "config.json"
     if config_file.is_file():
         return json.loads(config_file.read_text())
-    from grpo_mega.checkpoint.training import checkpoint_config
+    from grpo_mega.checkpoint.source import checkpoint_config
 
     try:
         hf_dir = (checkpoint_config(path).get("model") or {}).get("hf_config")

@@ -120,12 +120,12 @@ class PRMStepRewards:
 def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micro_batch: int,
                            engine_kind: str = "megatron", deepspeed=None) -> PRMStepRewards:
     """Open ``settings.prm`` on a forward-only engine at the job's parallel layout (after ``init_distributed``):
-    the trainer's ``engine`` (``megatron``, or ``deepspeed`` with its ``deepspeed`` settings)."""
+    the trainer's ``engine`` (``megatron``, or ``deepspeed`` with its ``deepspeed`` settings), reading solutions as
+    the PRM was trained to except where ``settings`` choose otherwise (``prm.spec.PRMChoices``)."""
     from prm.scoring import open_step_scorer
+    from prm.spec import PRMChoices
 
-    _, scorer = open_step_scorer(
-        settings.prm, layout=settings.layout, step_tag=settings.step_tag, good_token=settings.good_token, bad_token=settings.bad_token,
-        chat_template=settings.chat_template, system_prompt=settings.system_prompt,
-        likelihood_tokens=settings.likelihood_tokens, max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind, deepspeed=deepspeed,
-    )
+    _, scorer = open_step_scorer(settings.prm, PRMChoices.of(settings),
+                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
+                                 deepspeed=deepspeed)
     return PRMStepRewards(scorer, settings)
