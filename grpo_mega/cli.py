@@ -72,19 +72,17 @@ def _run_stage(args) -> int:
     except ConfigError as error:
         print(f"grpo-mega {args.command}: {error}", file=sys.stderr)
         return 2
+    from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
+
     if args.command == "sft":
-        from grpo_mega.sft import run_sft
-
-        run_sft(cfg)
+        from grpo_mega.sft import run_sft as run
     else:
-        from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
-        from grpo_mega.trainer import train
-
-        try:
-            train(cfg)
-        except StoppedEarly as stopped:
-            print(f"grpo-mega train: {stopped}", file=sys.stderr)
-            return EXIT_STOPPED_EARLY
+        from grpo_mega.trainer import train as run
+    try:
+        run(cfg)
+    except StoppedEarly as stopped:  # a checkpoint was saved; the same command resumes (exit status 3)
+        print(f"grpo-mega {args.command}: {stopped}", file=sys.stderr)
+        return EXIT_STOPPED_EARLY
     return 0
 
 

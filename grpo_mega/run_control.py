@@ -6,7 +6,8 @@ Megatron-LM's exit-signal handler does, so a signal seen by any one rank makes e
 stop; a resumed job continues exactly from there. Under torchrun, only SIGINT / SIGTERM / SIGHUP / SIGQUIT sent to
 torchrun reach the workers, and torchrun kills them about 30 s after forwarding SIGTERM: the step in flight and
 the save must fit in that window. SIGUSR1 / SIGUSR2 have to be sent to the workers themselves (``srun --signal``
-or ``scancel --signal=USR1 --full`` under SLURM).
+or ``scancel --signal=USR1 --full`` under SLURM). The run harness (``grpo_mega.run_harness``) uses it for GRPO, SFT
+and PRM training alike.
 """
 
 from __future__ import annotations

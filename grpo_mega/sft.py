@@ -4,29 +4,28 @@ Megatron or DeepSpeed).
 ``grpo-mega sft --config FILE [key=value ...]``: the loss is the token-mean negative log-likelihood of the
 response tokens (prompt tokens are context only), normalised over the global batch. Examples are rendered as GRPO
 renders its prompts (``grpo_mega.data.chat``), so ``data.chat_template`` gives a chat model its own format in both.
+Resume, saves and stopping early are GRPO's (``grpo_mega.run_harness``): SIGTERM / SIGUSR1 / SIGUSR2 or
+``trainer.save_before_seconds`` before the time limit save the step in flight and exit with status 3; the same
+command resumes exactly.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig
 
 from grpo_mega.batch import sequences_to_batch
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
-from grpo_mega.checkpoint.training import CheckpointManager
-from grpo_mega.config import SFTConfig, SFTDataConfig, save_config
+from grpo_mega.config import SFTConfig, SFTDataConfig
 from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
-from grpo_mega.metrics import MetricsLogger, logger_options
-from grpo_mega.parallel import destroy_distributed, init_distributed
+from grpo_mega.run_harness import RunHarness
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +99,15 @@ def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[
 
 
 def run_sft(cfg: SFTConfig) -> Path:
-    """Train, checkpoint on schedule and at the end; returns the final checkpoint folder."""
-    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
-    is_rank0 = dist.get_rank() == 0
-    run_dir = Path(cfg.trainer.run_dir)
+    """Train, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises ``StoppedEarly``
+    after saving the step in flight when a stop signal arrived (on any rank) or the time limit came near
+    (``grpo_mega.run_harness``)."""
+    harness = RunHarness(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
-    hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
+    # Data first: a bad file fails in seconds, before the model is built.
+    prompts, responses = load_sft_examples(cfg, tokenizer)
     engine = build_policy_engine(
-        hf_config,
+        AutoConfig.from_pretrained(cfg.model.hf_config),
         optim=cfg.optim,
         total_steps=cfg.trainer.total_steps,
         max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
@@ -119,32 +119,13 @@ def run_sft(cfg: SFTConfig) -> Path:
         recompute=cfg.parallel.recompute,
         distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
-    checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
-    start_step = 0
-    resume_from = checkpoints.find_resume(cfg.trainer.resume)
-    if resume_from is not None:
-        start_step = checkpoints.load(engine, resume_from, seed=cfg.parallel.seed).step
-    elif cfg.model.init_from:
-        load_initial_weights(engine, cfg.model.init_from)
-    if is_rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-
-    prompts, responses = load_sft_examples(cfg, tokenizer)
-    metrics_log = MetricsLogger(
-        run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
-        progress_bar=cfg.trainer.progress_bar, bar_metric="sft/nll", **logger_options(cfg),
-    )
-    final = None
-    for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+    initial_weights = (lambda: load_initial_weights(engine, cfg.model.init_from)) if cfg.model.init_from else None
+    harness.start(engine, initial_weights=initial_weights, bar_metric="sft/nll")
+    for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(prompts), cfg.trainer.batch_size)
         batch = sequences_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer.pad_token_id)
         metrics = engine.train_step(batch, sft_loss)
         engine.lr_schedule_step()  # one optimizer step and one schedule step per SFT step
-        metrics_log.log(step, metrics)
-        if step == cfg.trainer.total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-            final = checkpoints.save(engine, step, config=asdict(cfg))
-    metrics_log.close()
-    destroy_distributed()
-    return final if final is not None else checkpoints.find_resume("auto")
+        harness.end_step(step, metrics)
+    return harness.finish()

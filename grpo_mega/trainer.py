@@ -7,7 +7,9 @@ one step -> weight sync to the rollout engine, on every step (vLLM discards its 
 metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) -> checkpoint / evaluation on
 schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and optimizer state stay in host
 memory from the end of one update to the start of the next (sync, generation, rewards).
-Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself.
+Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself. The
+run's life cycle around the step (distributed set-up, resume, metrics log, saves, stop requests, shutdown) is
+``grpo_mega.run_harness``'s, shared with SFT and PRM training.
 """
 
 from __future__ import annotations
@@ -16,28 +18,24 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig
 
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
-from grpo_mega.checkpoint.training import CheckpointManager
-from grpo_mega.config import GRPOConfig, save_config
+from grpo_mega.config import GRPOConfig
 from grpo_mega.data.prompts import PromptBatches, load_prompt_dataset
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.evaluation import evaluate
-from grpo_mega.metrics import MetricsLogger, logger_options
-from grpo_mega.parallel import destroy_distributed, destroy_model_parallel, get_device, init_distributed
+from grpo_mega.parallel import destroy_model_parallel, get_device
 from grpo_mega.perf.memory import PhaseMemory
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import SyncStats, build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
-from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
+from grpo_mega.run_harness import RunHarness
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.rollout import sampling_from_config
 
@@ -58,12 +56,10 @@ class Timer:
 
 
 def train(cfg: GRPOConfig) -> dict[str, float]:
-    """Run GRPO; returns the last evaluation metrics."""
+    """Run GRPO; returns the last evaluation metrics. Raises ``StoppedEarly`` after saving the step in flight when
+    a stop signal arrived (on any rank) or the time limit came near (``grpo_mega.run_harness``)."""
     alg = cfg.algorithm
-    stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds,
-                                 end_time=run_end_time(cfg.trainer.time_limit_seconds)).install()
-    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
-    run_dir, is_rank0 = Path(cfg.trainer.run_dir), dist.get_rank() == 0
+    harness = RunHarness(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     train_prompts = PromptBatches(_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
                                   seed=cfg.parallel.seed)
@@ -72,11 +68,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
     rollout_engine = _build_rollout_engine(cfg, tokenizer) if cfg.rollout.engine == "vllm" else None
     policy, reference = _build_engines(cfg)
-    checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
-    start_step = _resume(checkpoints, policy, train_prompts, cfg)
-    if is_rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    start_step = harness.start(policy, extra_state={"prompts": train_prompts}, bar_metric="critic/score/mean")
     if rollout_engine is None:
         rollout_engine = _build_rollout_engine(cfg, tokenizer)
     offload = cfg.parallel.offload_during_rollout
@@ -93,17 +85,11 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                         stop=cfg.rollout.stop, temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + step,
                         on_error=cfg.reward.on_error) if eval_prompts else {}
 
-    metrics_log = MetricsLogger(run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
-                                progress_bar=cfg.trainer.progress_bar, **logger_options(cfg))
     eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
     if eval_metrics:
-        metrics_log.log(0, eval_metrics, advance=False)
-    stop_reason = None
+        harness.metrics_log.log(0, eval_metrics, advance=False)
 
-    def save(step: int) -> None:
-        checkpoints.save(policy, step, extra_state={"prompts": train_prompts.state_dict()}, config=asdict(cfg))
-
-    for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+    for step in harness.steps():
         timer = Timer()
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter
         if offload:  # a checkpoint save took the optimizer state back
@@ -111,8 +97,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         with timer("gen"), memory.phase("generation"):
             groups, metrics = rollout.run(step)
         _release_rollout_memory(rollout_engine)
-        if cfg.trainer.dump_rollouts and is_rank0:
-            _dump_rollouts(run_dir, step, groups)
+        if cfg.trainer.dump_rollouts and harness.is_rank0:
+            _dump_rollouts(harness.run_dir, step, groups)
         if len(groups) == 0:
             logger.warning("step %d: every sampled group had equal rewards; no update", step)
         else:
@@ -124,8 +110,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 with memory.phase("update"):
                     metrics.update(updater.run(batch, len(groups), step, timer))
             except NonFiniteError as error:  # recorded as it was (NaN / Inf), then the run stops naming the step
-                metrics_log.log(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
-                metrics_log.close()
+                harness.fail_step(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
                 raise
             metrics.update(_batch_metrics(groups, batch, alg))
         # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights
@@ -138,26 +123,14 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         if "perf/num_tokens" in metrics:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
 
-        # 5. checkpoint and evaluation on schedule, metrics; a signal or the time limit saves and stops early
-        # The step is logged before its checkpoint is saved: a job killed in between repeats the step on resume
-        # and the log keeps its newer record, instead of losing the step's row.
-        stop_reason = stop_requests.agreed_reason(get_device()) if step < cfg.trainer.total_steps else None
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 or step == cfg.trainer.total_steps:
+        # 5. evaluation on schedule; then metrics, and a checkpoint on schedule or when a signal or the time limit
+        # stops the run early (the harness)
+        if harness.on_schedule(step, cfg.trainer.eval_every):
             eval_metrics = run_eval(step)
             metrics.update(eval_metrics)
-        metrics_log.log(step, metrics)
-        on_schedule = cfg.trainer.save_every and step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps
-        if on_schedule or stop_reason:
-            save(step)
-        if stop_reason:
-            break
+        harness.end_step(step, metrics)
 
-    metrics_log.close()
-    stop_requests.uninstall()
-    _close_rollout_engine(rollout_engine)
-    destroy_distributed()
-    if stop_reason:
-        raise StoppedEarly(step, stop_reason)
+    harness.finish(before_shutdown=lambda: _close_rollout_engine(rollout_engine))
     return eval_metrics
 
 
@@ -198,17 +171,6 @@ def _step_reward_source(cfg: GRPOConfig):
 
     return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                                   engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
-
-
-def _resume(checkpoints: CheckpointManager, policy, train_prompts: PromptBatches, cfg: GRPOConfig) -> int:
-    """The step to continue after: the newest complete checkpoint's (``trainer.resume``), else 0."""
-    resume_from = checkpoints.find_resume(cfg.trainer.resume)
-    if resume_from is None:
-        return 0
-    loaded = checkpoints.load(policy, resume_from, seed=cfg.parallel.seed)
-    train_prompts.load_state_dict(loaded.extra_state["prompts"])
-    logger.info("resumed from %s at step %d", resume_from, loaded.step)
-    return loaded.step
 
 
 def _build_rollout_engine(cfg: GRPOConfig, tokenizer):

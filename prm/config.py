@@ -14,8 +14,8 @@ from grpo_mega.config import (
     OptimConfig,
     ParallelConfig,
     SFTTrainerConfig,
-    _check_context_length,
-    _choice,
+    check_choice,
+    check_context_length,
     validate_engine,
     validate_optim,
     validate_parallel,
@@ -81,17 +81,13 @@ class PRMDataConfig:
 
 @dataclass
 class PRMTrainerConfig(SFTTrainerConfig):
-    """The SFT trainer's settings (``batch_size``: examples, i.e. solutions, per optimizer step) plus evaluation."""
+    """The SFT trainer's settings (the run settings, with ``save_before_seconds`` and ``time_limit_seconds``;
+    ``batch_size``: examples, i.e. solutions, per optimizer step) plus evaluation."""
 
     run_dir: str = "runs/prm"
     total_steps: int = 300
     eval_every: int = 0
     """Evaluate on ``data.eval_file`` every N steps; 0 = only at the end."""
-    save_before_seconds: float = 0.0
-    """Save a checkpoint and stop (exit status 3) once less than this many seconds are left before the time limit;
-    0 disables. SIGTERM / SIGUSR1 / SIGUSR2 also save and stop after the step in flight (as ``grpo-mega train``)."""
-    time_limit_seconds: float = 0.0
-    """The run's time limit from its start; 0 = the SLURM job's end (``SLURM_JOB_END_TIME``) under SLURM."""
 
 
 @dataclass
@@ -117,17 +113,17 @@ def validate_prm(cfg: PRMConfig) -> None:
     validate_optim(cfg.optim)
     validate_trainer_common(cfg.trainer)
     validate_parallel(cfg.parallel)
-    _choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
-    _choice(cfg.data.labels, LABEL_KINDS, "data.labels")
-    _choice(cfg.prm.likelihood_tokens, ("all", "result"), "prm.likelihood_tokens")
-    _choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    check_choice(cfg.prm.layout, PRM_LAYOUT_CHOICES, "prm.layout")
+    check_choice(cfg.data.labels, LABEL_KINDS, "data.labels")
+    check_choice(cfg.prm.likelihood_tokens, ("all", "result"), "prm.likelihood_tokens")
+    check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     if cfg.prm.layout == "lm_tokens" and cfg.prm.good_token == cfg.prm.bad_token:
         raise ConfigError(f"prm.good_token and prm.bad_token are both {cfg.prm.good_token!r}: the lm_tokens layout "
                           "scores a step by their odds, so they must differ")
     if cfg.prm.system_prompt is not None and not cfg.prm.chat_template:
         raise ConfigError("prm.system_prompt is the chat template's system turn: set prm.chat_template=true too "
                           "(or prm.system_prompt=null)")
-    _check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
+    check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     _validate_replay(cfg.data)
     if cfg.prm.layout == "likelihood":
         if cfg.prm.step_tag != "":
@@ -138,9 +134,6 @@ def validate_prm(cfg: PRMConfig) -> None:
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")
-    for key in ("save_before_seconds", "time_limit_seconds"):
-        if getattr(cfg.trainer, key) < 0:
-            raise ConfigError(f"trainer.{key} must be >= 0")
 
 
 def _validate_replay(data: PRMDataConfig) -> None:

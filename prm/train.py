@@ -5,16 +5,15 @@ the head's good/bad distribution at every step's tag against the step's label (h
 fraction with ``data.labels: soft``), averaged over all steps of the global batch. The training rows are those of
 ``data.train_file`` plus, for iterative RL, a replayed share of earlier label files (``data.replay_files``,
 ``data.replay_fraction``). TP / PP / DP, checkpoints and
-exact resume, metrics and the progress bar are the policy trainer's. SIGTERM / SIGUSR1 / SIGUSR2 (a scheduler's
-warning before preemption or the time limit) make every rank save the step in flight and stop with
-``StoppedEarly`` (``grpo_mega.run_control``); the same command resumes from that checkpoint.
+exact resume, metrics and the progress bar are the policy trainer's (``grpo_mega.run_harness``). SIGTERM / SIGUSR1 /
+SIGUSR2 (a scheduler's warning before preemption or the time limit) make every rank save the step in flight and
+stop with ``StoppedEarly`` (``grpo_mega.run_control``); the same command resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +21,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from grpo_mega.checkpoint.training import CheckpointManager
-from grpo_mega.config import save_config
 from grpo_mega.data.prompts import BadRows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale
-from grpo_mega.metrics import MetricsLogger, logger_options
-from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
-from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
+from grpo_mega.run_harness import RunHarness
 from prm.config import PRMConfig
 from prm.examples import StepExample
 from prm.metrics import step_classification
@@ -105,18 +100,15 @@ def evaluate_steps(scorer: StepScorer, rendered: list[RenderedExample], targets:
 
 def run_prm_train(cfg: PRMConfig) -> Path:
     """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises
-    ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank)."""
+    ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank) or the time limit
+    came near (``grpo_mega.run_harness``)."""
     from prm.engines import build_prm_engine
     from prm.spec import PRMSpec
 
-    stop_requests = StopRequests(save_before_seconds=cfg.trainer.save_before_seconds,
-                                 end_time=run_end_time(cfg.trainer.time_limit_seconds)).install()
-    init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
-    is_rank0 = dist.get_rank() == 0
-    run_dir = Path(cfg.trainer.run_dir)
+    harness = RunHarness(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     cfg.model.tokenizer = cfg.model.tokenizer or cfg.model.hf_config
-    cfg.model.hf_config = str(_prm_hf_config(cfg, run_dir))
+    cfg.model.hf_config = str(_prm_hf_config(cfg, harness.run_dir))
     hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
     spec = PRMSpec(layout=cfg.prm.layout, step_tag=cfg.prm.step_tag, good_token=cfg.prm.good_token,
                    bad_token=cfg.prm.bad_token)
@@ -125,11 +117,11 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               likelihood_tokens=cfg.prm.likelihood_tokens,
                               system_prompt=cfg.prm.system_prompt)
     examples, replayed, history = training_examples(cfg)
-    if cfg.data.replay_files and is_rank0:
+    if cfg.data.replay_files and harness.is_rank0:
         logger.info("training set: %d rows of %s plus %d replayed of the %d rows of data.replay_files "
                     "(data.replay_fraction=%g)", len(examples) - replayed, cfg.data.train_file, replayed, history,
                     cfg.data.replay_fraction)
-    train_set = _render(cfg, examples, tokenizer, settings, source=_training_source(cfg))
+    rendered, targets = _render(cfg, examples, tokenizer, settings, source=_training_source(cfg))
     eval_set = (_render(cfg, _read(cfg, cfg.data.eval_file), tokenizer, settings, source=cfg.data.eval_file)
                 if cfg.data.eval_file else None)
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
@@ -137,49 +129,19 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                               distributed_optimizer=bool(cfg.parallel.distributed_optimizer))  # auto: off for the PRM (issue note 2026-11-25)
-    checkpoints = CheckpointManager(run_dir, keep_last=cfg.trainer.keep_last)
-    start_step = 0
-    resume_from = checkpoints.find_resume(cfg.trainer.resume)
-    if resume_from is not None:
-        start_step = checkpoints.load(engine, resume_from, seed=cfg.parallel.seed).step
-        logger.info("resumed from %s at step %d", resume_from, start_step)
-    else:
-        _load_initial_weights(engine, cfg)
-    if is_rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-
+    harness.start(engine, initial_weights=lambda: _load_initial_weights(engine, cfg), bar_metric="prm/loss")
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
-    metrics_log = MetricsLogger(
-        run_dir, total_steps=cfg.trainer.total_steps, start_step=start_step, active=is_rank0,
-        progress_bar=cfg.trainer.progress_bar, bar_metric="prm/loss", **logger_options(cfg),
-    )
-    final = stop_reason = None
-    rendered, targets = train_set
-    for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+    for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(rendered), cfg.trainer.batch_size)
         batch = rendered_batch([rendered[i] for i in rows], scorer.pad_id, [targets[i] for i in rows],
                                step_ids=spec.layout == "likelihood")
         metrics = engine.train_step(batch, prm_loss)
         engine.lr_schedule_step()
-        last = step == cfg.trainer.total_steps
-        if eval_set is not None and (last or cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
+        if eval_set is not None and harness.on_schedule(step, cfg.trainer.eval_every):
             metrics.update(evaluate_steps(scorer, *eval_set))
-        # All ranks agree on a stop (a signal seen by one rank) and save the same step. The step is logged before
-        # it is saved: a job killed in between repeats the step on resume (the log keeps one row per step).
-        stop_reason = None if last else stop_requests.agreed_reason(get_device())
-        metrics_log.log(step, metrics)
-        if last or stop_reason or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-            final = checkpoints.save(engine, step, config=asdict(cfg))
-        if stop_reason:
-            break
-    metrics_log.close()
-    stop_requests.uninstall()
-    destroy_distributed()
-    if stop_reason:
-        raise StoppedEarly(step, stop_reason)
-    return final if final is not None else checkpoints.find_resume("auto")
+        harness.end_step(step, metrics)
+    return harness.finish()
 
 
 def training_examples(cfg: PRMConfig) -> tuple[list[StepExample], int, int]:

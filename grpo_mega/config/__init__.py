@@ -1,0 +1,53 @@
+"""Run configuration: dataclasses with a docstring per field, loaded from YAML with ``key=value`` overrides.
+
+- ``sections``: what every run shares (model, parallel layout, optimizer, DeepSpeed, the run settings of ``trainer``);
+- ``grpo`` and ``sft``: the GRPO and SFT configs built on them (the PRM's is ``prm.config``);
+- ``loading``: ``load_config`` / ``save_config``; OmegaConf validates against the dataclasses, so an unknown key or a
+  value of the wrong type fails at start-up with the key named;
+- ``checks``: checks of the shared sections; ``cross_field``: the checks that span a whole config (:func:`validate`,
+  :func:`validate_sft`).
+"""
+
+from grpo_mega.config.checks import (
+    LOGGERS,
+    check_choice,
+    check_context_length,
+    validate_engine,
+    validate_memory_settings,
+    validate_optim,
+    validate_parallel,
+    validate_trainer_common,
+)
+from grpo_mega.config.cross_field import validate, validate_rollout_layout, validate_sft
+from grpo_mega.config.grpo import (
+    PROCESS_REWARD_SOURCES,
+    STEP_CREDITS,
+    AlgorithmConfig,
+    DataConfig,
+    GRPOConfig,
+    ProcessRewardConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from grpo_mega.config.loading import ConfigError, load_config, save_config
+from grpo_mega.config.sections import (
+    DEVICE_CHOICES,
+    ENGINES,
+    RECOMPUTE_CHOICES,
+    DeepSpeedConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+)
+from grpo_mega.config.sft import SFTConfig, SFTDataConfig, SFTTrainerConfig
+
+__all__ = [
+    "AlgorithmConfig", "ConfigError", "DEVICE_CHOICES", "DataConfig", "DeepSpeedConfig", "ENGINES", "GRPOConfig",
+    "LOGGERS", "ModelConfig", "OptimConfig", "PROCESS_REWARD_SOURCES", "ParallelConfig", "ProcessRewardConfig",
+    "RECOMPUTE_CHOICES", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTDataConfig",
+    "SFTTrainerConfig", "STEP_CREDITS", "TrainerConfig", "check_choice", "check_context_length", "load_config",
+    "save_config", "validate", "validate_engine", "validate_memory_settings", "validate_optim", "validate_parallel",
+    "validate_rollout_layout", "validate_sft", "validate_trainer_common",
+]

@@ -1,0 +1,122 @@
+"""Checks of the sections every run config shares (``grpo_mega.config.sections``), used by the GRPO, SFT and PRM
+validators: values a typed field cannot restrict (choices, ranges) and settings that must agree with each other
+inside one section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpo_mega.config.loading import ConfigError
+from grpo_mega.config.sections import DEVICE_CHOICES, ENGINES, RECOMPUTE_CHOICES, ModelConfig, OptimConfig, ParallelConfig
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+def check_choice(value: str, allowed, key: str) -> None:
+    """``key``'s ``value`` must be one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: expected one of {tuple(allowed)}")
+
+
+def validate_optim(optim: OptimConfig) -> None:
+    """The optimizer and schedule settings of any config, checked before megatron's scheduler asserts on them."""
+    check_choice(optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+    if not optim.lr > 0:
+        raise ConfigError(f"optim.lr={optim.lr} must be > 0")
+    if not 0 <= optim.min_lr <= optim.lr:
+        raise ConfigError(
+            f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}: the schedule decays from "
+            f"optim.lr down to optim.min_lr; lower optim.min_lr too (e.g. optim.min_lr={optim.lr / 10:g}, or 0)")
+    # (a warm-up as long as the run is cut to total_steps - 1 by the schedule: shortened runs keep their config)
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be in [0, 1)")
+    for key in ("adam_eps", "weight_decay", "clip_grad"):
+        if getattr(optim, key) < 0:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be >= 0")
+
+
+def validate_trainer_common(trainer) -> None:
+    """The run settings every trainer section shares (``RunConfig``): step counts, the stop settings and loggers."""
+    for key in ("total_steps",):
+        if getattr(trainer, key) < 1:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 1")
+    for key in ("save_every", "keep_last"):
+        if getattr(trainer, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 0")
+    for key in ("save_before_seconds", "time_limit_seconds"):
+        if getattr(trainer, key) < 0:
+            raise ConfigError(f"trainer.{key} must be >= 0")
+    for name in trainer.loggers:
+        check_choice(name, LOGGERS, "trainer.loggers")
+    if "jsonl" not in trainer.loggers:
+        raise ConfigError(f"trainer.loggers={list(trainer.loggers)} must include jsonl: run_dir/metrics.jsonl is what "
+                          "resume, plots and summaries read (add tensorboard / wandb beside it)")
+    check_choice(trainer.wandb_mode, ("auto", "online", "offline"), "trainer.wandb_mode")
+    if "wandb" in trainer.loggers:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.loggers lists wandb, which is not installed: pip install 'grpo-mega[wandb]' "
+                              "(or remove wandb from trainer.loggers)")
+
+
+def validate_parallel(parallel: ParallelConfig) -> None:
+    """Layout sizes and the device."""
+    check_choice(parallel.device, DEVICE_CHOICES, "parallel.device")
+    for key in ("tensor", "pipeline", "max_tokens_per_micro_batch"):
+        if getattr(parallel, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
+
+
+def validate_engine(cfg) -> None:
+    """``engine`` and ``deepspeed.*`` of a GRPO, SFT or PRM config: a known engine, a layout it runs, and deepspeed
+    installed when chosen."""
+    check_choice(cfg.engine, ENGINES, "engine")
+    validate_memory_settings(cfg)
+    if cfg.engine != "deepspeed":
+        return
+    check_choice(cfg.deepspeed.zero_stage, (1, 2, 3), "deepspeed.zero_stage")
+    if cfg.deepspeed.gather_bucket_mb < 1:
+        raise ConfigError(f"deepspeed.gather_bucket_mb={cfg.deepspeed.gather_bucket_mb} must be >= 1")
+    if (cfg.parallel.tensor, cfg.parallel.pipeline) != (1, 1):
+        raise ConfigError(
+            f"engine=deepspeed shards with ZeRO over data parallel only: set parallel.tensor=1 and "
+            f"parallel.pipeline=1 (got {cfg.parallel.tensor} and {cfg.parallel.pipeline})"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("engine=deepspeed needs the deepspeed package, which is not installed: "
+                          "pip install 'grpo-mega[deepspeed]'")
+
+
+def validate_memory_settings(cfg) -> None:
+    """``parallel.sequence_parallel`` and ``parallel.recompute`` of a GRPO, SFT or PRM config."""
+    parallel = cfg.parallel
+    check_choice(parallel.recompute, RECOMPUTE_CHOICES, "parallel.recompute")
+    if parallel.sequence_parallel and parallel.tensor < 2:
+        raise ConfigError(f"parallel.sequence_parallel=true splits the sequence over tensor-parallel ranks but "
+                          f"parallel.tensor={parallel.tensor}: set parallel.sequence_parallel=null (on whenever "
+                          f"tensor > 1) or false, or parallel.tensor > 1")
+    if cfg.engine == "deepspeed" and parallel.recompute != "none":
+        raise ConfigError(f"parallel.recompute={parallel.recompute!r} is a megatron-core feature; engine=deepspeed "
+                          f"does not recompute activations: set parallel.recompute=none or engine=megatron")
+
+
+def check_context_length(model: ModelConfig, length: int, what: str) -> None:
+    """The longest sequence a run builds must fit the model's ``max_position_embeddings`` (read from the
+    HF config when the folder is there; a missing folder is reported later by the loader)."""
+    config_file = Path(model.hf_config) / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        limit = json.loads(config_file.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError(f"{what} = {length} tokens is more than the model's max_position_embeddings={limit} "
+                          f"({config_file}); lower them")

@@ -1,0 +1,133 @@
+"""The checks of a whole GRPO or SFT config that span its sections (what typed fields cannot express); run by
+``load_config`` as the validator of ``GRPOConfig`` (:func:`validate`) and ``SFTConfig`` (:func:`validate_sft`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES
+from grpo_mega.config.checks import (
+    check_choice,
+    check_context_length,
+    validate_engine,
+    validate_optim,
+    validate_parallel,
+    validate_trainer_common,
+)
+from grpo_mega.config.grpo import PROCESS_REWARD_SOURCES, STEP_CREDITS, GRPOConfig
+from grpo_mega.config.loading import ConfigError
+from grpo_mega.config.sft import SFTConfig
+
+
+def validate(cfg: GRPOConfig) -> None:
+    """Cross-field checks that typed fields cannot express."""
+    alg = cfg.algorithm
+    validate_engine(cfg)
+    validate_optim(cfg.optim)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
+    check_choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
+    check_choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
+    check_choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
+    if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
+        raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
+                          "deepspeed.offload_optimizer")
+    validate_rollout_layout(cfg, int(os.environ.get("WORLD_SIZE", "0")))
+    check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    check_choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
+    check_choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
+    check_choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
+    check_choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
+    check_choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
+    check_choice(cfg.process_reward.on_error, ("raise", "zero"), "process_reward.on_error")
+    if cfg.process_reward.layout is not None:
+        check_choice(cfg.process_reward.layout, ("classifier", "lm_tokens", "likelihood"), "process_reward.layout")
+    if cfg.process_reward.source == "prm":
+        if alg.supervision != "process":
+            raise ConfigError("process_reward.source=prm needs algorithm.supervision=process")
+        if not cfg.process_reward.prm:
+            raise ConfigError("process_reward.source=prm needs process_reward.prm (a PRM checkpoint or HF PRM folder)")
+        if cfg.process_reward.layout is None and Path(cfg.process_reward.prm).exists():
+            from prm.spec import check_layout_is_known
+
+            try:
+                check_layout_is_known(cfg.process_reward.prm, "process_reward.layout")
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    if cfg.process_reward.likelihood_tokens is not None:
+        check_choice(cfg.process_reward.likelihood_tokens, ("all", "result"), "process_reward.likelihood_tokens")
+    for key in ("max_counted_steps", "min_steps"):
+        if getattr(cfg.process_reward, key) < 0:
+            raise ConfigError(f"process_reward.{key} must be >= 0")
+    if not cfg.process_reward.step_score_weight >= 0:
+        raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
+    prm_only = {"outcome_on_last_step": False, "step_score_weight": 1.0, "max_counted_steps": 0, "min_steps": 0}
+    changed = [key for key, default in prm_only.items() if getattr(cfg.process_reward, key) != default]
+    if changed and cfg.process_reward.source != "prm":
+        raise ConfigError(f"process_reward.{changed[0]} shapes a PRM's step scores and applies only to "
+                          f"process_reward.source=prm (source is {cfg.process_reward.source!r})")
+    if alg.rollout_is_cap <= 0:
+        raise ConfigError(f"algorithm.rollout_is_cap={alg.rollout_is_cap} must be > 0")
+    if alg.kl_log_ratio_clamp <= 0:
+        raise ConfigError(f"algorithm.kl_log_ratio_clamp={alg.kl_log_ratio_clamp} must be > 0")
+    if alg.scale_by_std and alg.num_return_sequences_in_group < 2:
+        raise ConfigError("algorithm.num_return_sequences_in_group must be >= 2 with algorithm.scale_by_std=true")
+    if alg.mini_batch_size and alg.rollout_batch_size % alg.mini_batch_size:
+        raise ConfigError(
+            f"algorithm.mini_batch_size={alg.mini_batch_size} must divide "
+            f"algorithm.rollout_batch_size={alg.rollout_batch_size}"
+        )
+    if alg.dynamic_sampling and alg.max_sampling_rounds < 1:
+        raise ConfigError(f"algorithm.max_sampling_rounds={alg.max_sampling_rounds} must be >= 1 with "
+                          "algorithm.dynamic_sampling=true")
+    if alg.dual_clip_loss is not None and alg.dual_clip_loss <= 1:
+        raise ConfigError(f"algorithm.dual_clip_loss={alg.dual_clip_loss} must be > 1")
+    if alg.overlong_buffer >= alg.response_length:
+        raise ConfigError("algorithm.overlong_buffer must be smaller than algorithm.response_length")
+    for key in ("response_length", "rollout_batch_size", "ppo_epochs"):
+        if getattr(alg, key) < 1:
+            raise ConfigError(f"algorithm.{key} must be >= 1")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 for sampling")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError("rollout.top_p must be in (0, 1]")
+    if cfg.data.prompt_length < 1:
+        raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
+    check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
+                          "data.prompt_length + algorithm.response_length")
+
+
+def validate_rollout_layout(cfg: GRPOConfig, world_size: int) -> None:
+    """Resolve ``rollout.tensor_parallel: null`` to ``parallel.tensor``; with the vllm engine check that it divides
+    ``world_size`` (torchrun's ``WORLD_SIZE``; 0 = not known yet, outside a launcher)."""
+    rollout, derived = cfg.rollout, cfg.rollout.tensor_parallel is None
+    if derived:
+        rollout.tensor_parallel = cfg.parallel.tensor
+    source = (f"rollout.tensor_parallel (unset, so parallel.tensor={rollout.tensor_parallel})" if derived
+              else f"rollout.tensor_parallel={rollout.tensor_parallel}")
+    if rollout.tensor_parallel < 1:
+        raise ConfigError(f"{source} must be >= 1")
+    if rollout.engine == "vllm" and world_size and world_size % rollout.tensor_parallel:
+        raise ConfigError(
+            f"{source} does not divide the job's {world_size} processes: each vLLM rollout replica takes "
+            f"rollout.tensor_parallel consecutive ranks. Set rollout.tensor_parallel to a divisor of {world_size} "
+            f"(1 puts a whole copy of the model on every GPU), or run a multiple of it"
+        )
+
+
+def validate_sft(cfg: SFTConfig) -> None:
+    """Cross-field checks of an SFT config."""
+    validate_engine(cfg)
+    validate_optim(cfg.optim)
+    validate_trainer_common(cfg.trainer)
+    validate_parallel(cfg.parallel)
+    check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    if cfg.data.messages_field is not None and not cfg.data.chat_template:
+        raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
+                          "template can render: set data.chat_template=true (or data.messages_field=null for "
+                          "prompt/response rows)")
+    check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
+    for key in ("total_steps", "batch_size"):
+        if getattr(cfg.trainer, key) < 1:
+            raise ConfigError(f"trainer.{key} must be >= 1")

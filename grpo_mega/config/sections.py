@@ -1,0 +1,136 @@
+"""The sections every run config shares (GRPO, SFT, PRM training): the model, the parallel layout, the optimizer,
+the DeepSpeed engine's settings, and the run settings of the trainer section that the run harness
+(``grpo_mega.run_harness``) acts on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+"""``parallel.recompute``; their megatron settings: ``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``."""
+
+
+@dataclass
+class ModelConfig:
+    hf_config: str = "???"
+    """Folder holding the Hugging Face config.json of the architecture (Qwen2 or Llama family)."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder (HF format); defaults to ``hf_config``."""
+    init_from: Optional[str] = None
+    """Weights to start from: a Hugging Face folder (safetensors) or a grpo-mega checkpoint folder.
+    None starts from random weights (only sensible for SFT of a tiny model)."""
+    logprob_chunk_size: int = 1024
+    """Sequence chunk for the vocab-parallel log-prob / entropy computation (bounds peak memory)."""
+    logits_in_fp32: bool = True
+    """Compute each chunk's logits in fp32 before the softmax (bf16 models: rounding the logits to bf16 adds
+    sampler/trainer log-prob mismatch). No effect on fp32 models. On a GPU these products of upcast bf16 values
+    run as TF32 on tensor cores, which is exact for them (``grpo_mega.model.tf32``)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size."""
+    pipeline: int = 1
+    """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
+    sequence_parallel: Optional[bool] = None
+    """Megatron sequence parallelism: between the TP regions (norms, residual adds, dropout) each TP rank holds
+    1/tensor of the sequence instead of all of it, and TP's all-reduces become reduce-scatter / all-gather pairs.
+    Exact (same results as without). null (default) = on whenever ``tensor`` > 1; true needs ``tensor`` > 1;
+    Megatron engine only. Sequences are padded at their end to a multiple of ``tensor`` (invisible to the loss)."""
+    recompute: str = "none"
+    """Activation recompute of the trained models (policy, SFT, PRM training; forward-only engines never
+    recompute): ``none``; ``selective`` (megatron's selective recompute: each layer's core attention is re-run in
+    the backward pass, so the attention scores are not kept; little to gain with fused attention kernels);
+    ``full`` (every transformer layer is re-run in the backward pass from its saved input, megatron's method
+    ``uniform`` with one layer per checkpoint: activations are kept for one layer at a time, for about one extra
+    forward pass of compute). Exact. Megatron engine only."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget (rows x padded length) of one micro-batch; with ``share_prompt_prefix``, of its packed
+    tokens."""
+    share_prompt_prefix: bool = True
+    """GRPO with the Megatron engine: the G completions of a prompt share one copy of the prompt's tokens in
+    the policy's and reference's forward and backward (``grpo_mega.engine.shared_prefix``). Exact; it saves the
+    prompt's share of the tokens x (G - 1) / G of the layer compute."""
+    distributed_optimizer: bool = True
+    """Megatron engine, DP > 1: shard the fp32 master weights and Adam moments (12 bytes per parameter) over the
+    data-parallel ranks with megatron's DistributedOptimizer (gradients reduce-scattered, updated parameters
+    all-gathered); each rank keeps 1/DP of them. Exact: a step equals the plain optimizer's. At DP = 1 there is
+    nothing to shard and the plain optimizer is used. Checkpoints resume with it or without it, at any TP / PP / DP,
+    whichever setting wrote them."""
+    seed: int = 1234
+    """Seed of parameter init, sampling and data order."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``. With ``cuda`` a process uses the only
+    visible GPU when it sees one (``srun --gpus-per-task=1``), else ``cuda:LOCAL_RANK``."""
+    offload_during_rollout: bool = False
+    """GRPO with the Megatron engine: from the end of each update to the next, release the gradient buffers and
+    keep the optimizer state (Adam moments, fp32 master copies) in host memory, so vLLM's weights and KV cache have
+    that room on the GPU (``grpo_mega.engine.offload``). Exact; costs two host copies of the optimizer state a step."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the gradient to this global norm (over all model-parallel ranks); 0 disables."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the learning rate."""
+    decay_style: str = "cosine"
+    """``cosine``, ``linear`` or ``constant`` after the warm-up."""
+
+
+ENGINES = ("megatron", "deepspeed")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """Settings of ``engine: deepspeed`` (grpo_mega.engine.deepspeed_engine)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters, over all processes."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (and its step) in CPU memory."""
+    gather_bucket_mb: int = 256
+    """ZeRO-3: whole weights (weight sync, HF export, loading) are gathered this many MiB at a time."""
+
+
+@dataclass
+class RunConfig:
+    """The ``trainer`` settings of every run (GRPO, SFT, PRM training): where it writes, how long it runs, when it
+    saves and stops, and where its metrics go. Each trainer's own section adds its settings to these."""
+
+    run_dir: str = "runs/run"
+    """Folder of the run: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` (each trainer has its own default)."""
+    total_steps: int = 100
+    save_every: int = 0
+    """Save a checkpoint every N steps; 0 = only at the end."""
+    keep_last: int = 2
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in run_dir, if any), ``none``, or a checkpoint folder."""
+    progress_bar: bool = True
+    tensorboard: bool = True
+    """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go, as verl's ``trainer.logger``: ``jsonl`` (``run_dir/metrics.jsonl``, which resume, plots and
+    summaries read: always on), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases, run
+    ``run_dir``'s name in ``wandb_project``, the run config logged; needs ``pip install 'grpo-mega[wandb]'``)."""
+    wandb_project: str = "grpo-mega"
+    wandb_mode: str = "auto"
+    """``online``, ``offline`` (files under ``run_dir/wandb``; upload later with ``wandb sync``) or ``auto``:
+    ``WANDB_MODE`` when set, else online when ``WANDB_API_KEY`` is set, else offline (clusters without network)."""
+    save_before_seconds: float = 0.0
+    """Save a checkpoint and stop (exit status 3) once less than this many seconds are left before the time limit;
+    0 disables. Also on SIGTERM / SIGUSR1 / SIGUSR2 the run saves and stops at the end of the step in flight."""
+    time_limit_seconds: float = 0.0
+    """The run's time limit, counted from its start, for ``save_before_seconds``; 0 = the SLURM job's end
+    (``SLURM_JOB_END_TIME``) when running under SLURM, else no limit."""

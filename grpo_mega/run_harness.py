@@ -1,0 +1,142 @@
+"""The life cycle every training run shares (GRPO, SFT, PRM training), in torchtitan's shape: one object owns the
+distributed set-up, the checkpoints and resume, stop requests, the metrics log, scheduled saves and the final
+shutdown, so that each trainer writes only its own step::
+
+    harness = RunHarness(cfg)                  # stop signals caught, then distributed state (torchrun / SLURM)
+    ...                                        # the trainer's data and engine
+    harness.start(engine, extra_state=...)     # resume, or the trainer's initial weights; config.yaml; metrics log
+    for step in harness.steps():
+        metrics = ...                          # the trainer's step
+        harness.end_step(step, metrics)        # agree on a stop, log, save on schedule or when stopping
+    harness.finish()                           # close, shut down; StoppedEarly after a stop
+
+Stopping early: a signal (SIGTERM, SIGUSR1, SIGUSR2) on any rank, or ``trainer.save_before_seconds`` left before
+the time limit, makes every rank save the step in flight; :meth:`RunHarness.finish` then raises ``StoppedEarly``,
+which the commands turn into exit status 3 (``grpo_mega.run_control``). The same command resumes exactly: the
+checkpoint holds the engine (model, optimizer, schedule, RNG states) and the trainer's ``extra_state``, and each
+trainer's batches depend only on the seed and the step, or on that state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from grpo_mega.checkpoint.training import CheckpointManager
+from grpo_mega.config import save_config
+from grpo_mega.metrics import MetricsLogger, logger_options
+from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
+from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
+
+logger = logging.getLogger(__name__)
+
+
+class RunHarness:
+    """One training run of ``cfg`` (a GRPO, SFT or PRM config: its ``parallel`` and ``trainer`` sections).
+
+    Creating it catches the stop signals (first, so a signal during the set-up is not lost) and sets up the
+    distributed state; :meth:`start`, :meth:`steps`, :meth:`end_step` and :meth:`finish` are collective (every
+    rank calls them, in the same order).
+    """
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        run = cfg.trainer
+        self.stop_requests = StopRequests(save_before_seconds=run.save_before_seconds,
+                                          end_time=run_end_time(run.time_limit_seconds)).install()
+        init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
+        self.run_dir = Path(run.run_dir)
+        self.is_rank0 = dist.get_rank() == 0
+        self.total_steps = run.total_steps
+        self.checkpoints = CheckpointManager(self.run_dir, keep_last=run.keep_last)
+        # the step the run continues after (a resumed checkpoint's), and the last step ended
+        self.start_step = self.step = 0
+        self.stop_reason: str | None = None
+        self.last_checkpoint: Path | None = None
+        self.metrics_log: MetricsLogger | None = None
+        self._engine = None
+        self._extra_state: dict[str, Any] = {}
+
+    def start(self, engine, *, extra_state: dict[str, Any] | None = None,
+              initial_weights: Callable[[], Any] | None = None, bar_metric: str = "critic/score/mean") -> int:
+        """Resume ``engine`` and ``extra_state`` from the checkpoint ``trainer.resume`` names, or, with none, call
+        ``initial_weights``; write ``run_dir/config.yaml`` and open the metrics log (its progress bar shows
+        ``bar_metric``). Returns the step to continue after (0 for a new run).
+
+        ``extra_state`` names the trainer's objects with ``state_dict`` / ``load_state_dict`` (e.g. GRPO's prompt
+        order) that every checkpoint holds beside the engine, under those names.
+        """
+        self._engine, self._extra_state = engine, dict(extra_state or {})
+        resume_from = self.checkpoints.find_resume(self.cfg.trainer.resume)
+        if resume_from is not None:
+            loaded = self.checkpoints.load(engine, resume_from, seed=self.cfg.parallel.seed)
+            for name, holder in self._extra_state.items():
+                holder.load_state_dict(loaded.extra_state[name])
+            self.start_step = self.step = loaded.step
+            logger.info("resumed from %s at step %d", resume_from, loaded.step)
+        elif initial_weights is not None:
+            initial_weights()
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / "config.yaml")
+        self.metrics_log = MetricsLogger(
+            self.run_dir, total_steps=self.total_steps, start_step=self.start_step, active=self.is_rank0,
+            progress_bar=self.cfg.trainer.progress_bar, bar_metric=bar_metric, **logger_options(self.cfg),
+        )
+        return self.start_step
+
+    def steps(self) -> Iterator[int]:
+        """The steps to run, ``start_step + 1`` through ``trainer.total_steps``; ends after a step that stopped."""
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            yield step
+            if self.stop_reason:
+                return
+
+    def on_schedule(self, step: int, every: int) -> bool:
+        """Whether ``step`` is a multiple of ``every`` (0: never) or the last step: when to save, evaluate."""
+        return bool(every and step % every == 0) or step == self.total_steps
+
+    def end_step(self, step: int, metrics: dict[str, float]) -> None:
+        """After the trainer's step: every rank agrees whether to stop now (a signal on any rank, the time limit;
+        never after the last step), the step's metrics are logged, and a checkpoint is saved on schedule
+        (``trainer.save_every``, the last step) or when stopping.
+
+        The step is logged before its checkpoint is saved: a job killed in between repeats the step on resume and
+        the log keeps its newer record (one row per step), instead of losing the step's row.
+        """
+        self.step = step
+        self.stop_reason = None if step == self.total_steps else self.stop_requests.agreed_reason(get_device())
+        self.metrics_log.log(step, metrics)
+        if self.on_schedule(step, self.cfg.trainer.save_every) or self.stop_reason:
+            self.save(step)
+
+    def save(self, step: int) -> Path:
+        """A checkpoint of the engine and the trainer's ``extra_state`` after ``step``, with the run config."""
+        extra_state = {name: holder.state_dict() for name, holder in self._extra_state.items()}
+        self.last_checkpoint = self.checkpoints.save(self._engine, step, extra_state=extra_state or None,
+                                                     config=asdict(self.cfg))
+        return self.last_checkpoint
+
+    def fail_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of a step that failed (e.g. a NaN loss, as it was) and close the log; the trainer
+        then raises its error."""
+        self.metrics_log.log(step, metrics)
+        self.metrics_log.close()
+
+    def finish(self, *, before_shutdown: Callable[[], None] | None = None) -> Path | None:
+        """Close the metrics log, restore the signal handlers, call ``before_shutdown`` (e.g. closing a rollout
+        engine that holds process groups) and tear down the distributed state. Raises ``StoppedEarly`` when the run
+        stopped early; else returns the newest checkpoint (the last step's)."""
+        self.metrics_log.close()
+        self.stop_requests.uninstall()
+        if before_shutdown is not None:
+            before_shutdown()
+        destroy_distributed()
+        if self.stop_reason:
+            raise StoppedEarly(self.step, self.stop_reason)
+        return self.last_checkpoint if self.last_checkpoint is not None else self.checkpoints.find_resume("auto")
