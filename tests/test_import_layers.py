@@ -117,7 +117,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
                        for alias in node.names]
         else:
             continue
-        for target in targets:
+        for target in dict.fromkeys(targets):  # once per statement and module
             owner = _owner(target, modules)
             if owner is not None and owner != module:
                 found.append(Import(module, owner, node.lineno))
