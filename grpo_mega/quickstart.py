@@ -5,7 +5,7 @@ data + tokenizer -> tiny Qwen2-shaped policy -> SFT -> Monte-Carlo step labels f
 step) from the same SFT checkpoint and seed -> held-out accuracy before / after for each arm, a table, one PNG with
 both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each stage is a
 separate ``grpo-mega`` command on 2 gloo processes (data-parallel, DP=2) with a YAML config from configs/ and
-its log in the run directory; the terminal shows one live line per stage (``grpo_mega.stage_runner``).
+its log in the run directory; the terminal shows one live line per stage (``grpo_mega.command_runner``).
 
 Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
 that mix worked solutions with bare answers: the SFT policy then works the steps on some prompts and guesses on
@@ -22,7 +22,7 @@ from pathlib import Path
 from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.metrics import read_metrics
 from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
-from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
+from grpo_mega.command_runner import CONFIG_DIR, StageProgress, run_stage
 from prm.iterative import RefreshPlan
 from prm.pipeline import PRMPlan
 

@@ -1,7 +1,7 @@
 """The PRM stages of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
 policy's own solutions -> PRM training -> evaluation on held-out solutions with planted errors and on reranking
 the policy's samples. Each stage is a ``grpo-mega prm`` command on 2 processes with its log in the output folder and
-a live line on the terminal (``grpo_mega.stage_runner``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
+a live line on the terminal (``grpo_mega.command_runner``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
 ``bench/prm_synthetic.py`` over seeds.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
+from grpo_mega.command_runner import CONFIG_DIR, StageProgress, run_stage
 
 
 @dataclass(frozen=True)
