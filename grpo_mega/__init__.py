@@ -7,20 +7,23 @@ Layers, lowest first; a module imports only from its own layer and the ones belo
 (declared and checked in ``tests/test_import_layers.py``):
 
 1. pure code: ``algo`` (the GRPO math), ``batch``, ``metrics``, ``plots``, ``perf``, ``run_control``
-2. ``config``: the typed run config
-3. ``parallel`` and ``launcher``: process groups, launch environment, the torchrun relaunch
-4. ``model``, ``data``, ``reward``: the Megatron GPT model, datasets and tokenizers, reward functions
-5. ``checkpoint``: weights on disk (HF conversion, converted folders, training checkpoints)
-6. ``engine`` and ``rollout``: the engines that hold a model on the devices (training, forward-only, generation);
+2. ``parallel`` and ``launcher``: process groups, launch environment, the torchrun relaunch
+3. ``model``, ``data``, ``reward``: the Megatron GPT model, datasets and tokenizers, reward functions
+4. ``checkpoint``: weights on disk (HF conversion, converted folders, training checkpoints)
+5. ``engine`` and ``rollout``: the engines that hold a model on the devices (training, forward-only, generation);
    each has a ``factory`` module, the one place that knows every engine
-7. the ``prm`` package's library (heads, data, rendering, scoring, labels), built on the layers above
-8. the trainers and the GRPO step: ``stages`` (the stages of one GRPO step), ``grpo_loss``, ``evaluation``,
+6. what a PRM is, read from disk: ``prm``'s examples, rendering contract and spec
+7. ``config``: the typed run config (it checks the layout of the PRM a GRPO config names)
+8. the ``prm`` package's library (heads, data, engines, scoring, Monte-Carlo labels, evaluation)
+9. the trainers and the GRPO step: ``stages`` (the stages of one GRPO step), ``grpo_loss``, ``evaluation``,
    ``trainer``, ``sft``, and ``prm.train``
-9. what a user runs: ``cli``, ``quickstart``, ``command_runner``, ``plan`` (the memory planner), ``prm``'s commands
+10. what a user runs: ``cli``, ``quickstart``, ``command_runner``, ``plan`` (the memory planner), ``prm``'s commands
 
-grpo_mega and prm therefore import each other only one way per layer: prm's library sits on grpo_mega's
-infrastructure (layers 1-6), and grpo_mega's top (layers 8-9) uses prm, because process-supervised GRPO scores
-steps with a PRM and the planner and the CLIs know the PRM's shapes and commands.
+So grpo_mega and prm import each other one way: prm builds on grpo_mega's infrastructure (layers 1-5) and run
+config (its training config reuses the config's sections), and grpo_mega's trainers, GRPO step and commands (layers
+9-10) build on prm, because process-supervised GRPO scores steps with a PRM and the planner and the CLIs know its
+shapes and commands. The config reaches into prm at one point only, the PRM's spec (layer 6: which layout a path
+holds, read from disk with the checkpoint layer alone), to check the PRM a GRPO config names.
 """
 
 __version__ = "0.1.0"

@@ -24,17 +24,17 @@ MAX_LINES = 450
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it or one of its parent packages;
 # a module may import from its own layer (circles are caught below) and from any layer below it.
-# The direction between the two packages: prm's library builds on grpo_mega's infrastructure (config, process
-# groups, model, data, checkpoints, engines) and grpo_mega's top (the GRPO step, the trainers, the commands) sits
-# above prm, because process-supervised GRPO scores steps with a PRM and the planner and CLIs know the PRM.
+# The direction between the two packages: prm builds on grpo_mega's infrastructure (process groups, model, data,
+# checkpoints, engines) and run config; grpo_mega's trainers, GRPO step and commands sit above prm, because
+# process-supervised GRPO scores steps with a PRM and the planner and CLIs know it. The config reads only the PRM's
+# spec (which layout a path holds), which sits below it and needs nothing above the checkpoint layer.
+# prm.spec, prm.engines and grpo_mega.run_harness arrive with the other parts of issue 31 (model source, run harness).
 LAYERS: list[tuple[str, frozenset[str]]] = [
     ("package roots: a docstring and a version, no imports",
      frozenset({"grpo_mega", "prm"})),
     ("pure code: GRPO math, batch records, metrics files and plots, memory figures, stop signals",
      frozenset({"grpo_mega.algo", "grpo_mega.batch", "grpo_mega.metrics", "grpo_mega.plots", "grpo_mega.perf",
                 "grpo_mega.run_control"})),
-    ("the typed run config, which every layer above reads",
-     frozenset({"grpo_mega.config"})),
     ("process groups, the launch environment and the torchrun relaunch",
      frozenset({"grpo_mega.parallel", "grpo_mega.launcher"})),
     ("the Megatron GPT model, datasets and tokenizers, reward functions",
@@ -43,13 +43,17 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
      frozenset({"grpo_mega.checkpoint"})),
     ("engines that hold a model on the devices: training, forward-only, rollout (generation)",
      frozenset({"grpo_mega.engine", "grpo_mega.rollout"})),
-    ("the PRM library on grpo_mega's infrastructure: heads, data, rendering, opening, scoring, labels, metrics",
-     frozenset({"prm.examples", "prm.metrics", "prm.rendering", "prm.data", "prm.synthetic", "prm.heads",
-                "prm.hf_model", "prm.model", "prm.config", "prm.scoring", "prm.policy", "prm.labeling",
-                "prm.perturb", "prm.evaluate", "prm.best_of_n"})),
-    ("the trainers and the GRPO step (its stages read PRM step rewards from the PRM library)",
-     frozenset({"grpo_mega.stages", "grpo_mega.grpo_loss", "grpo_mega.evaluation", "grpo_mega.trainer",
-                "grpo_mega.sft", "prm.train"})),
+    ("what a PRM is, read from disk without an engine: its examples, rendering contract and spec (layout)",
+     frozenset({"prm.examples", "prm.rendering", "prm.spec"})),
+    ("the typed run config (it checks the layout of the PRM a GRPO config names)",
+     frozenset({"grpo_mega.config"})),
+    ("the PRM library on grpo_mega's infrastructure: heads, data, engines, opening, scoring, labels, metrics",
+     frozenset({"prm.metrics", "prm.data", "prm.synthetic", "prm.heads", "prm.hf_model", "prm.engines",
+                "prm.model", "prm.config", "prm.scoring", "prm.policy", "prm.labeling", "prm.perturb",
+                "prm.evaluate", "prm.best_of_n"})),
+    ("the trainers, their run harness and the GRPO step (its stages read PRM step rewards from the PRM library)",
+     frozenset({"grpo_mega.run_harness", "grpo_mega.stages", "grpo_mega.grpo_loss", "grpo_mega.evaluation",
+                "grpo_mega.trainer", "grpo_mega.sft", "prm.train"})),
     ("what a user runs: the CLIs, the commands, the pipelines, the memory planner; nothing below imports them",
      frozenset({"grpo_mega.cli", "grpo_mega.quickstart", "grpo_mega.plan", "grpo_mega.command_runner",
                 "prm.cli", "prm.label_command", "prm.eval_command", "prm.pipeline", "prm.iterative"})),
@@ -59,8 +63,8 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
 # names; an entry whose import is gone fails test_allowed_exceptions_are_still_needed, so the list only shrinks.
 ALLOWED: dict[tuple[str, str], str] = {
     ("grpo_mega.config", "prm.model"):
-        "issue 31, one model source (helper 'source' moves check_layout_is_known out of prm/model.py) and one run "
-        "harness (helper 'harness' splits config.py): the config's PRM layout check must then import downward",
+        "issue 31, one model source (helper 'source' moves check_layout_is_known to prm/spec.py, a layer below the "
+        "config) and one run harness (helper 'harness' turns config.py into a package)",
     ("grpo_mega.checkpoint.training", "grpo_mega.engine.deepspeed_checkpoint"):
         "issue 31, one model source (helper 'source': the engine loads its own format, so checkpoint/ no longer "
         "reads DeepSpeed checkpoints)",
