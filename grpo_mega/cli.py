@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_stage(args) -> int:
+def _run_training(args) -> int:
     if args.nproc > 1 and not under_launcher():
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
     # After the relaunch: grpo_mega.config imports torch (through grpo_mega.algo), which this process, about to
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                               iterations=args.iterations)
     if args.command == "plan":
         return _run_plan(args)
-    return _run_stage(args)
+    return _run_training(args)
 
 
 def _run_plan(args) -> int:

@@ -3,9 +3,9 @@
 data + tokenizer -> tiny Qwen2-shaped policy -> SFT -> Monte-Carlo step labels from the SFT policy -> PRM training
 -> PRM evaluation -> GRPO with outcome supervision and GRPO with process supervision (the learned PRM scores every
 step) from the same SFT checkpoint and seed -> held-out accuracy before / after for each arm, a table, one PNG with
-both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each stage is a
+both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each part is a
 separate ``grpo-mega`` command on 2 gloo processes (data-parallel, DP=2) with a YAML config from configs/ and
-its log in the run directory; the terminal shows one live line per stage (``grpo_mega.stage_runner``).
+its log in the run directory; the terminal shows one live line per command (``grpo_mega.command_runner``).
 
 Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
 that mix worked solutions with bare answers: the SFT policy then works the steps on some prompts and guesses on
@@ -22,7 +22,7 @@ from pathlib import Path
 from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.metrics import read_metrics
 from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
-from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
+from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
 from prm.iterative import RefreshPlan
 from prm.pipeline import PRMPlan
 
@@ -104,14 +104,14 @@ def _optional(key: str, value) -> list[str]:
     return [] if value is None else [f"{key}={value}"]
 
 
-def _training_stage(title: str, command: list[str], config: str, run_dir: Path, steps: int | None,
-                    metrics: tuple[tuple[str, str], ...], overrides: list[str], log_path: Path) -> float:
-    """One training stage on 2 processes, its live line following ``run_dir/metrics.jsonl``."""
-    progress = StageProgress(title=title, metrics_path=run_dir / "metrics.jsonl",
-                             total_steps=steps or _config_steps(config), metrics=metrics)
+def _training_command(title: str, command: list[str], config: str, run_dir: Path, steps: int | None,
+                      metrics: tuple[tuple[str, str], ...], overrides: list[str], log_path: Path) -> float:
+    """One training command on 2 processes, its live line following ``run_dir/metrics.jsonl``."""
+    progress = CommandProgress(title=title, metrics_path=run_dir / "metrics.jsonl",
+                               total_steps=steps or _config_steps(config), metrics=metrics)
     argv = [*command, "--config", str(CONFIG_DIR / config), "--nproc", str(NPROC), f"trainer.run_dir={run_dir}",
             "trainer.progress_bar=false", *_optional("trainer.total_steps", steps), *overrides]
-    return run_stage(argv, log_path, progress)
+    return run_command(argv, log_path, progress)
 
 
 def _accuracies(metrics_path: Path) -> tuple[float, float, int]:
@@ -146,7 +146,7 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
                            model_dir: Path, train_file: Path) -> dict[str, float]:
     """The process-supervised arm as ``plan.iterations`` GRPO runs (``arm_dir/iter<k>``), each from the previous
     run's policy, with a PRM refresh before each run after the first; writes every run's metrics rows, steps counted
-    across iterations, to ``arm_dir/metrics.jsonl``. Returns seconds per stage."""
+    across iterations, to ``arm_dir/metrics.jsonl``. Returns seconds per command."""
     from prm.iterative import refresh_prm
 
     total = plan.grpo_steps or _config_steps("quickstart_grpo.yaml")
@@ -168,7 +168,7 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
         steps = total // plan.iterations + (1 if index < total % plan.iterations else 0)
         print(f"    iteration {index + 1}/{plan.iterations}: {steps} GRPO steps from {policy}, PRM {prm_dir}",
               flush=True)
-        seconds[f"grpo_process_{name}"] = _training_stage(
+        seconds[f"grpo_process_{name}"] = _training_command(
             f"GRPO (process, iteration {index + 1})", ["train"], "quickstart_grpo.yaml", arm_dir / name, steps,
             SHOWN["process"], [*grpo, f"model.init_from={policy}", f"process_reward.prm={prm_dir}"],
             arm_dir / f"{name}.log")
@@ -182,7 +182,7 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
 
 
 def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
-    """Run every stage of ``plan`` under ``run_dir``; writes the plot and ``summary.json``, returns the summary."""
+    """Run every part of ``plan`` under ``run_dir``; writes the plot and ``summary.json``, returns the summary."""
     if plan.iterations < 1:
         raise ValueError(f"QuickstartPlan.iterations must be >= 1, got {plan.iterations}")
     run_dir = Path(run_dir).resolve()
@@ -193,19 +193,19 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     total = 2 + (3 if plan.process_supervision else 0) + len(arms)
     header = iter(range(1, total + 1))
 
-    def stage(text: str) -> None:
+    def announce(text: str) -> None:
         print(f"[{next(header)}/{total}] {text}", flush=True)
 
-    stage(f"data, tokenizer and model config -> {run_dir}")
+    announce(f"data, tokenizer and model config -> {run_dir}")
     begin = time.perf_counter()
     model_dir, train_file, heldout_file = build_data_and_model(run_dir, plan)
     seconds["data"] = time.perf_counter() - begin
     task = [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"parallel.seed={plan.seed}"]
 
-    stage(f"SFT (DP=2 on 2 processes), log: {run_dir / 'sft.log'}")
+    announce(f"SFT (DP=2 on 2 processes), log: {run_dir / 'sft.log'}")
     sft_dir = run_dir / "sft"
-    seconds["sft"] = _training_stage("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, plan.sft_steps,
-                                     (("nll", "sft/nll"),), task, run_dir / "sft.log")
+    seconds["sft"] = _training_command("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, plan.sft_steps,
+                                       (("nll", "sft/nll"),), task, run_dir / "sft.log")
 
     prm_summary = None
     if plan.process_supervision:
@@ -213,7 +213,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
 
         prm_summary = run_prm_pipeline(
             PolicyRun(model_dir=model_dir, weights=sft_dir, train_file=train_file, heldout_file=heldout_file),
-            run_dir, plan.prm, seed=plan.seed, stage=stage,
+            run_dir, plan.prm, seed=plan.seed, announce=announce,
         )
         seconds.update({f"prm_{key}": value for key, value in prm_summary["seconds"].items()})
 
@@ -225,15 +225,15 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         folder = "grpo" if arm == "outcome" else f"grpo_{arm}"
         arm_dirs[arm] = run_dir / folder
         if arm == "process" and plan.iterations > 1:
-            stage(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
-                  f"{arm_dirs[arm]}/")
+            announce(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
+                     f"{arm_dirs[arm]}/")
             seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], sft_dir, prm_summary,
                                                   model_dir, train_file))
             continue
         if arm == "process":
             overrides = (*overrides, f"process_reward.prm={prm_summary['prm_checkpoint']}")
-        stage(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
-        seconds[folder] = _training_stage(
+        announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
+        seconds[folder] = _training_command(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
             SHOWN.get(arm, SHOWN["outcome"]),
             [*grpo, f"model.init_from={sft_dir}", *overrides], run_dir / f"{folder}.log")
@@ -294,8 +294,8 @@ def print_table(summary: dict) -> None:
         print(f"{'GRPO, process supervision (PRM)':34}{summary['sft_accuracy']:>12.3f}{summary['ps_accuracy']:>12.3f}")
         print(f"PRM ProcessBench F1 on the SFT policy's held-out solutions: {_figure(summary['prm_f1'])} "
               f"(planted errors: {_figure(summary['prm_f1_planted'])})")
-    stages = ", ".join(f"{name} {value:.0f} s" for name, value in summary["stage_seconds"].items())
-    print(f"GRPO steps: {summary['steps']}   wall time: {summary['wall_seconds']:.0f} s ({stages})")
+    timings = ", ".join(f"{name} {value:.0f} s" for name, value in summary["stage_seconds"].items())
+    print(f"GRPO steps: {summary['steps']}   wall time: {summary['wall_seconds']:.0f} s ({timings})")
     print(f"plot: {summary['plot']}")
 
 

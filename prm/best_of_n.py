@@ -51,7 +51,7 @@ def best_of_n_report(args, scorer) -> dict:
     from grpo_mega.rollout.base import SamplingConfig
     from grpo_mega.rollout.distributed import generate_across_ranks
     from grpo_mega.data.step_split import default_step_pattern
-    from prm.labeling import load_policy_rollout
+    from prm.policy import load_policy_rollout
 
     policy = load_policy_rollout(args.policy, generation_batch_size=64)
     records = load_prompt_dataset(args.prompts, policy.tokenizer, prompt_length=512, on_bad_row=args.on_bad_row,

@@ -24,8 +24,8 @@ COMMANDS = {
 
 def add_prm_commands(commands) -> None:
     """Add ``prm`` and its subcommands to the ``grpo-mega`` subparsers."""
-    from prm.evaluate import add_eval_arguments
-    from prm.labeling import add_label_arguments
+    from prm.eval_command import add_eval_arguments
+    from prm.label_command import add_label_arguments
     from prm.scoring import add_score_arguments
 
     prm = commands.add_parser("prm", help="the process reward model: label, train, score, eval")
@@ -75,7 +75,7 @@ def run_prm_command(args, argv: list[str]) -> int:
             print(f"grpo-mega prm train: {stopped}", file=sys.stderr)
             return EXIT_STOPPED_EARLY
     elif args.prm_command == "label":
-        from prm.labeling import run_label
+        from prm.label_command import run_label
 
         output = run_label(args)
     elif args.prm_command == "score":
@@ -83,7 +83,7 @@ def run_prm_command(args, argv: list[str]) -> int:
 
         output = run_score(args)
     else:
-        from prm.evaluate import run_eval
+        from prm.eval_command import run_eval
 
         output = run_eval(args)
     if _is_rank0():

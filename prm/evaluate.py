@@ -1,4 +1,5 @@
-"""``grpo-mega prm eval``: how good a PRM is, on step-labelled data and on reranking a policy's samples.
+"""How good a PRM is, on step-labelled data (here) and on reranking a policy's samples (``prm.best_of_n``): the
+figures of ``grpo-mega prm eval`` (``prm.eval_command``).
 
 - Step classification (rows with step labels): ``step_accuracy``, ``step_f1`` (wrong steps as the positive class)
   at the threshold 0.5.
@@ -10,16 +11,11 @@
   synthetic task), the fraction of steps where they agree.
 - Best-of-N (``--policy``, ``--prompts``): N policy samples per prompt, scored by the PRM; ``prm_at_n`` (the best
   aggregated score picks the answer; min / last / product), ``maj_at_n`` (majority vote) and ``pass_at_n``.
-
-The report is one JSON file (path printed last); keys that do not apply are null.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import random
-from pathlib import Path
 from typing import Sequence
 
 from prm.examples import StepExample, first_error_of
@@ -30,8 +26,6 @@ from prm.metrics import (
     processbench_f1,
     step_classification,
 )
-
-logger = logging.getLogger(__name__)
 
 REPORT_KEYS = ("step_accuracy", "step_f1", "processbench_f1", "prm_at_n", "maj_at_n", "pass_at_n", "label_agreement")
 
@@ -123,58 +117,3 @@ def data_report(
 def finish_report(report: dict) -> dict:
     """The report with every key of ``REPORT_KEYS`` present (null when it does not apply)."""
     return {key: report.get(key) for key in REPORT_KEYS} | report
-
-
-# ----------------------------------------------------------------------------- command line
-def add_eval_arguments(parser) -> None:
-    from prm.scoring import add_data_arguments, add_prm_arguments
-
-    add_prm_arguments(parser)
-    add_data_arguments(parser, required=False)
-    parser.add_argument("--dev-file", default=None, help="dev split for the ProcessBench threshold (same format)")
-    parser.add_argument("--dev-fraction", type=float, default=0.3,
-                        help="without --dev-file: share of --data rows used to choose the threshold")
-    parser.add_argument("--policy", default=None, help="best-of-N: the policy (HF folder or grpo-mega checkpoint)")
-    parser.add_argument("--prompts", default=None, help="best-of-N: prompts with gold answers (jsonl)")
-    parser.add_argument("--n", type=int, default=8, help="best-of-N: samples per prompt")
-    parser.add_argument("--max-prompts", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--reward", default="synthetic", help="best-of-N: the verifier of a sample's final answer")
-    parser.add_argument("--step-pattern", default=None, help="best-of-N: regex that ends a step (see step_split)")
-    parser.add_argument("--samples-out", default=None, help="best-of-N: write the scored samples here (jsonl)")
-    parser.add_argument("--out", required=True, help="the report (JSON)")
-
-
-def run_eval(args) -> Path:
-    """``grpo-mega prm eval``: writes the JSON report and returns its path."""
-    import torch.distributed as dist
-
-    from grpo_mega.parallel import destroy_distributed
-    from prm.scoring import open_scorer, read_data
-
-    if args.data is None and args.policy is None:
-        raise ValueError("prm eval: give --data (step-labelled rows) and/or --policy with --prompts (best-of-N)")
-    _, scorer = open_scorer(args)
-    report: dict = {"prm": str(args.prm)}
-    if args.data is not None:
-        examples = read_data(args)
-        dev = read_data(args, path=args.dev_file) if args.dev_file else []
-        report.update(data_report(examples, scorer.score_examples(examples), dev_examples=dev,
-                                  dev_scores=scorer.score_examples(dev) if dev else [],
-                                  dev_fraction=args.dev_fraction, seed=args.seed))
-        report["data"] = str(args.data)
-    if args.policy is not None:
-        from prm.best_of_n import best_of_n_report
-
-        if args.prompts is None:
-            raise ValueError("prm eval: --policy needs --prompts (prompts with gold answers)")
-        report.update(best_of_n_report(args, scorer))
-    report = finish_report(report)
-    out = Path(args.out)
-    if dist.get_rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        logger.info("PRM evaluation: %s", {k: report[k] for k in REPORT_KEYS})
-    destroy_distributed()
-    return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from prm.pipeline import PRMPlan, label_stage, train_stage
+from prm.pipeline import PRMPlan, run_label_command, run_train_command
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,15 @@ def refresh_prm(*, model_dir: Path, policy_weights: Path, prompts_file: Path, pr
                 seed: int, show: bool = True) -> tuple[Path, Path, dict[str, float]]:
     """Label ``policy_weights``' solutions to the ``iteration``-th window of ``plan.label_prompts`` prompts, then train
     the PRM on from ``previous_prm`` on them plus a replay of the ``history`` label files. Returns (the new PRM run
-    directory, the new label file, seconds per stage)."""
+    directory, the new label file, seconds per command)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = prompt_window(prompts_file, iteration * plan.label_prompts, plan.label_prompts,
                             out_dir / f"prompts_iter{iteration}.jsonl")
     labels = out_dir / f"prm_labels_iter{iteration}.jsonl"
-    seconds = {"label": label_stage(policy_weights, prompts, labels, plan, seed=seed + iteration,
-                                    log=out_dir / f"prm_label_iter{iteration}.log", show=show)}
+    seconds = {"label": run_label_command(policy_weights, prompts, labels, plan, seed=seed + iteration,
+                                          log=out_dir / f"prm_label_iter{iteration}.log", show=show)}
     prm_dir = out_dir / f"prm_iter{iteration}"
-    seconds["train"] = train_stage(model_dir, previous_prm, labels, prm_dir, plan, seed=seed + iteration,
-                                   steps=refresh.train_steps, log=out_dir / f"prm_train_iter{iteration}.log",
-                                   show=show, overrides=replay_overrides(history, refresh.replay_fraction))
+    seconds["train"] = run_train_command(model_dir, previous_prm, labels, prm_dir, plan, seed=seed + iteration,
+                                         steps=refresh.train_steps, log=out_dir / f"prm_train_iter{iteration}.log",
+                                         show=show, overrides=replay_overrides(history, refresh.replay_fraction))
     return prm_dir, labels, seconds

@@ -1,7 +1,7 @@
-"""The PRM stages of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
+"""The PRM part of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
 policy's own solutions -> PRM training -> evaluation on held-out solutions with planted errors and on reranking
-the policy's samples. Each stage is a ``grpo-mega prm`` command on 2 processes with its log in the output folder and
-a live line on the terminal (``grpo_mega.stage_runner``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
+the policy's samples. Each is a ``grpo-mega prm`` command on 2 processes with its log in the output folder and
+a live line on the terminal (``grpo_mega.command_runner``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
 ``bench/prm_synthetic.py`` over seeds.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from grpo_mega.stage_runner import CONFIG_DIR, StageProgress, run_stage
+from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
 
 
 @dataclass(frozen=True)
 class PRMPlan:
-    """Sizes of the PRM stages (the defaults are the quickstart's)."""
+    """Sizes of the PRM commands (the defaults are the quickstart's)."""
 
     label_prompts: int = 800
     """Training prompts whose policy solutions get Monte-Carlo labels."""
@@ -39,7 +39,7 @@ class PRMPlan:
 
 @dataclass(frozen=True)
 class PolicyRun:
-    """What the PRM stages need from the policy's side: its config folder, weights, and the task's files."""
+    """What the PRM commands need from the policy's side: its config folder, weights, and the task's files."""
 
     model_dir: Path
     """The policy's HF config folder (with its tokenizer)."""
@@ -68,16 +68,16 @@ def _training_steps(plan: PRMPlan) -> int:
     return int(yaml.safe_load((CONFIG_DIR / "quickstart_prm.yaml").read_text())["trainer"]["total_steps"])
 
 
-def label_stage(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPlan, *, seed: int, log: Path,
-                show: bool = True) -> float:
+def run_label_command(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPlan, *, seed: int, log: Path,
+                      show: bool = True) -> float:
     """``grpo-mega prm label``: Monte-Carlo labels of ``policy_weights``' solutions to the first
     ``plan.label_prompts`` prompts of ``prompts_file``, its output in ``log``; returns wall seconds."""
-    return run_stage(
+    return run_command(
         ["prm", "label", "--policy", str(policy_weights), "--data", str(prompts_file), "--out", str(out),
          "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
          "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
          "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), "--nproc", str(plan.nproc)],
-        log, StageProgress("PRM labels"), show=show,
+        log, CommandProgress("PRM labels"), show=show,
     )
 
 
@@ -94,53 +94,53 @@ def _config_layout() -> str:
     return str(yaml.safe_load((CONFIG_DIR / "quickstart_prm.yaml").read_text())["prm"]["layout"])
 
 
-def train_stage(model_dir: Path, init_from: Path, labels: Path, prm_dir: Path, plan: PRMPlan, *, seed: int,
-                steps: int, log: Path, show: bool = True, overrides: Sequence[str] = ()) -> float:
+def run_train_command(model_dir: Path, init_from: Path, labels: Path, prm_dir: Path, plan: PRMPlan, *, seed: int,
+                      steps: int, log: Path, show: bool = True, overrides: Sequence[str] = ()) -> float:
     """``grpo-mega prm train`` (configs/quickstart_prm.yaml) for ``steps`` steps from ``init_from`` (a policy, or a
     PRM run to train on) on ``labels``, with more ``key=value``
     ``overrides`` last (e.g. ``data.replay_files=[...]``); returns wall seconds."""
     settings = [f"model.hf_config={model_dir}", f"model.init_from={init_from}", f"data.train_file={labels}",
                 f"trainer.run_dir={prm_dir}", "trainer.progress_bar=false", f"parallel.seed={seed}",
                 f"trainer.total_steps={steps}", *overrides]
-    return run_stage(
+    return run_command(
         ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), "--nproc", str(plan.nproc), *settings],
         log,
-        StageProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=steps,
-                      metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
+        CommandProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=steps,
+                        metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
         show=show,
     )
 
 
 def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan(), *, seed: int = 1234,
-                     stage=print, show: bool = True) -> dict:
+                     announce=print, show: bool = True) -> dict:
     """Label, train and evaluate a PRM for ``policy`` under ``out_dir``; returns (and writes ``prm_summary.json``)
     the figures: label agreement with the truth, step accuracy / F1, ProcessBench F1 on planted errors and on the
-    policy's own solutions, prm@N / maj@N / pass@N, and seconds per stage. ``stage(text)`` announces each stage;
-    ``show``: a live line per stage."""
+    policy's own solutions, prm@N / maj@N / pass@N, and seconds per command. ``announce(text)`` announces each
+    command; ``show``: a live line per command."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     nproc = ["--nproc", str(plan.nproc)]
     seconds: dict[str, float] = {}
     labels, prm_dir = out_dir / "prm_labels.jsonl", out_dir / "prm"
 
-    stage(f"PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions of the policy, "
-          f"{plan.rollouts_per_step} Monte-Carlo rollouts per step, log: {out_dir / 'prm_label.log'}")
-    seconds["label"] = label_stage(policy.weights, policy.train_file, labels, plan, seed=seed,
-                                   log=out_dir / "prm_label.log", show=show)
-    stage(f"PRM training ({LAYOUT_TITLES[_config_layout()]}), log: {out_dir / 'prm_train.log'}")
-    seconds["train"] = train_stage(policy.model_dir, policy.weights, labels, prm_dir, plan, seed=seed,
-                                   steps=_training_steps(plan), log=out_dir / "prm_train.log", show=show)
+    announce(f"PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions of the policy, "
+             f"{plan.rollouts_per_step} Monte-Carlo rollouts per step, log: {out_dir / 'prm_label.log'}")
+    seconds["label"] = run_label_command(policy.weights, policy.train_file, labels, plan, seed=seed,
+                                         log=out_dir / "prm_label.log", show=show)
+    announce(f"PRM training ({LAYOUT_TITLES[_config_layout()]}), log: {out_dir / 'prm_train.log'}")
+    seconds["train"] = run_train_command(policy.model_dir, policy.weights, labels, prm_dir, plan, seed=seed,
+                                         steps=_training_steps(plan), log=out_dir / "prm_train.log", show=show)
 
-    stage(f"PRM evaluation: planted errors and the policy's own held-out solutions, log: {out_dir / 'prm_eval.log'}")
+    announce(f"PRM evaluation: planted errors and the policy's own held-out solutions, log: {out_dir / 'prm_eval.log'}")
     planted = write_planted_file(policy.heldout_file, out_dir / "planted_errors.jsonl",
                                  problems=plan.planted_problems, seed=seed)
     report_path = out_dir / "prm_eval.json"
-    seconds["eval"] = run_stage(
+    seconds["eval"] = run_command(
         ["prm", "eval", "--prm", str(prm_dir), "--data", str(planted), "--policy", str(policy.weights),
          "--prompts", str(policy.heldout_file), "--n", str(plan.best_of_n), "--max-prompts",
          str(plan.best_of_n_prompts), "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed),
          "--samples-out", str(out_dir / "prm_best_of_n_samples.jsonl"), "--out", str(report_path), *nproc],
-        out_dir / "prm_eval.log", StageProgress("PRM evaluation"), show=show,
+        out_dir / "prm_eval.log", CommandProgress("PRM evaluation"), show=show,
     )
     label_summary = json.loads(Path(f"{labels}.summary.json").read_text())
     report = json.loads(report_path.read_text())

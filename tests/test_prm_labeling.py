@@ -1,5 +1,6 @@
-"""Monte-Carlo step labels (prm/labeling.py): the label arithmetic by hand, the grouping of continuations back to
-their steps through a real rollout engine, and ``run_label`` end to end on 2 processes."""
+"""Monte-Carlo step labels (prm/labeling.py; the command prm/label_command.py, the policy prm/policy.py): the label
+arithmetic by hand, the grouping of continuations back to their steps through a real rollout engine, and
+``run_label`` end to end on 2 processes."""
 
 import argparse
 import json
@@ -8,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from prm.label_command import add_label_arguments, summary_path
 from prm.labeling import (
     LabelItem,
     Prefix,
-    add_label_arguments,
     group_rollouts,
     monte_carlo_labels,
     plan_prefixes,
     prefix_token_ids,
     step_labels,
-    summary_path,
 )
 from grpo_mega.rollout.base import SamplingConfig
 from tests.dist_utils import run_distributed
@@ -180,7 +180,7 @@ def _label_args(policy: Path, data: Path, out: Path) -> argparse.Namespace:
 
 
 def _label_worker(args: argparse.Namespace) -> str:
-    from prm.labeling import run_label
+    from prm.label_command import run_label
 
     return str(run_label(args))
 
@@ -229,7 +229,7 @@ def _checkpoint_rollout_worker(hf_dir: Path, model_dir: Path, run_dir: Path):
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
     from grpo_mega.parallel import init_distributed
-    from prm.labeling import load_policy_rollout
+    from prm.policy import load_policy_rollout
 
     init_distributed(2, 1, seed=0, device="cpu")
     trained = build_policy_engine(AutoConfig.from_pretrained(model_dir), optim=OptimConfig(), total_steps=1,
@@ -254,10 +254,11 @@ def test_a_training_run_loads_through_the_engine_and_syncs_the_exact_weights(tin
 
 
 def test_policy_folders_of_an_hf_folder_and_of_a_folder_that_is_no_policy(tiny_policy, tmp_path):
-    from prm.labeling import policy_folders
+    from prm.policy import policy_folders
 
     policy_dir, _ = tiny_policy
-    assert policy_folders(policy_dir) == ("hf", policy_dir, policy_dir)
+    source, hf_config, tokenizer = policy_folders(policy_dir)
+    assert (source.kind, hf_config, tokenizer) == ("hf", policy_dir, policy_dir)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"--policy .*empty: .*none of"):
         policy_folders(tmp_path / "empty")

@@ -1,6 +1,6 @@
 """Replay of earlier labels in PRM training (iterative RL): ``data.replay_files`` / ``data.replay_fraction`` checks,
 the rows ``prm.train.training_examples`` picks, and a tiny ``grpo-mega prm train`` run through the quickstart's
-``train_stage`` with the replay overrides ``refresh_prm`` passes."""
+``run_train_command`` with the replay overrides ``refresh_prm`` passes."""
 
 from __future__ import annotations
 
@@ -135,14 +135,14 @@ def _tiny_model_dir(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_train_stage_replays_earlier_labels_in_a_real_run(tmp_path):
-    """The quickstart's refresh path (``train_stage`` with ``replay_overrides``) trains one step on the new labels
+def test_train_command_replays_earlier_labels_in_a_real_run(tmp_path):
+    """The quickstart's refresh path (``run_train_command`` with ``replay_overrides``) trains one step on the new labels
     plus the replayed share, logs the split and records the replay in the run's config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_mega.data.synthetic import read_jsonl
-    from prm.pipeline import PRMPlan, train_stage
+    from prm.pipeline import PRMPlan, run_train_command
     from prm.synthetic import planted_error_examples
     from tiny_task import build_tiny_task
 
@@ -154,9 +154,9 @@ def test_train_stage_replays_earlier_labels_in_a_real_run(tmp_path):
     new = write_stepwise(tmp_path / "labels_iter1.jsonl", planted_error_examples(problems[:8], seed=1))
     old = write_stepwise(tmp_path / "labels_iter0.jsonl", planted_error_examples(problems[50:90], seed=2))
     run_dir, log = tmp_path / "prm_iter1", tmp_path / "prm_train_iter1.log"
-    train_stage(model_dir, policy, new, run_dir, PRMPlan(nproc=1), seed=3, steps=1, log=log, show=False,
-                overrides=[*replay_overrides([old], 0.25), "trainer.batch_size=4", "trainer.tensorboard=false",
-                           "parallel.device=cpu"])
+    run_train_command(model_dir, policy, new, run_dir, PRMPlan(nproc=1), seed=3, steps=1, log=log, show=False,
+                      overrides=[*replay_overrides([old], 0.25), "trainer.batch_size=4", "trainer.tensorboard=false",
+                                 "parallel.device=cpu"])
     text = log.read_text()
     assert f"training set: 8 rows of {new} plus 10 replayed of the 40 rows of data.replay_files" in text, text[-3000:]
     assert list((run_dir / "checkpoints").glob("step_000001"))

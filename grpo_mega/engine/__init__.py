@@ -9,7 +9,7 @@ from grpo_mega.engine.factory import (
     build_reference_engine,
 )
 from grpo_mega.engine.megatron_engine import MegatronEngine
-from grpo_mega.engine.stage_engine import MegatronForwardEngine
+from grpo_mega.engine.megatron_base import MegatronForwardEngine
 
 __all__ = [
     "ForwardEngine",

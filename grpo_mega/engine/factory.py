@@ -9,7 +9,7 @@ import torch
 from megatron.core import parallel_state as mpu
 
 from grpo_mega.engine.megatron_engine import MegatronEngine
-from grpo_mega.engine.stage_engine import MegatronForwardEngine, StageModelProvider
+from grpo_mega.engine.megatron_base import MegatronForwardEngine, StageModelProvider
 from grpo_mega.model import LMHead, build_gpt_model, gpt_config_from_hf
 from grpo_mega.parallel import get_device
 

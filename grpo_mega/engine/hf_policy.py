@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_mega.engine.stage_engine import align_to_tokens
+from grpo_mega.engine.megatron_base import align_to_tokens
 from grpo_mega.model.heads import next_token_labels
 from grpo_mega.model.logprobs import vocab_parallel_logprobs_and_entropy
 

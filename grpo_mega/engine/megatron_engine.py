@@ -38,7 +38,7 @@ from grpo_mega.engine.lr_schedule import (
     build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
 )
 from grpo_mega.engine.offload import StorageOffload, device_bytes, megatron_grad_buffers, megatron_optimizer_state
-from grpo_mega.engine.stage_engine import MegatronStageEngine, StageModelProvider, layer_tokens
+from grpo_mega.engine.megatron_base import MegatronStageEngine, StageModelProvider, layer_tokens
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
     global_loss_scale,

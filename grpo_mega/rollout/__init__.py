@@ -5,12 +5,8 @@ The trainer builds an engine with :func:`build_rollout_engine`, samples with ``e
 SamplingConfig(...))`` and pushes new weights with :func:`sync_weights`.
 """
 
-from grpo_mega.rollout.base import (
-    Completion,
-    RolloutEngine,
-    SamplingConfig,
-    build_rollout_engine,
-)
+from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig
+from grpo_mega.rollout.factory import build_rollout_engine
 from grpo_mega.rollout.weight_sync import SyncStats, iter_buckets, sync_weights
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The rollout interface the GRPO trainer calls: sampling settings, completions, the engine protocol, the factory.
+"""The rollout interface the GRPO trainer calls: sampling settings, completions, the engine protocol (the engines
+implement it; ``grpo_mega.rollout.factory`` builds them).
 
 Every engine returns the same thing for the same request: ``n`` completions per prompt, grouped contiguously
 (``completions[p*n:(p+1)*n]`` answer prompt ``p``), each with the sampling log-prob of every response token.
@@ -32,7 +33,6 @@ import numpy as np
 import torch
 
 FinishReason = Literal["stop", "length", "eos"]
-ENGINE_NAMES = ("hf", "vllm")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -175,28 +175,6 @@ def load_hf_tokenizer(tokenizer: Any):
     if not hasattr(tokenizer, "decode") or not hasattr(tokenizer, "eos_token_id"):
         raise TypeError(f"rollout: tokenizer must be a folder or a transformers tokenizer, got {type(tokenizer)}")
     return tokenizer
-
-
-def build_rollout_engine(
-    name: str, *, model_path: str | Path, tokenizer: Any, dtype: str | torch.dtype, **engine_kwargs
-) -> RolloutEngine:
-    """Build the rollout engine ``name`` ("hf" or "vllm") for the model in ``model_path``.
-
-    ``model_path`` is a Hugging Face folder: with weights (``*.safetensors`` / ``pytorch_model*.bin``) they are
-    loaded; with only ``config.json`` the engine starts with placeholder weights and refuses to generate until a
-    full weight update has arrived. ``tokenizer`` is a tokenizer folder or a loaded transformers tokenizer.
-    ``engine_kwargs`` go to the engine (hf: ``generation_batch_size``, ``device``; vllm: see
-    :class:`grpo_mega.rollout.vllm_engine.VLLMRolloutEngine`).
-    """
-    if name == "hf":
-        from grpo_mega.rollout.hf_engine import HFRolloutEngine
-
-        return HFRolloutEngine.from_pretrained(model_path, tokenizer, dtype=dtype, **engine_kwargs)
-    if name == "vllm":
-        from grpo_mega.rollout.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model_path, tokenizer, dtype=dtype, **engine_kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")
 
 
 def decode_response(tokenizer: Any, token_ids: Sequence[int]) -> str:

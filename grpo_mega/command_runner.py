@@ -1,12 +1,12 @@
 """Run one ``grpo-mega`` command as a child process, its output in a log file, and show what it is doing.
 
-The pipelines (``grpo-mega quickstart``, ``prm.pipeline``) run each stage as a separate ``grpo-mega`` process so
-that every stage is also a command a user can run by hand. Their logs go to files; the terminal gets one live
-line per stage, read from what the stage writes as it goes:
+The pipelines (``grpo-mega quickstart``, ``prm.pipeline``) run each of their parts as a separate ``grpo-mega``
+process, so that every part is also a command a user can run by hand. Their logs go to files; the terminal gets one
+live line per command, read from what the command writes as it goes:
 
-- a training stage (SFT, PRM training, GRPO) appends one row per step to ``metrics.jsonl``: the line shows
-  ``step k/N``, the stage's key metric of the latest row that has it, and tqdm's ETA;
-- any other stage (labelling, evaluation) shows the elapsed time and the last line of its log.
+- a training command (``sft``, ``prm train``, ``train``) appends one row per step to ``metrics.jsonl``: the line
+  shows ``step k/N``, the command's key metric of the latest row that has it, and tqdm's ETA;
+- any other command (``prm label``, ``prm eval``) shows the elapsed time and the last line of its log.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from pathlib import Path
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-"""The YAML configs shipped with the repository (the quickstart's stages)."""
+"""The YAML configs shipped with the repository (the quickstart's commands)."""
 
 
-class StageFailed(RuntimeError):
-    """A stage's process exited with a non-zero status; the message ends with the last lines of its log."""
+class CommandFailed(RuntimeError):
+    """A command's process exited with a non-zero status; the message ends with the last lines of its log."""
 
 
 @dataclass(frozen=True)
-class StageProgress:
-    """What a stage's live line shows."""
+class CommandProgress:
+    """What a command's live line shows."""
 
     title: str
     """Shown at the left of the line, e.g. "GRPO (outcome)"."""
     metrics_path: Path | None = None
-    """The stage's ``metrics.jsonl`` (training stages); None: elapsed time and the log's last line instead."""
+    """The command's ``metrics.jsonl`` (training commands); None: elapsed time and the log's last line instead."""
     total_steps: int | None = None
-    """Steps the stage runs (the bar's length); None: unknown."""
+    """Steps the command runs (the bar's length); None: unknown."""
     metrics: tuple[tuple[str, str], ...] = ()
     """(label, metrics key) pairs shown beside the step, each from the latest row that has the key."""
 
@@ -88,16 +88,16 @@ def _format_metric(value) -> str:
 
 
 class _LiveLine:
-    """The stage's tqdm line; a no-op when ``show`` is False (tests, library use)."""
+    """The command's tqdm line; a no-op when ``show`` is False (tests, library use)."""
 
-    def __init__(self, progress: StageProgress, show: bool):
+    def __init__(self, progress: CommandProgress, show: bool):
         self.progress = progress
         self.bar = None
         self.latest: dict[str, object] = {}
         if show:
             from tqdm import tqdm
 
-            # A stage without metrics shows elapsed time and its log's last line, not a rate.
+            # A command without metrics shows elapsed time and its log's last line, not a rate.
             elapsed_only = None if progress.metrics_path else "{desc}: {elapsed} {postfix}"
             self.bar = tqdm(total=progress.total_steps, desc=progress.title, unit="step", bar_format=elapsed_only,
                             dynamic_ncols=True, file=sys.stdout, mininterval=1.0 if sys.stdout.isatty() else 30.0)
@@ -124,18 +124,18 @@ class _LiveLine:
             self.bar.close()
 
 
-def run_stage(argv: list[str], log_path: Path, progress: StageProgress | None = None, *, show: bool = True,
-              poll_seconds: float = 1.0) -> float:
+def run_command(argv: list[str], log_path: Path, progress: CommandProgress | None = None, *, show: bool = True,
+                poll_seconds: float = 1.0) -> float:
     """Run ``grpo-mega <argv>`` with its output in ``log_path``, showing ``progress`` live; returns wall seconds.
 
-    Raises :class:`StageFailed` with the log's last lines when the process fails. A stage resumed from its own
+    Raises :class:`CommandFailed` with the log's last lines when the process fails. A command resumed from its own
     checkpoints starts its bar at the step it resumes from (the rows it had written before are skipped).
     """
     log_path = Path(log_path)
-    progress = progress or StageProgress(title=argv[0])
+    progress = progress or CommandProgress(title=argv[0])
     follower = MetricsFollower(progress.metrics_path) if progress.metrics_path else None
     if follower is not None:
-        follower.new_rows()  # rows of an earlier, interrupted run of this stage
+        follower.new_rows()  # rows of an earlier, interrupted run of this command
     line = _LiveLine(progress, show)
     start = time.perf_counter()
     try:
@@ -162,5 +162,5 @@ def run_stage(argv: list[str], log_path: Path, progress: StageProgress | None = 
         line.close()
     if code != 0:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
-        raise StageFailed(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
+        raise CommandFailed(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
     return time.perf_counter() - start
