@@ -63,7 +63,7 @@ def build_prm_engine(
     deepspeed=None,
     sequence_parallel: bool | None = None,
     recompute: str = "none",
-    distributed_optimizer: bool = False,
+    distributed_optimizer: bool = True,
 ):
     """A training engine of the PRM (outputs ``good_logprob``, ``bad_logprob`` per token, not shifted): a
     :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP (``sequence_parallel``,

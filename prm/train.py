@@ -128,7 +128,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
-                              distributed_optimizer=bool(cfg.parallel.distributed_optimizer))  # auto: off for the PRM (issue note 2026-11-25)
+                              distributed_optimizer=cfg.parallel.distributed_optimizer)
     harness.start(engine, initial_weights=lambda: _load_initial_weights(engine, cfg), bar_metric="prm/loss")
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
     for step in harness.steps():

@@ -3,7 +3,8 @@
 Step scores of HF PRMs of both published layouts (tiny random Qwen2 models written the way the published ones are),
 and of a causal LM read as a likelihood PRM, match what transformers computes, at TP=2 and at PP=2 on 2 gloo
 processes; a training step of either head is the same
-at TP=1 x DP=2, TP=2 and PP=2 (values, gradients of the replicated classifier head, parameters after the step);
+at TP=1 x DP=2 (megatron's distributed optimizer), TP=2 and PP=2 (values, gradients of the replicated classifier
+head, parameters after the step);
 a classifier PRM starts from a policy's backbone from each kind of source, its head untouched.
 """
 
@@ -397,6 +398,26 @@ def _optim():
     return OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, adam_eps=1e-4, decay_style="constant")
 
 
+def _reduced_main_grads(engine) -> None:
+    """Make every rank's ``main_grad`` the DP-reduced gradient, as the plain optimizer's all-reduce leaves it.
+
+    With the distributed optimizer megatron reduce-scatters each gradient bucket: after the step a DP rank holds
+    the reduced gradient only in its own 1/DP shard of the bucket, and elsewhere its own unreduced share (at DP=2
+    the classifier head, first in the buffer, lies wholly in rank 0's shard). The shards are gathered here, the
+    way megatron gathers the updated parameters."""
+    import torch.distributed as dist
+
+    if not engine.distributed_optimizer:
+        return
+    for bucket_group in engine.model.bucket_groups + engine.model.expert_parallel_bucket_groups:
+        size = bucket_group.intra_distributed_optimizer_instance_size
+        rank = bucket_group.intra_distributed_optimizer_instance_rank
+        for bucket in bucket_group.buckets:
+            shard = bucket.grad_data.numel() // size
+            dist.all_gather_into_tensor(bucket.grad_data, bucket.grad_data[rank * shard : (rank + 1) * shard].clone(),
+                                        group=bucket_group.intra_distributed_optimizer_instance_group)
+
+
 def _training_step(folder: str, layout: str) -> dict:
     """One training step of the PRM in ``folder`` at the current layout: loss, grad norm, the head's gradients (on
     the last stage), every HF weight after the step."""
@@ -411,6 +432,8 @@ def _training_step(folder: str, layout: str) -> dict:
                               optim=_optim(), total_steps=1, max_tokens_per_micro_batch=24)
     engine.load_hf_weights(HFWeights(folder))
     metrics = engine.train_step(batch(SPECIAL.index(spec.step_tag.strip())), step_loss)
+    assert engine.distributed_optimizer == (parallel_state.get_data_parallel_world_size() > 1)
+    _reduced_main_grads(engine)
     head_grads = None
     if parallel_state.is_pipeline_last_stage():
         head_grads = {name: p.main_grad.clone() for name, p in engine.stage.head.named_parameters()}
