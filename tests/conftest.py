@@ -11,7 +11,7 @@ then fill in around the long ones and both workers finish at about the same time
 from __future__ import annotations
 
 # Approximate seconds of the slowest files under `make test` (2 idle cores, measured 2026-11-25 with --durations=0;
-test_sft_preemption.py from its own run); only their order matters, and a file missing here just runs after them.
+# test_sft_preemption.py from its own run); only their order matters, and a file missing here just runs after them.
 SLOW_FILES = {
     "test_quickstart_e2e.py": 315,
     "test_trainer_hardening.py": 235,
