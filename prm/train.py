@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from prm.examples import StepExample
 from prm.metrics import step_classification
 from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
 from prm.scoring import StepScorer, rendered_batch
+
+if TYPE_CHECKING:
+    from grpo_mega.checkpoint.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -201,23 +205,25 @@ def _prm_hf_config(cfg: PRMConfig, run_dir: Path) -> Path:
 
 def _load_initial_weights(engine, cfg: PRMConfig) -> None:
     """``model.init_from``: a PRM of this layout loads whole; a policy gives the backbone (classifier: the head
-    starts from its initialisation)."""
+    starts from its initialisation). The source is resolved once, for the check and the load."""
     from grpo_mega.checkpoint.initial_weights import load_initial_weights
+    from grpo_mega.checkpoint.source import resolve_model_source
     from prm.model import load_prm_init_weights
 
-    source = cfg.model.init_from
-    if source is None or cfg.prm.layout in ("lm_tokens", "likelihood") or _is_classifier_prm(source):
+    if cfg.model.init_from is None:
+        load_initial_weights(engine, None)
+        return
+    source = resolve_model_source(cfg.model.init_from)
+    if cfg.prm.layout in ("lm_tokens", "likelihood") or _is_classifier_prm(source):
         load_initial_weights(engine, source)
     else:
         load_prm_init_weights(engine, source)
 
 
-def _is_classifier_prm(source: str) -> bool:
+def _is_classifier_prm(source: ModelSource) -> bool:
     """Whether ``source`` holds a classifier PRM (its head included): an HF PRM folder or a grpo-mega PRM run."""
-    from grpo_mega.checkpoint.source import resolve_model_source
     from prm.spec import detect_layout
 
-    model = resolve_model_source(source)
-    if model.kind == "hf":
-        return detect_layout(model.hf_config) == "classifier"
-    return model.trained_prm.get("layout") == "classifier"
+    if source.kind == "hf":
+        return detect_layout(source.hf_config) == "classifier"
+    return source.trained_prm.get("layout") == "classifier"
