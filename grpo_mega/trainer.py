@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig
 
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
+from grpo_mega.checkpoint.source import resolve_model_source
 from grpo_mega.config import GRPOConfig
 from grpo_mega.data.prompts import PromptBatches, load_prompt_dataset
 from grpo_mega.data.tokenizer import load_tokenizer
@@ -68,7 +69,13 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
     rollout_engine = _build_rollout_engine(cfg, tokenizer) if cfg.rollout.engine == "vllm" else None
     policy, reference = _build_engines(cfg)
-    start_step = harness.start(policy, extra_state={"prompts": train_prompts}, bar_metric="critic/score/mean")
+    # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
+    source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
+    start_step = harness.start(policy, extra_state={"prompts": train_prompts},
+                               initial_weights=lambda: load_initial_weights(policy, source),
+                               bar_metric="critic/score/mean")
+    if reference is not None:
+        load_initial_weights(reference, source)
     if rollout_engine is None:
         rollout_engine = _build_rollout_engine(cfg, tokenizer)
     offload = cfg.parallel.offload_during_rollout
@@ -143,7 +150,8 @@ def _prompts(cfg: GRPOConfig, tokenizer, path: str):
 
 
 def _build_engines(cfg: GRPOConfig):
-    """The policy (trained) and, with the KL loss, the reference (forward-only), both from ``model.init_from``."""
+    """The policy (trained) and, with the KL loss, the reference (forward-only), with their initial weights still
+    to load (``model.init_from``, in :func:`train`)."""
     hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
     shared = dict(
         max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
@@ -154,11 +162,7 @@ def _build_engines(cfg: GRPOConfig):
     )
     policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
                                  distributed_optimizer=cfg.parallel.distributed_optimizer, **shared)
-    load_initial_weights(policy, cfg.model.init_from)
-    reference = None
-    if cfg.algorithm.use_kl_loss:
-        reference = build_reference_engine(hf_config, **shared)
-        load_initial_weights(reference, cfg.model.init_from)
+    reference = build_reference_engine(hf_config, **shared) if cfg.algorithm.use_kl_loss else None
     return policy, reference
 
 
