@@ -1,17 +1,20 @@
 """The quickstart pipeline over seeds, with all three GRPO arms: outcome supervision, process supervision by the
 learned PRM, and process supervision by the task's ground-truth step checker (the oracle PRM).
 
-    .venv/bin/python bench/pipeline_seeds.py [--seeds 1 2 3] [--out runs/pipeline_seeds] [--fast]
+    .venv/bin/python bench/pipeline_seeds.py [--seeds 1 2 3] [--regime sparse|dense] [--out runs/pipeline_seeds]
 
 Each seed runs the whole pipeline of ``grpo-mega quickstart`` (same data; the seed moves SFT, the PRM's labels and
 training, and GRPO) plus the oracle arm, in ``OUT/seed<N>``. Prints one row per seed with the mean, the standard
-deviation and the range, the gains over SFT, and writes bench/results/pipeline_seeds.json (path printed last).
-About 25 minutes per seed on 2 cores.
+deviation and the range, each arm's gain over SFT and its share of zero-signal groups, then the seed-by-seed
+difference process (learned PRM) - outcome with its mean, standard deviation and standard error, and writes
+bench/results/pipeline_seeds_<regime>.json (path printed last).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,32 +23,51 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.seed_table import report_seeds  # noqa: E402
-from grpo_mega.quickstart import FAST, QuickstartPlan, run_pipeline  # noqa: E402
+from grpo_mega.quickstart import FAST, REGIMES, run_pipeline  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
-           "prm_f1", "prm_f1_planted")
+           "os_zero_signal", "ps_minus_os", "prm_f1", "prm_label_agreement")
 
 
-def with_gains(summary: dict) -> dict:
-    """The summary with each arm's held-out gain over the SFT policy (``os_gain``, ``ps_gain``, ``oracle_gain``)."""
-    gains = {f"{arm}_gain": summary[f"{arm}_accuracy"] - summary["sft_accuracy"]
-             for arm in ("os", "ps", "oracle") if summary.get(f"{arm}_accuracy") is not None}
-    return {**summary, **gains}
+def difference_report(differences: list[float]) -> dict:
+    """Mean, sample standard deviation and standard error of the seed-by-seed differences, and whether the mean
+    is more than twice its standard error."""
+    mean = statistics.mean(differences)
+    sd = statistics.stdev(differences) if len(differences) > 1 else 0.0
+    standard_error = sd / len(differences) ** 0.5
+    return {"per_seed": differences, "mean": mean, "sd": sd, "standard_error": standard_error,
+            "mean_over_two_standard_errors": mean > 2 * standard_error}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--regime", choices=sorted(REGIMES), default="sparse")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline_seeds")
-    parser.add_argument("--result", type=Path, default=ROOT / "bench" / "results" / "pipeline_seeds.json")
+    parser.add_argument("--result", type=Path, default=None,
+                        help="default: bench/results/pipeline_seeds_<regime>.json")
     parser.add_argument("--fast", action="store_true", help="the shortened plan of the end-to-end test")
+    parser.add_argument("--reuse", action="store_true", help="take a seed's OUT/seed<N>/summary.json when one of "
+                        "the same regime exists (e.g. a finished `grpo-mega quickstart` run linked there) instead of "
+                        "running it again")
     args = parser.parse_args()
-    base = FAST if args.fast else QuickstartPlan()
+    base = FAST if args.fast else REGIMES[args.regime]
+    result = args.result or ROOT / "bench" / "results" / f"pipeline_seeds_{args.regime}.json"
     results = []
     for seed in args.seeds:
         print(f"== seed {seed}", flush=True)
-        results.append(with_gains(run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True))))
-    report_seeds(args.seeds, results, COLUMNS, args.result, width=16)
+        done = args.out / f"seed{seed}" / "summary.json"
+        if args.reuse and done.is_file() and json.loads(done.read_text()).get("regime") == base.name:
+            print(f"   reusing {done}", flush=True)
+            summary = json.loads(done.read_text())
+        else:
+            summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True))
+        results.append({**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement")})
+    differences = difference_report([r["ps_minus_os"] for r in results])
+    print(f"process (learned PRM) - outcome, held-out accuracy, per seed: "
+          f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
+          f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
+    report_seeds(args.seeds, results, COLUMNS, result, width=14, extra={"ps_minus_os": differences})
     return 0
 
 

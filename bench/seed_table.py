@@ -44,12 +44,13 @@ def print_seed_table(seeds: Sequence[int], results: Sequence[dict], columns: Seq
 
 
 def report_seeds(seeds: Sequence[int], results: Sequence[dict], columns: Sequence[str], result_path: Path,
-                 width: int = 18) -> Path:
-    """Print the table, write the JSON record (machine, seeds, runs, spread, command) and print its path last."""
+                 width: int = 18, extra: dict | None = None) -> Path:
+    """Print the table, write the JSON record (machine, seeds, runs, spread, command, and ``extra``'s keys) and
+    print its path last."""
     print()
     record = {"machine": platform.platform(), "processor": platform.processor(), "seeds": list(seeds),
               "runs": list(results), "spread": print_seed_table(seeds, results, columns, width),
-              "command": " ".join(sys.argv)}
+              "command": " ".join(sys.argv), **(extra or {})}
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.write_text(json.dumps(record, indent=2) + "\n")
     print(result_path)

@@ -2,8 +2,8 @@
 
     grpo-mega train --config FILE [--nproc N] [key=value ...]   GRPO (outcome or process supervision)
     grpo-mega sft   --config FILE [--nproc N] [key=value ...]   supervised fine-tuning of the policy
-    grpo-mega quickstart [--run-dir DIR] [--fast] [--outcome-only] [--iterations N]
-                                                                the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
+    grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--fast] [--outcome-only]
+                         [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
     grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--json]
                    [key=value ...]                              memory per rank and phase; exit 1 if it does not fit
@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> PRM -> GRPO (outcome and "
                                    "process supervision) -> eval, with a summary")
     quick.add_argument("--run-dir", default="runs/quickstart")
+    quick.add_argument("--regime", choices=("sparse", "dense"), default="sparse",
+                       help="sparse (default): five-step chains from a briefly trained policy, where most outcome "
+                            "rewards say nothing; dense: the three-step task every arm masters (the demo until "
+                            "2026-11)")
+    quick.add_argument("--no-oracle", action="store_true",
+                       help="skip the third arm, process supervision by the task's ground-truth step checker")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
     quick.add_argument("--outcome-only", action="store_true",
                        help="data -> SFT -> outcome-supervised GRPO only (no PRM, no process-supervised arm)")
@@ -129,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "quickstart":
         from grpo_mega.quickstart import run_quickstart
 
-        return run_quickstart(args.run_dir, fast=args.fast, outcome_only=args.outcome_only,
-                              iterations=args.iterations)
+        return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
+                              oracle=not args.no_oracle, iterations=args.iterations)
     if args.command == "plan":
         return _run_plan(args)
     return _run_training(args)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.metrics import read_metrics
 from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
+from grpo_mega.quickstart_report import ARM_TITLES, PRM_COST_STAGES, arm_report, flat_figures, print_table
 from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
 from prm.iterative import RefreshPlan
 from prm.pipeline import PRMPlan
@@ -31,13 +32,19 @@ NPROC = 2
 
 @dataclass(frozen=True)
 class QuickstartPlan:
-    """Sizes of the quickstart; ``FAST`` shrinks them for the end-to-end test."""
+    """Sizes of the quickstart (the defaults: the dense regime); ``REGIMES`` names the two the command runs,
+    ``FAST`` shrinks the sparse one for the end-to-end test."""
 
+    name: str = "dense"
+    """What the regime is called in the table, the plot and summary.json."""
     num_train: int = 4000
     """Training problems (of about 27,000 distinct questions of ``difficulty``)."""
     num_heldout: int = 500
     direct_answer_fraction: float = 0.5
     """Share of SFT targets that state the answer without the steps (see build_synthetic_task)."""
+    step_error_rate: float = 0.0
+    """Chance that a step of a worked SFT target has a slip (its result off by 1-3, carried on; see
+    build_synthetic_task): the SFT policy then knows the method but slips about as often when it samples."""
     difficulty: Difficulty = field(default_factory=lambda: Difficulty(min_steps=3, max_steps=3, max_value=20))
     """Three operations, values within 0..20: every step is a fact the tiny policy learns (and its PRM can check),
     while the answer of a three-step chain is hard to guess without working it (see the README's quickstart
@@ -46,6 +53,9 @@ class QuickstartPlan:
     grpo_steps: int | None = None  # None: configs/quickstart_grpo.yaml decides
     eval_prompts: int | None = None
     eval_every: int | None = None
+    eval_temperature: float | None = None
+    """None: greedy held-out evaluation (configs/quickstart_grpo.yaml); 1.0: one sample per prompt at the rollout
+    temperature, the sampled pass@1 that GRPO optimises."""
     prm: PRMPlan = field(default_factory=PRMPlan)
     process_supervision: bool = True
     """False: data -> SFT -> outcome-supervised GRPO only (``--outcome-only``)."""
@@ -61,10 +71,37 @@ class QuickstartPlan:
     seed: int = 1234
 
 
-FAST = QuickstartPlan(
-    num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0,
-    prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=2, train_steps=4, planted_problems=16,
-                best_of_n_prompts=8, best_of_n=2),
+DENSE = QuickstartPlan()
+"""The demo until 2026-11: three-step chains, half the SFT targets bare answers, policy and PRM from the end of an
+800-step SFT. Every arm climbs from 15-66 % to 84-93 % held-out and process supervision ties outcome supervision:
+the verifier's answer already says which solutions work the steps (README, quickstart section)."""
+
+SPARSE = QuickstartPlan(
+    name="sparse",
+    difficulty=Difficulty(min_steps=5, max_steps=5, max_value=20),
+    direct_answer_fraction=0.0,
+    step_error_rate=0.35,
+    sft_steps=600,
+    grpo_steps=30,
+    eval_every=5,
+    eval_prompts=500,
+    eval_temperature=1.0,
+    prm=PRMPlan(label_prompts=800, rollouts_per_step=1, completer_temperature=0.0, best_of_n_prompts=100),
+)
+"""Five-step chains from an SFT set whose worked solutions slip on a step 35 % of the time: the SFT policy knows
+the arithmetic (its greedy steps are right) but its samples slip about as often, so about one sampled solution in
+nine is right (0.65^5) and most outcome-GRPO groups of 8 are all wrong and say nothing, while a PRM can still tell
+where a solution slipped. Held-out accuracy is sampled pass@1 (one sample per prompt at T=1), what GRPO trains;
+the Monte-Carlo labels come from the SFT policy's greedy continuation of each prefix (its mode is right, so it
+finishes a right prefix right and carries a slip on to a wrong answer). The measurements behind the choice:
+README, quickstart section."""
+
+REGIMES = {"sparse": SPARSE, "dense": DENSE}
+
+FAST = replace(
+    SPARSE, num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0,
+    prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=1, completer_temperature=0.0, train_steps=4,
+                planted_problems=16, best_of_n_prompts=8, best_of_n=2),
     refresh=RefreshPlan(train_steps=3),
 )
 
@@ -82,7 +119,8 @@ def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> 
     from grpo_mega.data.tokenizer import load_tokenizer
 
     files = build_synthetic_task(run_dir / "data", num_train=plan.num_train, num_heldout=plan.num_heldout, seed=seed,
-                                 difficulty=plan.difficulty, direct_answer_fraction=plan.direct_answer_fraction)
+                                 difficulty=plan.difficulty, direct_answer_fraction=plan.direct_answer_fraction,
+                                 step_error_rate=plan.step_error_rate)
     tokenizer = load_tokenizer(files.tokenizer)
     model_dir = run_dir / "model"
     config = Qwen2Config(
@@ -114,13 +152,6 @@ def _training_command(title: str, command: list[str], config: str, run_dir: Path
     return run_command(argv, log_path, progress)
 
 
-def _accuracies(metrics_path: Path) -> tuple[float, float, int]:
-    """(held-out accuracy at the first evaluation, at the last, last step) of a GRPO run."""
-    rows = read_metrics(metrics_path)
-    evals = [row for row in rows if "eval/accuracy" in row]
-    return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"], rows[-1]["step"]
-
-
 # The GRPO arms: (name, what the terminal calls it, overrides of configs/quickstart_grpo.yaml). All start from the
 # same SFT checkpoint with the same seed; "process" adds the learned PRM's checkpoint, and its step rewards are a
 # quarter of the PRM's scores plus the outcome reward on the last step (``process_reward.step_score_weight``,
@@ -139,10 +170,10 @@ ARMS = {
 # What each GRPO arm's live line shows besides its step.
 SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
 SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
-ARM_KEYS = {"outcome": "os_accuracy", "process": "ps_accuracy", "oracle": "oracle_accuracy"}
+ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle"}
 
 
-def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str], sft_dir: Path, prm_summary: dict,
+def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str], policy_dir: Path, prm_summary: dict,
                            model_dir: Path, train_file: Path) -> dict[str, float]:
     """The process-supervised arm as ``plan.iterations`` GRPO runs (``arm_dir/iter<k>``), each from the previous
     run's policy, with a PRM refresh before each run after the first; writes every run's metrics rows, steps counted
@@ -154,7 +185,7 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
         raise ValueError(f"QuickstartPlan: {total} GRPO steps cannot be split into {plan.iterations} iterations")
     arm_dir.mkdir(parents=True, exist_ok=True)
     prm_dir, history = Path(prm_summary["prm_checkpoint"]), [Path(prm_summary["labels"])]
-    policy, offset, combined, seconds = sft_dir, 0, [], {}
+    policy, offset, combined, seconds = policy_dir, 0, [], {}
     for index in range(plan.iterations):
         name = f"iter{index + 1}"
         if index:
@@ -179,6 +210,14 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
         policy, offset = arm_dir / name, offset + steps
     (arm_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in combined))
     return seconds
+
+
+def _arm_seconds(seconds: dict[str, float], arm: str) -> float:
+    """Wall seconds of an arm's GRPO command(s), with the PRM refreshes of an iterative process arm."""
+    folder = ARM_FOLDERS[arm]
+    return sum(value for key, value in seconds.items()
+               if key == folder or key.startswith(f"{folder}_iter") or (arm == "process" and key.startswith(
+                   "prm_refresh")))
 
 
 def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
@@ -218,11 +257,12 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         seconds.update({f"prm_{key}": value for key, value in prm_summary["seconds"].items()})
 
     grpo = [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
-            *_optional("trainer.eval_every", plan.eval_every)]
+            *_optional("trainer.eval_every", plan.eval_every),
+            *_optional("trainer.eval_temperature", plan.eval_temperature)]
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
         title, overrides = ARMS[arm]
-        folder = "grpo" if arm == "outcome" else f"grpo_{arm}"
+        folder = ARM_FOLDERS[arm]
         arm_dirs[arm] = run_dir / folder
         if arm == "process" and plan.iterations > 1:
             announce(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
@@ -238,18 +278,23 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             SHOWN.get(arm, SHOWN["outcome"]),
             [*grpo, f"model.init_from={sft_dir}", *overrides], run_dir / f"{folder}.log")
 
-    sft_accuracy, _, steps = _accuracies(arm_dirs["outcome"] / "metrics.jsonl")
+    prm_cost = sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES) if prm_summary else 0.0
+    arm_seconds = {arm: _arm_seconds(seconds, arm) for arm in arms}
+    reports = {arm: arm_report(arm_dirs[arm] / "metrics.jsonl", arm_seconds[arm],
+                               prm_cost if arm == "process" else 0.0) for arm in arms}
     summary = {
-        "sft_accuracy": sft_accuracy,
-        **{ARM_KEYS[arm]: _accuracies(arm_dirs[arm] / "metrics.jsonl")[1] for arm in arms},
+        "regime": plan.name,
+        "sft_accuracy": reports["outcome"]["start_accuracy"],
+        **flat_figures(reports),
         "prm_f1": prm_summary["policy_processbench_f1"] if prm_summary else None,
         "prm_f1_planted": prm_summary["processbench_f1"] if prm_summary else None,
-        "steps": steps,
+        "steps": reports["outcome"]["steps"],
         "wall_seconds": round(time.perf_counter() - started, 1),
         "stage_seconds": {key: round(value, 1) for key, value in seconds.items()},
         "eval_prompts": int(read_metrics(arm_dirs["outcome"] / "metrics.jsonl")[-1].get("eval/num_prompts", 0)),
         "seed": plan.seed,
         "iterations": plan.iterations,
+        "arms": reports,
         "run_dir": str(run_dir),
     }
     summary.setdefault("ps_accuracy", None)
@@ -257,45 +302,23 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         summary["prm"] = {key: prm_summary.get(key) for key in (
             "label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
             "pass_at_n")}
-    summary["plot"] = str(plot_arms({f"GRPO ({arm})": path / "metrics.jsonl" for arm, path in arm_dirs.items()},
-                                    run_dir / "reward_accuracy.png", title="quickstart: GRPO on synthetic arithmetic"))
+    summary["plot"] = str(plot_arms(
+        {ARM_TITLES[arm]: path / "metrics.jsonl" for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",
+        title=f"quickstart ({plan.name} regime): GRPO from the same SFT policy, seed {plan.seed}",
+        seconds_before={ARM_TITLES["process"]: prm_cost}))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def run_quickstart(run_dir: str | Path = "runs/quickstart", *, fast: bool = False, outcome_only: bool = False,
-                   iterations: int = 1) -> int:
+def run_quickstart(run_dir: str | Path = "runs/quickstart", *, regime: str = "sparse", fast: bool = False,
+                   outcome_only: bool = False, oracle: bool = True, iterations: int = 1) -> int:
     """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
-    from dataclasses import replace
-
-    plan = replace(FAST if fast else QuickstartPlan(), iterations=iterations)
+    if regime not in REGIMES:
+        raise ValueError(f"quickstart: unknown regime {regime!r}; known: {sorted(REGIMES)}")
+    plan = replace(FAST if fast else REGIMES[regime], iterations=iterations, oracle_arm=oracle and not outcome_only)
     if outcome_only:
         plan = replace(plan, process_supervision=False)
     summary = run_pipeline(run_dir, plan)
     print_table(summary)
     print(Path(summary["run_dir"]) / "summary.json")
     return 0
-
-
-def _figure(value) -> str:
-    """A figure for the table; None (e.g. an F1 without both correct and wrong solutions to score) as "n/a"."""
-    return "n/a" if value is None else f"{value:.3f}"
-
-
-def print_table(summary: dict) -> None:
-    """The held-out accuracy before / after each arm, the PRM's F1 and where the time went."""
-    print()
-    print(f"{'held-out accuracy':34}{'after SFT':>12}{'after GRPO':>12}")
-    print(f"{'GRPO, outcome supervision':34}{summary['sft_accuracy']:>12.3f}{summary['os_accuracy']:>12.3f}")
-    if summary.get("oracle_accuracy") is not None:
-        print(f"{'GRPO, process supervision (oracle)':34}{summary['sft_accuracy']:>12.3f}"
-              f"{summary['oracle_accuracy']:>12.3f}")
-    if summary.get("ps_accuracy") is not None:
-        print(f"{'GRPO, process supervision (PRM)':34}{summary['sft_accuracy']:>12.3f}{summary['ps_accuracy']:>12.3f}")
-        print(f"PRM ProcessBench F1 on the SFT policy's held-out solutions: {_figure(summary['prm_f1'])} "
-              f"(planted errors: {_figure(summary['prm_f1_planted'])})")
-    timings = ", ".join(f"{name} {value:.0f} s" for name, value in summary["stage_seconds"].items())
-    print(f"GRPO steps: {summary['steps']}   wall time: {summary['wall_seconds']:.0f} s ({timings})")
-    print(f"plot: {summary['plot']}")
-
-

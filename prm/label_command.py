@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -36,6 +37,9 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=8, help="Monte-Carlo continuations per step prefix")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of solutions and "
                         "continuations (0 = greedy)")
+    parser.add_argument("--completer-temperature", type=float, default=None, help="temperature of the Monte-Carlo "
+                        "continuations (default: --temperature); 0 with --n 1: the policy's greedy continuation of each "
+                        "prefix, for a policy whose mode is right but whose samples slip")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify) "
                         "or package.module:function; a score > 0.5 is a correct solution")
@@ -134,7 +138,9 @@ def run_label(args: argparse.Namespace) -> Path:
             policy.engine, policy.tokenizer, solutions.items, plans, sampling=sampling, step_pattern=step_pattern,
             seed=derive_seed(args.seed, 3))
         sampled = time.perf_counter()
-        examples = monte_carlo_labels(policy.engine, policy.tokenizer, items, n=args.n, sampling=sampling,
+        continuation = sampling if args.completer_temperature is None else dataclasses.replace(
+            sampling, temperature=args.completer_temperature)
+        examples = monte_carlo_labels(policy.engine, policy.tokenizer, items, n=args.n, sampling=continuation,
                                       reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
                                       on_error=args.on_reward_error)
         labelled = time.perf_counter()
@@ -155,6 +161,7 @@ def run_label(args: argparse.Namespace) -> Path:
             / max(len(solutions.items), 1),
             "good_label_fraction": sum(map(sum, (e.labels for e in examples))) / max(steps, 1),
             "n": args.n, "samples_per_prompt": args.samples_per_prompt, "temperature": args.temperature,
+            "completer_temperature": continuation.temperature,
             "perturb_fraction": args.perturb_fraction,
             "step_pattern": step_pattern, "reward": args.reward, "policy": str(args.policy),
             "policy_format": policy.weights_format,

@@ -26,6 +26,9 @@ class PRMPlan:
     rollouts_per_step: int = 8
     """Monte-Carlo continuations from each step prefix (``--n``)."""
     label_temperature: float = 1.0
+    completer_temperature: float | None = None
+    """Temperature of the Monte-Carlo continuations (None: ``label_temperature``; 0 with one rollout per step:
+    the completer's greedy continuation)."""
     train_steps: int | None = None
     """None: configs/quickstart_prm.yaml decides."""
     planted_problems: int = 300
@@ -33,7 +36,8 @@ class PRMPlan:
     best_of_n_prompts: int = 200
     best_of_n: int = 8
     """Samples per held-out prompt for prm@N / maj@N / pass@N (also the policy's own solutions of its F1)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 96
+    """Longest solution or continuation (a five-step solution is up to 82 tokens with its end token)."""
     nproc: int = 2
 
 
@@ -72,8 +76,10 @@ def run_label_command(policy_weights: Path, prompts_file: Path, out: Path, plan:
                       show: bool = True) -> float:
     """``grpo-mega prm label``: Monte-Carlo labels of ``policy_weights``' solutions to the first
     ``plan.label_prompts`` prompts of ``prompts_file``, its output in ``log``; returns wall seconds."""
+    completer = ([] if plan.completer_temperature is None
+                 else ["--completer-temperature", str(plan.completer_temperature)])
     return run_command(
-        ["prm", "label", "--policy", str(policy_weights), "--data", str(prompts_file), "--out", str(out),
+        ["prm", "label", "--policy", str(policy_weights), *completer, "--data", str(prompts_file), "--out", str(out),
          "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
          "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
          "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), "--nproc", str(plan.nproc)],

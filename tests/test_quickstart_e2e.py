@@ -16,7 +16,8 @@ def fast_quickstart(tmp_path_factory):
     """One shortened quickstart run: (run dir, the command's result)."""
     run_dir = tmp_path_factory.mktemp("e2e") / "quickstart"
     result = subprocess.run(
-        [sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--iterations", "2", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--no-oracle", "--iterations", "2", "--run-dir",
+         str(run_dir)],
         capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -35,6 +36,18 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
         assert 0.0 <= summary[key] <= 1.0, key
     assert summary["steps"] == 3
     assert Path(summary["plot"]).stat().st_size > 1000
+    # each arm's report: gain, zero-signal share, curve, cost; the process arm pays for its PRM's labels and training
+    assert summary["regime"] == "sparse" and set(summary["arms"]) == {"outcome", "process"}
+    for arm in summary["arms"].values():
+        assert 0.0 <= arm["zero_signal_group_fraction"] <= 1.0
+        assert math.isclose(arm["gain"], arm["accuracy"] - arm["start_accuracy"])
+        assert [point[0] for point in arm["curve"]] == [0, 3]
+    prm_seconds = summary["stage_seconds"]["prm_label"] + summary["stage_seconds"]["prm_train"]
+    assert math.isclose(summary["arms"]["process"]["prm_seconds"], prm_seconds, abs_tol=0.2)
+    assert summary["arms"]["outcome"]["prm_seconds"] == 0.0
+    assert summary["arms"]["process"]["curve"][0][1] >= prm_seconds
+    assert math.isclose(summary["ps_minus_os"], summary["ps_accuracy"] - summary["os_accuracy"])
+    assert "zero-signal" in result.stdout and "regime: sparse" in result.stdout
     # every stage announced itself and showed a live line; training stages count their steps
     for header in ("[1/7] data", "[2/7] SFT", "[3/7] PRM labels", "[4/7] PRM training", "[5/7] PRM evaluation",
                    "[6/7] GRPO, outcome supervision", "[7/7] GRPO, process supervision by the learned PRM"):

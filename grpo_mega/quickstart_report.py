@@ -1,0 +1,85 @@
+"""What the quickstart reports about its GRPO arms: each arm's held-out accuracy before and after, its gain, how
+many of its groups carried no outcome signal, its accuracy curve and what it cost in wall-clock seconds (the
+process arm's PRM labelling and training included), and the table ``grpo-mega quickstart`` prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpo_mega.metrics import read_metrics
+
+ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle"}
+"""The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
+ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
+              "oracle": "process supervision (oracle)"}
+PRM_COST_STAGES = ("label", "train")
+"""The PRM commands whose seconds count against the process arm (its evaluation is a report, not training)."""
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 0.0) -> dict:
+    """One GRPO arm from its ``metrics.jsonl``: held-out accuracy at the first and last evaluation and the gain,
+    the mean share of groups whose G outcome scores were all equal (``rollout/zero_signal_group_fraction``: no
+    outcome-supervised gradient) and of groups kept for the update, the evaluation curve (step, seconds,
+    accuracy), and the arm's cost: ``seconds_before`` (e.g. its PRM's labelling and training) plus its GRPO
+    command's ``grpo_seconds``."""
+    rows = read_metrics(metrics_path)
+    evals = [row for row in rows if "eval/accuracy" in row]
+    if not evals:
+        raise ValueError(f"{metrics_path}: no eval/accuracy rows (the arm never evaluated)")
+    steps = [row for row in rows if "rollout/zero_signal_group_fraction" in row]
+    return {
+        "start_accuracy": evals[0]["eval/accuracy"],
+        "accuracy": evals[-1]["eval/accuracy"],
+        "gain": evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"],
+        "steps": rows[-1]["step"],
+        "zero_signal_group_fraction": _mean([row["rollout/zero_signal_group_fraction"] for row in steps]),
+        "kept_group_fraction": _mean([row["rollout/kept_group_fraction"] for row in steps
+                                      if "rollout/kept_group_fraction" in row]),
+        "curve": [[row["step"], round(row["time"] + seconds_before, 1), row["eval/accuracy"]] for row in evals],
+        "seconds": round(seconds_before + grpo_seconds, 1),
+        "prm_seconds": round(seconds_before, 1),
+    }
+
+
+def flat_figures(arms: dict[str, dict]) -> dict:
+    """``os_accuracy``, ``os_gain``, ``ps_accuracy``, ... of the arms (the keys the seed bench tabulates), with
+    ``ps_minus_os`` when both ran."""
+    figures = {}
+    for arm, report in arms.items():
+        figures[f"{ARM_KEYS[arm]}_accuracy"] = report["accuracy"]
+        figures[f"{ARM_KEYS[arm]}_gain"] = report["gain"]
+        figures[f"{ARM_KEYS[arm]}_zero_signal"] = report["zero_signal_group_fraction"]
+    if "outcome" in arms and "process" in arms:
+        figures["ps_minus_os"] = arms["process"]["accuracy"] - arms["outcome"]["accuracy"]
+    return figures
+
+
+def _figure(value) -> str:
+    """A figure for the table; None (e.g. an F1 without both correct and wrong solutions to score) as "n/a"."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def print_table(summary: dict) -> None:
+    """Held-out accuracy before / after each arm with its gain, its zero-signal groups and its cost; the PRM's
+    figures; where the time went."""
+    print()
+    print(f"regime: {summary.get('regime', '?')}   GRPO steps: {summary['steps']}   seed: {summary['seed']}")
+    print(f"{'held-out accuracy':38}{'after SFT':>10}{'after GRPO':>11}{'gain':>8}{'zero-signal':>13}{'seconds':>9}")
+    for arm, report in summary["arms"].items():
+        zero = report["zero_signal_group_fraction"]
+        print(f"{'GRPO, ' + ARM_TITLES[arm]:38}{report['start_accuracy']:>10.3f}{report['accuracy']:>11.3f}"
+              f"{100 * report['gain']:>+7.1f}p{'n/a' if zero is None else f'{zero:.2f}':>13}{report['seconds']:>9.0f}")
+    print("zero-signal: mean share of groups whose G outcome rewards were all equal (no outcome gradient); seconds: "
+          "the arm's GRPO run, plus PRM labelling and training for the learned-PRM arm")
+    if summary.get("prm"):
+        prm = summary["prm"]
+        print(f"PRM: ProcessBench F1 on the SFT policy's held-out solutions {_figure(prm['policy_processbench_f1'])} "
+              f"(planted errors {_figure(prm['processbench_f1'])}), Monte-Carlo label agreement "
+              f"{_figure(prm['label_agreement'])}")
+    timings = ", ".join(f"{name} {value:.0f} s" for name, value in summary["stage_seconds"].items())
+    print(f"wall time: {summary['wall_seconds']:.0f} s ({timings})")
+    print(f"plot: {summary['plot']}")
