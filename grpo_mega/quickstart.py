@@ -51,6 +51,8 @@ class QuickstartPlan:
     section for the measurements behind this choice)."""
     sft_steps: int | None = None  # None: configs/quickstart_sft.yaml decides
     grpo_steps: int | None = None  # None: configs/quickstart_grpo.yaml decides
+    response_length: int | None = None
+    """Most tokens of a GRPO completion; None: configs/quickstart_grpo.yaml decides (64, for three-step solutions)."""
     eval_prompts: int | None = None
     eval_every: int | None = None
     eval_temperature: float | None = None
@@ -86,7 +88,9 @@ SPARSE = QuickstartPlan(
     eval_every=5,
     eval_prompts=500,
     eval_temperature=1.0,
-    prm=PRMPlan(label_prompts=800, rollouts_per_step=1, completer_temperature=0.0, best_of_n_prompts=100),
+    response_length=96,  # a five-step solution is up to 82 tokens with its end token
+    prm=PRMPlan(label_prompts=800, rollouts_per_step=1, completer_temperature=0.0, best_of_n_prompts=100,
+                max_new_tokens=96),
 )
 """Five-step chains from an SFT set whose worked solutions slip on a step 35 % of the time: the SFT policy knows
 the arithmetic (its greedy steps are right) but its samples slip about as often, so about one sampled solution in
@@ -101,7 +105,7 @@ REGIMES = {"sparse": SPARSE, "dense": DENSE}
 FAST = replace(
     SPARSE, num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0,
     prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=1, completer_temperature=0.0, train_steps=4,
-                planted_problems=16, best_of_n_prompts=8, best_of_n=2),
+                planted_problems=16, best_of_n_prompts=8, best_of_n=2, max_new_tokens=96),
     refresh=RefreshPlan(train_steps=3),
 )
 
@@ -258,7 +262,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
 
     grpo = [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
             *_optional("trainer.eval_every", plan.eval_every),
-            *_optional("trainer.eval_temperature", plan.eval_temperature)]
+            *_optional("trainer.eval_temperature", plan.eval_temperature),
+            *_optional("algorithm.response_length", plan.response_length)]
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
         title, overrides = ARMS[arm]

@@ -36,8 +36,8 @@ class PRMPlan:
     best_of_n_prompts: int = 200
     best_of_n: int = 8
     """Samples per held-out prompt for prm@N / maj@N / pass@N (also the policy's own solutions of its F1)."""
-    max_new_tokens: int = 96
-    """Longest solution or continuation (a five-step solution is up to 82 tokens with its end token)."""
+    max_new_tokens: int = 64
+    """Longest solution or continuation (a three-step solution is up to 52 tokens with its end token)."""
     nproc: int = 2
 
 
