@@ -1,7 +1,7 @@
 """The quickstart pipeline over seeds, with all three GRPO arms: outcome supervision, process supervision by the
 learned PRM, and process supervision by the task's ground-truth step checker (the oracle PRM).
 
-    .venv/bin/python bench/pipeline_seeds.py [--seeds 1 2 3] [--regime sparse|dense] [--out runs/pipeline_seeds]
+    .venv/bin/python bench/pipeline_seeds.py [--seeds 1 2 3] [--regime dense|sparse] [--out runs/pipeline_seeds]
 
 Each seed runs the whole pipeline of ``grpo-mega quickstart`` (same data; the seed moves SFT, the PRM's labels and
 training, and GRPO) plus the oracle arm, in ``OUT/seed<N>``. Prints one row per seed with the mean, the standard
@@ -42,7 +42,7 @@ def difference_report(differences: list[float]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--regime", choices=sorted(REGIMES), default="sparse")
+    parser.add_argument("--regime", choices=sorted(REGIMES), default="dense")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline_seeds")
     parser.add_argument("--result", type=Path, default=None,
                         help="default: bench/results/pipeline_seeds_<regime>.json")

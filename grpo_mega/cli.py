@@ -33,10 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> PRM -> GRPO (outcome and "
                                    "process supervision) -> eval, with a summary")
     quick.add_argument("--run-dir", default="runs/quickstart")
-    quick.add_argument("--regime", choices=("sparse", "dense"), default="sparse",
-                       help="sparse (default): five-step chains from a briefly trained policy, where most outcome "
-                            "rewards say nothing; dense: the three-step task every arm masters (the demo until "
-                            "2026-11)")
+    quick.add_argument("--regime", choices=("dense", "sparse"), default="dense",
+                       help="dense (default): three-step chains every arm learns; sparse: five-step chains from a "
+                            "briefly trained policy, where most outcome-GRPO groups carry no signal (README, "
+                            "quickstart section: no regime found yet where the learned PRM beats the outcome)")
     quick.add_argument("--no-oracle", action="store_true",
                        help="skip the third arm, process supervision by the task's ground-truth step checker")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")

@@ -42,22 +42,21 @@ class QuickstartPlan:
     num_heldout: int = 500
     direct_answer_fraction: float = 0.5
     """Share of SFT targets that state the answer without the steps (see build_synthetic_task)."""
-    step_error_rate: float = 0.0
-    """Chance that a step of a worked SFT target has a slip (its result off by 1-3, carried on; see
-    build_synthetic_task): the SFT policy then knows the method but slips about as often when it samples."""
     difficulty: Difficulty = field(default_factory=lambda: Difficulty(min_steps=3, max_steps=3, max_value=20))
     """Three operations, values within 0..20: every step is a fact the tiny policy learns (and its PRM can check),
     while the answer of a three-step chain is hard to guess without working it (see the README's quickstart
     section for the measurements behind this choice)."""
     sft_steps: int | None = None  # None: configs/quickstart_sft.yaml decides
+    policy_sft_step: int | None = None
+    """The GRPO arms start from the SFT checkpoint of this step (a weaker policy), while the PRM starts from the
+    end of SFT and the Monte-Carlo labels come from that checkpoint's continuations (a completer and a PRM that know
+    more than the policy); the SFT seconds after this step count against the process arm. None: policy and PRM
+    both start from the end of SFT."""
     grpo_steps: int | None = None  # None: configs/quickstart_grpo.yaml decides
     response_length: int | None = None
     """Most tokens of a GRPO completion; None: configs/quickstart_grpo.yaml decides (64, for three-step solutions)."""
     eval_prompts: int | None = None
     eval_every: int | None = None
-    eval_temperature: float | None = None
-    """None: greedy held-out evaluation (configs/quickstart_grpo.yaml); 1.0: one sample per prompt at the rollout
-    temperature, the sampled pass@1 that GRPO optimises."""
     prm: PRMPlan = field(default_factory=PRMPlan)
     process_supervision: bool = True
     """False: data -> SFT -> outcome-supervised GRPO only (``--outcome-only``)."""
@@ -73,41 +72,41 @@ class QuickstartPlan:
     seed: int = 1234
 
 
-DENSE = QuickstartPlan()
-"""The demo until 2026-11: three-step chains, half the SFT targets bare answers, policy and PRM from the end of an
-800-step SFT. Every arm climbs from 15-66 % to 84-93 % held-out and process supervision ties outcome supervision:
-the verifier's answer already says which solutions work the steps (README, quickstart section)."""
+DENSE = QuickstartPlan(eval_every=5)
+"""Three-step chains, half the SFT targets bare answers, policy and PRM from the end of an 800-step SFT: every arm
+climbs from 15-66 % to 84-93 % held-out, and process supervision ties outcome supervision (the verifier's answer
+already says which solutions work the steps). README, quickstart section."""
 
 SPARSE = QuickstartPlan(
     name="sparse",
     difficulty=Difficulty(min_steps=5, max_steps=5, max_value=20),
     direct_answer_fraction=0.0,
-    step_error_rate=0.35,
-    sft_steps=600,
+    policy_sft_step=500,
     grpo_steps=30,
     eval_every=5,
     eval_prompts=500,
-    eval_temperature=1.0,
     response_length=96,  # a five-step solution is up to 82 tokens with its end token
     prm=PRMPlan(label_prompts=800, rollouts_per_step=1, completer_temperature=0.0, best_of_n_prompts=100,
                 max_new_tokens=96),
 )
-"""Five-step chains from an SFT set whose worked solutions slip on a step 35 % of the time: the SFT policy knows
-the arithmetic (its greedy steps are right) but its samples slip about as often, so about one sampled solution in
-nine is right (0.65^5) and most outcome-GRPO groups of 8 are all wrong and say nothing, while a PRM can still tell
-where a solution slipped. Held-out accuracy is sampled pass@1 (one sample per prompt at T=1), what GRPO trains;
-the Monte-Carlo labels come from the SFT policy's greedy continuation of each prefix (its mode is right, so it
-finishes a right prefix right and carries a slip on to a wrong answer). The measurements behind the choice:
-README, quickstart section."""
+"""Five-step chains (one wrong step spoils the answer) from a briefly trained policy: the GRPO arms start from
+step 500 of the 800-step SFT, where about one sampled solution in seven is right, so many outcome-GRPO groups of 8
+are all wrong and say nothing. The PRM starts from the end of SFT (it knows the arithmetic better than the policy,
+as a PRM built on a stronger model does) and its Monte-Carlo labels are that checkpoint's greedy continuation of
+each prefix; the 300 SFT steps it took count against the process arm's seconds. The measurements behind the
+choice: README, quickstart section."""
 
 REGIMES = {"sparse": SPARSE, "dense": DENSE}
 
 FAST = replace(
-    SPARSE, num_train=600, num_heldout=32, sft_steps=40, grpo_steps=3, eval_prompts=16, eval_every=0,
+    DENSE, num_train=600, num_heldout=32, sft_steps=40, policy_sft_step=35, grpo_steps=3, eval_prompts=16,
+    eval_every=0,
     prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=1, completer_temperature=0.0, train_steps=4,
-                planted_problems=16, best_of_n_prompts=8, best_of_n=2, max_new_tokens=96),
+                planted_problems=16, best_of_n_prompts=8, best_of_n=2),
     refresh=RefreshPlan(train_steps=3),
 )
+"""The end-to-end test's run: the dense task, shortened; the arms start from SFT step 35 of 40 and the PRM from
+step 40 with greedy Monte-Carlo labels, so the sparse regime's paths run too."""
 
 # The policy: Qwen2-shaped, tied embeddings, ~0.9M parameters (vocabulary from the trained tokenizer).
 POLICY_SHAPE = dict(
@@ -123,8 +122,7 @@ def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> 
     from grpo_mega.data.tokenizer import load_tokenizer
 
     files = build_synthetic_task(run_dir / "data", num_train=plan.num_train, num_heldout=plan.num_heldout, seed=seed,
-                                 difficulty=plan.difficulty, direct_answer_fraction=plan.direct_answer_fraction,
-                                 step_error_rate=plan.step_error_rate)
+                                 difficulty=plan.difficulty, direct_answer_fraction=plan.direct_answer_fraction)
     tokenizer = load_tokenizer(files.tokenizer)
     model_dir = run_dir / "model"
     config = Qwen2Config(
@@ -216,6 +214,28 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
     return seconds
 
 
+def _policy_checkpoint_settings(plan: QuickstartPlan, sft_steps: int) -> list[str]:
+    """SFT settings that keep the checkpoint of ``plan.policy_sft_step`` (saved every that many steps, all kept)."""
+    if plan.policy_sft_step is None:
+        return []
+    if not 1 <= plan.policy_sft_step < sft_steps:
+        raise ValueError(f"QuickstartPlan.policy_sft_step must be in [1, {sft_steps}) (the SFT steps), got "
+                         f"{plan.policy_sft_step}")
+    return [f"trainer.save_every={plan.policy_sft_step}", f"trainer.keep_last={sft_steps // plan.policy_sft_step + 1}"]
+
+
+def _policy_and_prm_start(plan: QuickstartPlan, sft_dir: Path) -> tuple[Path, Path | None, float]:
+    """(the GRPO arms' starting checkpoint, the PRM's when it differs, the SFT seconds spent after the policy's
+    checkpoint: what the PRM's head start cost)."""
+    if plan.policy_sft_step is None:
+        return sft_dir, None, 0.0
+    policy_dir = sft_dir / "checkpoints" / f"step_{plan.policy_sft_step:06d}"
+    if not policy_dir.is_dir():
+        raise FileNotFoundError(f"the SFT run kept no checkpoint of step {plan.policy_sft_step}: {policy_dir}")
+    times = {row["step"]: row["time"] for row in read_metrics(sft_dir / "metrics.jsonl")}
+    return policy_dir, sft_dir, times[max(times)] - times[plan.policy_sft_step]
+
+
 def _arm_seconds(seconds: dict[str, float], arm: str) -> float:
     """Wall seconds of an arm's GRPO command(s), with the PRM refreshes of an iterative process arm."""
     folder = ARM_FOLDERS[arm]
@@ -246,23 +266,25 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     task = [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"parallel.seed={plan.seed}"]
 
     announce(f"SFT (DP=2 on 2 processes), log: {run_dir / 'sft.log'}")
-    sft_dir = run_dir / "sft"
-    seconds["sft"] = _training_command("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, plan.sft_steps,
-                                       (("nll", "sft/nll"),), task, run_dir / "sft.log")
+    sft_dir, sft_steps = run_dir / "sft", plan.sft_steps or _config_steps("quickstart_sft.yaml")
+    seconds["sft"] = _training_command("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, sft_steps,
+                                       (("nll", "sft/nll"),), [*task, *_policy_checkpoint_settings(plan, sft_steps)],
+                                       run_dir / "sft.log")
+    policy_dir, prm_base, prm_head_start_seconds = _policy_and_prm_start(plan, sft_dir)
 
     prm_summary = None
     if plan.process_supervision:
         from prm.pipeline import PolicyRun, run_prm_pipeline
 
         prm_summary = run_prm_pipeline(
-            PolicyRun(model_dir=model_dir, weights=sft_dir, train_file=train_file, heldout_file=heldout_file),
+            PolicyRun(model_dir=model_dir, weights=policy_dir, train_file=train_file, heldout_file=heldout_file,
+                      prm_base=prm_base),
             run_dir, plan.prm, seed=plan.seed, announce=announce,
         )
         seconds.update({f"prm_{key}": value for key, value in prm_summary["seconds"].items()})
 
     grpo = [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
             *_optional("trainer.eval_every", plan.eval_every),
-            *_optional("trainer.eval_temperature", plan.eval_temperature),
             *_optional("algorithm.response_length", plan.response_length)]
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
@@ -272,7 +294,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         if arm == "process" and plan.iterations > 1:
             announce(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
                      f"{arm_dirs[arm]}/")
-            seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], sft_dir, prm_summary,
+            seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], policy_dir, prm_summary,
                                                   model_dir, train_file))
             continue
         if arm == "process":
@@ -281,9 +303,10 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         seconds[folder] = _training_command(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
             SHOWN.get(arm, SHOWN["outcome"]),
-            [*grpo, f"model.init_from={sft_dir}", *overrides], run_dir / f"{folder}.log")
+            [*grpo, f"model.init_from={policy_dir}", *overrides], run_dir / f"{folder}.log")
 
-    prm_cost = sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES) if prm_summary else 0.0
+    prm_cost = (prm_head_start_seconds + sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES)
+                if prm_summary else 0.0)
     arm_seconds = {arm: _arm_seconds(seconds, arm) for arm in arms}
     reports = {arm: arm_report(arm_dirs[arm] / "metrics.jsonl", arm_seconds[arm],
                                prm_cost if arm == "process" else 0.0) for arm in arms}
@@ -315,7 +338,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     return summary
 
 
-def run_quickstart(run_dir: str | Path = "runs/quickstart", *, regime: str = "sparse", fast: bool = False,
+def run_quickstart(run_dir: str | Path = "runs/quickstart", *, regime: str = "dense", fast: bool = False,
                    outcome_only: bool = False, oracle: bool = True, iterations: int = 1) -> int:
     """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
     if regime not in REGIMES:

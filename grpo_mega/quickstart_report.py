@@ -68,10 +68,10 @@ def print_table(summary: dict) -> None:
     figures; where the time went."""
     print()
     print(f"regime: {summary.get('regime', '?')}   GRPO steps: {summary['steps']}   seed: {summary['seed']}")
-    print(f"{'held-out accuracy':38}{'after SFT':>10}{'after GRPO':>11}{'gain':>8}{'zero-signal':>13}{'seconds':>9}")
+    print(f"{'held-out accuracy':40}{'after SFT':>10}{'after GRPO':>11}{'gain':>8}{'zero-signal':>13}{'seconds':>9}")
     for arm, report in summary["arms"].items():
         zero = report["zero_signal_group_fraction"]
-        print(f"{'GRPO, ' + ARM_TITLES[arm]:38}{report['start_accuracy']:>10.3f}{report['accuracy']:>11.3f}"
+        print(f"{'GRPO, ' + ARM_TITLES[arm]:40}{report['start_accuracy']:>10.3f}{report['accuracy']:>11.3f}"
               f"{100 * report['gain']:>+7.1f}p{'n/a' if zero is None else f'{zero:.2f}':>13}{report['seconds']:>9.0f}")
     print("zero-signal: mean share of groups whose G outcome rewards were all equal (no outcome gradient); seconds: "
           "the arm's GRPO run, plus PRM labelling and training for the learned-PRM arm")

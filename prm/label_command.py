@@ -26,6 +26,9 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``grpo-mega prm label``."""
     parser.add_argument("--policy", required=True, help="the policy: an HF folder with weights, a converted megatron "
                         "folder, a grpo-mega training checkpoint or run directory")
+    parser.add_argument("--completer", default=None, help="the model that finishes each step prefix for its "
+                        "Monte-Carlo label (Math-Shepherd's completer), in any --policy format, with the policy's "
+                        "tokenizer; default: the policy itself")
     parser.add_argument("--data", required=True, help="prompt dataset (.jsonl/.parquet) with prompt and answer fields")
     parser.add_argument("--out", required=True, help="stepwise jsonl to write (and <out>.summary.json)")
     parser.add_argument("--prompt-field", default="prompt")
@@ -38,8 +41,8 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of solutions and "
                         "continuations (0 = greedy)")
     parser.add_argument("--completer-temperature", type=float, default=None, help="temperature of the Monte-Carlo "
-                        "continuations (default: --temperature); 0 with --n 1: the policy's greedy continuation of each "
-                        "prefix, for a policy whose mode is right but whose samples slip")
+                        "continuations (default: --temperature); 0 with --n 1: the completer's greedy continuation "
+                        "of each prefix")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify) "
                         "or package.module:function; a score > 0.5 is a correct solution")
@@ -98,6 +101,16 @@ def agreement_summary(examples: Sequence[StepExample]) -> dict[str, float]:
     return summary
 
 
+def load_completer(completer: str, policy, args: argparse.Namespace):
+    """The completer's rollout engine (``--completer``); it continues the policy's token prefixes, so its
+    tokenizer must be the policy's."""
+    loaded = load_policy_rollout(completer, generation_batch_size=args.generation_batch_size)
+    if loaded.tokenizer.get_vocab() != policy.tokenizer.get_vocab():
+        raise ValueError(f"--completer {completer}: its tokenizer differs from the policy's ({args.policy}); the "
+                         "completer continues the policy's token prefixes, so both need the same tokenizer")
+    return loaded
+
+
 def run_label(args: argparse.Namespace) -> Path:
     """``grpo-mega prm label``: sample solutions from the policy, label their steps by Monte-Carlo rollouts, write
     the stepwise jsonl and ``<out>.summary.json`` (rank 0); returns the output path. Runs on every rank of the
@@ -140,7 +153,8 @@ def run_label(args: argparse.Namespace) -> Path:
         sampled = time.perf_counter()
         continuation = sampling if args.completer_temperature is None else dataclasses.replace(
             sampling, temperature=args.completer_temperature)
-        examples = monte_carlo_labels(policy.engine, policy.tokenizer, items, n=args.n, sampling=continuation,
+        completer = policy if args.completer is None else load_completer(args.completer, policy, args)
+        examples = monte_carlo_labels(completer.engine, completer.tokenizer, items, n=args.n, sampling=continuation,
                                       reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
                                       on_error=args.on_reward_error)
         labelled = time.perf_counter()
@@ -164,6 +178,7 @@ def run_label(args: argparse.Namespace) -> Path:
             "completer_temperature": continuation.temperature,
             "perturb_fraction": args.perturb_fraction,
             "step_pattern": step_pattern, "reward": args.reward, "policy": str(args.policy),
+            "completer": str(args.completer or args.policy),
             "policy_format": policy.weights_format,
             "world_size": dist.get_world_size(),
             "seconds": round(labelled - started, 2),

@@ -51,6 +51,14 @@ class PolicyRun:
     """The policy checkpoint (e.g. the SFT run directory)."""
     train_file: Path
     heldout_file: Path
+    prm_base: Path | None = None
+    """The checkpoint the PRM starts from and whose continuations give the Monte-Carlo labels (the completer);
+    None: the policy's ``weights``. A checkpoint trained further than the policy gives a PRM that knows more than
+    the policy it supervises."""
+
+    @property
+    def prm_start(self) -> Path:
+        return self.prm_base or self.weights
 
 
 def write_planted_file(heldout_file: Path, out: Path, *, problems: int, seed: int) -> Path:
@@ -73,11 +81,13 @@ def _training_steps(plan: PRMPlan) -> int:
 
 
 def run_label_command(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPlan, *, seed: int, log: Path,
-                      show: bool = True) -> float:
+                      show: bool = True, completer_weights: Path | None = None) -> float:
     """``grpo-mega prm label``: Monte-Carlo labels of ``policy_weights``' solutions to the first
-    ``plan.label_prompts`` prompts of ``prompts_file``, its output in ``log``; returns wall seconds."""
-    completer = ([] if plan.completer_temperature is None
-                 else ["--completer-temperature", str(plan.completer_temperature)])
+    ``plan.label_prompts`` prompts of ``prompts_file`` (continued by ``completer_weights``, default the policy),
+    its output in ``log``; returns wall seconds."""
+    completer = [] if completer_weights is None else ["--completer", str(completer_weights)]
+    if plan.completer_temperature is not None:
+        completer += ["--completer-temperature", str(plan.completer_temperature)]
     return run_command(
         ["prm", "label", "--policy", str(policy_weights), *completer, "--data", str(prompts_file), "--out", str(out),
          "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
@@ -132,9 +142,9 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
     announce(f"PRM labels: {plan.label_prompts} prompts x {plan.samples_per_prompt} solutions of the policy, "
              f"{plan.rollouts_per_step} Monte-Carlo rollouts per step, log: {out_dir / 'prm_label.log'}")
     seconds["label"] = run_label_command(policy.weights, policy.train_file, labels, plan, seed=seed,
-                                         log=out_dir / "prm_label.log", show=show)
+                                         log=out_dir / "prm_label.log", show=show, completer_weights=policy.prm_base)
     announce(f"PRM training ({LAYOUT_TITLES[_config_layout()]}), log: {out_dir / 'prm_train.log'}")
-    seconds["train"] = run_train_command(policy.model_dir, policy.weights, labels, prm_dir, plan, seed=seed,
+    seconds["train"] = run_train_command(policy.model_dir, policy.prm_start, labels, prm_dir, plan, seed=seed,
                                          steps=_training_steps(plan), log=out_dir / "prm_train.log", show=show)
 
     announce(f"PRM evaluation: planted errors and the policy's own held-out solutions, log: {out_dir / 'prm_eval.log'}")

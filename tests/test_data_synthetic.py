@@ -204,36 +204,3 @@ def test_direct_answer_fraction_mixes_sft_targets_of_the_train_split_only(tmp_pa
         build_synthetic_task(tmp_path / "d", num_train=20, num_heldout=2, seed=3, direct_answer_fraction=1.5)
     with pytest.raises(ValueError, match="solution_style"):
         Problem.from_record(rows[0]).to_record("terse")
-
-
-def test_step_error_rate_gives_worked_sft_targets_slips_that_carry_on(tmp_path):
-    import re
-
-    from grpo_mega.data.build import build_synthetic_task
-    from grpo_mega.data.synthetic import Difficulty, apply_operator
-
-    files = build_synthetic_task(tmp_path / "a", num_train=300, num_heldout=20, seed=5, step_error_rate=0.3,
-                                 difficulty=Difficulty(min_steps=5, max_steps=5, max_value=20))
-    rows = [json.loads(line) for line in files.train.read_text().splitlines()]
-    assert {row["solution_style"] for row in rows} == {"sloppy"}
-    slips = steps = 0
-    for row in rows:
-        problem = Problem.from_record(row)  # steps and answer stay the truth
-        assert row["answer"] == str(problem.answer)
-        written = [tuple(map(int, (m[1], m[3], m[4]))) + (m[2],) for m in
-                   re.finditer(r"Step \d+: (-?\d+) ([+\-*]) (\d+) = (-?\d+)\.", row["solution"])]
-        assert len(written) == 5, row["solution"]
-        value = problem.start
-        for (lhs, rhs, result, op), step in zip(written, problem.steps):
-            assert (lhs, op, rhs) == (value, step.op, step.rhs)  # carried on from the written value
-            slip = result - apply_operator(lhs, op, rhs)
-            assert slip in (0, -3, -2, -1, 1, 2, 3)
-            slips, steps, value = slips + (slip != 0), steps + 1, result
-        assert row["solution"].endswith(f" The answer is {value}.")
-        no_slip = all(result == step.result for (_, _, result, _), step in zip(written, problem.steps))
-        assert (row["solution"] == problem.solution) == no_slip
-    assert 0.25 < slips / steps < 0.35
-    assert sum(is_correct(Problem.from_record(row), row["solution"]) for row in rows) < 0.4 * len(rows)
-    assert {json.loads(line)["solution_style"] for line in files.heldout.read_text().splitlines()} == {"worked"}
-    with pytest.raises(ValueError, match="step_error_rate"):
-        build_synthetic_task(tmp_path / "b", num_train=20, num_heldout=2, seed=5, step_error_rate=1.0)

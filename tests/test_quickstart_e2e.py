@@ -37,17 +37,25 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
     assert summary["steps"] == 3
     assert Path(summary["plot"]).stat().st_size > 1000
     # each arm's report: gain, zero-signal share, curve, cost; the process arm pays for its PRM's labels and training
-    assert summary["regime"] == "sparse" and set(summary["arms"]) == {"outcome", "process"}
+    assert summary["regime"] == "dense" and set(summary["arms"]) == {"outcome", "process"}
     for arm in summary["arms"].values():
         assert 0.0 <= arm["zero_signal_group_fraction"] <= 1.0
         assert math.isclose(arm["gain"], arm["accuracy"] - arm["start_accuracy"])
-        assert [point[0] for point in arm["curve"]] == [0, 3]
-    prm_seconds = summary["stage_seconds"]["prm_label"] + summary["stage_seconds"]["prm_train"]
+        assert (arm["curve"][0][0], arm["curve"][-1][0]) == (0, 3)  # (step, seconds, accuracy) from step 0 to 3
+    # the arms start from SFT step 35 of 40 (a weaker policy); the PRM from step 40, which it paid for
+    sft_time = {row["step"]: row["time"] for row in map(json.loads, (run_dir / "sft" / "metrics.jsonl").open())}
+    prm_seconds = (summary["stage_seconds"]["prm_label"] + summary["stage_seconds"]["prm_train"] + sft_time[40]
+                   - sft_time[35])
     assert math.isclose(summary["arms"]["process"]["prm_seconds"], prm_seconds, abs_tol=0.2)
+    policy = run_dir / "sft" / "checkpoints" / "step_000035"
+    assert f"init_from: {policy}" in (run_dir / "grpo" / "config.yaml").read_text()
+    assert f"init_from: {run_dir / 'sft'}\n" in (run_dir / "prm" / "config.yaml").read_text()
+    labels = json.loads((run_dir / "prm_labels.jsonl.summary.json").read_text())
+    assert (labels["completer"], labels["completer_temperature"]) == (str(run_dir / "sft"), 0.0)
     assert summary["arms"]["outcome"]["prm_seconds"] == 0.0
     assert summary["arms"]["process"]["curve"][0][1] >= prm_seconds
     assert math.isclose(summary["ps_minus_os"], summary["ps_accuracy"] - summary["os_accuracy"])
-    assert "zero-signal" in result.stdout and "regime: sparse" in result.stdout
+    assert "zero-signal" in result.stdout and "regime: dense" in result.stdout
     # every stage announced itself and showed a live line; training stages count their steps
     for header in ("[1/7] data", "[2/7] SFT", "[3/7] PRM labels", "[4/7] PRM training", "[5/7] PRM evaluation",
                    "[6/7] GRPO, outcome supervision", "[7/7] GRPO, process supervision by the learned PRM"):

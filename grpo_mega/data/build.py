@@ -31,33 +31,23 @@ def build_synthetic_task(
     difficulty: Difficulty = Difficulty(),
     vocab_size: int = 320,
     direct_answer_fraction: float = 0.0,
-    step_error_rate: float = 0.0,
 ) -> SyntheticTaskFiles:
     """Write ``train.jsonl``, ``heldout.jsonl`` and ``tokenizer/`` under ``out_dir``; deterministic in ``seed``.
 
     ``direct_answer_fraction`` of the training rows (drawn at random, exactly ``round(fraction * num_train)``)
     get a direct SFT target, ``" The answer is N."``, instead of the worked steps, the way real SFT sets mix
-    worked solutions with bare answers; held-out rows are always worked. With ``step_error_rate`` > 0 the worked
-    training targets have slips (``Problem.sloppy_solution``: each step's result off by 1-3 with that
-    probability, carried on to the answer), the way SFT sets distilled from a fallible writer do; their
-    ``steps`` and ``answer`` stay the truth, which the verifier and the step labels use. The tokenizer is trained on the
+    worked solutions with bare answers; held-out rows are always worked. The tokenizer is trained on the
     training texts only (prompt + worked solution), and its round trip is checked on the held-out texts too, so
     evaluation never meets an unknown piece.
     """
     if not 0.0 <= direct_answer_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction must be in [0, 1], got {direct_answer_fraction}")
-    if not 0.0 <= step_error_rate < 1.0:
-        raise ValueError(f"step_error_rate must be in [0, 1), got {step_error_rate}")
     out_dir = Path(out_dir)
     train, heldout = make_splits(num_train, num_heldout, seed=seed, difficulty=difficulty)
     direct = set(random.Random(seed + 1).sample(range(len(train)), round(direct_answer_fraction * len(train))))
-    worked = "sloppy" if step_error_rate else "worked"
-    styles = ["direct" if i in direct else worked for i in range(len(train))]
-    slips = random.Random(seed + 2)
-    solutions = [problem.sloppy_solution(slips, step_error_rate) if style == "sloppy" else None
-                 for problem, style in zip(train, styles)]
+    styles = ["direct" if i in direct else "worked" for i in range(len(train))]
     files = SyntheticTaskFiles(
-        train=write_jsonl(train, out_dir / "train.jsonl", styles, solutions),
+        train=write_jsonl(train, out_dir / "train.jsonl", styles),
         heldout=write_jsonl(heldout, out_dir / "heldout.jsonl"),
         tokenizer=out_dir / "tokenizer",
     )

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 OPERATORS = ("+", "-", "*")
 # One fixed sentence per operator keeps the word -> symbol mapping trivially learnable.
 _OPERATOR_WORDS = {"+": "Add {x}.", "-": "Subtract {x}.", "*": "Multiply by {x}."}
-SOLUTION_STYLES = ("worked", "direct", "sloppy")
+SOLUTION_STYLES = ("worked", "direct")
 _PROMPT_PREFIX = "Q:"
 _PROMPT_SUFFIX = " A:"
 
@@ -131,38 +131,22 @@ class Problem:
         parts = [f" Step {k}: {s.text()}." for k, s in enumerate(self.steps, start=1)]
         return "".join(parts) + f" The answer is {self.answer}."
 
-    def sloppy_solution(self, rng: random.Random, step_error_rate: float) -> str:
-        """A worked solution with slips: each step's result is, with probability ``step_error_rate``, off by 1 to 3
-        (a slip never takes a value below 0; carrying an earlier slip on can); later steps carry on from the
-        written value and the answer sentence states the last one,
-        as in a solution written by someone who knows the method but slips."""
-        value, parts = self.start, []
-        for k, step in enumerate(self.steps, start=1):
-            result = apply_operator(value, step.op, step.rhs)
-            if rng.random() < step_error_rate:
-                result += rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if result + d >= 0 or result < 0])
-            parts.append(f" Step {k}: {value} {step.op} {step.rhs} = {result}.")
-            value = result
-        return "".join(parts) + f" The answer is {value}."
-
     @property
     def direct_solution(self) -> str:
         """A completion that states the answer without working the steps, e.g. ``" The answer is 36."``."""
         return f" The answer is {self.answer}."
 
-    def to_record(self, solution_style: str = "worked", solution: str | None = None) -> dict:
+    def to_record(self, solution_style: str = "worked") -> dict:
         """The jsonl row: ``prompt``, ``answer`` (a string, as for real datasets), ``steps``, ``solution`` (the
-        SFT target: ``solution`` when ``solution_style`` is "worked", ``direct_solution`` when "direct", the given
-        ``solution`` text when "sloppy") and ``solution_style``; ``steps`` and ``answer`` are always the truth."""
+        SFT target: ``solution`` when ``solution_style`` is "worked", ``direct_solution`` when "direct") and
+        ``solution_style``."""
         if solution_style not in SOLUTION_STYLES:
             raise ValueError(f"solution_style must be one of {SOLUTION_STYLES}, got {solution_style!r}")
-        if (solution_style == "sloppy") != (solution is not None):
-            raise ValueError("to_record: a solution text goes with (and only with) solution_style 'sloppy'")
         return {
             "prompt": self.prompt,
             "answer": str(self.answer),
             "steps": [{"lhs": s.lhs, "op": s.op, "rhs": s.rhs, "result": s.result} for s in self.steps],
-            "solution": {"worked": self.solution, "direct": self.direct_solution, "sloppy": solution}[solution_style],
+            "solution": self.solution if solution_style == "worked" else self.direct_solution,
             "solution_style": solution_style,
         }
 
@@ -360,10 +344,8 @@ def is_correct(problem: Problem, text: str) -> bool:
     return parse_solution(text).answer == problem.answer
 
 
-def write_jsonl(problems: Iterable[Problem], path: str | Path, styles: Sequence[str] | None = None,
-                solutions: Sequence[str | None] | None = None) -> Path:
-    """Write one ``Problem.to_record(style, solution)`` per line (every style "worked" unless ``styles`` is given;
-    ``solutions``: the texts of the "sloppy" rows, None for the others)."""
+def write_jsonl(problems: Iterable[Problem], path: str | Path, styles: Sequence[str] | None = None) -> Path:
+    """Write one ``Problem.to_record(style)`` per line (every style "worked" unless ``styles`` is given)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     problems = list(problems)
@@ -371,8 +353,8 @@ def write_jsonl(problems: Iterable[Problem], path: str | Path, styles: Sequence[
     if len(styles) != len(problems):
         raise ValueError(f"write_jsonl: {len(styles)} solution styles for {len(problems)} problems")
     with path.open("w", encoding="utf-8") as handle:
-        for problem, style, solution in zip(problems, styles, solutions or [None] * len(problems)):
-            handle.write(json.dumps(problem.to_record(style, solution)) + "\n")
+        for problem, style in zip(problems, styles):
+            handle.write(json.dumps(problem.to_record(style)) + "\n")
     return path
 
 
