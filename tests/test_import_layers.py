@@ -56,7 +56,8 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
                 "grpo_mega.trainer", "grpo_mega.sft", "prm.train"})),
     ("what a user runs: the CLIs, the commands, the pipelines, the memory planner; nothing below imports them",
      frozenset({"grpo_mega.cli", "grpo_mega.quickstart", "grpo_mega.quickstart_report", "grpo_mega.plan",
-                "grpo_mega.command_runner", "prm.cli", "prm.label_command", "prm.eval_command", "prm.pipeline", "prm.iterative"})),
+                "grpo_mega.command_runner", "prm.cli", "prm.label_command", "prm.eval_command", "prm.pipeline",
+                "prm.iterative"})),
 ]
 
 # Imports that break the rules above (importer, imported), exact module names, each with its reason; an entry whose
