@@ -53,16 +53,25 @@ def prm_loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor], s
     return loss, {"prm/loss": loss.detach(), "prm/step_accuracy": (hit * mask).sum().detach() / scale.global_tokens}
 
 
-def training_targets(example: StepExample, labels: str) -> tuple[list[str], list[float]] | None:
+def training_targets(example: StepExample, labels: str,
+                     stop_at_first_bad_step: bool = False) -> tuple[list[str], list[float]] | None:
     """The steps to train on and their targets, or None when the example carries no labels.
 
     ``soft`` uses the Monte-Carlo fractions where present, else the hard labels. A ProcessBench-style example
-    (only ``first_error`` known) trains on the steps up to its first error: good, ..., good, bad.
+    (only ``first_error`` known) trains on the steps up to its first error: good, ..., good, bad; with
+    ``stop_at_first_bad_step`` so does every example.
     """
     if labels == "soft" and example.soft_labels is not None:
-        return example.steps, [float(v) for v in example.soft_labels]
-    if example.labels is not None:
-        return example.steps, [1.0 if good else 0.0 for good in example.labels]
+        targets = [float(v) for v in example.soft_labels]
+        bad = [target < 0.5 for target in targets]
+    elif example.labels is not None:
+        targets = [1.0 if good else 0.0 for good in example.labels]
+        bad = [not good for good in example.labels]
+    else:
+        targets = None
+    if targets is not None:
+        end = bad.index(True) + 1 if stop_at_first_bad_step and any(bad) else len(targets)
+        return example.steps[:end], targets[:end]
     if example.first_error is not None:
         if example.first_error < 0:
             return example.steps, [1.0] * len(example.steps)
@@ -73,14 +82,14 @@ def training_targets(example: StepExample, labels: str) -> tuple[list[str], list
 
 def render_training_set(
     examples: list[StepExample], tokenizer, settings: RenderSettings, *, labels: str, max_length: int, policy: str,
-    source: str,
+    source: str, stop_at_first_bad_step: bool = False,
 ) -> tuple[list[RenderedExample], list[list[float]]]:
     """Rendered examples and their per-step targets; unusable rows (no labels, no steps, too long, tags that do
     not tokenize apart) are reported with file:line and skipped or raised per ``policy``."""
     bad_rows = BadRows(policy)
     rendered, targets = [], []
     for example in examples:
-        steps_and_targets = training_targets(example, labels)
+        steps_and_targets = training_targets(example, labels, stop_at_first_bad_step)
         if steps_and_targets is None or not steps_and_targets[0]:
             bad_rows.reject(example.source, "no step labels" if steps_and_targets is None else "no steps")
             continue
@@ -125,7 +134,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
         logger.info("training set: %d rows of %s plus %d replayed of the %d rows of data.replay_files "
                     "(data.replay_fraction=%g)", len(examples) - replayed, cfg.data.train_file, replayed, history,
                     cfg.data.replay_fraction)
-    rendered, targets = _render(cfg, examples, tokenizer, settings, source=_training_source(cfg))
+    rendered, targets = _render(cfg, examples, tokenizer, settings, source=_training_source(cfg),
+                                stop_at_first_bad_step=cfg.data.stop_at_first_bad_step)
     eval_set = (_render(cfg, _read(cfg, cfg.data.eval_file), tokenizer, settings, source=cfg.data.eval_file)
                 if cfg.data.eval_file else None)
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
@@ -175,9 +185,10 @@ def _read(cfg: PRMConfig, path: str) -> list[StepExample]:
     return read_examples(path, cfg.data.format, on_bad_row=cfg.data.on_bad_row, **options)
 
 
-def _render(cfg: PRMConfig, examples: list[StepExample], tokenizer, settings: RenderSettings, *, source: str):
+def _render(cfg: PRMConfig, examples: list[StepExample], tokenizer, settings: RenderSettings, *, source: str,
+            stop_at_first_bad_step: bool = False):
     return render_training_set(examples, tokenizer, settings, labels=cfg.data.labels, max_length=cfg.data.max_length,
-                               policy=cfg.data.on_bad_row, source=source)
+                               policy=cfg.data.on_bad_row, source=source, stop_at_first_bad_step=stop_at_first_bad_step)
 
 
 def _prm_hf_config(cfg: PRMConfig, run_dir: Path) -> Path:

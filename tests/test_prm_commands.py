@@ -50,6 +50,13 @@ def test_training_targets_soft_hard_and_processbench():
     assert training_targets(StepExample("p", steps, first_error=1), "hard") == (["a", "b"], [1.0, 0.0])
     assert training_targets(StepExample("p", steps, first_error=-1), "soft") == (steps, [1.0, 1.0, 1.0])
     assert training_targets(StepExample("p", steps), "hard") is None
+    # data.stop_at_first_bad_step: the steps after the first bad one (bad by inheritance) are not trained on
+    late = StepExample("p", ["a", "b", "c", "d"], labels=[True, False, True, False], soft_labels=[1.0, 0.25, 0.5, 0.0])
+    assert training_targets(late, "hard", stop_at_first_bad_step=True) == (["a", "b"], [1.0, 0.0])
+    assert training_targets(late, "soft", stop_at_first_bad_step=True) == (["a", "b"], [1.0, 0.25])
+    assert training_targets(mc, "hard", stop_at_first_bad_step=True) == (steps, [1.0, 1.0, 0.0])
+    all_good = StepExample("p", steps, labels=[True, True, True])
+    assert training_targets(all_good, "hard", stop_at_first_bad_step=True) == (steps, [1.0, 1.0, 1.0])
 
 
 def test_rendered_batch_marks_the_tags_and_scores_are_read_there():
