@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--run-dir", default="runs/quickstart")
     quick.add_argument("--regime", choices=("dense", "sparse"), default="dense",
                        help="dense (default): three-step chains every arm learns; sparse: five-step chains from a "
-                            "briefly trained policy, where most outcome-GRPO groups carry no signal (README, "
-                            "quickstart section: no regime found yet where the learned PRM beats the outcome)")
+                            "briefly trained policy, where many outcome-GRPO groups carry no signal and the learned "
+                            "PRM's arm comes out ahead (README, quickstart section)")
     quick.add_argument("--no-oracle", action="store_true",
                        help="skip the third arm, process supervision by the task's ground-truth step checker")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
