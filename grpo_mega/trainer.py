@@ -185,7 +185,9 @@ def _build_rollout_engine(cfg: GRPOConfig, tokenizer):
     engine_settings = (
         {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device} if cfg.rollout.engine == "hf"
         else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "seed": cfg.parallel.seed,
-              "tensor_parallel_size": cfg.rollout.tensor_parallel, "enforce_eager": device.type == "cpu",
+              "tensor_parallel_size": cfg.rollout.tensor_parallel,
+              "enforce_eager": cfg.rollout.enforce_eager or device.type == "cpu",
+              "max_num_seqs": cfg.rollout.max_num_seqs, "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
               "max_model_len": cfg.data.prompt_length + cfg.algorithm.response_length}
     )
     return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,

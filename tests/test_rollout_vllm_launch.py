@@ -9,7 +9,6 @@ import torch
 
 from grpo_mega.parallel.distributed import resolve_device
 from grpo_mega.rollout.vllm_launch import (
-    custom_all_reduce_usable,
     external_launcher_environment,
     external_launcher_local_rank,
 )
@@ -47,9 +46,3 @@ def test_the_environment_is_set_while_building_and_restored(monkeypatch):
     with external_launcher_environment(11, "0"):
         assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("11", "0")
     assert os.environ["LOCAL_RANK"] == "3" and "RANK" not in os.environ
-
-
-def test_custom_all_reduce_is_off_when_a_replicas_gpus_are_not_all_visible():
-    assert custom_all_reduce_usable(visible_devices=8, tensor_parallel_size=4)  # torchrun, whole node visible
-    assert custom_all_reduce_usable(visible_devices=1, tensor_parallel_size=1)  # nothing to all-reduce
-    assert not custom_all_reduce_usable(visible_devices=1, tensor_parallel_size=2)  # srun --gpus-per-task=1

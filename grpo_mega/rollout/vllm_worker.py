@@ -19,7 +19,9 @@ import contextlib
 from typing import Iterator
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 
 def _on_cpu() -> bool:
@@ -96,24 +98,38 @@ SAMPLED_VOCAB_KEY = "grpo_mega_sampled_vocab_size"
 """Key of the engine's ``hf_overrides`` that gives :class:`TokenizerVocabMask` the tokenizer's size."""
 
 
-class TokenizerVocabMask(LogitsProcessor):
+class TokenizerVocabMask(V1LogitsProcessor, V2LogitsProcessor):
     """Never sample a token id the tokenizer does not have (``logits[:, len(tokenizer):] = -inf``, as verl does).
 
     Checkpoints pad their embedding past the tokenizer (Qwen2.5: 152,064 rows for 151,665 tokens) and vLLM samples
     over every row. The size comes from the model config's ``grpo_mega_sampled_vocab_size``, set by the engine
-    through ``hf_overrides``. Applied to every request, greedy included (it can change the argmax); vLLM applies it
-    before sampling, so ``processed_logprobs`` are normalised over the tokenizer's ids."""
+    through ``hf_overrides``. Applied to every request, greedy included (it can change the argmax); both runners
+    apply it before temperature and top-k / top-p, so ``processed_logprobs`` are normalised over the tokenizer's ids.
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+    One class for both of vLLM's model runners, because which one runs is decided inside ``vllm.LLM`` after its
+    arguments are fixed (``VllmConfig.use_v2_model_runner``: ``VLLM_USE_V2_MODEL_RUNNER``, then Triton, then the
+    features V2 lacks): on a GPU with Triton, Model Runner V2, whose loader accepts only subclasses of
+    ``vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor`` and builds them as ``(vllm_config,
+    req_states)``, calling ``apply(logits, ctx)``; on vLLM's CPU backend (no Triton) or where V2 lacks a feature, the
+    V1 runner, whose loader accepts only subclasses of ``vllm.v1.sample.logits_processor.LogitsProcessor`` and builds
+    them as ``(vllm_config, device, is_pin_memory)``, calling ``apply(logits)``. Each loader checks only its own base
+    class, so subclassing both passes either; the mask needs no per-request state, which is the only place the two
+    interfaces differ beyond their signatures (V2's ``add_request`` returns True: every request is masked)."""
+
+    def __init__(self, vllm_config, *runner_state):
+        """``runner_state``: (device, is_pin_memory) from the V1 runner, (req_states,) from V2; neither is needed."""
         self.limit = getattr(vllm_config.model_config.hf_config, SAMPLED_VOCAB_KEY, None)
 
     def is_argmax_invariant(self) -> bool:
+        """V1: the mask can change the argmax, so greedy requests go through it too."""
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        """Nothing per request: the mask is the same for every row."""
+        """V1: nothing per request: the mask is the same for every row."""
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, ctx=None) -> torch.Tensor:
+        """Both runners: V1 passes the logits alone, V2 the logits and the step's batch layout (``ctx``, unused: every
+        row is masked)."""
         if self.limit is not None and logits.shape[-1] > self.limit:
             logits[:, self.limit:] = float("-inf")
         return logits
