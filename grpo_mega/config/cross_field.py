@@ -92,6 +92,9 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError("rollout.temperature must be > 0 for sampling")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("rollout.top_p must be in (0, 1]")
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(cfg.rollout, key) is not None and getattr(cfg.rollout, key) < 1:
+            raise ConfigError(f"rollout.{key}={getattr(cfg.rollout, key)} must be >= 1 (or null: vLLM's default)")
     if cfg.data.prompt_length < 1:
         raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
     check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
