@@ -18,12 +18,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm built the way megatron builds its norms, its weight marked for sequence parallelism."""
+    """torch.nn.RMSNorm built the way megatron builds its norms, its weight marked for sequence parallelism and in
+    the model's dtype (``config.params_dtype``), as Transformer Engine's norm creates it and as megatron's
+    ``Float16Module`` casts torch's: an fp32 weight in a bf16 model makes torch fall back from its fused norm
+    ("Mismatch dtype") and gives megatron's DDP a second gradient buffer (its buffers are grouped by parameter
+    dtype), a layout nothing else in a bf16 run has. The optimizer keeps the fp32 master copy of the weight."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> None:
         if config.normalization != "RMSNorm":
             raise ValueError(f"grpo_mega's local norm is RMSNorm, the model asks for {config.normalization}")
-        super().__init__(hidden_size, eps=eps)
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         # megatron all-reduces the gradients of parameters marked so over the TP group (sequence parallelism)
         self.weight.sequence_parallel = config.sequence_parallel
 

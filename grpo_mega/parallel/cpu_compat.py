@@ -87,6 +87,10 @@ _CPU_AS_CUDA_FUNCTIONS: dict[tuple[str, str], str] = {
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"): (
         "asserts grad.type() == 'torch.cuda.FloatTensor'"
     ),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"): (
+        "bf16 with the plain optimizer: sorts parameters by param.type() in the CUDA spellings (16-bit ones get "
+        "fp32 main copies) and raises TypeError for any other (CPU) type"
+    ),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"): (
         "marks 16-bit parameters for fp32 main copies by param.type() == 'torch.cuda.BFloat16Tensor'"
     ),
