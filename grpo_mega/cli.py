@@ -5,7 +5,7 @@
     grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--fast] [--outcome-only]
                          [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
-    grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--json]
+    grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--gpu-name A100] [--accept-unknown] [--json]
                    [key=value ...]                              memory per rank and phase; exit 1 if it does not fit
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan with a memory setting the config does not set (distributed_optimizer, "
                            "sequence_parallel, recompute, offload_during_rollout), e.g. distributed_optimizer=true")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--gpu-name", default="", help="the GPU's name (e.g. A100): vLLM's default batch limits "
+                      "are smaller on an A100; default: another GPU")
+    plan.add_argument("--accept-unknown", action="store_true",
+                      help="exit 0 for a plan that fits what it counted although a part could not be read")
     plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
     from prm.cli import add_prm_commands
 
@@ -159,13 +163,13 @@ def _run_plan(args) -> int:
         if gpus is None or memory is None:
             raise ConfigError(f"{args.config} documents no '# hardware: 1 node x 8 GPUs x 79.6 GiB' line: "
                               "pass --gpus-per-node and --gpu-memory-gib")
-        plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes,
+        plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes, gpu_name=args.gpu_name,
                            assume=parse_assume(args.assume), config_name=args.config)
     except (ConfigError, ValueError) as error:
         print(f"grpo-mega plan: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(to_dict(plan), indent=1) if args.json else format_table(plan))
-    return 0 if plan.fits else 1
+    print(json.dumps(to_dict(plan), indent=1) if args.json else format_table(plan, accept_unknown=args.accept_unknown))
+    return 0 if plan.fits and (args.accept_unknown or not plan.unknown) else 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def test_shipped_config_fits_its_documented_hardware(name):
     for rollout_tp in sorted({cfg.rollout.tensor_parallel or cfg.parallel.tensor, cfg.parallel.tensor}):
         plan = _plan(name, f"rollout.tensor_parallel={rollout_tp}")
         assert plan.fits, (rollout_tp, plan.problems)
-        assert {p.name for p in plan.phases} >= {"update", "generation"}
+        assert {p.name for p in plan.phases} >= {"update", "generation", "save"}
         assert all(plan.headroom(p) >= 0.10 for p in plan.phases)
         assert plan.vllm.sequences_held >= 1
     if "prm" in name:
@@ -50,10 +50,9 @@ def test_seven_b_static_bytes_are_eighteen_bytes_a_parameter_and_shard_with_the_
     the distributed optimizer divides the last 12 by DP (up to megatron's padding)."""
     plan = _plan("qwen2.5-math-7b_grpo", distributed_optimizer="false")
     elements = plan.parameters
-    norms = (plan.policy.params - 2 * elements) // 2  # the local spec keeps its norm weights in fp32
-    assert 0 < norms < 1e6
-    assert plan.policy.grads == 4 * elements
-    assert plan.policy.optimizer == 12 * elements - 4 * norms
+    assert plan.policy.params == 2 * elements  # norm weights included: bf16 like every other weight
+    assert plan.policy.grads == 4 * elements  # one fp32 gradient buffer
+    assert plan.policy.optimizer == 12 * elements
     sharded = _plan("qwen2.5-math-7b_grpo")  # the default at DP > 1
     assert sharded.settings.distributed_optimizer
     assert sharded.policy.optimizer == pytest.approx(plan.policy.optimizer / plan.data, rel=1e-3)
@@ -118,7 +117,7 @@ def test_cli_exits_non_zero_naming_the_phase_when_the_config_does_not_fit(capsys
     config = "configs/qwen2.5-math-7b_grpo.yaml"
     assert main(["plan", "--config", config, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["fits"] and set(report["phases"]) == {"update", "generation"}
+    assert report["fits"] and set(report["phases"]) == {"update", "generation", "save"}
     assert report["layout"] == {"tensor": 4, "pipeline": 1, "data": 2, "dtype": "bfloat16"}
     # 40 GiB GPUs: the update no longer fits
     assert main(["plan", "--config", config, "--gpu-memory-gib", "40"]) == 1
@@ -131,9 +130,50 @@ def test_cli_exits_non_zero_naming_the_phase_when_the_config_does_not_fit(capsys
 def test_prm_without_a_config_json_is_reported_unknown(capsys):
     from grpo_mega.cli import main
 
-    code = main(["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", "process_reward.prm=/nonexistent/prm"])
+    args = ["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", "process_reward.prm=/nonexistent/prm"]
+    code = main(args)
     out = capsys.readouterr().out
-    assert code == 0 and "PRM unknown" in out and "unknown" in out.split("PRM weights")[1].splitlines()[0]
+    assert "unknown" in out.split("PRM weights")[1].splitlines()[0]
+    # what was not counted is named, and the verdict is no FITS: exit 1 unless the user accepts it
+    assert code == 1 and "NOT COUNTED: PRM unknown" in out and "UNKNOWN:" in out and "FITS:" not in out
+    assert main([*args, "--accept-unknown"]) == 0
+    assert "FITS:" in capsys.readouterr().out
+
+
+def test_the_plan_assumes_the_vllm_settings_the_engine_passes(capsys):
+    """The planner and the engine read one definition (grpo_mega.rollout.vllm_settings): the configured limits,
+    else vLLM's defaults for the GPU; enforce_eager drops the CUDA-graph pool from every phase."""
+    default = _plan("qwen2.5-math-7b_grpo")
+    assert (default.vllm.limits.max_num_seqs, default.vllm.limits.max_num_batched_tokens) == (1024, 16384)
+    assert default.phase("update").items["vLLM CUDA graphs"] == default.vllm.cuda_graphs > 0
+    set_here = _plan("qwen2.5-math-7b_grpo", "rollout.max_num_seqs=128", "rollout.max_num_batched_tokens=4096",
+                     "rollout.enforce_eager=true")
+    assert (set_here.vllm.limits.max_num_seqs, set_here.vllm.limits.max_num_batched_tokens) == (128, 4096)
+    assert set_here.vllm.workspace < default.vllm.workspace and set_here.vllm.cuda_graphs == 0
+    assert set_here.phase("update").total < default.phase("update").total
+    assert set_here.vllm.kv_cache > default.vllm.kv_cache  # the budget is the same; graphs and workspace shrank
+    from grpo_mega.cli import main
+
+    assert main(["plan", "--config", "configs/qwen2.5-math-7b_grpo.yaml", "--gpu-name", "A100"]) == 0
+    out = capsys.readouterr().out
+    assert "max_num_seqs=256 max_num_batched_tokens=8192 enforce_eager=False" in out
+
+
+def test_the_save_phase_counts_the_distributed_optimizers_gather():
+    """The save comes after the sync (vLLM awake), with the optimizer state on the device; the distributed
+    optimizer's fully_reshardable save gathers its fp32 state per bucket on the GPU and keeps the stage's three
+    fp32 state tensors in host RAM on every rank."""
+    sharded = _plan("qwen2.5-math-7b_grpo")
+    save, generation = sharded.phase("save"), sharded.phase("generation")
+    assert save.items["vLLM KV cache"] == generation.items["vLLM KV cache"] > 0
+    assert save.items["optimizer"] == sharded.policy.optimizer and save.items["checkpoint gather"] > 0
+    assert sharded.save_host.per_rank >= 12 * sharded.parameters
+    assert sharded.save_host.per_node == 8 * sharded.save_host.per_rank
+    plain = _plan("qwen2.5-math-7b_grpo", distributed_optimizer="false")
+    assert plain.phase("save").items["checkpoint gather"] == 0
+    assert plain.save_host.per_rank < sharded.save_host.per_rank
+    offloaded = _plan("qwen2.5-math-7b_grpo", offload_during_rollout="true")
+    assert offloaded.phase("generation").items["optimizer"] == 0 < offloaded.phase("save").items["optimizer"]
 
 
 def test_stage_counts_follow_megatrons_layout_and_the_subprocess_path_gives_the_same(monkeypatch):

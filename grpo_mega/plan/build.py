@@ -12,12 +12,13 @@ from grpo_mega.plan.activations import (
     Shapes, forward_activation_bytes, logprob_buffer_bytes, update_activation_bytes,
 )
 from grpo_mega.plan.counts import ModelRequest, count_stage_params
-from grpo_mega.plan.phases import CUDA_CONTEXT_BYTES, NCCL_BYTES, Phase, Plan
+from grpo_mega.plan.phases import CUDA_CONTEXT_BYTES, NCCL_BYTES, Phase, Plan, SaveHost
 from grpo_mega.plan.settings import (
     Hardware, data_parallel_size, memory_settings, rollout_tensor_parallel,
 )
-from grpo_mega.plan.static import forward_only_bytes, training_static_bytes
+from grpo_mega.plan.static import checkpoint_save_bytes, forward_only_bytes, training_static_bytes
 from grpo_mega.plan.vllm import plan_vllm
+from grpo_mega.rollout.vllm_settings import resolve_batch_limits
 
 PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
 
@@ -80,16 +81,17 @@ def _prm_request(cfg, dtype: str) -> tuple[ModelRequest | None, str | None]:
                         head="classifier" if classifier else "none"), None
 
 
-def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 1,
+def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 1, gpu_name: str = "",
                 assume: Mapping[str, Any] | None = None, config_name: str = "") -> Plan:
     """The memory plan of ``cfg`` (a ``GRPOConfig``) on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gib`` GiB.
     ``assume``: memory settings to plan with instead of the config's ({"distributed_optimizer": "true", ...},
     ``grpo_mega.plan.settings.MemorySettings``). Counts parameters from megatron's model built on the meta device
-    (``grpo_mega.plan.counts``); a second or so, plus megatron's import the first time."""
+    (``grpo_mega.plan.counts``); a second or so, plus megatron's import the first time. ``gpu_name``: as the
+    device reports it; vLLM's default batch limits differ on an A100."""
     if cfg.engine != "megatron":
         raise ConfigError(f"engine={cfg.engine!r}: grpo-mega plan models the megatron engine (DeepSpeed's ZeRO "
                           "partitions differently); plan with engine=megatron")
-    hardware = Hardware(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, nodes=nodes)
+    hardware = Hardware(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, nodes=nodes, gpu_name=gpu_name)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     dp = data_parallel_size(cfg, hardware)
     settings = memory_settings(cfg, dp, assume)
@@ -106,7 +108,7 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
         requests.append(prm_request)
     counted = count_stage_params(requests)
     policy_stages = counted[0]
-    notes = [prm_note] if prm_note else []
+    notes: list[str] = []
 
     from grpo_mega.model.config_map import padded_vocab_size
 
@@ -145,8 +147,12 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
                               "activations": activations, "log-prob buffers": logprobs})
     phases = [update]
     vllm_plan = None
+    vllm_resident: dict[str, int] = {}
     if vllm:
+        limits = resolve_batch_limits(cfg.rollout.max_num_batched_tokens, cfg.rollout.max_num_seqs,
+                                      gpu_bytes=hardware.gpu_bytes, gpu_name=hardware.gpu_name)
         vllm_plan = plan_vllm(
+            limits=limits, enforce_eager=cfg.rollout.enforce_eager,
             shapes=Shapes.from_hf(policy_hf, int(policy_hf["vocab_size"])),
             weight_elements=sum(p.numel for p in counted[1][0]), tensor_parallel=rollout_tp,
             world_size=hardware.world_size, gpu_bytes=hardware.gpu_bytes,
@@ -154,10 +160,13 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
             sequence_tokens=cfg.data.prompt_length + cfg.algorithm.response_length,
             rollout_sequences=cfg.algorithm.rollout_batch_size * cfg.algorithm.num_return_sequences_in_group)
         offload = settings.offload_during_rollout
+        # vLLM sleeps during the update, but its CUDA-graph pool does not go with it
+        update.items["vLLM CUDA graphs"] = vllm_plan.cuda_graphs
+        vllm_resident = {"vLLM weights": vllm_plan.weights, "vLLM KV cache": max(0, vllm_plan.kv_cache),
+                         "vLLM CUDA graphs": vllm_plan.cuda_graphs}
         generation = Phase("generation", {
             **base, "gradients": 0 if offload else policy.grads, "optimizer": 0 if offload else policy.optimizer,
-            **resident_others, "vLLM weights": vllm_plan.weights, "vLLM workspace": vllm_plan.workspace,
-            "vLLM KV cache": max(0, vllm_plan.kv_cache)})
+            **resident_others, **vllm_resident, "vLLM workspace": vllm_plan.workspace})
         phases.append(generation)
         if 0 < vllm_plan.sequences_held < vllm_plan.sequences_asked:
             notes.append(f"vLLM holds {vllm_plan.sequences_held} of the {vllm_plan.sequences_asked} full-length "
@@ -167,6 +176,12 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     elif prm_request is not None:
         phases.append(Phase("prm_scoring", {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
                                             **resident_others, "PRM activations": prm_activations}))
+    # The save comes after the step's weight sync, which woke vLLM (weights and KV cache); the optimizer state is
+    # on the device for it (an offloaded one is taken back), and the distributed optimizer gathers its state.
+    save_bytes = checkpoint_save_bytes(policy_stages[worst], dp, settings.distributed_optimizer)
+    phases.append(Phase("save", {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
+                                 **resident_others, **vllm_resident, "checkpoint gather": save_bytes.device}))
+    save_host = SaveHost(per_rank=save_bytes.host, per_node=save_bytes.host * hardware.gpus_per_node)
     if settings.assumed:
         notes.append("assumed (not from the config): " + ", ".join(
             f"{name}={getattr(settings, name)}" for name in settings.assumed))
@@ -174,4 +189,5 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     return Plan(config=config_name, hardware=hardware, settings=settings, tensor=tp, pipeline=pp, data=dp,
                 dtype=dtype, parameters=parameters, policy=policy, stages=statics, micro_batch_tokens=layer_tokens,
                 head_tokens=head_tokens, activations=activations, logprob_buffers=logprobs, reference=reference,
-                prm=prm, prm_activations=prm_activations, vllm=vllm_plan, phases=phases, notes=notes)
+                prm=prm, prm_activations=prm_activations, vllm=vllm_plan, phases=phases, notes=notes,
+                save_host=save_host, unknown=[prm_note] if prm_note else [])

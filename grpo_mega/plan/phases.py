@@ -8,7 +8,10 @@ Phases, as the trainer runs them with vLLM colocated (``grpo_mega.trainer``):
 - ``prm_scoring`` (``process_reward.source: prm``): the PRM scores the steps inside the rollout stage, before vLLM
   goes to sleep, so it is the generation phase plus the PRM's forward activations.
 - ``update``: the policy's static bytes, the reference and PRM weights, the activations of the largest
-  micro-batch and the log-prob chunk buffers; vLLM asleep at level 2 holds ~0.
+  micro-batch and the log-prob chunk buffers; vLLM asleep at level 2 holds only its CUDA-graph pool.
+- ``save`` (a checkpoint, after the step's weight sync): the policy's static bytes (an offloaded optimizer state
+  comes back for it), the reference and PRM weights, vLLM awake (weights, KV cache, CUDA graphs) and what the save
+  gathers on the GPU (``grpo_mega.plan.static.checkpoint_save_bytes``); its host RAM is reported beside.
 
 Every phase also holds the CUDA context and NCCL's buffers (constants below).
 """
@@ -47,6 +50,14 @@ class Phase:
         return sum(self.items.values())
 
 
+@dataclass(frozen=True)
+class SaveHost:
+    """Host RAM a checkpoint save takes (bytes): on one rank, and on a node (every rank of it at once)."""
+
+    per_rank: int
+    per_node: int
+
+
 @dataclass
 class Plan:
     """Everything ``grpo-mega plan`` reports (bytes per rank unless said otherwise)."""
@@ -75,6 +86,10 @@ class Plan:
     vllm: VllmPlan | None
     phases: list[Phase]
     notes: list[str] = field(default_factory=list)
+    save_host: SaveHost | None = None
+    unknown: list[str] = field(default_factory=list)
+    """Parts the plan could not count (a PRM without a readable config), each saying what is missing; a plan with
+    any is no verdict of FITS unless the user accepts them (``grpo-mega plan --accept-unknown``)."""
 
     @property
     def gpu_bytes(self) -> int:
@@ -111,6 +126,9 @@ class Plan:
 
 
 def _advice(phase: str) -> str:
+    if phase == "save":
+        return ("lower rollout.gpu_memory_utilization (vLLM is awake during the save), set "
+                "parallel.distributed_optimizer where DP > 1, or raise parallel.tensor / parallel.pipeline")
     if phase == "update":
         return ("lower parallel.max_tokens_per_micro_batch, raise parallel.tensor / parallel.pipeline, or shard the "
                 "optimizer (distributed optimizer)")

@@ -34,12 +34,15 @@ def to_dict(plan: Plan) -> dict:
         "fits": plan.fits,
         "problems": plan.problems,
         "notes": plan.notes,
+        "unknown": plan.unknown,
+        "save_host": asdict(plan.save_host) if plan.save_host else None,
     }
 
 
-def format_table(plan: Plan) -> str:
-    """Header (layout, settings), one row per byte item and one column per phase (GiB per rank), totals with
-    headroom, vLLM's sequence capacity, and the verdict."""
+def format_table(plan: Plan, *, accept_unknown: bool = False) -> str:
+    """Header (layout, settings, vLLM's settings), one row per byte item and one column per phase (GiB per rank),
+    totals with headroom, the save's host RAM, and the verdict: FITS only when every phase fits and nothing was left
+    uncounted, or ``accept_unknown``."""
     hw = plan.hardware
     s = plan.settings
     lines = [
@@ -54,6 +57,10 @@ def format_table(plan: Plan) -> str:
         v = plan.vllm
         lines.append(f"vLLM: {v.replicas} replicas x TP{v.tensor_parallel}; KV cache holds {v.sequences_held} "
                      f"full-length sequences ({v.sequence_tokens} tokens) per replica, a step asks {v.sequences_asked}")
+        lines.append(f"vLLM settings assumed (passed to vLLM as such): max_num_seqs={v.limits.max_num_seqs} "
+                     f"max_num_batched_tokens={v.limits.max_num_batched_tokens} enforce_eager={v.enforce_eager} "
+                     f"(CUDA graphs {_gib(v.cuda_graphs)} GiB, kept through the update); "
+                     f"gpu_memory_utilization={v.budget / plan.gpu_bytes:.2f}")
     names = [p.name for p in plan.phases]
     items = list(dict.fromkeys(key for p in plan.phases for key in p.items))
     width = max(len(k) for k in items + ["total (headroom)"]) + 2
@@ -69,9 +76,18 @@ def format_table(plan: Plan) -> str:
         lines.append(key.ljust(width) + "".join(cells))
     lines.append("total (headroom)".ljust(width) + "".join(
         f"{_gib(p.total)} ({plan.headroom(p):.0%})".rjust(16) for p in plan.phases))
+    if plan.save_host is not None:
+        lines.append(f"save: host RAM {_gib(plan.save_host.per_rank)} GiB per rank, {_gib(plan.save_host.per_node)} "
+                     f"GiB per node of {hw.gpus_per_node} ranks"
+                     + (" (the distributed optimizer's state gathered on every rank)" if s.distributed_optimizer else ""))
     for note in plan.notes:
         lines.append(f"note: {note}")
-    if plan.fits:
+    for part in plan.unknown:
+        lines.append(f"NOT COUNTED: {part}")
+    if plan.fits and plan.unknown and not accept_unknown:
+        lines.append("UNKNOWN: the counted parts fit, but the plan is incomplete (NOT COUNTED above); make the part "
+                     "readable, or pass --accept-unknown to accept the plan without it")
+    elif plan.fits:
         worst = min(plan.phases, key=plan.headroom)
         lines.append(f"FITS: every phase leaves >= {REQUIRED_HEADROOM:.0%} of {hw.gpu_memory_gib:g} GiB free "
                      f"(least: {worst.name}, {plan.headroom(worst):.0%})")

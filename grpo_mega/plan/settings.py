@@ -29,6 +29,9 @@ class Hardware:
     gpus_per_node: int
     gpu_memory_gib: float
     nodes: int = 1
+    gpu_name: str = ""
+    """The GPU's name as the device reports it (``grpo-mega plan --gpu-name``); only vLLM's default batch limits
+    depend on it (an A100 gets the smaller ones). Empty: not an A100."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1 or not self.gpu_memory_gib > 0:

@@ -116,3 +116,33 @@ def training_static_bytes(params: list[ParamInfo], data_parallel: int, distribut
 def forward_only_bytes(params: list[ParamInfo]) -> int:
     """A forward-only engine (reference, PRM) holds its parameters and nothing else."""
     return sum(p.bytes for p in params)
+
+
+@dataclass(frozen=True)
+class SaveBytes:
+    """What a checkpoint save adds on one rank (bytes): ``device`` on the GPU while it runs, ``host`` in host RAM."""
+
+    device: int
+    host: int
+
+
+def checkpoint_save_bytes(params: list[ParamInfo], data_parallel: int, distributed_optimizer: bool) -> SaveBytes:
+    """A training checkpoint save of a stage whose trainable parameters are ``params`` (megatron-core 0.16,
+    ``grpo_mega.checkpoint.training``).
+
+    With the distributed optimizer its state is saved in ``fully_reshardable`` form
+    (``DistributedOptimizer.get_parameter_state_dp_zero`` with ``return_on_all_ranks``): for each bucket and each
+    of the master weights and the two moments in turn, the rank's fp32 slice goes to the GPU and is all-gathered
+    over DP into DP GPU tensors of the slice's size (the whole bucket), which are then copied into host tensors of
+    the whole model-parallel shard, on every DP rank. So the GPU holds one bucket's fp32 slice and its gathered
+    copies at a time, and host RAM the three fp32 tensors of every parameter of the stage, plus the bucket being
+    concatenated. Without it each rank's state tensors are written from where they are; the writer stages on the
+    host what the rank writes (at most its parameters, master weights and moments)."""
+    if distributed_optimizer:
+        layouts = buffer_layouts(params, data_parallel, distributed_optimizer)
+        largest_bucket = max((end - start for layout in layouts for start, end in layout.buckets), default=0)
+        elements = sum(layout.numel for layout in layouts)
+        device = (largest_bucket + largest_bucket // data_parallel) * 4
+        return SaveBytes(device=device, host=3 * 4 * elements + 4 * largest_bucket)
+    static = training_static_bytes(params, data_parallel, distributed_optimizer)
+    return SaveBytes(device=0, host=static.params + static.optimizer)

@@ -1,10 +1,15 @@
-"""The colocated vLLM replica of one rank: its weights at the rollout TP, its workspace, its KV cache, and how many
-full-length sequences the KV cache holds against what a step asks of the replica.
+"""The colocated vLLM replica of one rank: its weights at the rollout TP, its workspace, its CUDA graphs, its KV
+cache, and how many full-length sequences the KV cache holds against what a step asks of the replica.
 
 vLLM takes ``rollout.gpu_memory_utilization`` x the GPU's memory for everything it allocates (weights, the
 activation workspace its start-up profile measures, CUDA graphs, KV cache) and gives the KV cache what is left.
 It is built before the training engines, so that budget is reserved whatever they allocate later. Between
-generations it sleeps at level 2 (weights discarded, KV cache freed): it holds ~0 during the update.
+generations it sleeps at level 2: weights discarded and KV cache freed, but not its CUDA-graph pool (captured
+outside the pools sleep mode frees), which stays through the update unless ``rollout.enforce_eager``.
+
+The profile run is sized by the scheduler limits the engine passes explicitly
+(:func:`grpo_mega.rollout.vllm_settings.resolve_batch_limits`: ``rollout.max_num_seqs`` /
+``rollout.max_num_batched_tokens``, else vLLM's defaults for the GPU), so the plan assumes what vLLM runs with.
 """
 
 from __future__ import annotations
@@ -13,15 +18,12 @@ import math
 from dataclasses import dataclass
 
 from grpo_mega.plan.activations import Shapes
+from grpo_mega.rollout.vllm_settings import BatchLimits
 
 VLLM_DTYPE_BYTES = 2  # bf16 weights and KV cache (the trainer starts vLLM with dtype bfloat16 on a GPU)
-VLLM_MAX_NUM_BATCHED_TOKENS = 8192
-VLLM_MAX_NUM_SEQS = 256
-"""vLLM's engine defaults (``EngineArgs``: max_num_batched_tokens, max_num_seqs) that size its profile run; the
-trainer sets neither."""
 VLLM_CUDA_GRAPH_BYTES = 2**29
-"""CUDA graphs of the decode batch sizes (the trainer runs vLLM without enforce_eager on a GPU): vLLM logs
-0.3-0.6 GiB for 7-8B models; 0.5 GiB."""
+"""CUDA graphs of the decode batch sizes (without ``rollout.enforce_eager``): vLLM logs 0.3-0.6 GiB for 7-8B
+models; 0.5 GiB. An estimate, not measured here (no GPU)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,12 @@ class VllmPlan:
     """gpu_memory_utilization x the GPU's memory."""
     weights: int
     workspace: int
-    """Activation workspace of the start-up profile + CUDA graphs."""
+    """Activation workspace of the start-up profile."""
+    cuda_graphs: int
+    """CUDA-graph pool (0 with enforce_eager); resident through the update too."""
+    limits: BatchLimits
+    """max_num_batched_tokens / max_num_seqs the engine passes to vLLM."""
+    enforce_eager: bool
     kv_cache: int
     kv_bytes_per_token: int
     """KV bytes one token takes on one rank of the replica."""
@@ -44,17 +51,18 @@ class VllmPlan:
     """rollout_batch_size x G / replicas (one round of generation)."""
 
 
-def vllm_workspace_bytes(s: Shapes, tp: int) -> int:
+def vllm_workspace_bytes(s: Shapes, tp: int, limits: BatchLimits) -> int:
     """The profile run's peak: one batch of max_num_batched_tokens through a layer (QKV and fc1 outputs) plus the
-    sampler's fp32 logits of max_num_seqs rows, twice (logits and probabilities), and the CUDA graphs."""
+    sampler's fp32 logits of max_num_seqs rows, twice (logits and probabilities)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    layer = VLLM_MAX_NUM_BATCHED_TOKENS * ((q + 2 * kv) + 2 * s.intermediate) // tp * VLLM_DTYPE_BYTES
-    sampler = 2 * VLLM_MAX_NUM_SEQS * s.vocab * 4
-    return layer + sampler + VLLM_CUDA_GRAPH_BYTES
+    layer = limits.max_num_batched_tokens * ((q + 2 * kv) + 2 * s.intermediate) // tp * VLLM_DTYPE_BYTES
+    sampler = 2 * limits.max_num_seqs * s.vocab * 4
+    return layer + sampler
 
 
 def plan_vllm(*, shapes: Shapes, weight_elements: int, tensor_parallel: int, world_size: int, gpu_bytes: int,
-              gpu_memory_utilization: float, sequence_tokens: int, rollout_sequences: int) -> VllmPlan:
+              gpu_memory_utilization: float, sequence_tokens: int, rollout_sequences: int, limits: BatchLimits,
+              enforce_eager: bool) -> VllmPlan:
     """vLLM's share of one rank. ``weight_elements``: this rank's parameter elements at the rollout TP (from the
     model built at that TP); ``rollout_sequences``: rollout_batch_size x G."""
     if world_size % tensor_parallel:
@@ -62,13 +70,15 @@ def plan_vllm(*, shapes: Shapes, weight_elements: int, tensor_parallel: int, wor
     replicas = world_size // tensor_parallel
     budget = int(gpu_memory_utilization * gpu_bytes)
     weights = weight_elements * VLLM_DTYPE_BYTES
-    workspace = vllm_workspace_bytes(shapes, tensor_parallel)
-    kv_cache = budget - weights - workspace
+    workspace = vllm_workspace_bytes(shapes, tensor_parallel, limits)
+    cuda_graphs = 0 if enforce_eager else VLLM_CUDA_GRAPH_BYTES
+    kv_cache = budget - weights - workspace - cuda_graphs
     # vLLM replicates KV heads when the replica has more ranks than KV heads.
     kv_heads = max(1, shapes.kv_heads // tensor_parallel)
     per_token = 2 * shapes.layers * kv_heads * shapes.head_dim * VLLM_DTYPE_BYTES
     held = max(0, kv_cache) // (per_token * sequence_tokens)
     return VllmPlan(tensor_parallel=tensor_parallel, replicas=replicas, budget=budget, weights=weights,
-                    workspace=workspace, kv_cache=kv_cache, kv_bytes_per_token=per_token,
+                    workspace=workspace, cuda_graphs=cuda_graphs, limits=limits, enforce_eager=enforce_eager,
+                    kv_cache=kv_cache, kv_bytes_per_token=per_token,
                     sequence_tokens=sequence_tokens, sequences_held=int(held),
                     sequences_asked=math.ceil(rollout_sequences / replicas))
