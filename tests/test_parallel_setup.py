@@ -120,6 +120,16 @@ def test_bad_launcher_environments_name_the_variable(environ, message):
         read_launch_env(environ)
 
 
+def test_cuda_device_max_connections_is_set_for_tensor_parallelism_unless_the_user_set_it():
+    from grpo_mega.cli import KNOWN_HARMLESS_WARNINGS
+    from grpo_mega.parallel.launch_env import megatron_cuda_environment
+
+    assert megatron_cuda_environment(2, {}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert megatron_cuda_environment(8, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == {}  # kept; megatron then warns
+    assert megatron_cuda_environment(1, {}) == {}  # no TP collectives to overlap
+    assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in message for message in KNOWN_HARMLESS_WARNINGS)
+
+
 @pytest.mark.parametrize(
     "nodelist, host",
     [
@@ -291,7 +301,10 @@ def _training_job() -> dict:
         init_model_parallel,
     )
 
+    import os
+
     result = {"layout": init_distributed(2, 1, seed=5, device="cpu"), "device": str(get_device())}
+    result["cuda_device_max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     result["backend"] = torch.distributed.get_backend()
     # Megatron's tracker: the model-parallel stream differs across TP ranks, the default does not.
     with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -338,6 +351,8 @@ def test_init_distributed_on_cpu(training_job):
         assert rank_result["device"] == "cpu" and rank_result["backend"] == "gloo"
         assert rank_result["compat_idempotent"]
         assert "already called" in rank_result["second_init_error"]
+        # TP=2: megatron's layers overlap their backward collectives only with one CUDA connection
+        assert rank_result["cuda_device_max_connections"] == "1"
     rank0, rank1 = training_job
     assert torch.equal(rank0["default_draw"], rank1["default_draw"])
     assert not torch.equal(rank0["tp_region_draw"], rank1["tp_region_draw"])

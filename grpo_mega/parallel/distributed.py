@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from grpo_mega.parallel.cpu_compat import apply_cpu_compat
-from grpo_mega.parallel.launch_env import read_launch_env
+from grpo_mega.parallel.launch_env import megatron_cuda_environment, read_launch_env
 from grpo_mega.parallel.layout import ParallelLayout, layout_for_world
 
 # Megatron-LM offsets the seed by 100 per pipeline stage so that stages holding different layers do
@@ -120,6 +120,7 @@ def init_distributed(
         raise ValueError("init_distributed was already called; call destroy_distributed first")
     env = read_launch_env()
     layout = layout_for_world(tp, pp, env.world_size)
+    os.environ.update(megatron_cuda_environment(tp, os.environ))  # before CUDA creates this process's context
     cuda_available = torch.cuda.is_available()
     chosen = resolve_device(
         device,

@@ -117,3 +117,16 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if local_rank < 0:
         raise ValueError(f"local rank {local_rank} is negative (launcher: {launcher})")
     return LaunchEnv(rank, world_size, local_rank, master_addr, master_port, launcher)
+
+
+def megatron_cuda_environment(tp: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables megatron's tensor-parallel layers need that are not set in ``environ``: at TP > 1 their
+    backward overlaps the input-gradient all-reduce (or, with sequence parallelism, reduce-scatter) with the
+    weight-gradient matmul by launching the collective first, which only overlaps when the GPU runs kernels in
+    launch order: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (megatron ``tensor_parallel/layers.py``, which warns without
+    it). Read by CUDA when the process creates its context, so it is set before the process touches the GPU. A value
+    the user set is kept (megatron's warning then shows)."""
+    if tp > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in environ:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
