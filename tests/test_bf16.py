@@ -80,8 +80,28 @@ def _dp2_runs(run_dir):
                 CheckpointManager(run_dir).save(engine, step, extra_state={"step": step}, config=CONFIG)
         run["params"] = _params(engine)
         run["probe"] = _probe_logprobs(engine).float()
+        if name == "distributed":
+            run["save"] = _save_bytes(engine)
         runs[name] = run
     return runs
+
+
+def _save_bytes(engine):
+    """What the distributed optimizer's fully_reshardable save gathers (megatron's own routine, as the checkpoint
+    save calls it) against the planner's rule for the same parameters (grpo_mega.plan.static)."""
+    from grpo_mega.plan.counts import ParamInfo
+    from grpo_mega.plan.static import checkpoint_save_bytes
+
+    gathered = engine.optimizer.chained_optimizers[0].get_parameter_state_dp_zero(
+        use_gloo_comm=False, return_on_all_ranks=True)
+    host = sum(tensor.numel() * tensor.element_size() for per_buffer in gathered.values() if isinstance(per_buffer, dict)
+               for per_dtype in per_buffer.values() for key, tensor in per_dtype.items()
+               if isinstance(tensor, torch.Tensor) and key in ("param", "exp_avg", "exp_avg_sq"))
+    infos = [ParamInfo(name, p.numel(), str(p.dtype).removeprefix("torch."),
+                       bool(getattr(p, "shared_embedding", False))) for name, p in engine.stage.named_parameters()]
+    planned = checkpoint_save_bytes(infos, data_parallel=2, distributed_optimizer=True)
+    return {"gathered_host": host, "planned_host": planned.host, "planned_device": planned.device,
+            "elements": sum(p.numel for p in infos)}
 
 
 def _resume_at_dp1(run_dir):
@@ -152,6 +172,19 @@ def test_offload_with_the_distributed_optimizer_changes_nothing(runs):
         assert held["grad_buffers"] == 0 and held["optimizer_state"] == 0 and held["host"] > 0
         assert offloaded["steps"] == straight["steps"]  # bit for bit: the state came back unchanged
         assert all(torch.equal(offloaded["params"][k], v) for k, v in straight["params"].items())
+
+
+def test_the_planned_save_host_memory_is_what_megatron_gathers(runs):
+    """Every rank holds its stage's whole fp32 master weights and moments in host memory during a save with the
+    distributed optimizer: 12 bytes per parameter (plus the padding of megatron's buffer); the planner adds one
+    bucket being concatenated on top."""
+    dp2, _ = runs
+    for rank in dp2:
+        save = rank["distributed"]["save"]
+        assert save["gathered_host"] == 12 * save["elements"]  # measured: exactly, without the padding
+        # planned: 12 bytes per element of the padded buffer + its one bucket (overlap_grad_reduce off) in fp32
+        assert 12 * save["elements"] < save["planned_host"] <= 16 * save["elements"] * 1.01
+        assert save["planned_device"] > 0
 
 
 def test_a_dp2_checkpoint_resumes_at_dp1_like_the_uninterrupted_run(runs):
