@@ -63,7 +63,7 @@ from gpu_check_runs import (  # noqa: E402,F401 (check_logprob_agreement: tests/
     _prompts, check_logprob_agreement, stage_conversion, stage_grpo, stage_grpo_vllm, stage_sft,
 )
 from gpu_check_stages import (  # noqa: E402
-    stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
+    best_seconds, stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
 )
 from workload import count_parameters  # noqa: E402
 
@@ -214,7 +214,7 @@ def stage_distributed(device: str, shape: dict) -> dict:
         logp.sum().backward()
         exact = torch.log_softmax(hidden.detach().double() @ weight.detach().double().t(), dim=-1)
         exact = exact.gather(-1, labels[:, None]).squeeze(-1)
-        seconds = _timed(device, lambda: logprobs()[0].sum().backward())
+        seconds = best_seconds(device, lambda: logprobs()[0].sum().backward())
         error = float((logp.detach().double() - exact).abs().max())
         # The products of bf16 values are exact in fp32 and only the fp32 accumulation over the hidden size and the
         # vocabulary rounds: 1e-3 is ~100x what that costs at these sizes, and far below a wrong result (~1).
@@ -232,22 +232,6 @@ def stage_distributed(device: str, shape: dict) -> dict:
                 "logprob_tflops": round(3 * 2 * tokens * hidden_size * vocab / seconds / 1e12, 2)}
     finally:
         destroy_distributed()
-
-
-def _timed(device: str, function, repeats: int = 3) -> float:
-    """Best wall seconds of ``function`` over ``repeats`` calls, synchronised on a GPU."""
-    import torch
-
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 # ----------------------------------------------------------------------------- data and model

@@ -101,8 +101,8 @@ def stage_tf32_effective(device: str) -> dict:
     def product(x, y, tf32: bool):
         if tf32:
             with tf32_matmuls():
-                return x @ y, _best_seconds(device, lambda: x @ y)
-        return x @ y, _best_seconds(device, lambda: x @ y)
+                return x @ y, best_seconds(device, lambda: x @ y)
+        return x @ y, best_seconds(device, lambda: x @ y)
 
     ieee, ieee_s = product(a, b, False)
     fast, tf32_s = product(a, b, True)
@@ -125,7 +125,8 @@ def stage_tf32_effective(device: str) -> dict:
     return figures
 
 
-def _best_seconds(device: str, function, repeats: int = 3) -> float:
+def best_seconds(device: str, function, repeats: int = 3) -> float:
+    """Best wall seconds of ``function`` over ``repeats`` calls, synchronised on a GPU."""
     import torch
 
     best = float("inf")

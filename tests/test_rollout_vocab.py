@@ -10,11 +10,10 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpo_mega.rollout import SamplingConfig
 from grpo_mega.rollout.hf_engine import HFRolloutEngine
-from tiny_task import build_tiny_task
+from tiny_task import build_padded_model
 
 EXTRA_ROWS = 96
 TEMPERATURE = 0.9
@@ -24,17 +23,7 @@ SAMPLING = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=24, n=8, seed=
 @pytest.fixture(scope="module")
 def padded_model(tmp_path_factory):
     """(folder, model, tokenizer): the tiny task's tokenizer with a model of len(tokenizer) + EXTRA_ROWS rows."""
-    task_dir, _ = build_tiny_task(tmp_path_factory.mktemp("task"))
-    tokenizer = AutoTokenizer.from_pretrained(task_dir)
-    config = AutoConfig.from_pretrained(task_dir)
-    config.vocab_size = len(tokenizer) + EXTRA_ROWS
-    config.initializer_range = 0.2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    folder = tmp_path_factory.mktemp("padded")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, model, tokenizer
+    return build_padded_model(tmp_path_factory.mktemp("padded"), EXTRA_ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -28,3 +28,23 @@ def tiny_run_overrides(task: tuple[Path, Path], run_dir: Path, *extra: str) -> l
     model_dir, train_file = task
     return [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
             *SMALL_RUN, *extra]
+
+
+def build_padded_model(root: Path, extra_rows: int, *, seed: int = 0, initializer_range: float = 0.2):
+    """(folder, model, tokenizer) under ``root``: the tiny task's tokenizer with a random model whose embedding has
+    ``extra_rows`` rows more than the tokenizer has ids (as checkpoints pad theirs: Qwen2.5's 152,064 rows)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    task_dir, _ = build_tiny_task(root / "task")
+    tokenizer = AutoTokenizer.from_pretrained(task_dir)
+    config = AutoConfig.from_pretrained(task_dir)
+    config.vocab_size = len(tokenizer) + extra_rows
+    config.initializer_range = initializer_range
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    folder = root / "padded"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
