@@ -4,8 +4,10 @@ cache, and how many full-length sequences the KV cache holds against what a step
 vLLM takes ``rollout.gpu_memory_utilization`` x the GPU's memory for everything it allocates (weights, the
 activation workspace its start-up profile measures, CUDA graphs, KV cache) and gives the KV cache what is left.
 It is built before the training engines, so that budget is reserved whatever they allocate later. Between
-generations it sleeps at level 2: weights discarded and KV cache freed, but not its CUDA-graph pool (captured
-outside the pools sleep mode frees), which stays through the update unless ``rollout.enforce_eager``.
+generations it sleeps at level 2: weights discarded and KV cache freed, but not its CUDA-graph pool, which stays
+through the update unless ``rollout.enforce_eager`` (vLLM 0.32 captures the graphs outside its sleep-mode pool
+unless ``sleep_mode_offload_cudagraph``, off by default, routes them into it to be copied to the host at each
+sleep: ``compilation/cudagraph_pool.py``, ``config/vllm.py`` ``use_cumem_cudagraph_pool``).
 
 The profile run is sized by the scheduler limits the engine passes explicitly
 (:func:`grpo_mega.rollout.vllm_settings.resolve_batch_limits`: ``rollout.max_num_seqs`` /
