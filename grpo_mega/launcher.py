@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import sys
 import tempfile
@@ -50,8 +51,27 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
     os.execve(sys.executable, command, env)
 
 
+RENDEZVOUS_PORTS = range(30000, 32768)
+"""Where ``free_port`` looks: below Linux's ephemeral range (``ip_local_port_range``, 32768-60999 by default), from
+which the OS hands out the local ports of every connection and ``bind(("", 0))``, and above the ports derived from
+SLURM job ids (``grpo_mega.parallel.launch_env``: 15000-29999). A port picked there stays free between the check and
+the moment the spawned ranks bind it (their imports take seconds), however many connections gloo, vLLM or other
+jobs open meanwhile: an ephemeral port could be taken in that window (EADDRINUSE at the rendezvous, seen with two
+test workers)."""
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port of ``RENDEZVOUS_PORTS`` that was free a moment ago (chosen at random without touching the seeded
+    global RNGs); the OS's choice if none of 64 tries is free."""
+    chooser = random.SystemRandom()
+    for _ in range(64):
+        port = chooser.randrange(RENDEZVOUS_PORTS.start, RENDEZVOUS_PORTS.stop)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -104,3 +104,21 @@ def test_it_runs_the_command_under_torchrun():
     result = _local("1", "prm", "label", "--n", "8", "--help")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Monte-Carlo continuations per step prefix" in result.stdout
+
+
+def test_rendezvous_ports_come_from_outside_the_ephemeral_range_without_touching_the_seeded_rngs():
+    """Spawned ranks bind the port seconds after it was picked; the OS hands out ephemeral ports (32768+) to every
+    connection meanwhile, so one from there could be taken first (EADDRINUSE at the rendezvous)."""
+    import random
+    import socket
+
+    from grpo_mega.launcher import RENDEZVOUS_PORTS, free_port
+
+    low, _ = (int(value) for value in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert RENDEZVOUS_PORTS.stop <= low
+    random.seed(5)
+    state = random.getstate()
+    ports = {free_port() for _ in range(20)}
+    assert random.getstate() == state and all(port in RENDEZVOUS_PORTS for port in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))  # it was free
