@@ -106,11 +106,17 @@ def collect(cls: type, choices: dict[str, tuple], prefix: str = "") -> list[tupl
                 sections.append((sub_name or name, sub_doc if sub_name else section_doc, keys))
             continue
         allowed = choices.get(name, ())
-        leaves.append(Key(name=name, type=str(field.type).replace("Optional[", "").rstrip("]")
-                          + (" or null" if "Optional" in str(field.type) else ""),
+        leaves.append(Key(name=name, type=_type_name(str(field.type)),
                           default=_format_value(default), choices=", ".join(_format_value(v) for v in allowed),
                           description=docs.get(field.name, "")))
     return [("", "", leaves)] + sections if leaves else sections
+
+
+def _type_name(annotation: str) -> str:
+    """``Optional[int]`` -> ``int or null``; other annotations as written."""
+    if annotation.startswith("Optional[") and annotation.endswith("]"):
+        return f"{annotation[len('Optional['):-1]} or null"
+    return annotation
 
 
 def _cell(text: str) -> str:
