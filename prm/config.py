@@ -67,7 +67,7 @@ class PRMDataConfig:
     """Train on each solution's steps up to and including its first bad one only (PRM800K's labellers stop there):
     the later steps of a solution that went wrong are labelled bad by inheritance, though each may be right in
     itself, and with ``prm.layout: likelihood`` training them as bad teaches the model that right steps are unlikely
-    (README, quickstart section). Hard labels decide the first bad step (soft ones: the first below 0.5)."""
+    (docs/results.md). Hard labels decide the first bad step (soft ones: the first below 0.5)."""
     neutral_is_good: bool = True
     """PRM800K: count a rating of 0 as a good step (as Qwen does; TRL counts only +1)."""
     max_length: int = 512

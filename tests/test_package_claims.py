@@ -1,4 +1,4 @@
-"""The package installs and the README claims only what exists."""
+"""The package installs and the docs claim only what exists."""
 
 import re
 import tomllib
@@ -32,11 +32,11 @@ def test_every_default_dependency_is_imported_or_needed_by_one_that_is():
         assert imported or name in USED_INDIRECTLY, f"{name} is installed by default but nothing imports it"
 
 
-def test_readme_folder_map_names_only_folders_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Map of the folders"):]
+def test_the_folder_map_names_only_folders_that_exist():
+    design = (ROOT / "docs" / "design.md").read_text()
+    table = design[design.index("## Map of the folders"):]
     folders = re.findall(r"^\| `([^`]+)`", table, re.MULTILINE)
-    assert folders, "README has no folder map"
+    assert folders, "docs/design.md has no folder map"
     for folder in folders:
         for part in folder.split("`, `"):
-            assert (ROOT / part).is_dir(), f"README lists {part}, which does not exist"
+            assert (ROOT / part).is_dir(), f"docs/design.md lists {part}, which does not exist"

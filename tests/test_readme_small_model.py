@@ -1,10 +1,10 @@
-"""The README's "A real model from your disk" runs as written (issue 30, item 3 and the floors), shortened with
+"""docs/real-models.md's "A real model from your disk" (the README's until the docs site) runs as written (issue 30, item 3 and the floors), shortened with
 overrides, on a random-weight model of SmolLM2-135M's widths (Llama, hidden 576, 9 heads / 3 KV heads, tied
 embeddings, 49,152-row vocabulary, ChatML template with a default system prompt; 2 layers instead of 30 for time):
 chat-format SFT -> Monte-Carlo labels -> PRM (likelihood of each step's result) -> ``prm score`` with each layout ->
 process-supervised GRPO from the SFT output with the chat template at PP=2 -> HF export.
 
-The commands are read from the README itself, so an edit there that breaks them fails here. Each runs as a user
+The commands are read from that page itself, so an edit there that breaks them fails here. Each runs as a user
 would run it (a ``grpo-mega`` / ``python tools/...`` process); its stderr must not carry the filtered megatron /
 Apex warnings (item 7)."""
 
@@ -45,7 +45,7 @@ NPROC = {"grpo-mega train": 2}
 
 def readme_commands() -> list[str]:
     """The commands of the section's bash block, in order."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "real-models.md").read_text()
     block = text[text.index(SECTION):].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.startswith(("grpo-mega ", "python tools/"))]
 
@@ -54,7 +54,7 @@ def _kind(argv: list[str]) -> str:
     for kind in sorted(SHORTER, key=len, reverse=True):
         if " ".join(argv).startswith(kind):
             return kind
-    raise AssertionError(f"a README command the test does not know: {argv}")
+    raise AssertionError(f"a docs/real-models.md command the test does not know: {argv}")
 
 
 def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -30,7 +30,7 @@ from grpo_mega.config.grpo import (
     RolloutConfig,
     TrainerConfig,
 )
-from grpo_mega.config.loading import ConfigError, load_config, save_config
+from grpo_mega.config.loading import ConfigError, config_yaml, load_config, save_config
 from grpo_mega.config.sections import (
     DEVICE_CHOICES,
     ENGINES,
@@ -47,7 +47,8 @@ __all__ = [
     "AlgorithmConfig", "ConfigError", "DEVICE_CHOICES", "DataConfig", "DeepSpeedConfig", "ENGINES", "GRPOConfig",
     "LOGGERS", "ModelConfig", "OptimConfig", "PROCESS_REWARD_SOURCES", "ParallelConfig", "ProcessRewardConfig",
     "RECOMPUTE_CHOICES", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTDataConfig",
-    "SFTTrainerConfig", "STEP_CREDITS", "TrainerConfig", "check_choice", "check_context_length", "load_config",
+    "SFTTrainerConfig", "STEP_CREDITS", "TrainerConfig", "check_choice", "check_context_length", "config_yaml",
+    "load_config",
     "save_config", "validate", "validate_engine", "validate_memory_settings", "validate_optim", "validate_parallel",
     "validate_rollout_layout", "validate_sft", "validate_trainer_common",
 ]

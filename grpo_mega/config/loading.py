@@ -43,6 +43,11 @@ def load_config(schema: type, path: str | Path | None, overrides: list[str] = ()
     return cfg
 
 
+def config_yaml(cfg: Any) -> str:
+    """The resolved config as YAML: every key, defaults filled in (what ``--print-config`` prints)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config next to the run's outputs, so a run can be reproduced and resumed."""
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    Path(path).write_text(config_yaml(cfg))

@@ -78,9 +78,13 @@ class OptimConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the cosine decay."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (not applied to biases and norm weights, as megatron groups them)."""
     adam_beta1: float = 0.9
+    """Adam's decay of the first moment."""
     adam_beta2: float = 0.999
+    """Adam's decay of the second moment."""
     adam_eps: float = 1e-8
+    """Adam's epsilon, added to the square root of the second moment."""
     clip_grad: float = 1.0
     """Clip the gradient to this global norm (over all model-parallel ranks); 0 disables."""
     warmup_steps: int = 0
@@ -112,12 +116,15 @@ class RunConfig:
     run_dir: str = "runs/run"
     """Folder of the run: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` (each trainer has its own default)."""
     total_steps: int = 100
+    """Steps of the run (optimizer steps for SFT and PRM training, GRPO steps for GRPO); the learning-rate schedule spans them, and a resumed run continues to this count."""
     save_every: int = 0
     """Save a checkpoint every N steps; 0 = only at the end."""
     keep_last: int = 2
+    """Checkpoints kept in ``run_dir/checkpoints`` (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
     """``auto`` (newest complete checkpoint in run_dir, if any), ``none``, or a checkpoint folder."""
     progress_bar: bool = True
+    """Show a progress bar with the latest metrics on rank 0 (off in logs and CI)."""
     tensorboard: bool = True
     """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
@@ -125,6 +132,7 @@ class RunConfig:
     summaries read: always on), ``tensorboard`` (``run_dir/tensorboard``), ``wandb`` (Weights & Biases, run
     ``run_dir``'s name in ``wandb_project``, the run config logged; needs ``pip install 'grpo-mega[wandb]'``)."""
     wandb_project: str = "grpo-mega"
+    """Weights & Biases project of the run (``loggers`` with ``wandb``)."""
     wandb_mode: str = "auto"
     """``online``, ``offline`` (files under ``run_dir/wandb``; upload later with ``wandb sync``) or ``auto``:
     ``WANDB_MODE`` when set, else online when ``WANDB_API_KEY`` is set, else offline (clusters without network)."""

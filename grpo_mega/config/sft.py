@@ -26,6 +26,7 @@ class SFTDataConfig:
     max_length: int = 512
     """Longest prompt + response in tokens; longer rows are reported and handled per ``on_bad_row``."""
     on_bad_row: str = "skip"
+    """A row longer than ``max_length`` or malformed: ``skip`` (report file:line and go on) or ``error`` (stop at start-up)."""
 
 
 @dataclass
