@@ -100,6 +100,11 @@ def _run_training(args) -> int:
     except StoppedEarly as stopped:  # a checkpoint was saved; the same command resumes (exit status 3)
         print(f"grpo-mega {args.command}: {stopped}", file=sys.stderr)
         return EXIT_STOPPED_EARLY
+    except BaseException as error:  # named once in run_dir/failure.json and on stderr, then raised as it was
+        from grpo_mega.run_failure import report_failure
+
+        report_failure(f"grpo-mega {args.command}", cfg.trainer.run_dir, error)
+        raise
     return 0
 
 

@@ -10,6 +10,10 @@ shutdown, so that each trainer writes only its own step::
         harness.end_step(step, metrics)        # agree on a stop, log, save on schedule or when stopping
     harness.finish()                           # close, shut down; StoppedEarly after a stop
 
+Failing: whatever ends a rank is recorded by the command in ``run_dir/failure.json`` (``grpo_mega.run_failure``),
+with the step and phase the harness and the trainer mark; every collective is bounded by
+``trainer.collective_timeout_s``, so a hung or dead peer ends the job too.
+
 Stopping early: a signal (SIGTERM, SIGUSR1, SIGUSR2) on any rank, or ``trainer.save_before_seconds`` left before
 the time limit, makes every rank save the step in flight; :meth:`RunHarness.finish` then raises ``StoppedEarly``,
 which the commands turn into exit status 3 (``grpo_mega.run_control``). The same command resumes exactly: the
@@ -32,6 +36,7 @@ from grpo_mega.config import save_config
 from grpo_mega.metrics import MetricsLogger, logger_options
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
+from grpo_mega.run_failure import FAILURE_FILE, POSITION, phase, set_step
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,8 @@ class RunHarness:
         run = cfg.trainer
         self.stop_requests = StopRequests(save_before_seconds=run.save_before_seconds,
                                           end_time=run_end_time(run.time_limit_seconds)).install()
-        init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device)
+        init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device,
+                         timeout_s=run.collective_timeout_s)
         self.run_dir = Path(run.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         self.total_steps = run.total_steps
@@ -84,6 +90,9 @@ class RunHarness:
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / "config.yaml")
+            failure = self.run_dir / FAILURE_FILE
+            if failure.exists():  # an earlier attempt's; kept beside, so that this attempt can name its own cause
+                failure.rename(failure.with_name(f"failure.{int(failure.stat().st_mtime)}.json"))
         self.metrics_log = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.start_step, active=self.is_rank0,
             progress_bar=self.cfg.trainer.progress_bar, bar_metric=bar_metric, **logger_options(self.cfg),
@@ -93,6 +102,8 @@ class RunHarness:
     def steps(self) -> Iterator[int]:
         """The steps to run, ``start_step + 1`` through ``trainer.total_steps``; ends after a step that stopped."""
         for step in range(self.start_step + 1, self.total_steps + 1):
+            set_step(step)
+            POSITION["phase"] = "step"  # the trainer marks its phases inside (generation, update, sync, ...)
             yield step
             if self.stop_reason:
                 return
@@ -110,16 +121,18 @@ class RunHarness:
         the log keeps its newer record (one row per step), instead of losing the step's row.
         """
         self.step = step
-        self.stop_reason = None if step == self.total_steps else self.stop_requests.agreed_reason(get_device())
-        self.metrics_log.log(step, metrics)
+        with phase("end of step (stop agreement, metrics)"):
+            self.stop_reason = None if step == self.total_steps else self.stop_requests.agreed_reason(get_device())
+            self.metrics_log.log(step, metrics)
         if self.on_schedule(step, self.cfg.trainer.save_every) or self.stop_reason:
             self.save(step)
 
     def save(self, step: int) -> Path:
         """A checkpoint of the engine and the trainer's ``extra_state`` after ``step``, with the run config."""
         extra_state = {name: holder.state_dict() for name, holder in self._extra_state.items()}
-        self.last_checkpoint = self.checkpoints.save(self._engine, step, extra_state=extra_state or None,
-                                                     config=asdict(self.cfg))
+        with phase("save"):
+            self.last_checkpoint = self.checkpoints.save(self._engine, step, extra_state=extra_state or None,
+                                                         config=asdict(self.cfg))
         return self.last_checkpoint
 
     def fail_step(self, step: int, metrics: dict[str, float]) -> None:

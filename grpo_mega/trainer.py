@@ -37,6 +37,7 @@ from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import SyncStats, build_rollout_engine, sync_weights
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.run_harness import RunHarness
+from grpo_mega.run_failure import phase as failure_phase
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.rollout import sampling_from_config
 
@@ -101,7 +102,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter
         if offload:  # a checkpoint save took the optimizer state back
             policy.offload_to_host()
-        with timer("gen"), memory.phase("generation"):
+        with timer("gen"), memory.phase("generation"), failure_phase("generation"):
             groups, metrics = rollout.run(step)
         _release_rollout_memory(rollout_engine)
         if cfg.trainer.dump_rollouts and harness.is_rank0:
@@ -114,14 +115,14 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             if offload:
                 policy.reload_from_host()
             try:
-                with memory.phase("update"):
+                with memory.phase("update"), failure_phase("update"):
                     metrics.update(updater.run(batch, len(groups), step, timer))
             except NonFiniteError as error:  # recorded as it was (NaN / Inf), then the run stops naming the step
                 harness.fail_step(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
                 raise
             metrics.update(_batch_metrics(groups, batch, alg))
         # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights
-        with timer("sync"):
+        with timer("sync"), failure_phase("sync"):
             sync = _sync(policy, rollout_engine, cfg, offload=offload)
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
         metrics.update(timer.seconds, **{"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)})
@@ -133,7 +134,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         # 5. evaluation on schedule; then metrics, and a checkpoint on schedule or when a signal or the time limit
         # stops the run early (the harness)
         if harness.on_schedule(step, cfg.trainer.eval_every):
-            eval_metrics = run_eval(step)
+            with failure_phase("evaluation"):
+                eval_metrics = run_eval(step)
             metrics.update(eval_metrics)
         harness.end_step(step, metrics)
 

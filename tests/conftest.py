@@ -39,6 +39,7 @@ SLOW_FILES = {
     "test_rollout_vllm_runners.py": 40,
     "test_gpu_install.py": 40,
     "test_bf16.py": 30,
+    "test_faults.py": 60,
 }
 
 

@@ -50,6 +50,8 @@ def validate_trainer_common(trainer) -> None:
     for key in ("save_before_seconds", "time_limit_seconds"):
         if getattr(trainer, key) < 0:
             raise ConfigError(f"trainer.{key} must be >= 0")
+    if not trainer.collective_timeout_s > 0:
+        raise ConfigError(f"trainer.collective_timeout_s={trainer.collective_timeout_s} must be > 0 (seconds)")
     for name in trainer.loggers:
         check_choice(name, LOGGERS, "trainer.loggers")
     if "jsonl" not in trainer.loggers:

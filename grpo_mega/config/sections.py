@@ -139,6 +139,12 @@ class RunConfig:
     save_before_seconds: float = 0.0
     """Save a checkpoint and stop (exit status 3) once less than this many seconds are left before the time limit;
     0 disables. Also on SIGTERM / SIGUSR1 / SIGUSR2 the run saves and stops at the end of the step in flight."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective (all-reduce, broadcast, barrier, ... over NCCL or gloo) waits for its peers before this
+    rank raises and the job ends with the cause in ``run_dir/failure.json``: a hung, stopped or dead rank then ends
+    the job instead of holding the allocation. It must cover the longest honest wait of one rank for another: the
+    rendezvous of a large job, a peer's checkpoint save or PRM scoring, the slowest rank's generation (30 minutes by
+    default, torch's own default for gloo; tests use seconds)."""
     time_limit_seconds: float = 0.0
     """The run's time limit, counted from its start, for ``save_before_seconds``; 0 = the SLURM job's end
     (``SLURM_JOB_END_TIME``) when running under SLURM, else no limit."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from grpo_mega.parallel.cpu_compat import apply_cpu_compat
-from grpo_mega.parallel.launch_env import megatron_cuda_environment, read_launch_env
+from grpo_mega.parallel.launch_env import megatron_cuda_environment, nccl_fault_environment, read_launch_env
 from grpo_mega.parallel.layout import ParallelLayout, layout_for_world
 
 # Megatron-LM offsets the seed by 100 per pipeline stage so that stages holding different layers do
@@ -103,7 +103,7 @@ def init_distributed(
     seed: int,
     device: str = "auto",
     backend: str | None = None,
-    timeout_minutes: int = 30,
+    timeout_s: float = 1800.0,
 ) -> ParallelLayout:
     """Initialise torch.distributed and megatron parallel_state for a TP x PP (x DP) layout.
 
@@ -114,6 +114,11 @@ def init_distributed(
     also when CUDA is present. Returns the layout, with dp = world_size / (tp * pp). Raises
     ValueError for a layout that does not fit the world size, an unknown device or backend, NCCL on
     the CPU, ``cuda`` without a GPU for this process, or a second call without `destroy_distributed`.
+
+    ``timeout_s`` (``trainer.collective_timeout_s``) bounds every collective of every group (the default one and
+    megatron's): a rank that waits longer for a peer raises. With NCCL, torch's watchdog then aborts the
+    communicators and ends the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set; see
+    :func:`~grpo_mega.parallel.launch_env.nccl_fault_environment`), so a dead peer ends the job.
     """
     global _device
     if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
@@ -121,6 +126,7 @@ def init_distributed(
     env = read_launch_env()
     layout = layout_for_world(tp, pp, env.world_size)
     os.environ.update(megatron_cuda_environment(tp, os.environ))  # before CUDA creates this process's context
+    os.environ.update(nccl_fault_environment(os.environ))  # read when the NCCL process groups are created
     cuda_available = torch.cuda.is_available()
     chosen = resolve_device(
         device,
@@ -144,14 +150,14 @@ def init_distributed(
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(minutes=timeout_minutes),
+        timeout=timedelta(seconds=timeout_s),
     )
-    init_model_parallel(tp, pp, seed=seed, timeout_minutes=timeout_minutes)
+    init_model_parallel(tp, pp, seed=seed, timeout_s=timeout_s)
     return layout
 
 
 def init_model_parallel(
-    tp: int, pp: int, *, seed: int, timeout_minutes: int = 30
+    tp: int, pp: int, *, seed: int, timeout_s: float = 1800.0
 ) -> ParallelLayout:
     """Create megatron's TP/PP/DP groups over the running torch.distributed world, and seed.
 
@@ -167,7 +173,7 @@ def init_model_parallel(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=timeout_s / 60,  # megatron: timedelta(minutes=...), fractions kept
         # Kept even with gloo as the main backend: get_megatron_optimizer asks for gloo DP groups.
         create_gloo_process_groups=True,
     )

@@ -130,3 +130,14 @@ def megatron_cuda_environment(tp: int, environ: Mapping[str, str]) -> dict[str, 
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     return {}
 
+
+
+def nccl_fault_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """NCCL settings, not set in ``environ``, that make a dead or hung peer end the job instead of hanging it:
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: torch's NCCL watchdog aborts the communicators and tears the process down
+    when a collective passes the process group's timeout or a peer fails (torch ``distributed/constants.py``: the
+    timeout is enforced only with it or ``TORCH_NCCL_BLOCKING_WAIT``). A value the user set is kept. Read when the
+    NCCL groups are created; gloo ignores it (its collectives raise on timeout by themselves)."""
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in environ:
+        return {}
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}

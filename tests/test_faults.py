@@ -1,0 +1,123 @@
+"""A rank that hangs ends the job, with the cause named once (issue 37, first part: ``trainer.collective_timeout_s``
+and ``run_dir/failure.json``).
+
+Before: a 2-rank GRPO run whose rank 1 was stopped (SIGSTOP) was still running 180 s later, saying nothing (every
+collective waited torch's 30 minutes). Now every collective is bounded by ``trainer.collective_timeout_s``: the
+rank waiting for the stopped one raises, writes ``failure.json`` (step, phase, rank, host, cause, exception) and
+torchrun ends the job. torchrun gives the stopped rank 30 s between SIGTERM and SIGKILL (its fixed grace period, a
+stopped process cannot act on SIGTERM), so the job ends within the timeout + 30 s + start-up slack."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_mega.run_failure import classify, failure_line, phase, record_failure, set_step
+from tiny_task import build_tiny_task, tiny_run_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 15
+TORCHRUN_GRACE_S = 30
+
+
+def test_failures_are_classified_so_a_requeue_policy_can_tell_transient_from_deterministic():
+    class NonFiniteError(Exception):
+        pass
+
+    class ConfigError(Exception):
+        pass
+
+    gloo_timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation")
+    assert classify(gloo_timeout) == "collective_timeout"
+    assert classify(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")) \
+        == "peer_lost"
+    assert classify(NonFiniteError("loss is nan")) == "non_finite" and classify(ConfigError("bad key")) == "config"
+    assert classify(ValueError("timed out reading the data file")) == "error"  # not a collective
+
+
+def test_the_first_rank_to_fail_writes_failure_json_and_the_others_only_print(tmp_path, monkeypatch):
+    set_step(7)
+    monkeypatch.setenv("RANK", "1")
+    with phase("update"):
+        first, path = record_failure(tmp_path, RuntimeError("gloo: Timed out waiting 15000ms"))
+    assert path == tmp_path / "failure.json"
+    assert {k: first[k] for k in ("step", "phase", "rank", "cause")} == {"step": 7, "phase": "update", "rank": 1,
+                                                                         "cause": "collective_timeout"}
+    monkeypatch.setenv("RANK", "0")
+    second, second_path = record_failure(tmp_path, RuntimeError("gloo: Connection closed by peer"))
+    assert second_path is None and json.loads(path.read_text())["rank"] == 1  # kept: the first cause
+    line = failure_line("grpo-mega train", second, None)
+    assert line.startswith("grpo-mega train: rank 0 on ") and "failed at step 7 (start-up): peer_lost" in line
+    set_step(None)
+
+
+def test_nccl_ends_the_process_on_a_timeout_unless_the_user_says_otherwise():
+    from grpo_mega.parallel.launch_env import nccl_fault_environment
+
+    assert nccl_fault_environment({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl_fault_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}) == {}
+
+
+def test_a_timeout_that_is_not_positive_is_a_config_error():
+    from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+
+    with pytest.raises(ConfigError, match="trainer.collective_timeout_s=0.0 must be > 0"):
+        load_config(GRPOConfig, REPO / "configs/quickstart_grpo.yaml",
+                    ["model.hf_config=x", "data.train_file=y", "trainer.collective_timeout_s=0"], validate)
+
+
+def _rank_pid(rank: int, run_dir: Path) -> int | None:
+    """The pid of the trainer process of ``rank`` in the job writing to ``run_dir`` (not torchrun itself)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (b"grpo_mega.cli" in cmdline and str(run_dir).encode() in cmdline and b"torch.distributed.run" not in cmdline
+                and f"RANK={rank}".encode() in environ):
+            return int(pid)
+    return None
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_path):
+    task = build_tiny_task(tmp_path / "task")
+    run_dir = tmp_path / "grpo"
+    command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(REPO / "configs/quickstart_grpo.yaml"),
+               "--nproc", "2", *tiny_run_overrides(task, run_dir, "trainer.total_steps=100",
+                                                   f"trainer.collective_timeout_s={TIMEOUT_S}")]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    stopped = None
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert job.poll() is None and time.monotonic() < deadline, "the run never logged its first step"
+            time.sleep(0.2)
+        stopped = _rank_pid(1, run_dir)
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)  # a hang: the process lives, holds its sockets, and answers nothing
+        start = time.monotonic()
+        output, _ = job.communicate(timeout=TIMEOUT_S + TORCHRUN_GRACE_S + 60)
+        elapsed = time.monotonic() - start
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert elapsed < TIMEOUT_S + TORCHRUN_GRACE_S + 30, f"the job took {elapsed:.0f} s to end"
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["rank"] == 0 and failure["cause"] == "collective_timeout" and failure["step"] >= 2
+    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in failure["exception"]
+    assert "grpo-mega train: rank 0" in output and "collective_timeout" in output
