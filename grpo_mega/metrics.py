@@ -125,6 +125,12 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+            # Wait until W&B's service has written (offline) or sent everything and stop it: its atexit hook is not
+            # reliable in processes started by multiprocessing / torchrun (wandb.teardown's docstring), and a
+            # resumed run's records were once missing from the offline file right after finish() under load.
+            import wandb
+
+            wandb.teardown()
         self.file.close()
 
 
