@@ -59,8 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from gpu_check_runs import (  # noqa: E402,F401 (check_logprob_agreement: tests/test_gpu_check.py reads it here)
-    _prompts, check_logprob_agreement, stage_conversion, stage_grpo, stage_grpo_vllm, stage_sft,
+from gpu_check_runs import (  # noqa: E402
+    stage_conversion, stage_grpo, stage_grpo_vllm, stage_sft,
 )
 from gpu_check_stages import (  # noqa: E402
     best_seconds, stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
@@ -263,6 +263,15 @@ def build_task(work: Path, shape_name: str, max_position: int) -> dict:
             "config": config.to_dict()}
 
 
+def heldout_prompt_ids(task: dict) -> list[list[int]]:
+    """Token ids of the first held-out prompts of the synthetic task."""
+    from grpo_mega.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(task["model_dir"])
+    rows = [json.loads(line) for line in Path(task["heldout_file"]).read_text().splitlines()[:4]]
+    return [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -326,7 +335,7 @@ def main(argv=None) -> int:
                 report.data["stages"]["vllm"] = {"ok": True, "not_run": missing}
             else:
                 report.run("vllm", stage_vllm, args.work / "sft_hf", Path(task["model_dir"]), args.device,
-                           _prompts(task))
+                           heldout_prompt_ids(task))
                 report.run("grpo_vllm", stage_grpo_vllm, args.work, task, args.device, settings)
     report.data["meta"]["finished"] = time.time()
     report.write()

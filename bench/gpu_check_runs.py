@@ -63,19 +63,53 @@ def stage_sft(work: Path, task: dict, device: str, settings: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- 4. GRPO, interrupted and resumed
+# Items of a plan phase that torch's allocator does not hold (the measured peaks are torch's).
+OUTSIDE_TORCH = ("CUDA context", "NCCL", "vLLM CUDA graphs")
+
+
+def _grpo_arguments(work: Path, task: dict, device: str, settings: dict, run_dir: Path) -> list[str]:
+    """``grpo-mega train`` arguments of the check's GRPO runs: the quickstart config on the task, from the SFT
+    checkpoint, with the stage's sizes."""
+    return ["--config", str(REPO / "configs/quickstart_grpo.yaml"), f"model.hf_config={task['model_dir']}",
+            f"model.init_from={work / 'sft'}", f"data.train_file={task['train_file']}", f"trainer.run_dir={run_dir}",
+            f"parallel.device={device}", f"algorithm.rollout_batch_size={settings['rollout_batch']}",
+            f"algorithm.num_return_sequences_in_group={settings['group']}",
+            f"algorithm.response_length={settings['response_length']}", "algorithm.dynamic_sampling=false",
+            # bench/workload.py's digit reward: deterministic, with spread inside every group even for a barely
+            # trained policy, so every step does a full update with non-zero advantages
+            "reward.function=workload:digit_reward",
+            f"optim.lr={settings['grpo_lr']}", f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}",
+            "trainer.eval_every=0", "trainer.progress_bar=false", "trainer.tensorboard=false"]
+
+
+def _plan_of_run(run_dir: Path, device: str):
+    """``grpo-mega plan`` of the run's own saved config for one rank of this device (GPU: its memory and name; CPU:
+    the host's memory)."""
+    import torch
+
+    from grpo_mega.config import GRPOConfig, load_config
+    from grpo_mega.plan import plan_config
+
+    cfg = load_config(GRPOConfig, run_dir / "config.yaml")
+    if device == "cuda":
+        properties = torch.cuda.get_device_properties(0)
+        return plan_config(cfg, gpus_per_node=1, gpu_memory_gib=properties.total_memory / 2**30,
+                           gpu_name=properties.name)
+    import psutil
+
+    return plan_config(cfg, gpus_per_node=1, gpu_memory_gib=psutil.virtual_memory().total / 2**30)
+
+
+def _split_outside_torch(items: dict[str, int]) -> tuple[dict[str, int], int]:
+    """(the items torch's allocator holds, the bytes of those it does not)."""
+    inside = {name: value for name, value in items.items() if name not in OUTSIDE_TORCH}
+    return inside, sum(value for name, value in items.items() if name in OUTSIDE_TORCH)
+
+
 def stage_grpo(work: Path, task: dict, device: str, settings: dict, grpo_steps: int, peak_tflops: dict) -> dict:
     run_dir = work / "grpo"
-    common = ["--config", str(REPO / "configs/quickstart_grpo.yaml"), f"model.hf_config={task['model_dir']}",
-              f"model.init_from={work / 'sft'}", f"data.train_file={task['train_file']}",
-              f"data.eval_file={task['heldout_file']}", "data.max_eval_prompts=16", f"trainer.run_dir={run_dir}",
-              f"parallel.device={device}", f"algorithm.rollout_batch_size={settings['rollout_batch']}",
-              f"algorithm.num_return_sequences_in_group={settings['group']}",
-              f"algorithm.response_length={settings['response_length']}", "algorithm.dynamic_sampling=false",
-              # bench/workload.py's digit reward: deterministic, with spread inside every group even for a barely
-              # trained policy, so every step does a full update with non-zero advantages
-              "reward.function=workload:digit_reward",
-              f"optim.lr={settings['grpo_lr']}", f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}",
-              "trainer.eval_every=0", "trainer.keep_last=2", "trainer.progress_bar=false", "trainer.tensorboard=false"]
+    common = [*_grpo_arguments(work, task, device, settings, run_dir), f"data.eval_file={task['heldout_file']}",
+              "data.max_eval_prompts=16", "trainer.keep_last=2"]
     # The first run stops after grpo_steps - 1 steps (its end saves a checkpoint); the second resumes from it.
     first = grpo_steps - 1
     _grpo_mega(["train", *common, f"trainer.total_steps={first}"], work / "grpo_first.log", timeout=1800)
@@ -103,21 +137,7 @@ def memory_against_plan(run_dir: Path, device: str, task: dict, last_step: dict)
     rollout engine's bf16 copy of the weights (on the GPU all run long; the plan models vLLM, which sleeps); on the
     CPU it is the process's resident memory, which holds the Python and library runtime too, so only the GPU figure
     is a check of the plan."""
-    import torch
-
-    from grpo_mega.config import GRPOConfig, load_config
-    from grpo_mega.plan import plan_config
-
-    cfg = load_config(GRPOConfig, run_dir / "config.yaml")
-    if device == "cuda":
-        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    else:
-        import psutil
-
-        memory_gib = psutil.virtual_memory().total / 2**30
-    plan = plan_config(cfg, gpus_per_node=1, gpu_memory_gib=memory_gib)
-    update = dict(plan.phase("update").items)
-    outside_torch = update.pop("CUDA context", 0) + update.pop("NCCL", 0)
+    update, outside_torch = _split_outside_torch(_plan_of_run(run_dir, device).phase("update").items)
     rollout_weights = task["parameters"] * (2 if device == "cuda" else 4)
     planned = (sum(update.values()) + rollout_weights) / 2**30
     figures = {"planned_update_items_gib": {name: value / 2**30 for name, value in update.items()},
@@ -162,16 +182,8 @@ def stage_grpo_vllm(work: Path, task: dict, device: str, settings: dict) -> dict
     """One GRPO step with the vllm rollout engine from the SFT checkpoint: the sampler / trainer log-prob agreement,
     and on a GPU the generation phase's whole-device memory and the update's peak against the plan's."""
     run_dir = work / "grpo_vllm"
-    _grpo_mega(["train", "--config", str(REPO / "configs/quickstart_grpo.yaml"), f"model.hf_config={task['model_dir']}",
-                f"model.init_from={work / 'sft'}", f"data.train_file={task['train_file']}",
-                f"trainer.run_dir={run_dir}", f"parallel.device={device}", "rollout.engine=vllm",
-                "rollout.gpu_memory_utilization=0.3", f"algorithm.rollout_batch_size={settings['rollout_batch']}",
-                f"algorithm.num_return_sequences_in_group={settings['group']}",
-                f"algorithm.response_length={settings['response_length']}", "algorithm.dynamic_sampling=false",
-                "reward.function=workload:digit_reward", f"optim.lr={settings['grpo_lr']}",
-                f"parallel.max_tokens_per_micro_batch={settings['micro_tokens']}", "trainer.total_steps=1",
-                "trainer.eval_every=0", "trainer.progress_bar=false", "trainer.tensorboard=false"],
-               work / "grpo_vllm.log", timeout=1800)
+    _grpo_mega(["train", *_grpo_arguments(work, task, device, settings, run_dir), "rollout.engine=vllm",
+                "rollout.gpu_memory_utilization=0.3", "trainer.total_steps=1"], work / "grpo_vllm.log", timeout=1800)
     rows = [row for row in _rows(run_dir / "metrics.jsonl") if row["step"] > 0]
     if [row["step"] for row in rows] != [1]:
         raise AssertionError(f"the vLLM GRPO run logged steps {[row['step'] for row in rows]}")
@@ -180,16 +192,8 @@ def stage_grpo_vllm(work: Path, task: dict, device: str, settings: dict) -> dict
     figures = {"logprob_diff_mean": row.get("rollout/logprob_diff_mean"),
                "memory": {key: value for key, value in row.items() if key.startswith("memory/")}}
     if device == "cuda":
-        from grpo_mega.config import GRPOConfig, load_config
-        from grpo_mega.plan import plan_config
-
-        import torch
-
-        properties = torch.cuda.get_device_properties(0)
-        plan = plan_config(load_config(GRPOConfig, run_dir / "config.yaml"), gpus_per_node=1,
-                           gpu_memory_gib=properties.total_memory / 2**30, gpu_name=properties.name)
-        update = dict(plan.phase("update").items)
-        outside_torch = sum(update.pop(name, 0) for name in ("CUDA context", "NCCL", "vLLM CUDA graphs"))
+        plan = _plan_of_run(run_dir, device)
+        update, outside_torch = _split_outside_torch(plan.phase("update").items)
         figures["planned_generation_gib"] = plan.phase("generation").total / 2**30
         figures["planned_update_in_torch_gib"] = sum(update.values()) / 2**30
         figures["planned_outside_torch_gib"] = outside_torch / 2**30
@@ -221,12 +225,3 @@ def _tool(script: str, *args: str) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{script} exited with {done.returncode}:\n{output[-3000:]}")
     return output
-
-
-def _prompts(task: dict) -> list[list[int]]:
-    """Token ids of the first held-out prompts of the synthetic task."""
-    from grpo_mega.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(task["model_dir"])
-    rows = [json.loads(line) for line in Path(task["heldout_file"]).read_text().splitlines()[:4]]
-    return [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]

@@ -181,7 +181,7 @@ def _run_plan(args) -> int:
         print(f"grpo-mega plan: {error}", file=sys.stderr)
         return 2
     print(json.dumps(to_dict(plan), indent=1) if args.json else format_table(plan, accept_unknown=args.accept_unknown))
-    return 0 if plan.fits and (args.accept_unknown or not plan.unknown) else 1
+    return 0 if plan.verdict_fits(accept_unknown=args.accept_unknown) else 1
 
 
 if __name__ == "__main__":

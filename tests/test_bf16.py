@@ -89,7 +89,7 @@ def _dp2_runs(run_dir):
 def _save_bytes(engine):
     """What the distributed optimizer's fully_reshardable save gathers (megatron's own routine, as the checkpoint
     save calls it) against the planner's rule for the same parameters (grpo_mega.plan.static)."""
-    from grpo_mega.plan.counts import ParamInfo
+    from grpo_mega.plan.counts import param_infos
     from grpo_mega.plan.static import checkpoint_save_bytes
 
     gathered = engine.optimizer.chained_optimizers[0].get_parameter_state_dp_zero(
@@ -97,8 +97,7 @@ def _save_bytes(engine):
     host = sum(tensor.numel() * tensor.element_size() for per_buffer in gathered.values() if isinstance(per_buffer, dict)
                for per_dtype in per_buffer.values() for key, tensor in per_dtype.items()
                if isinstance(tensor, torch.Tensor) and key in ("param", "exp_avg", "exp_avg_sq"))
-    infos = [ParamInfo(name, p.numel(), str(p.dtype).removeprefix("torch."),
-                       bool(getattr(p, "shared_embedding", False))) for name, p in engine.stage.named_parameters()]
+    infos = param_infos(engine.stage)
     planned = checkpoint_save_bytes(infos, data_parallel=2, distributed_optimizer=True)
     return {"gathered_host": host, "planned_host": planned.host, "planned_device": planned.device,
             "elements": sum(p.numel for p in infos)}

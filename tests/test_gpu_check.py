@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_check  # noqa: E402
+import gpu_check_runs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -109,5 +110,5 @@ def test_a_wrong_weight_sync_fails_the_grpo_stage():
     """The sampler / trainer log-prob bound separates rounding (1e-2) from a different model (~1)."""
     row = {"step": 1, "rollout/logprob_diff_mean": 0.9}
     with pytest.raises(AssertionError, match="log-prob difference"):
-        gpu_check.check_logprob_agreement([row])
-    gpu_check.check_logprob_agreement([{"step": 1, "rollout/logprob_diff_mean": 0.02}])
+        gpu_check_runs.check_logprob_agreement([row])
+    gpu_check_runs.check_logprob_agreement([{"step": 1, "rollout/logprob_diff_mean": 0.02}])

@@ -131,7 +131,6 @@ def megatron_cuda_environment(tp: int, environ: Mapping[str, str]) -> dict[str, 
     return {}
 
 
-
 def nccl_fault_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """NCCL settings, not set in ``environ``, that make a dead or hung peer end the job instead of hanging it:
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: torch's NCCL watchdog aborts the communicators and tears the process down

@@ -45,6 +45,12 @@ class ParamInfo:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
+def param_infos(model: torch.nn.Module) -> list[ParamInfo]:
+    """The planner's view of ``model``'s parameters, in ``named_parameters`` order."""
+    return [ParamInfo(name, p.numel(), str(p.dtype).removeprefix("torch."), bool(getattr(p, "shared_embedding", False)))
+            for name, p in model.named_parameters()]
+
+
 @dataclass(frozen=True)
 class ModelRequest:
     """A model to count: an HF config (config.json contents) at a TP / PP layout and dtype, with its head."""
@@ -94,9 +100,7 @@ def _build_stage_params(request: ModelRequest, pp_rank: int) -> list[ParamInfo]:
                 from prm.heads import ClassifierHead
 
                 model.head = ClassifierHead(int(request.hf_config["hidden_size"]))
-        return [ParamInfo(name, p.numel(), str(p.dtype).removeprefix("torch."),
-                          bool(getattr(p, "shared_embedding", False)))
-                for name, p in model.named_parameters()]
+        return param_infos(model)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -124,6 +124,10 @@ class Plan:
     def fits(self) -> bool:
         return not self.problems
 
+    def verdict_fits(self, *, accept_unknown: bool = False) -> bool:
+        """The verdict: every phase fits and nothing was left uncounted (or the user accepts what was)."""
+        return self.fits and (accept_unknown or not self.unknown)
+
 
 def _advice(phase: str) -> str:
     if phase == "save":

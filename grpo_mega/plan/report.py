@@ -84,7 +84,7 @@ def format_table(plan: Plan, *, accept_unknown: bool = False) -> str:
         lines.append(f"note: {note}")
     for part in plan.unknown:
         lines.append(f"NOT COUNTED: {part}")
-    if plan.fits and plan.unknown and not accept_unknown:
+    if plan.fits and not plan.verdict_fits(accept_unknown=accept_unknown):
         lines.append("UNKNOWN: the counted parts fit, but the plan is incomplete (NOT COUNTED above); make the part "
                      "readable, or pass --accept-unknown to accept the plan without it")
     elif plan.fits:
