@@ -81,8 +81,10 @@ def _run_training(args) -> int:
             cfg = load_config(SFTConfig, args.config, args.overrides, validate_sft)
         else:
             cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
-    except ConfigError as error:
-        print(f"grpo-mega {args.command}: {error}", file=sys.stderr)
+    except ConfigError as error:  # one line with cause=config: the SLURM scripts do not requeue it
+        from grpo_mega.run_failure import report_failure
+
+        report_failure(f"grpo-mega {args.command}", None, error)
         return 2
     if args.print_config:
         from grpo_mega.config import config_yaml

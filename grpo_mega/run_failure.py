@@ -1,42 +1,88 @@
 """A failed run names its cause once: ``run_dir/failure.json`` and one line on stderr, from the first rank that saw
 it.
 
-The commands (``grpo-mega train``, ``sft``, ``prm train``) catch what ends a rank and call :func:`record_failure`:
-the step and phase the rank was in (the harness and the trainer keep :data:`POSITION` current), the rank, the host,
-the exception, the time, and a ``cause`` a person or a requeue policy can act on. The file is created exclusively
-(``O_EXCL``), so the first rank to fail writes it and the others, which usually fail because of the first (a peer
-lost, a collective timed out waiting for it), do not overwrite it; each still prints its own line.
+The commands (``grpo-mega train``, ``sft``, ``prm train``) catch what ends a rank and call :func:`report_failure`:
+the step and phase the rank was in (the harness and the trainer keep :data:`POSITION` current; an exception keeps
+the innermost phase it left), the rank, the host, the exception, the time, and a ``cause`` a person or a requeue
+policy can act on (:data:`TRANSIENT_CAUSES`: a requeue may succeed; the others fail the same way again). The file
+is published exclusively (a hard link of a fully written temporary file), so the first rank to fail writes it and
+the others, which usually fail because of the first (a peer lost, a collective timed out waiting for it), do not
+overwrite it; a full disk leaves no file rather than an empty one. Each rank still prints its own line::
+
+    grpo-mega train: rank 1 on node7 failed (cause=peer_lost) at step 12 (update): RuntimeError: ...; run/failure.json
+
+Phases opened with ``bounded=True`` (the weight sync, the vLLM wake / sleep, PRM scoring, the checkpoint save:
+work that no collective timeout bounds) are also watched by the :class:`grpo_mega.run_watchdog.PhaseWatchdog` the
+run installed, which ends the process with cause ``phase_timeout`` when one runs past its deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 FAILURE_FILE = "failure.json"
 
 POSITION: dict[str, Any] = {"step": None, "phase": "start-up"}
 """Where this rank is: the step in flight (None before the first) and the phase of it."""
 
+TRANSIENT_CAUSES = ("collective_timeout", "peer_lost", "phase_timeout", "hardware")
+"""Causes a restart can get past (a peer hung or died, a node or GPU failed): the SLURM scripts requeue on them.
+``config``, ``data``, ``non_finite``, ``disk_full``, ``interrupted`` and ``error`` fail again the same way."""
+
 _TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught collective operation timeout")
 _PEER_LOST_MARKS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
                     "connection refused", "ncclremoteerror", "remote process exited")
+_HARDWARE_MARKS = ("uncorrectable ecc error", "ecc error", "fallen off the bus", "unspecified launch failure",
+                   "busy or unavailable", "nvlink error", "cuda error: unknown error")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_PHASE_ATTRIBUTE = "_grpo_mega_failed_in"
+
+
+class PhaseTimeout(Exception):
+    """A bounded phase ran past its deadline (raised nowhere: the watchdog records it and ends the process)."""
+
+
+class _Watchdog(Protocol):
+    def arm(self, name: str) -> object: ...
+
+    def disarm(self, token: object) -> None: ...
+
+
+_watchdog: _Watchdog | None = None
+
+
+def set_watchdog(watchdog: _Watchdog | None) -> None:
+    """Install (or, with None, remove) the watchdog that bounds the phases opened with ``bounded=True``."""
+    global _watchdog
+    _watchdog = watchdog
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Mark this rank as being in phase ``name`` (generation, update, sync, save, ...) while the block runs."""
+def phase(name: str, *, bounded: bool = False) -> Iterator[None]:
+    """Mark this rank as being in phase ``name`` (generation, update, sync, save, ...) while the block runs; with
+    ``bounded``, the installed watchdog ends the process if the block runs past its deadline. An exception leaving
+    the block remembers the innermost phase (and step) it left, for :func:`record_failure`."""
     previous = POSITION["phase"]
     POSITION["phase"] = name
+    token = _watchdog.arm(name) if bounded and _watchdog is not None else None
     try:
         yield
+    except BaseException as error:
+        if not hasattr(error, _PHASE_ATTRIBUTE):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(error, _PHASE_ATTRIBUTE, (POSITION["step"], name))
+        raise
     finally:
+        if token is not None:
+            _watchdog.disarm(token)
         POSITION["phase"] = previous
 
 
@@ -44,23 +90,44 @@ def set_step(step: int | None) -> None:
     POSITION["step"] = step
 
 
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from or during (``__cause__`` / ``__context__``)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def classify(error: BaseException) -> str:
-    """What kind of failure ``error`` is: ``collective_timeout`` (a peer hung, stopped or too slow: transient),
-    ``peer_lost`` (a peer process or node died: transient), ``non_finite`` (a NaN / Inf loss or gradient norm),
-    ``config`` (a bad config), ``interrupted`` (KeyboardInterrupt), else ``error``."""
-    name = type(error).__name__
-    message = str(error).lower()
-    if name == "NonFiniteError":
+    """What kind of failure ``error`` is: ``collective_timeout`` (a peer hung, stopped or too slow), ``peer_lost``
+    (a peer process or node died), ``phase_timeout`` (a bounded phase overran), ``hardware`` (a GPU fault: ECC, off
+    the bus), ``disk_full`` (no space or quota left: ENOSPC / EDQUOT anywhere in the chain, or a save that found its
+    file system full), ``non_finite`` (a NaN / Inf loss or gradient norm), ``config`` (a bad config), ``data`` (a
+    malformed dataset row), ``interrupted`` (KeyboardInterrupt), else ``error``."""
+    chain = list(_chain(error))
+    names = {type(link).__name__ for link in chain}
+    messages = " | ".join(str(link).lower() for link in chain)
+    if "PhaseTimeout" in names:
+        return "phase_timeout"
+    if "NonFiniteError" in names:
         return "non_finite"
-    if name == "ConfigError":
+    if "ConfigError" in names:
         return "config"
+    if "BadRowError" in names:
+        return "data"
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
-    distributed = name in ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError") or "gloo" in message \
-        or "nccl" in message or "c10d" in message
-    if distributed and any(mark in message for mark in _TIMEOUT_MARKS):
+    if any(isinstance(link, OSError) and link.errno in _FULL_ERRNOS for link in chain) or "no space left" in messages \
+            or "disk quota exceeded" in messages:
+        return "disk_full"
+    if any(mark in messages for mark in _HARDWARE_MARKS):
+        return "hardware"
+    distributed = bool(names & {"DistBackendError", "DistNetworkError", "DistError", "DistStoreError"}) \
+        or "gloo" in messages or "nccl" in messages or "c10d" in messages
+    if distributed and any(mark in messages for mark in _TIMEOUT_MARKS):
         return "collective_timeout"
-    if distributed and any(mark in message for mark in _PEER_LOST_MARKS):
+    if distributed and any(mark in messages for mark in _PEER_LOST_MARKS):
         return "peer_lost"
     return "error"
 
@@ -72,35 +139,56 @@ def _rank() -> int:
     return 0
 
 
-def record_failure(run_dir: str | Path, error: BaseException) -> tuple[dict, Path | None]:
-    """The failure record of ``error`` on this rank, written to ``run_dir/failure.json`` unless a rank wrote one
-    first; returns (record, the path when this rank wrote it)."""
-    record = {"step": POSITION["step"], "phase": POSITION["phase"], "rank": _rank(), "host": socket.gethostname(),
-              "cause": classify(error), "exception": f"{type(error).__name__}: {error}"[:4000],
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_time": time.time()}
-    path = Path(run_dir) / FAILURE_FILE
+def failure_record(error: BaseException, *, in_phase: str | None = None) -> dict:
+    """What ended this rank: step, phase (``in_phase``, else the one the error left, else the current one), rank,
+    host, cause, exception, time."""
+    step, where = getattr(error, _PHASE_ATTRIBUTE, (POSITION["step"], POSITION["phase"]))
+    where = in_phase or where
+    return {"step": step, "phase": where, "rank": _rank(), "host": socket.gethostname(), "cause": classify(error),
+            "exception": f"{type(error).__name__}: {error}"[:4000],
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_time": time.time()}
+
+
+def write_exclusive(path: Path, record: dict) -> bool:
+    """Publish ``record`` as ``path`` unless it exists: written whole to a temporary file first, then hard-linked
+    (atomic, fails when ``path`` exists). False when another rank was first or the folder cannot take the file."""
+    temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "x") as out:
+        with open(temporary, "w") as out:
             json.dump(record, out, indent=1)
-    except FileExistsError:
-        return record, None
-    except OSError:  # an unwritable or full run_dir must not hide the original error
-        return record, None
-    return record, path
+        os.link(temporary, path)
+    except OSError:  # FileExistsError: another rank was first; else an unwritable or full run_dir
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+    return True
+
+
+def record_failure(run_dir: str | Path, error: BaseException, *, in_phase: str | None = None
+                   ) -> tuple[dict, Path | None]:
+    """The failure record of ``error`` on this rank, written to ``run_dir/failure.json`` unless a rank wrote one
+    first; returns (record, the path when this rank wrote it)."""
+    record = failure_record(error, in_phase=in_phase)
+    path = Path(run_dir) / FAILURE_FILE
+    return record, (path if write_exclusive(path, record) else None)
 
 
 def failure_line(command: str, record: dict, path: Path | None) -> str:
-    """The one stderr line of a failure."""
-    where = f"step {record['step']}" if record["step"] is not None else "before the first step"
+    """The one stderr line of a failure; ``failed (cause=...)`` is what the SLURM scripts read."""
+    where = f"at step {record['step']}" if record["step"] is not None else "before the first step"
     written = f"; {path}" if path is not None else ""
-    return (f"{command}: rank {record['rank']} on {record['host']} failed at {where} ({record['phase']}): "
-            f"{record['cause']}: {record['exception'].splitlines()[0][:300]}{written}")
+    return (f"{command}: rank {record['rank']} on {record['host']} failed (cause={record['cause']}) {where} "
+            f"({record['phase']}): {record['exception'].splitlines()[0][:300]}{written}")
 
 
-def report_failure(command: str, run_dir: str | Path, error: BaseException) -> dict:
-    """Record what ended this rank (:func:`record_failure`) and print its one line on stderr; returns the record."""
-    record, path = record_failure(run_dir, error)
+def report_failure(command: str, run_dir: str | Path | None, error: BaseException) -> dict:
+    """Record what ended this rank (:func:`record_failure`; only the line when there is no run folder yet, as for
+    a config that did not load) and print its one line on stderr; returns the record."""
+    if run_dir is None:
+        record, path = failure_record(error), None
+    else:
+        record, path = record_failure(run_dir, error)
     print(failure_line(command, record, path), file=sys.stderr, flush=True)
     return record
-

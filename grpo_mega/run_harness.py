@@ -12,7 +12,8 @@ shutdown, so that each trainer writes only its own step::
 
 Failing: whatever ends a rank is recorded by the command in ``run_dir/failure.json`` (``grpo_mega.run_failure``),
 with the step and phase the harness and the trainer mark; every collective is bounded by
-``trainer.collective_timeout_s``, so a hung or dead peer ends the job too.
+``trainer.collective_timeout_s``, so a hung or dead peer ends the job too, and so is every bounded phase (the save,
+the weight sync, PRM scoring, the vLLM wake / sleep: ``grpo_mega.run_watchdog``), so a rank hung on its own does.
 
 Stopping early: a signal (SIGTERM, SIGUSR1, SIGUSR2) on any rank, or ``trainer.save_before_seconds`` left before
 the time limit, makes every rank save the step in flight; :meth:`RunHarness.finish` then raises ``StoppedEarly``,
@@ -37,6 +38,7 @@ from grpo_mega.metrics import MetricsLogger, logger_options
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
 from grpo_mega.run_failure import FAILURE_FILE, POSITION, phase, set_step
+from grpo_mega.run_watchdog import PhaseWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class RunHarness:
     rank calls them, in the same order).
     """
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, *, command: str = "grpo-mega"):
         self.cfg = cfg
         run = cfg.trainer
         self.stop_requests = StopRequests(save_before_seconds=run.save_before_seconds,
@@ -57,6 +59,8 @@ class RunHarness:
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device,
                          timeout_s=run.collective_timeout_s)
         self.run_dir = Path(run.run_dir)
+        self.watchdog = PhaseWatchdog(self.run_dir, run.collective_timeout_s, command=command,
+                                      setting=f"trainer.collective_timeout_s={run.collective_timeout_s:g} s").install()
         self.is_rank0 = dist.get_rank() == 0
         self.total_steps = run.total_steps
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=run.keep_last)
@@ -130,7 +134,7 @@ class RunHarness:
     def save(self, step: int) -> Path:
         """A checkpoint of the engine and the trainer's ``extra_state`` after ``step``, with the run config."""
         extra_state = {name: holder.state_dict() for name, holder in self._extra_state.items()}
-        with phase("save"):
+        with phase("save", bounded=True):
             self.last_checkpoint = self.checkpoints.save(self._engine, step, extra_state=extra_state or None,
                                                          config=asdict(self.cfg))
         return self.last_checkpoint
@@ -147,6 +151,7 @@ class RunHarness:
         stopped early; else returns the newest checkpoint (the last step's)."""
         self.metrics_log.close()
         self.stop_requests.uninstall()
+        self.watchdog.close()
         if before_shutdown is not None:
             before_shutdown()
         destroy_distributed()

@@ -102,7 +102,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     """Train, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises ``StoppedEarly``
     after saving the step in flight when a stop signal arrived (on any rank) or the time limit came near
     (``grpo_mega.run_harness``)."""
-    harness = RunHarness(cfg)
+    harness = RunHarness(cfg, command="grpo-mega sft")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     # Data first: a bad file fails in seconds, before the model is built.
     prompts, responses = load_sft_examples(cfg, tokenizer)

@@ -61,7 +61,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO; returns the last evaluation metrics. Raises ``StoppedEarly`` after saving the step in flight when
     a stop signal arrived (on any rank) or the time limit came near (``grpo_mega.run_harness``)."""
     alg = cfg.algorithm
-    harness = RunHarness(cfg)
+    harness = RunHarness(cfg, command="grpo-mega train")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     train_prompts = PromptBatches(_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
                                   seed=cfg.parallel.seed)
@@ -122,7 +122,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 raise
             metrics.update(_batch_metrics(groups, batch, alg))
         # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights
-        with timer("sync"), failure_phase("sync"):
+        with timer("sync"), failure_phase("sync", bounded=True):
             sync = _sync(policy, rollout_engine, cfg, offload=offload)
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
         metrics.update(timer.seconds, **{"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)})

@@ -59,8 +59,10 @@ def run_prm_command(args, argv: list[str]) -> int:
 
         try:
             cfg = load_config(PRMConfig, args.config, args.overrides, validate_prm)
-        except ConfigError as error:
-            print(f"grpo-mega prm train: {error}", file=sys.stderr)
+        except ConfigError as error:  # one line with cause=config: the SLURM scripts do not requeue it
+            from grpo_mega.run_failure import report_failure
+
+            report_failure("grpo-mega prm train", None, error)
             return 2
         if args.print_config:
             from grpo_mega.config import config_yaml

@@ -118,7 +118,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     from prm.engines import build_prm_engine
     from prm.spec import PRMSpec
 
-    harness = RunHarness(cfg)
+    harness = RunHarness(cfg, command="grpo-mega prm train")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     cfg.model.tokenizer = cfg.model.tokenizer or cfg.model.hf_config
     cfg.model.hf_config = str(_prm_hf_config(cfg, harness.run_dir))

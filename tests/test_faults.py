@@ -54,7 +54,7 @@ def test_the_first_rank_to_fail_writes_failure_json_and_the_others_only_print(tm
     second, second_path = record_failure(tmp_path, RuntimeError("gloo: Connection closed by peer"))
     assert second_path is None and json.loads(path.read_text())["rank"] == 1  # kept: the first cause
     line = failure_line("grpo-mega train", second, None)
-    assert line.startswith("grpo-mega train: rank 0 on ") and "failed at step 7 (start-up): peer_lost" in line
+    assert line.startswith("grpo-mega train: rank 0 on ") and "failed (cause=peer_lost) at step 7 (start-up): " in line
     set_step(None)
 
 
@@ -120,4 +120,4 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["rank"] == 0 and failure["cause"] == "collective_timeout" and failure["step"] >= 2
     assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in failure["exception"]
-    assert "grpo-mega train: rank 0" in output and "collective_timeout" in output
+    assert "grpo-mega train: rank 0" in output and "failed (cause=collective_timeout)" in output

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
      frozenset({"grpo_mega", "prm"})),
     ("pure code: GRPO math, batch records, metrics files and plots, memory figures, stop signals",
      frozenset({"grpo_mega.algo", "grpo_mega.batch", "grpo_mega.metrics", "grpo_mega.plots", "grpo_mega.perf",
-                "grpo_mega.run_control", "grpo_mega.run_failure"})),
+                "grpo_mega.run_control", "grpo_mega.run_failure", "grpo_mega.run_watchdog"})),
     ("process groups, the launch environment and the torchrun relaunch",
      frozenset({"grpo_mega.parallel", "grpo_mega.launcher"})),
     ("the Megatron GPT model, datasets and tokenizers, reward functions",

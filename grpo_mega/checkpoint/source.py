@@ -27,7 +27,8 @@ from typing import Any
 import yaml
 
 from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info
-from grpo_mega.checkpoint.training import CheckpointManager, rank0_decides
+from grpo_mega.checkpoint.collective import rank0_decides
+from grpo_mega.checkpoint.training import CheckpointManager
 from grpo_mega.checkpoint.training_files import (
     CHECKPOINTS_DIR,
     COMPLETE_FILE,

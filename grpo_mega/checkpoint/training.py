@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from grpo_mega.checkpoint.extra_state import load_sharded
+from grpo_mega.checkpoint.collective import is_distributed, is_rank0, rank0_decides
 from grpo_mega.checkpoint.optimizer_state import SETTING, load_across_modes
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_mega.checkpoint.training_files import (
@@ -52,6 +53,7 @@ from grpo_mega.checkpoint.training_files import (
     TMP_PREFIX,
     checkpoint_problem,
     fsync_dir,
+    full_disk_error,
     list_files,
     read_checkpoint_state,
     step_dir_name,
@@ -61,8 +63,6 @@ from grpo_mega.checkpoint.training_files import (
 logger = logging.getLogger(__name__)
 
 _RNG_KEY = "rng_state"
-
-T = TypeVar("T")
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -87,40 +87,6 @@ def _distributed_optimizer(engine) -> bool:
     return bool(getattr(engine, "distributed_optimizer", False))
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _is_rank0() -> bool:
-    return not _distributed() or dist.get_rank() == 0
-
-
-def rank0_decides(decide: Callable[[], T]) -> T:
-    """Run ``decide()`` on global rank 0 only and give its result, or its error, to every rank.
-
-    File-system decisions (which checkpoint, is it complete) are made once, so every rank acts on the same
-    answer even when their views of a network file system lag; an error is raised on every rank (a
-    ValueError stays a ValueError) instead of leaving the other ranks waiting in a collective.
-    """
-    if not _distributed():
-        return decide()
-    box: list[Any] = [None]
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", decide())
-        except Exception as caught:  # re-raised below, on every rank
-            error = caught
-            box[0] = ("value_error" if isinstance(caught, ValueError) else "error", f"{caught}")
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if error is not None:
-        raise error
-    if status == "value_error":
-        raise ValueError(value)
-    if status == "error":
-        raise RuntimeError(f"rank 0 failed: {value}")
-    return value
 
 
 def _layout() -> dict[str, int]:
@@ -231,9 +197,29 @@ class CheckpointManager:
         final = self.checkpoints_dir / step_dir_name(step)
         staging = self.checkpoints_dir / f"{TMP_PREFIX}{final.name}"
         rank0_decides(lambda: self._prepare_staging(staging))  # a broadcast: no rank writes before it is done
-
         with_optimizer = engine.steps_done > 0  # before the first step the optimizer has no state to save
-        if _engine_name(engine) == "deepspeed":  # DeepSpeed's own files (the engine writes them)
+        try:
+            self._write(engine, staging, with_optimizer=with_optimizer, rng_state=rng_state, extra_state=extra_state)
+            if is_distributed():
+                dist.barrier()  # every rank's files are on disk before rank 0 lists them
+            info = self._info(engine, step, with_optimizer)
+            rank0_decides(lambda: self._publish(staging, final, info, config_text))
+        except BaseException as error:  # torch's CheckpointException is a BaseException
+            error.add_note(f"while saving the checkpoint of step {step} into {staging}")
+            full = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else full_disk_error(staging, step, error)
+            if full is None:
+                raise
+            if is_rank0():  # the space back for the logs; the next save would remove it anyway
+                shutil.rmtree(staging, ignore_errors=True)
+            raise full from error
+        if is_rank0():
+            logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - start)
+        return final
+
+    @staticmethod
+    def _write(engine, staging: Path, *, with_optimizer: bool, rng_state: Any, extra_state: dict) -> None:
+        """This rank's files of the checkpoint: DeepSpeed's own, or megatron dist_checkpointing's."""
+        if _engine_name(engine) == "deepspeed":
             engine.save_training_state(staging, rng_state=rng_state, scheduler=engine.schedule_state_dict(),
                                        extra_state=extra_state)
         else:
@@ -241,9 +227,11 @@ class CheckpointManager:
             state["scheduler"] = engine.schedule_state_dict()
             state["extra_state"] = extra_state
             dist_checkpointing.save(state, str(staging))
-        if _distributed():
-            dist.barrier()  # every rank's files are on disk before rank 0 lists them
-        info = {
+
+    @staticmethod
+    def _info(engine, step: int, with_optimizer: bool) -> dict:
+        """What the checkpoint is (``grpo_mega_checkpoint.json``)."""
+        return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "step": step,
@@ -257,10 +245,6 @@ class CheckpointManager:
             "lr_schedule_unit": "trainer_steps",
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        rank0_decides(lambda: self._publish(staging, final, info, config_text))
-        if _is_rank0():
-            logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - start)
-        return final
 
     def _prepare_staging(self, staging: Path) -> None:
         """Rank 0: an empty staging folder; leftovers of crashed saves or deletions go first."""
@@ -401,14 +385,14 @@ class CheckpointManager:
             if across:
                 changed = engine.load_optimizer_state_dict(
                     load_across_modes(engine, path, saved_distributed=saved_distributed))
-                if _is_rank0():
+                if is_rank0():
                     logger.info("%s saved with %s=%s, resumed with %s: optimizer state mapped across", path,
                                 SETTING, str(saved_distributed).lower(), str(not saved_distributed).lower())
             elif info["has_optimizer"]:
                 changed = engine.load_optimizer_state_dict(loaded["optimizer"])
             else:
                 engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
-        if changed and _is_rank0():
+        if changed and is_rank0():
             logger.info("optimizer settings follow the config (%s)", ", ".join(changed))
         engine.steps_done = info["optimizer_steps"]
         _restore_schedule(engine, loaded["scheduler"], info)
@@ -417,7 +401,7 @@ class CheckpointManager:
             restore_rng_state(loaded[_RNG_KEY] if saved_engine == "megatron" else loaded["rng_state"])
         else:
             seed_everything(seed + step)
-            if _is_rank0():
+            if is_rank0():
                 logger.warning(
                     "checkpoint %s was saved at layout %s (CUDA: %s), this job runs %s (CUDA: %s): per-rank RNG "
                     "states cannot be restored, reseeded with seed %d + step %d",
@@ -436,7 +420,7 @@ def _restore_schedule(engine, saved: dict, info: dict) -> None:
     legacy = info.get("lr_schedule_unit") != "trainer_steps"
     position = info["step"] if legacy else int(saved["num_steps"])
     changes = engine.restore_schedule(saved, position=position)
-    if _is_rank0():
+    if is_rank0():
         logger.info(
             "learning-rate schedule follows the config (%s); resuming at schedule step %d, lr %.6g%s",
             ", ".join(changes) or "unchanged", position, engine.current_lr,

@@ -17,9 +17,11 @@ sizes catch what crashes and full disks do (missing and truncated files).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE as MCORE_MODEL_INFO_FILE
@@ -154,3 +156,32 @@ def write_file_atomic(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
     os.replace(temporary, path)
     fsync_dir(path.parent)
+
+
+FULL_FRACTION = 0.01
+"""A file system with less than this share of its size free (or under 1 MiB) counts as full."""
+
+
+def full_disk_error(staging: Path, step: int, error: BaseException) -> OSError | None:
+    """When the save of ``step`` into ``staging`` failed for want of space (ENOSPC / EDQUOT in ``error``'s chain,
+    which torch's checkpoint writers do not always keep, or the file system now under 1 % free), an OSError(ENOSPC)
+    that names the folder, the space left and the checkpoint ``latest`` still names; else None."""
+    chain, link = [], error
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    no_space = any(isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT) for link in chain)
+    folder = staging.parent
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        usage = None
+    full = usage is not None and (usage.free < FULL_FRACTION * usage.total or usage.free < 2**20)
+    if not (no_space or full):
+        return None
+    space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "space unknown"
+    latest = folder / LATEST_FILE
+    previous = latest.read_text().strip() if latest.is_file() else None
+    kept = f"the previous checkpoint {folder / previous} is untouched" if previous else "no earlier checkpoint exists"
+    return OSError(errno.ENOSPC, f"the checkpoint of step {step} was not saved: no space left on the file system "
+                                 f"of {staging} ({space}); {kept}")

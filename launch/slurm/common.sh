@@ -13,6 +13,13 @@
 # ranks before they save); torchrun forwards it to the ranks, which save the step in flight and exit with status 3.
 # torchrun reports any failed rank as status 1, so the stop is recognised by the command's
 # "<command>: stopped after step N" line in this restart's part of the log, or by the USR1 itself.
+#
+# Faults: a failed rank prints "<command>: rank R on HOST failed (cause=CAUSE) at step N (PHASE): ..." (the rank that
+# wrote run_dir/failure.json ends that line with its path). The job requeues itself (and resumes from the last
+# complete checkpoint) when the cause is transient (collective_timeout, peer_lost, phase_timeout, hardware) or when
+# no rank named one (a rank or node died without a word: SIGKILL, OOM killer, node loss), at most
+# GRPO_MAX_FAULT_REQUEUES times (default 3) over the job's life; it stops, with the step's status, on a cause a
+# restart would repeat (config, data, non_finite, disk_full, error, interrupted).
 
 # grpo_job_setup: print the banner, fill in NPROC_PER_NODE / OMP_NUM_THREADS / RDZV_PORT / PYTHON, find this job's
 # log (log_file) and where this restart's part of it starts (log_start), and install the USR1 trap.
@@ -36,6 +43,7 @@ grpo_job_setup() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
   export RDZV_PORT=${RDZV_PORT:-$(( 20000 + SLURM_JOB_ID % 10000 ))}
   export PYTHON=${PYTHON:-python}
+  GRPO_MAX_FAULT_REQUEUES=${GRPO_MAX_FAULT_REQUEUES:-3}
 
   log_file=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n1)
   log_start=0
@@ -97,12 +105,48 @@ grpo_requeue() {
   exit 0
 }
 
+# grpo_failure_cause: the cause named in this restart's part of the log by the rank that wrote failure.json (its
+# line ends with that path), else by the first failure line; nothing when no rank named one.
+grpo_failure_cause() {
+  [[ -n "$log_file" && -f "$log_file" ]] || return 0
+  local lines line
+  lines=$(tail -n +"$(( log_start + 1 ))" "$log_file" | grep -a 'failed (cause=[a-z_]*)')
+  line=$(grep -a 'failure\.json$' <<<"$lines" | head -n1)
+  [[ -n "$line" ]] || line=$(head -n1 <<<"$lines")
+  grep -o 'failed (cause=[a-z_]*)' <<<"$line" | head -n1 | sed 's/^failed (cause=\([a-z_]*\))$/\1/'
+}
+
+# grpo_fault_requeues: how many times this job requeued itself after a transient fault (the log is appended to).
+grpo_fault_requeues() {
+  if [[ -n "$log_file" && -f "$log_file" ]]; then
+    grep -c "^=== grpo-mega job ${SLURM_JOB_ID}: transient fault" "$log_file" || true
+  else
+    echo 0
+  fi
+}
+
 # grpo_finish_training_step STATUS STOP_LINE: after a training step, requeue when it stopped early with a checkpoint
-# (a USR1 arrived, or the trainer printed STOP_LINE: trainer.save_before_seconds), else exit with its status.
+# (a USR1 arrived, or the trainer printed STOP_LINE: trainer.save_before_seconds) or failed for a transient cause
+# (see the top of this file), else exit with its status.
 grpo_finish_training_step() {
   local status=$1 stop_line=$2
-  if (( status != 0 )) && { (( stop_requested )) || grpo_log_since_start "$stop_line"; }; then
+  (( status == 0 )) && exit 0
+  if (( stop_requested )) || grpo_log_since_start "$stop_line"; then
     grpo_requeue "stopped early with a checkpoint"
   fi
+  local cause done_requeues
+  cause=$(grpo_failure_cause)
+  case "$cause" in
+    collective_timeout|peer_lost|phase_timeout|hardware|"")
+      done_requeues=$(grpo_fault_requeues)
+      if (( done_requeues < GRPO_MAX_FAULT_REQUEUES )); then
+        grpo_requeue "transient fault (cause=${cause:-none named: a rank or node died without a word}), fault requeue $(( done_requeues + 1 )) of ${GRPO_MAX_FAULT_REQUEUES}"
+      fi
+      echo "=== grpo-mega job ${SLURM_JOB_ID}: failed (cause=${cause:-none named}) after ${done_requeues} fault" \
+           "requeues (GRPO_MAX_FAULT_REQUEUES=${GRPO_MAX_FAULT_REQUEUES}); not requeueing" ;;
+    *)
+      echo "=== grpo-mega job ${SLURM_JOB_ID}: failed (cause=${cause}), which a restart would repeat; not requeueing" \
+           "(the run folder's failure.json has the details)" ;;
+  esac
   exit "$status"
 }
