@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpo_mega.run_failure import PhaseTimeout, failure_line, record_failure, set_watchdog
+from grpo_mega.run_failure import POSITION, PhaseTimeout, failure_line, record_failure, set_watchdog
 
 EXIT_PHASE_TIMEOUT = 124
 """Exit status of a process the watchdog ended (as timeout(1)'s)."""
@@ -83,8 +83,11 @@ class PhaseWatchdog:
         self._expire(name)
 
     def _expire(self, name: str) -> None:
-        error = PhaseTimeout(f"phase {name!r} ran past {self.setting} (no progress; every thread's stack follows)")
-        record, path = record_failure(self.run_dir, error, in_phase=name)
+        """Record the failure in the phase the rank is in now (the innermost, which may be inside ``name``)."""
+        inner = POSITION["phase"]
+        within = f" (in {inner!r})" if inner != name else ""
+        error = PhaseTimeout(f"phase {name!r} ran past {self.setting}{within}; every thread's stack follows")
+        record, path = record_failure(self.run_dir, error, in_phase=inner)
         print(failure_line(self.command, record, path), file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()

@@ -9,8 +9,10 @@ stopped process cannot act on SIGTERM), so the job ends within the timeout + 30 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_mega.metrics import read_metrics
 from grpo_mega.run_failure import classify, failure_line, phase, record_failure, set_step
 from tiny_task import build_tiny_task, tiny_run_overrides
 
@@ -121,3 +124,102 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
     assert failure["rank"] == 0 and failure["cause"] == "collective_timeout" and failure["step"] >= 2
     assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in failure["exception"]
     assert "grpo-mega train: rank 0" in output and "failed (cause=collective_timeout)" in output
+
+
+def test_causes_a_requeue_policy_acts_on():
+    from grpo_mega.data.prompts import BadRowError
+    from grpo_mega.run_failure import TRANSIENT_CAUSES, PhaseTimeout
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("Worker failure")
+    wrapped.__cause__ = full
+    assert classify(full) == "disk_full" and classify(wrapped) == "disk_full"  # found down the chain
+    assert classify(BadRowError("train.jsonl:3: not JSON")) == "data"
+    assert classify(RuntimeError("CUDA error: uncorrectable ECC error encountered")) == "hardware"
+    assert classify(PhaseTimeout("phase 'save' ran past 5 s")) == "phase_timeout"
+    assert set(TRANSIENT_CAUSES) == {"collective_timeout", "peer_lost", "phase_timeout", "hardware"}
+
+
+def test_an_error_keeps_the_phase_it_left(tmp_path):
+    set_step(3)
+    try:
+        with phase("update"), phase("save"):
+            raise RuntimeError("boom")
+    except RuntimeError as error:
+        record, _ = record_failure(tmp_path, error)
+    set_step(None)
+    assert (record["step"], record["phase"]) == (3, "save")  # not the phase the rank is in once it is caught
+
+
+WATCHED = """
+import sys, time
+from grpo_mega.run_failure import phase, set_step
+from grpo_mega.run_watchdog import PhaseWatchdog
+watchdog = PhaseWatchdog(sys.argv[1], 1.5, command="grpo-mega train", setting="trainer.collective_timeout_s=1.5 s")
+watchdog.install()
+set_step(4)
+with phase("sync", bounded=True):
+    time.sleep(0.5)                      # done in time: disarmed
+time.sleep(2.5)                          # unbounded: never fires
+with phase("sync", bounded=True), phase("vllm wake (weights)", bounded=True):
+    time.sleep(60)                       # a wake-up that never returns
+print("not reached")
+"""
+
+
+def test_a_bounded_phase_that_hangs_ends_the_process_naming_the_phase(tmp_path):
+    from grpo_mega.run_watchdog import EXIT_PHASE_TIMEOUT
+
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                            cwd=REPO)
+    elapsed = time.monotonic() - start
+    assert result.returncode == EXIT_PHASE_TIMEOUT and "not reached" not in result.stdout
+    assert 4.5 < elapsed < 20, elapsed  # 0.5 + 2.5 s of work, then the 1.5 s deadline (+ start-up)
+    failure = json.loads((tmp_path / "failure.json").read_text())
+    assert (failure["cause"], failure["phase"], failure["step"]) == ("phase_timeout", "vllm wake (weights)", 4)
+    assert "grpo-mega train: rank 0 on " in result.stderr and "failed (cause=phase_timeout) at step 4" in result.stderr
+    hung_line = next(n for n, line in enumerate(WATCHED.splitlines(), 1) if "time.sleep(60)" in line)
+    assert f'File "<string>", line {hung_line} in <module>' in result.stderr  # every thread's stack: where it hung
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_previous_checkpoint(tmp_path):
+    """The tiny run's checkpoint is ~13 MB: a 20 MB file system takes the first save and fills in the second."""
+    from grpo_mega.checkpoint.training_files import checkpoint_problem
+
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "20m"):
+        pytest.skip("mounting a size-limited tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        task = build_tiny_task(tmp_path / "task")
+        run_dir = disk / "run"
+        common = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(REPO / "configs/quickstart_grpo.yaml"),
+                  "--nproc", "2"]
+        settings = ["trainer.save_every=1", "trainer.eval_every=0", f"trainer.collective_timeout_s={TIMEOUT_S}"]
+        result = subprocess.run([*common, *tiny_run_overrides(task, run_dir, "trainer.total_steps=3", *settings)],
+                                capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert result.returncode != 0
+        failure = json.loads((run_dir / "failure.json").read_text())
+        staging = run_dir / "checkpoints" / ".tmp-step_000002"
+        assert (failure["cause"], failure["phase"], failure["step"]) == ("disk_full", "save", 2)
+        assert f"no space left on the file system of {staging}" in failure["exception"]
+        assert f"the previous checkpoint {run_dir / 'checkpoints' / 'step_000001'} is untouched" in failure["exception"]
+        assert "failed (cause=disk_full) at step 2 (save)" in result.stderr
+        assert not staging.exists()  # the partial save gave its space back
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
+        assert checkpoint_problem(run_dir / "checkpoints" / "step_000001") is None
+        moved = tmp_path / "run"  # room again: the run resumes from step 1 and finishes
+        shutil.copytree(run_dir, moved)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    result = subprocess.run([*common, *tiny_run_overrides(task, moved, "trainer.total_steps=3", *settings)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr and "step_000001 at step 1" in result.stderr
+    assert [row["step"] for row in read_metrics(moved / "metrics.jsonl")] == [1, 2, 3]
