@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from grpo_mega.run_failure import note_signal
+
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -79,6 +81,7 @@ class StopRequests:
 
     def _on_signal(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
+        note_signal(self.signal_name)
 
     def _local_code(self) -> int:
         if self.signal_name is not None:

@@ -30,12 +30,14 @@ from typing import Any, Iterator, Protocol
 
 FAILURE_FILE = "failure.json"
 
-POSITION: dict[str, Any] = {"step": None, "phase": "start-up"}
-"""Where this rank is: the step in flight (None before the first) and the phase of it."""
+POSITION: dict[str, Any] = {"step": None, "phase": "start-up", "signal": None}
+"""Where this rank is: the step in flight (None before the first), the phase of it, and the stop signal it received
+(None before one)."""
 
-TRANSIENT_CAUSES = ("collective_timeout", "peer_lost", "phase_timeout", "hardware")
-"""Causes a restart can get past (a peer hung or died, a node or GPU failed): the SLURM scripts requeue on them.
-``config``, ``data``, ``non_finite``, ``disk_full``, ``interrupted`` and ``error`` fail again the same way."""
+TRANSIENT_CAUSES = ("collective_timeout", "peer_lost", "phase_timeout", "hardware", "terminated")
+"""Causes a restart can get past (a peer hung or died, a node or GPU failed, the rank was being torn down): the
+SLURM scripts requeue on them. ``config``, ``data``, ``non_finite``, ``disk_full``, ``interrupted`` and ``error``
+fail again the same way."""
 
 _TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught collective operation timeout")
 _PEER_LOST_MARKS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
@@ -90,6 +92,13 @@ def set_step(step: int | None) -> None:
     POSITION["step"] = step
 
 
+def note_signal(name: str) -> None:
+    """Remember that this rank received stop signal ``name`` (the run-control handler calls it): an error after it
+    is most likely the teardown's (torchrun sends SIGTERM to every rank when one fails, and kills the helper
+    processes megatron's checkpoint writers talk to), so it is classified ``terminated`` rather than ``error``."""
+    POSITION["signal"] = name
+
+
 def _chain(error: BaseException) -> Iterator[BaseException]:
     """``error`` and the exceptions it was raised from or during (``__cause__`` / ``__context__``)."""
     seen: set[int] = set()
@@ -101,10 +110,12 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 
 def classify(error: BaseException) -> str:
     """What kind of failure ``error`` is: ``collective_timeout`` (a peer hung, stopped or too slow), ``peer_lost``
-    (a peer process or node died), ``phase_timeout`` (a bounded phase overran), ``hardware`` (a GPU fault: ECC, off
-    the bus), ``disk_full`` (no space or quota left: ENOSPC / EDQUOT anywhere in the chain, or a save that found its
-    file system full), ``non_finite`` (a NaN / Inf loss or gradient norm), ``config`` (a bad config), ``data`` (a
-    malformed dataset row), ``interrupted`` (KeyboardInterrupt), else ``error``."""
+    (a peer process or node died, or a helper process a pipe or socket led to), ``phase_timeout`` (a bounded phase
+    overran), ``hardware`` (a GPU fault: ECC, off the bus), ``disk_full`` (no space or quota left: ENOSPC / EDQUOT
+    anywhere in the chain, or a save that found its file system full), ``non_finite`` (a NaN / Inf loss or gradient
+    norm), ``config`` (a bad config), ``data`` (a malformed dataset row), ``interrupted`` (KeyboardInterrupt),
+    ``terminated`` (any other error after this rank received a stop signal: see :func:`note_signal`), else
+    ``error``."""
     chain = list(_chain(error))
     names = {type(link).__name__ for link in chain}
     messages = " | ".join(str(link).lower() for link in chain)
@@ -129,7 +140,9 @@ def classify(error: BaseException) -> str:
         return "collective_timeout"
     if distributed and any(mark in messages for mark in _PEER_LOST_MARKS):
         return "peer_lost"
-    return "error"
+    if any(isinstance(link, (ConnectionError, EOFError)) for link in chain):
+        return "peer_lost"
+    return "terminated" if POSITION["signal"] else "error"
 
 
 def _rank() -> int:
@@ -145,7 +158,8 @@ def failure_record(error: BaseException, *, in_phase: str | None = None) -> dict
     step, where = getattr(error, _PHASE_ATTRIBUTE, (POSITION["step"], POSITION["phase"]))
     where = in_phase or where
     return {"step": step, "phase": where, "rank": _rank(), "host": socket.gethostname(), "cause": classify(error),
-            "exception": f"{type(error).__name__}: {error}"[:4000],
+            "exception": "\n".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])[:4000],
+            "signal_before": POSITION["signal"],
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_time": time.time()}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from grpo_mega.metrics import read_metrics
-from grpo_mega.run_failure import classify, failure_line, phase, record_failure, set_step
+from grpo_mega.run_failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +137,16 @@ def test_causes_a_requeue_policy_acts_on():
     assert classify(BadRowError("train.jsonl:3: not JSON")) == "data"
     assert classify(RuntimeError("CUDA error: uncorrectable ECC error encountered")) == "hardware"
     assert classify(PhaseTimeout("phase 'save' ran past 5 s")) == "phase_timeout"
-    assert set(TRANSIENT_CAUSES) == {"collective_timeout", "peer_lost", "phase_timeout", "hardware"}
+    assert set(TRANSIENT_CAUSES) == {"collective_timeout", "peer_lost", "phase_timeout", "hardware", "terminated"}
+    helper_lost = BrokenPipeError(32, "Broken pipe")  # megatron's checkpoint writer talks to a killed process
+    assert classify(helper_lost) == "peer_lost"
+    teardown = RuntimeError("something else failed")
+    assert classify(teardown) == "error"
+    note_signal("SIGTERM")  # torchrun tears every rank down once one has died
+    try:
+        assert classify(teardown) == "terminated" and classify(BadRowError("x.jsonl:2: bad")) == "data"
+    finally:
+        POSITION["signal"] = None
 
 
 def test_an_error_keeps_the_phase_it_left(tmp_path):

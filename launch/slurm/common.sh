@@ -16,7 +16,8 @@
 #
 # Faults: a failed rank prints "<command>: rank R on HOST failed (cause=CAUSE) at step N (PHASE): ..." (the rank that
 # wrote run_dir/failure.json ends that line with its path). The job requeues itself (and resumes from the last
-# complete checkpoint) when the cause is transient (collective_timeout, peer_lost, phase_timeout, hardware) or when
+# complete checkpoint) when the cause is transient (collective_timeout, peer_lost, phase_timeout, hardware,
+# terminated: the rank was being torn down, as torchrun does to every rank once one has died) or when
 # no rank named one (a rank or node died without a word: SIGKILL, OOM killer, node loss), at most
 # GRPO_MAX_FAULT_REQUEUES times (default 3) over the job's life; it stops, with the step's status, on a cause a
 # restart would repeat (config, data, non_finite, disk_full, error, interrupted).
@@ -137,7 +138,7 @@ grpo_finish_training_step() {
   local cause done_requeues
   cause=$(grpo_failure_cause)
   case "$cause" in
-    collective_timeout|peer_lost|phase_timeout|hardware|"")
+    collective_timeout|peer_lost|phase_timeout|hardware|terminated|"")
       done_requeues=$(grpo_fault_requeues)
       if (( done_requeues < GRPO_MAX_FAULT_REQUEUES )); then
         grpo_requeue "transient fault (cause=${cause:-none named: a rank or node died without a word}), fault requeue $(( done_requeues + 1 )) of ${GRPO_MAX_FAULT_REQUEUES}"

@@ -1,0 +1,149 @@
+"""The SLURM scripts' requeue policy on faults (launch/slurm/common.sh, issue 37): a job requeues itself after a
+transient fault (a rank killed, a peer lost, a hang) and resumes from its last complete checkpoint, at most
+GRPO_MAX_FAULT_REQUEUES times; it does not requeue on a fault a restart would repeat (a bad config, a corrupt data
+row, a NaN loss, a full disk), so a requeue loop cannot burn an allocation.
+
+The policy is read from the failure line the ranks print (``failed (cause=...)``, ``grpo_mega.run_failure``). It is
+tested twice: the shell function alone on logs written here (every branch, no cluster), and on a real one-node
+cluster (slurm_cluster.py) with a rank SIGKILLed mid-run and a dataset with a corrupt row."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import slurm_cluster
+from test_faults import _rank_pid
+from test_slurm import _final_state, _job, _overrides, _steps, _submit, _wait_for
+from tiny_task import build_tiny_task
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = REPO / "launch" / "slurm" / "common.sh"
+JOB = "77"
+
+
+def _finish(tmp_path: Path, log_lines: list[str], status: int, *, max_requeues: int = 3) -> tuple[int, str]:
+    """Run common.sh's grpo_finish_training_step STATUS on a job log of ``log_lines`` (this restart's part starts
+    at the last "SLURM_RESTART_COUNT" line); ``scontrol`` only prints what it was asked. Returns (exit status,
+    output)."""
+    log = tmp_path / "job.out"
+    log.write_text("".join(f"{line}\n" for line in log_lines))
+    start = max(i for i, line in enumerate(log_lines) if "SLURM_RESTART_COUNT" in line)
+    script = f"""
+source {COMMON}
+scontrol() {{ echo "scontrol $*"; }}
+log_file={log} log_start={start} SLURM_JOB_ID={JOB} stop_requested=0 GRPO_MAX_FAULT_REQUEUES={max_requeues}
+grpo_finish_training_step {status} 'grpo-mega train: stopped after step'
+"""
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _failed(rank: int, cause: str, written: bool) -> str:
+    return (f"grpo-mega train: rank {rank} on n{rank} failed (cause={cause}) at step 5 (update (x)): Error: a (b): c"
+            + ("; /runs/a/failure.json" if written else ""))
+
+
+START = f"=== grpo-mega job {JOB} grpo-mega SLURM_RESTART_COUNT=0 nodes=n1"
+
+
+@pytest.mark.parametrize("cause", ["config", "data", "non_finite", "disk_full", "error"])
+def test_a_fault_a_restart_would_repeat_is_not_requeued(tmp_path, cause):
+    # the rank that wrote failure.json named the cause; its peer, which lost it, says peer_lost (transient)
+    status, output = _finish(tmp_path, [START, _failed(0, "peer_lost", False), _failed(1, cause, True)], 1)
+    assert status == 1 and "scontrol requeue" not in output
+    assert f"failed (cause={cause}), which a restart would repeat; not requeueing" in output
+
+
+@pytest.mark.parametrize("cause", ["collective_timeout", "peer_lost", "phase_timeout", "hardware", "terminated", None])
+def test_a_transient_fault_is_requeued(tmp_path, cause):
+    lines = [START] + ([_failed(1, cause, True)] if cause else [])  # None: the ranks died without a word
+    status, output = _finish(tmp_path, lines, 1)
+    assert status == 0 and f"scontrol requeue {JOB}" in output
+    named = cause or "none named: a rank or node died without a word"
+    assert f"transient fault (cause={named}), fault requeue 1 of 3; requeueing" in output
+
+
+def test_fault_requeues_are_counted_over_the_job_and_capped(tmp_path):
+    earlier = []
+    for restart in range(2):  # two earlier runs of this job ended in transient faults and requeued
+        earlier += [START.replace("COUNT=0", f"COUNT={restart}"), _failed(1, "peer_lost", True),
+                    f"=== grpo-mega job {JOB}: transient fault (cause=peer_lost), fault requeue {restart + 1} of 2; "
+                    "requeueing"]
+    lines = [*earlier, START.replace("COUNT=0", "COUNT=2"), _failed(0, "collective_timeout", True)]
+    status, output = _finish(tmp_path, lines, 1, max_requeues=2)
+    assert status == 1 and "scontrol requeue" not in output
+    assert "failed (cause=collective_timeout) after 2 fault requeues (GRPO_MAX_FAULT_REQUEUES=2); not requeueing" \
+        in output
+    # the causes of earlier runs are not this run's: a deterministic cause before the restart does not stop it
+    status, output = _finish(tmp_path, [START, _failed(1, "data", True), START.replace("COUNT=0", "COUNT=1")], 1)
+    assert status == 0 and "cause=none named" in output
+
+
+def test_a_finished_step_and_a_stop_with_a_checkpoint_are_as_before(tmp_path):
+    assert _finish(tmp_path, [START, _failed(1, "data", True)], 0) == (0, "")
+    status, output = _finish(tmp_path, [START, "grpo-mega train: stopped after step 4 (signal SIGTERM)"], 1)
+    assert status == 0 and "stopped early with a checkpoint; requeueing" in output
+
+
+# ----------------------------------------------------------------------------- on a real cluster
+@pytest.fixture(scope="module")
+def cluster():
+    yield from slurm_cluster()
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
+
+
+@pytest.mark.slow
+def test_a_killed_rank_requeues_the_job_which_resumes_and_completes(cluster, task, tmp_path):
+    run_dir, total = tmp_path / "run", 8
+    job_id = _submit(tmp_path, *_overrides(task, run_dir, f"trainer.total_steps={total}", "trainer.save_every=2",
+                                           "trainer.collective_timeout_s=20"))
+    log = tmp_path / f"grpo-mega-{job_id}.out"
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 3, 240, "step 3 in metrics.jsonl", log)
+        victim = _rank_pid(1, run_dir)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)  # as the OOM killer or a crashed driver would
+        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
+        state = _final_state(job_id, log)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    first, second = text.split("SLURM_RESTART_COUNT=1")
+    assert re.search(r"transient fault \(cause=[a-z_ :]+.*\), fault requeue 1 of 3; requeueing", first), first[-3000:]
+    resumed = re.search(r"resumed from \S*step_(\d+) at step (\d+)", second)
+    assert resumed and int(resumed.group(1)) % 2 == 0 and int(resumed.group(1)) >= 2, second[-3000:]
+    # one metrics row per step (a step logged before the kill and run again after the resume keeps its newer row)
+    assert _steps(run_dir) == list(range(1, total + 1))
+    assert _job(job_id)["Restarts"] == "1"
+
+
+@pytest.mark.slow
+def test_a_corrupt_data_row_fails_the_job_without_a_requeue(cluster, task, tmp_path):
+    model_dir, train_file = task
+    corrupt = tmp_path / "train.jsonl"
+    lines = train_file.read_text().splitlines()
+    corrupt.write_text("\n".join([*lines[:3], '{"prompt": "1+1=", "answer"', *lines[3:]]) + "\n")
+    run_dir = tmp_path / "run"
+    job_id = _submit(tmp_path, *_overrides((model_dir, corrupt), run_dir, "trainer.total_steps=2",
+                                           "data.on_bad_row=error"))
+    log = tmp_path / f"grpo-mega-{job_id}.out"
+    try:
+        state = _final_state(job_id, log)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    text = log.read_text()
+    assert state == "FAILED", text[-4000:]
+    assert "failed (cause=data), which a restart would repeat; not requeueing" in text
+    assert "SLURM_RESTART_COUNT=1" not in text and _job(job_id)["Restarts"] == "0"
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["cause"] == "data" and f"{corrupt}:4" in failure["exception"]
