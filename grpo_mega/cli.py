@@ -92,7 +92,9 @@ def _run_training(args) -> int:
         print(config_yaml(cfg), end="")
         return 0
     from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
+    from grpo_mega.run_reaper import reap_group_when_rank_exits
 
+    reap_group_when_rank_exits()  # the rank's helper processes end with it, however it ends
     if args.command == "sft":
         from grpo_mega.sft import run_sft as run
     else:

@@ -76,8 +76,10 @@ def run_prm_command(args, argv: list[str]) -> int:
         relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
     if args.prm_command == "train":
         from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
+        from grpo_mega.run_reaper import reap_group_when_rank_exits
         from prm.train import run_prm_train
 
+        reap_group_when_rank_exits()  # the rank's helper processes end with it, however it ends
         try:
             output = run_prm_train(cfg)
         except StoppedEarly as stopped:  # a checkpoint was saved; the same command resumes (exit status 3)

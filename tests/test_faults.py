@@ -9,6 +9,7 @@ stopped process cannot act on SIGTERM), so the job ends within the timeout + 30 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -232,3 +233,46 @@ def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_previous_checkpo
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stderr and "step_000001 at step 1" in result.stderr
     assert [row["step"] for row in read_metrics(moved / "metrics.jsonl")] == [1, 2, 3]
+
+
+REAPED = """
+import os, sys, time
+from grpo_mega.run_reaper import reap_group_when_rank_exits
+assert reap_group_when_rank_exits() is not None
+helper = os.fork()                       # as megatron's checkpoint writer forks from the rank
+if helper == 0:
+    time.sleep(300)
+    os._exit(0)
+print(helper, flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_ranks_helpers_do_not_outlive_it():
+    """torchrun signals only the groups of ranks still alive: a SIGKILLed rank's helpers used to live on (and, under
+    SLURM, hold the step's output open so the job never ended). The rank's watcher kills them."""
+    from grpo_mega.run_reaper import reap_group_when_rank_exits
+
+    assert reap_group_when_rank_exits(environ={}) is None  # not a torchrun rank: nothing to do
+    rank = subprocess.Popen([sys.executable, "-c", REAPED], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, TORCHELASTIC_RUN_ID="test"), start_new_session=True)
+    try:
+        helper = int(rank.stdout.readline())
+        assert _alive(helper)
+        rank.kill()
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(helper), "the helper outlived its rank"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)

@@ -1,0 +1,100 @@
+"""``grpo-mega`` with one fault planted inside one rank, for bench/faults.py (torchrun runs this file in place of
+``-m grpo_mega.cli``; the arguments are the command's). ``GRPO_FAULT=KIND:RANK:STEP`` plants:
+
+  exception      a RuntimeError raised in the update of step STEP on rank RANK
+  prm_exception  a RuntimeError raised by the PRM scorer in step STEP on rank RANK (process supervision)
+  vllm_wake      the vLLM engine's wake-up in the weight sync after step STEP never returns on rank RANK (as a
+                 colocated wake-up that hangs on a GPU; vLLM has no sleep mode on CPU, so the hang is planted
+                 where ``VLLMRolloutEngine.begin_weight_update`` wakes the weights, inside the same bounded phase)
+  prm_train_exception  a RuntimeError raised in PRM training step STEP on rank RANK
+
+When the fault fires it writes the time to ``$GRPO_FAULT_MARK`` (the bench's fault-to-exit clock). Without
+``GRPO_FAULT`` this is ``grpo-mega`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _mark() -> None:
+    mark = os.environ.get("GRPO_FAULT_MARK")
+    if mark:
+        Path(mark).write_text(f"{time.time()}\n")
+
+
+def _wrap(owner: type, name: str, due, fault) -> None:
+    """Replace ``owner.name`` by a method that runs ``fault(self)`` when ``due()`` and the original otherwise."""
+    original = getattr(owner, name)
+
+    def method(self, *args, **kwargs):
+        if due():
+            _mark()
+            fault(self)
+        return original(self, *args, **kwargs)
+
+    setattr(owner, name, method)
+
+
+def _raise(what: str):
+    def fault(_self):
+        raise RuntimeError(f"fault injected by bench/faults.py: {what}")
+    return fault
+
+
+def _hang_in_wake(_self) -> None:
+    from grpo_mega.run_failure import phase
+
+    with phase("vllm wake (weights)", bounded=True):
+        while True:
+            time.sleep(1)
+
+
+def plant(kind: str, rank: int, step: int) -> None:
+    from grpo_mega.run_failure import POSITION
+
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    fired = []
+
+    def due() -> bool:  # once, at the step
+        if POSITION["step"] == step and not fired:
+            fired.append(True)
+            return True
+        return False
+
+    where = f"rank {rank}, step {step}"
+    if kind == "exception":
+        from grpo_mega.stages.update import UpdateRunner
+        _wrap(UpdateRunner, "run", due, _raise(f"update, {where}"))
+    elif kind == "prm_exception":
+        from grpo_mega.stages.process_reward import PRMStepRewards
+        _wrap(PRMStepRewards, "__call__", due, _raise(f"PRM scorer, {where}"))
+    elif kind == "vllm_wake":
+        from grpo_mega.rollout.vllm_engine import VLLMRolloutEngine
+        _wrap(VLLMRolloutEngine, "begin_weight_update", due, _hang_in_wake)
+    elif kind == "prm_train_exception":
+        from grpo_mega.run_harness import RunHarness
+        _wrap(RunHarness, "end_step", due, _raise(f"PRM training, {where}"))
+    else:
+        raise SystemExit(f"GRPO_FAULT: unknown kind {kind!r}")
+
+
+def main() -> int:
+    fault = os.environ.get("GRPO_FAULT")
+    if fault:
+        kind, rank, step = fault.split(":")
+        plant(kind, int(rank), int(step))
+    from grpo_mega.cli import main as grpo_mega
+
+    return grpo_mega(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
