@@ -51,7 +51,7 @@ def _raise(what: str):
 def _hang_in_wake(_self) -> None:
     from grpo_mega.run_failure import phase
 
-    with phase("vllm wake (weights)", bounded=True):
+    with phase("vllm wake (weights)", bounded=True, alone=True):
         while True:
             time.sleep(1)
 

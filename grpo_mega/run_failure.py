@@ -39,6 +39,12 @@ TRANSIENT_CAUSES = ("collective_timeout", "peer_lost", "phase_timeout", "hardwar
 SLURM scripts requeue on them. ``config``, ``data``, ``non_finite``, ``disk_full``, ``interrupted`` and ``error``
 fail again the same way."""
 
+CONSEQUENTIAL_CAUSES = ("collective_timeout", "peer_lost", "terminated")
+"""Causes a rank usually has because another rank failed first (it waited for it, lost it, or was torn down after
+it): such a rank waits :data:`DEFER_S` before claiming failure.json, so that the rank at the root of the failure (a
+hang of its own, an exception) names it."""
+DEFER_S = 3.0
+
 _TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught collective operation timeout")
 _PEER_LOST_MARKS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
                     "connection refused", "ncclremoteerror", "remote process exited")
@@ -53,7 +59,7 @@ class PhaseTimeout(Exception):
 
 
 class _Watchdog(Protocol):
-    def arm(self, name: str) -> object: ...
+    def arm(self, name: str, *, alone: bool) -> object: ...
 
     def disarm(self, token: object) -> None: ...
 
@@ -68,13 +74,15 @@ def set_watchdog(watchdog: _Watchdog | None) -> None:
 
 
 @contextlib.contextmanager
-def phase(name: str, *, bounded: bool = False) -> Iterator[None]:
+def phase(name: str, *, bounded: bool = False, alone: bool = False) -> Iterator[None]:
     """Mark this rank as being in phase ``name`` (generation, update, sync, save, ...) while the block runs; with
-    ``bounded``, the installed watchdog ends the process if the block runs past its deadline. An exception leaving
-    the block remembers the innermost phase (and step) it left, for :func:`record_failure`."""
+    ``bounded``, the installed watchdog ends the process if the block runs past its deadline: the timeout for a phase
+    the rank runs ``alone`` (it waits for no other rank: a vLLM wake-up), the timeout plus a grace for a phase with
+    collectives, whose waits the collective timeout names first. An exception leaving the block remembers the
+    innermost phase (and step) it left, for :func:`record_failure`."""
     previous = POSITION["phase"]
     POSITION["phase"] = name
-    token = _watchdog.arm(name) if bounded and _watchdog is not None else None
+    token = _watchdog.arm(name, alone=alone) if bounded and _watchdog is not None else None
     try:
         yield
     except BaseException as error:
@@ -183,9 +191,12 @@ def write_exclusive(path: Path, record: dict) -> bool:
 def record_failure(run_dir: str | Path, error: BaseException, *, in_phase: str | None = None
                    ) -> tuple[dict, Path | None]:
     """The failure record of ``error`` on this rank, written to ``run_dir/failure.json`` unless a rank wrote one
-    first; returns (record, the path when this rank wrote it)."""
+    first (a consequential cause waits :data:`DEFER_S` for the root cause first); returns (record, the path when this
+    rank wrote it)."""
     record = failure_record(error, in_phase=in_phase)
     path = Path(run_dir) / FAILURE_FILE
+    if record["cause"] in CONSEQUENTIAL_CAUSES and not path.exists():
+        time.sleep(DEFER_S)
     return record, (path if write_exclusive(path, record) else None)
 
 

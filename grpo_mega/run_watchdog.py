@@ -4,7 +4,9 @@ sleep, PRM scoring, the checkpoint save (``grpo_mega.run_failure.phase(name, bou
 A collective that waits for a hung peer raises after ``trainer.collective_timeout_s``; a rank hung on its own (a
 vLLM wake-up that never returns, a checkpoint writer stuck on a dead file server, a PRM forward in a deadlock) waits
 in no collective, and its peers, waiting for it in the next one, would name the wrong rank and phase. The watchdog
-is one daemon thread: when a bounded phase runs past ``timeout_s`` it records the failure (cause
+is one daemon thread: when a bounded phase runs past its deadline (``timeout_s`` for a phase the rank runs alone,
+plus :func:`peer_grace_s` for one with collectives, so that a rank waiting there for a hung peer is not the one
+named) it records the failure (cause
 ``phase_timeout``, the phase, the step) in ``run_dir/failure.json`` and on stderr, prints every thread's stack
 (``faulthandler``), and ends the process with :data:`EXIT_PHASE_TIMEOUT`; torchrun then ends the other ranks.
 """
@@ -23,6 +25,11 @@ from grpo_mega.run_failure import POSITION, PhaseTimeout, failure_line, record_f
 
 EXIT_PHASE_TIMEOUT = 124
 """Exit status of a process the watchdog ended (as timeout(1)'s)."""
+
+
+def peer_grace_s(timeout_s: float) -> float:
+    """How much longer than the timeout a phase with collectives may run: a quarter of it, 5 to 60 s."""
+    return min(60.0, max(5.0, 0.25 * timeout_s))
 
 
 class PhaseWatchdog:
@@ -53,11 +60,14 @@ class PhaseWatchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def arm(self, name: str) -> int:
-        """Start the deadline of phase ``name``; returns the token to :meth:`disarm` it with."""
+    def arm(self, name: str, *, alone: bool = False) -> int:
+        """Start the deadline of phase ``name``: the timeout when the rank runs it ``alone``, else the timeout plus
+        :func:`peer_grace_s` (the phase has collectives: a rank waiting there for a hung peer lets the collective
+        timeout, and the hung peer's own deadline, name the cause). Returns the token to :meth:`disarm` it with."""
         with self._changed:
             token = next(self._tokens)
-            self._armed[token] = (name, time.monotonic() + self.timeout_s)
+            seconds = self.timeout_s if alone else self.timeout_s + peer_grace_s(self.timeout_s)
+            self._armed[token] = (name, time.monotonic() + seconds)
             self._changed.notify()
         return token
 

@@ -47,6 +47,7 @@ def test_failures_are_classified_so_a_requeue_policy_can_tell_transient_from_det
 
 
 def test_the_first_rank_to_fail_writes_failure_json_and_the_others_only_print(tmp_path, monkeypatch):
+    monkeypatch.setattr("grpo_mega.run_failure.DEFER_S", 0.0)
     set_step(7)
     monkeypatch.setenv("RANK", "1")
     with phase("update"):
@@ -61,6 +62,20 @@ def test_the_first_rank_to_fail_writes_failure_json_and_the_others_only_print(tm
     assert line.startswith("grpo-mega train: rank 0 on ") and "failed (cause=peer_lost) at step 7 (start-up): " in line
     set_step(None)
 
+
+
+def test_a_rank_that_lost_its_peer_lets_the_root_cause_claim_failure_json(tmp_path, monkeypatch):
+    """The rank that waited for (or lost) a failing peer usually fails at the same moment as the peer; it defers, so
+    failure.json names the peer's own cause."""
+    import threading
+
+    monkeypatch.setattr("grpo_mega.run_failure.DEFER_S", 1.0)
+    waiting = threading.Thread(target=record_failure, args=(tmp_path, RuntimeError("gloo: Timed out waiting 20000ms")))
+    waiting.start()
+    time.sleep(0.2)  # the waiting rank failed first, by a little
+    _, path = record_failure(tmp_path, ValueError("the peer's own error"))
+    waiting.join()
+    assert path is not None and json.loads(path.read_text())["cause"] == "error"
 
 def test_nccl_ends_the_process_on_a_timeout_unless_the_user_says_otherwise():
     from grpo_mega.parallel.launch_env import nccl_fault_environment
@@ -171,7 +186,7 @@ set_step(4)
 with phase("sync", bounded=True):
     time.sleep(0.5)                      # done in time: disarmed
 time.sleep(2.5)                          # unbounded: never fires
-with phase("sync", bounded=True), phase("vllm wake (weights)", bounded=True):
+with phase("sync", bounded=True), phase("vllm wake (weights)", bounded=True, alone=True):
     time.sleep(60)                       # a wake-up that never returns
 print("not reached")
 """

@@ -5,8 +5,11 @@ the job requeues itself, resumes on both nodes from that checkpoint and complete
 Multi-node is where peers' users report stalls (a rendezvous host that only one node can resolve, a step that sees
 the other node's address wrong); this is the same script a user submits, with the CPU test cluster's options."""
 
+import contextlib
 import json
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -96,3 +99,60 @@ def test_two_node_job_stops_on_usr1_requeues_resumes_and_completes(cluster, task
     assert _logged_steps(run_dir) == list(range(1, TOTAL_STEPS + 1))
     complete = run_dir / "checkpoints" / f"step_{TOTAL_STEPS:06d}" / "complete.json"
     assert json.loads(complete.read_text())["step"] == TOTAL_STEPS
+
+
+def _job_processes_on(job_id: str, node: str) -> list[int]:
+    """Every process of the job on ``node``: the torchrun of its step and the ranks (the job's environment)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if {f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode()} <= environ:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes(cluster, task, tmp_path):
+    """Node loss (issue 37): every process of the job on the second node is SIGKILLed mid-run, as a node crash
+    does. The first node's rank finds its peer gone, the job requeues itself as a transient fault (the SLURM
+    scripts' policy, launch/slurm/common.sh), resumes on both nodes from the last complete checkpoint and completes,
+    every step logged once."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_run_overrides(task, run_dir, "parallel.tensor=1", "trainer.save_every=2",
+                                   f"trainer.total_steps={TOTAL_STEPS}", "trainer.collective_timeout_s=20")
+    env = cluster.env(CONFIG=str(CONFIG), NPROC_PER_NODE="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    submit = cluster.run("sbatch", "--parsable", "--nodes=2", *cpu_node_options(), f"--output={tmp_path}/%x-%j.out",
+                         str(TRAIN_SBATCH), *overrides, env=env)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    log = tmp_path / f"grpo-mega-{job_id}.out"
+    try:
+        _wait_for(lambda: len(_logged_steps(run_dir)) >= 3, 240, "step 3 in metrics.jsonl", log)
+        victims = _job_processes_on(job_id, NODES[1])
+        assert victims, "no process of the job on the second node"
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        lost = time.monotonic()
+        _wait_for(lambda: "transient fault" in log.read_text(), 120, "the batch script to requeue the job", log)
+        seconds_to_requeue = time.monotonic() - lost
+        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
+        running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"}
+        state = _wait_for(lambda: (s := _job(cluster, job_id).get("JobState")) not in running and s, 300,
+                          f"job {job_id} to finish", log)
+    finally:
+        cluster.run("scancel", job_id)
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    first, second = text.split("SLURM_RESTART_COUNT=1")
+    assert re.search(r"transient fault \(cause=[a-z_: ]+.*\), fault requeue 1 of 3; requeueing", first), first[-3000:]
+    assert seconds_to_requeue < 2 * 20 + 30, seconds_to_requeue  # 2 x the timeout, + torchrun's grace
+    resumed = re.search(r"resumed from \S*step_(\d+) at step (\d+)", second)
+    assert resumed and int(resumed.group(1)) in (2, 4, 6, 8, 10), second[-3000:]
+    assert re.search(r"nodes=gmnode\[1-2\]", second)
+    assert _logged_steps(run_dir) == list(range(1, TOTAL_STEPS + 1))
+    print(f"node loss: requeued {seconds_to_requeue:.1f} s after the kill; resumed from step {resumed.group(1)}")

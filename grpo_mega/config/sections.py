@@ -144,7 +144,9 @@ class RunConfig:
     rank raises and the job ends with the cause in ``run_dir/failure.json``: a hung, stopped or dead rank then ends
     the job instead of holding the allocation. It must cover the longest honest wait of one rank for another: the
     rendezvous of a large job, a peer's checkpoint save or PRM scoring, the slowest rank's generation (30 minutes by
-    default, torch's own default for gloo; tests use seconds)."""
+    default, torch's own default for gloo; tests use seconds). The same deadline bounds the phases no collective
+    does, on each rank alone: the checkpoint save, the weight sync to the rollout engine, the vLLM wake-up / sleep,
+    reward and PRM scoring (a rank that overruns one ends with cause ``phase_timeout`` and every thread's stack)."""
     time_limit_seconds: float = 0.0
     """The run's time limit, counted from its start, for ``save_before_seconds``; 0 = the SLURM job's end
     (``SLURM_JOB_END_TIME``) when running under SLURM, else no limit."""

@@ -380,7 +380,7 @@ class VLLMRolloutEngine:
         CPU, where vLLM has no sleep mode)."""
         if not self._enable_sleep_mode or self._asleep:
             return False
-        with phase("vllm sleep", bounded=True):
+        with phase("vllm sleep", bounded=True, alone=True):
             self.llm.sleep(level=2)
         self._asleep = True
         self._weights_ready = False  # discarded: only a complete sync brings them back
@@ -393,7 +393,7 @@ class VLLMRolloutEngine:
         self._weights.begin()
         if self._asleep:
             free_cached_memory()
-            with phase("vllm wake (weights)", bounded=True):
+            with phase("vllm wake (weights)", bounded=True, alone=True):
                 self.llm.wake_up(tags=["weights"])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -415,7 +415,7 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("grpo_finish_weight_sync")
         if self._asleep:
             free_cached_memory()  # the update's buffers (bucket copies, casts) before the KV cache returns
-            with phase("vllm wake (kv cache)", bounded=True):
+            with phase("vllm wake (kv cache)", bounded=True, alone=True):
                 self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         if not self.llm.reset_prefix_cache():
