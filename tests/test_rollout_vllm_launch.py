@@ -46,3 +46,20 @@ def test_the_environment_is_set_while_building_and_restored(monkeypatch):
     with external_launcher_environment(11, "0"):
         assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("11", "0")
     assert os.environ["LOCAL_RANK"] == "3" and "RANK" not in os.environ
+
+
+def test_a_killed_jobs_cpu_shared_memory_is_removed_and_a_live_ones_kept(tmp_path):
+    """vLLM's CPU backend names a TP group's segment after the group only (``-tp:0-[0-1]-cpushm_<rank>`` for every
+    colocated job) and creates it exclusively: a killed job's segment made the restart fail with EEXIST."""
+    from grpo_mega.rollout.vllm_launch import remove_stale_cpu_shm
+
+    stale = tmp_path / "-tp:0-[0-1]-cpushm_1"
+    in_use = tmp_path / "-tp:0-[2-3]-cpushm_1"      # another replica's, held open by a live process (this one)
+    other_rank = tmp_path / "-tp:0-[0-1]-cpushm_0"  # rank 0's to remove, not rank 1's
+    for path in (stale, in_use, other_rank):
+        path.write_bytes(b"\0" * 64)
+    with open(in_use, "rb"):
+        assert remove_stale_cpu_shm(1, 2, folder=tmp_path) == [stale]
+        assert remove_stale_cpu_shm(3, 2, folder=tmp_path) == []  # rank 3 of [2-3]: its segment is in use
+    assert not stale.exists() and in_use.exists() and other_rank.exists()
+    assert remove_stale_cpu_shm(0, 2, folder=tmp_path) == [other_rank]

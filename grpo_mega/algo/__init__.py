@@ -1,4 +1,5 @@
-"""Pure GRPO math: advantages, the clipped policy loss, KL estimators, loss aggregation, reward shaping, and the
+"""Pure GRPO math: advantages, the clipped policy loss, KL estimators, loss aggregation, reward shaping, step rewards
+from PRM scores, and the
 sampler/trainer mismatch (log-prob differences, truncated importance sampling).
 
 Functions of tensors only: no process groups, no model. Every later part (trainer, PRM, engines) calls these.
@@ -9,14 +10,17 @@ from grpo_mega.algo.kl import DEFAULT_LOG_RATIO_CLAMP, KL_ESTIMATORS, kl_estimat
 from grpo_mega.algo.losses import LOSS_AGG_MODES, aggregate_loss, policy_loss
 from grpo_mega.algo.rollout_correction import rollout_logprob_diff, truncated_importance_weights
 from grpo_mega.algo.shaping import clip_advantages, clip_rewards, overlong_penalty, whiten
+from grpo_mega.algo.step_rewards import STEP_REWARDS, group_start_values, step_rewards_from_scores
 
 __all__ = [
     "DEFAULT_LOG_RATIO_CLAMP",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "STEP_REWARDS",
     "aggregate_loss",
     "clip_advantages",
     "clip_rewards",
+    "group_start_values",
     "kl_estimate",
     "normalize_step_rewards",
     "outcome_advantages",
@@ -24,6 +28,7 @@ __all__ = [
     "policy_loss",
     "process_advantages",
     "rollout_logprob_diff",
+    "step_rewards_from_scores",
     "truncated_importance_weights",
     "whiten",
 ]

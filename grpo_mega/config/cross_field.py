@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES
+from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
 from grpo_mega.config.checks import (
     check_choice,
     check_context_length,
@@ -60,9 +60,13 @@ def validate(cfg: GRPOConfig) -> None:
     for key in ("max_counted_steps", "min_steps"):
         if getattr(cfg.process_reward, key) < 0:
             raise ConfigError(f"process_reward.{key} must be >= 0")
+    check_choice(cfg.process_reward.step_reward, STEP_REWARDS, "process_reward.step_reward")
+    if not 0 <= cfg.process_reward.clip_eta <= 1:
+        raise ConfigError(f"process_reward.clip_eta={cfg.process_reward.clip_eta} must be in [0, 1] (PRM scores are)")
     if not cfg.process_reward.step_score_weight >= 0:
         raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
-    prm_only = {"outcome_on_last_step": False, "step_score_weight": 1.0, "max_counted_steps": 0, "min_steps": 0}
+    prm_only = {"outcome_on_last_step": False, "step_score_weight": 1.0, "max_counted_steps": 0, "min_steps": 0,
+                "step_reward": "score"}
     changed = [key for key, default in prm_only.items() if getattr(cfg.process_reward, key) != default]
     if changed and cfg.process_reward.source != "prm":
         raise ConfigError(f"process_reward.{changed[0]} shapes a PRM's step scores and applies only to "

@@ -117,9 +117,17 @@ class ProcessRewardConfig:
     """System message of the PRM's chat template (default: as the PRM was trained; none for HF PRMs)."""
     outcome_on_last_step: bool = False
     """Add the outcome score (``reward.function``) to the last step's reward."""
+    step_reward: str = "score"
+    """How a step's reward follows from the PRM's step scores s_1..s_K (``grpo_mega.algo.step_rewards``), before
+    ``step_score_weight``, the outcome term and the group normalisation: ``score`` r_k = s_k; ``progress`` (PAV)
+    r_k = s_k - s_{k-1}, s_0 = the mean outcome score of the prompt's G completions; ``delta`` r_k = s_k - s_{k+1},
+    r_K = s_K (the suffix sum from step k is s_k); ``clip`` r_k = min(s_k - clip_eta, 0) (no step earns a positive
+    reward)."""
+    clip_eta: float = 0.5
+    """The threshold of ``step_reward: clip``, in [0, 1]."""
     step_score_weight: float = 1.0
-    """Multiplies the PRM's step scores before ``outcome_on_last_step`` adds the outcome: the weight of the PRM's
-    signal against the verifier's (as the reward coefficients of PRIME). Must be >= 0."""
+    """Multiplies the step rewards (``step_reward``) before ``outcome_on_last_step`` adds the outcome: the weight of
+    the PRM's signal against the verifier's (as the reward coefficients of PRIME). Must be >= 0."""
     max_counted_steps: int = 0
     """Guard against splitting into many small steps: steps after the K-th are merged into it before scoring
     (0 = no cap)."""

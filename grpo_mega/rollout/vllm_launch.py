@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -60,3 +61,44 @@ def external_launcher_environment(rank: int, local_rank: str) -> Iterator[None]:
             else:
                 os.environ[name] = value
 
+
+
+SHM_FOLDER = Path("/dev/shm")
+
+
+def _mapped_paths() -> set[str]:
+    """Every file some live process of this machine has mapped (``/proc/*/maps``) or open (``/proc/*/fd``)."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            used.update(line.split(None, 5)[5].strip() for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                        if len(line.split(None, 5)) == 6)
+        with contextlib.suppress(OSError):
+            used.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    return used
+
+
+def remove_stale_cpu_shm(rank: int, group_size: int, folder: Path = SHM_FOLDER) -> list[Path]:
+    """Remove the shared-memory segment of vLLM's CPU communicator that a killed job left for global ``rank`` of a
+    tensor-parallel group of ``group_size`` consecutive ranks; returns what was removed.
+
+    vLLM 0.32's CPU backend (``distributed/device_communicators/cpu_communicator.py``) names a tensor-parallel
+    group's segment after the worker's init method and the group only: under ``external_launcher`` the init method
+    is ``env://``, so every colocated CPU job of a node uses ``/dev/shm/-tp:0-[0-1]-cpushm_<rank>``, creates it
+    exclusively, and unlinks it only on a clean shutdown. After a rank was killed, the next start failed with
+    ``create shm in SHMManager failed. errno: 17`` (EEXIST): the job could not resume. A segment no live process
+    maps or holds open is a dead job's and is removed; one in use is left alone (its job would collide with this one
+    in any case). Not needed on GPUs, whose communicators use no such segment."""
+    if not folder.is_dir():
+        return []
+    first = rank - rank % group_size
+    suffix = f"-[{'-'.join(str(r) for r in range(first, first + group_size))}]-cpushm_{rank - first}"
+    candidates = [path for path in folder.iterdir() if path.name.endswith(suffix) and path.is_file()]
+    if not candidates:
+        return []
+    used = _mapped_paths()
+    stale = [path for path in candidates if str(path) not in used]
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return stale

@@ -13,6 +13,7 @@ import math
 import time
 from typing import Sequence
 
+from grpo_mega.algo import group_start_values, step_rewards_from_scores
 from grpo_mega.config import ProcessRewardConfig
 from grpo_mega.data.step_split import default_step_pattern, split_steps, step_char_ends
 
@@ -27,12 +28,14 @@ def segment_completion(text: str, pattern: str, max_counted_steps: int = 0) -> l
 
 
 def shape_step_rewards(
-    scores: list[float], outcome: float, settings: ProcessRewardConfig
+    scores: list[float], outcome: float, settings: ProcessRewardConfig, *, start: float = 0.0
 ) -> list[float]:
     """A completion's step rewards from its PRM step scores: ``few_steps_reward`` on every step when it has fewer
-    than ``min_steps`` steps, else the scores times ``step_score_weight``; then the outcome score added to the last
-    step with ``outcome_on_last_step``."""
-    rewards = [settings.step_score_weight * score for score in scores]
+    than ``min_steps`` steps, else the ``step_reward`` option's rewards (``grpo_mega.algo.step_rewards``; ``start``
+    is s_0 of ``progress``) times ``step_score_weight``; then the outcome score added to the last step with
+    ``outcome_on_last_step``."""
+    rewards = step_rewards_from_scores(scores, settings.step_reward, start=start, clip_eta=settings.clip_eta)
+    rewards = [settings.step_score_weight * reward for reward in rewards]
     if settings.min_steps and len(rewards) < settings.min_steps:
         rewards = [settings.few_steps_reward] * len(rewards)
     if settings.outcome_on_last_step and rewards:
@@ -71,7 +74,9 @@ class PRMStepRewards:
         pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
         steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in texts]
         scores, failed = self._score(prompts, texts, steps)
-        rewards = [shape_step_rewards(s, outcome, self.settings) for s, outcome in zip(scores, outcomes)]
+        starts = group_start_values(prompts, outcomes) if self.settings.step_reward == "progress" else outcomes
+        rewards = [shape_step_rewards(s, outcome, self.settings, start=start)
+                   for s, outcome, start in zip(scores, outcomes, starts)]
         ends = [step_char_ends(row_steps) for row_steps in steps]
         metrics = self._metrics(steps, scores, time.perf_counter() - start)
         metrics["prm/failures"] = float(failed)
