@@ -34,7 +34,7 @@ class FaultTask:
         return {"prm_exception": "grpo-prm", "vllm_wake": "grpo-vllm", "prm_sigkill": "prm-train"}.get(fault, "grpo")
 
     def arguments(self, fault: str, run_dir: Path, timeout: int) -> list[str]:
-        """``grpo-mega`` arguments of ``fault``'s runs (empty fault: the outcome-supervised GRPO run)."""
+        """``grpo-mega`` arguments of the runs of ``fault`` (its trials and their uninterrupted reference)."""
         common = [f"model.hf_config={self.model}", f"trainer.run_dir={run_dir}",
                   f"trainer.collective_timeout_s={timeout}", *SHARED]
         kind = self.kind(fault)

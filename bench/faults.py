@@ -86,14 +86,15 @@ def _unreadable_checkpoints(run_dir: Path) -> list[str]:
     return bad
 
 
-def _rank_pid(rank: int, run_dir: Path) -> int | None:
+def rank_pid(rank: int, run_dir: Path, program: bytes = b"fault_inject.py") -> int | None:
+    """The pid of the process of ``rank`` (not torchrun itself) running ``program`` for ``run_dir``."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if (b"fault_inject.py" in cmdline and str(run_dir).encode() in cmdline
+        if (program in cmdline and str(run_dir).encode() in cmdline
                 and b"torch.distributed.run" not in cmdline and f"RANK={rank}".encode() in environ):
             return int(pid)
     return None
@@ -114,7 +115,7 @@ def reference(task: FaultTask, fault: str, work: Path, timeout: int, env: dict) 
     if not (run_dir / "done").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         start = time.monotonic()
-        job = _run(_command(task, "", run_dir, timeout), env, work / f"reference-{task.kind(fault)}.log")
+        job = _run(_command(task, fault, run_dir, timeout), env, work / f"reference-{task.kind(fault)}.log")
         if job.wait(timeout=1800) != 0:
             raise SystemExit(f"the reference run of {fault} failed: see {work}")
         (run_dir / "done").write_text(f"{time.monotonic() - start}\n")
@@ -140,7 +141,7 @@ def _inject_external(fault: str, job: subprocess.Popen, run_dir: Path, rng: rand
             out.truncate(0)
             os.posix_fallocate(out.fileno(), 0, max(0, free - 2 * 2**20))
         return time.time()
-    pid = _rank_pid(rng.randrange(2), run_dir)
+    pid = rank_pid(rng.randrange(2), run_dir)
     if pid is None:
         return None
     os.kill(pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
@@ -176,7 +177,7 @@ def trial(task: FaultTask, fault: str, number: int, work: Path, timeout: int, en
         exited = time.time()
         if fault in PLANTED and (root / "fault_at").exists():
             fault_at = float((root / "fault_at").read_text())
-        for pid in filter(None, (_rank_pid(r, run_dir) for r in range(2))):  # a stopped rank torchrun left
+        for pid in filter(None, (rank_pid(r, run_dir) for r in range(2))):  # a stopped rank torchrun left
             os.kill(pid, signal.SIGKILL)
         if fault_at is None:
             return {**record, "missed": "the run ended before the fault"}

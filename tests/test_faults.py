@@ -27,6 +27,9 @@ from grpo_mega.run_failure import POSITION, classify, failure_line, note_signal,
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from faults import rank_pid  # noqa: E402  (bench/faults.py)
 TIMEOUT_S = 15
 TORCHRUN_GRACE_S = 30
 
@@ -94,16 +97,7 @@ def test_a_timeout_that_is_not_positive_is_a_config_error():
 
 def _rank_pid(rank: int, run_dir: Path) -> int | None:
     """The pid of the trainer process of ``rank`` in the job writing to ``run_dir`` (not torchrun itself)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if (b"grpo_mega.cli" in cmdline and str(run_dir).encode() in cmdline and b"torch.distributed.run" not in cmdline
-                and f"RANK={rank}".encode() in environ):
-            return int(pid)
-    return None
+    return rank_pid(rank, run_dir, b"grpo_mega.cli")
 
 
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_path):

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import slurm_cluster
 from test_faults import _rank_pid
-from test_slurm import _final_state, _job, _overrides, _steps, _submit, _wait_for
-from tiny_task import build_tiny_task
+from test_slurm import _final_state, _job, _overrides, _steps, _submit, _wait_for, cluster, task  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = REPO / "launch" / "slurm" / "common.sh"
@@ -90,17 +88,7 @@ def test_a_finished_step_and_a_stop_with_a_checkpoint_are_as_before(tmp_path):
     assert status == 0 and "stopped early with a checkpoint; requeueing" in output
 
 
-# ----------------------------------------------------------------------------- on a real cluster
-@pytest.fixture(scope="module")
-def cluster():
-    yield from slurm_cluster()
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    return build_tiny_task(tmp_path_factory.mktemp("task"))
-
-
+# ----------------------------------------------------------------------------- on a real cluster (test_slurm's)
 @pytest.mark.slow
 def test_a_killed_rank_requeues_the_job_which_resumes_and_completes(cluster, task, tmp_path):
     run_dir, total = tmp_path / "run", 8

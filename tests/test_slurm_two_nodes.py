@@ -58,28 +58,38 @@ def _logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _submit(cluster, task, run_dir: Path, log_dir: Path, *extra: str) -> tuple[str, Path]:
+    """train.sbatch on both nodes, one rank each (world 2, data parallel across the link), ``TOTAL_STEPS`` steps of
+    the tiny task with ``extra`` overrides; returns (job id, its log)."""
+    overrides = tiny_run_overrides(task, run_dir, "parallel.tensor=1", f"trainer.total_steps={TOTAL_STEPS}", *extra)
+    env = cluster.env(CONFIG=str(CONFIG), NPROC_PER_NODE="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    submit = cluster.run("sbatch", "--parsable", "--nodes=2", *cpu_node_options(), f"--output={log_dir}/%x-%j.out",
+                         str(TRAIN_SBATCH), *overrides, env=env)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    return job_id, log_dir / f"grpo-mega-{job_id}.out"
+
+
+def _state_after_restart(cluster, job_id: str, log: Path) -> str:
+    """The job's final state, once it has restarted (a requeued job starts again after the job credential lifetime,
+    AuthInfo=cred_expire=10 on the cluster) and finished."""
+    _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
+    running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"}
+    return _wait_for(lambda: (s := _job(cluster, job_id).get("JobState")) not in running and s, 300,
+                     f"job {job_id} to finish", log)
+
+
 @pytest.mark.slow
 def test_two_node_job_stops_on_usr1_requeues_resumes_and_completes(cluster, task, tmp_path):
     run_dir = tmp_path / "run"
     # One rank per node (world 2, data parallel across the link); a checkpoint only when told to stop and at the end.
-    overrides = tiny_run_overrides(task, run_dir, "parallel.tensor=1", "trainer.save_every=0",
-                                   f"trainer.total_steps={TOTAL_STEPS}")
-    env = cluster.env(CONFIG=str(CONFIG), NPROC_PER_NODE="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    submit = cluster.run("sbatch", "--parsable", "--nodes=2", *cpu_node_options(), f"--output={tmp_path}/%x-%j.out",
-                         str(TRAIN_SBATCH), *overrides, env=env)
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
-    log = tmp_path / f"grpo-mega-{job_id}.out"
+    job_id, log = _submit(cluster, task, run_dir, tmp_path, "trainer.save_every=0")
     try:
         _wait_for(lambda: _logged_steps(run_dir), 240, "step 1 in metrics.jsonl", log)
         assert cluster.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
         _wait_for(lambda: "requeueing" in log.read_text(), 120, "the batch script to requeue the job", log)
-        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=10 on the cluster).
-        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
-        running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"}
-        state = _wait_for(lambda: (s := _job(cluster, job_id).get("JobState")) not in running and s, 300,
-                          f"job {job_id} to finish", log)
+        state = _state_after_restart(cluster, job_id, log)
     finally:
         cluster.run("scancel", job_id)
     text = log.read_text()
@@ -121,15 +131,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes(cluster, task,
     scripts' policy, launch/slurm/common.sh), resumes on both nodes from the last complete checkpoint and completes,
     every step logged once."""
     run_dir = tmp_path / "run"
-    overrides = tiny_run_overrides(task, run_dir, "parallel.tensor=1", "trainer.save_every=2",
-                                   f"trainer.total_steps={TOTAL_STEPS}", "trainer.collective_timeout_s=20")
-    env = cluster.env(CONFIG=str(CONFIG), NPROC_PER_NODE="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    submit = cluster.run("sbatch", "--parsable", "--nodes=2", *cpu_node_options(), f"--output={tmp_path}/%x-%j.out",
-                         str(TRAIN_SBATCH), *overrides, env=env)
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
-    log = tmp_path / f"grpo-mega-{job_id}.out"
+    job_id, log = _submit(cluster, task, run_dir, tmp_path, "trainer.save_every=2", "trainer.collective_timeout_s=20")
     try:
         _wait_for(lambda: len(_logged_steps(run_dir)) >= 3, 240, "step 3 in metrics.jsonl", log)
         victims = _job_processes_on(job_id, NODES[1])
@@ -140,10 +142,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes(cluster, task,
         lost = time.monotonic()
         _wait_for(lambda: "transient fault" in log.read_text(), 120, "the batch script to requeue the job", log)
         seconds_to_requeue = time.monotonic() - lost
-        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
-        running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"}
-        state = _wait_for(lambda: (s := _job(cluster, job_id).get("JobState")) not in running and s, 300,
-                          f"job {job_id} to finish", log)
+        state = _state_after_restart(cluster, job_id, log)
     finally:
         cluster.run("scancel", job_id)
     text = log.read_text()
