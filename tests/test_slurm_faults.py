@@ -88,6 +88,18 @@ def test_a_finished_step_and_a_stop_with_a_checkpoint_are_as_before(tmp_path):
     assert status == 0 and "stopped early with a checkpoint; requeueing" in output
 
 
+def test_torchruns_grace_fits_a_step_and_a_save_inside_the_usr1_lead():
+    """torchrun SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT after it forwarded SIGTERM (30 s by default, less
+    than one GRPO step of a 7B model): the scripts raise it, and keep it inside the USR1 lead so the requeue fits."""
+    result = subprocess.run(["bash", "-c", f"source {COMMON}; scontrol() {{ :; }}; SLURM_JOB_ID=1 grpo_job_setup "
+                             ">/dev/null; echo $TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], capture_output=True, text=True,
+                            timeout=30, env={k: v for k, v in os.environ.items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"})
+    grace = int(result.stdout.split()[-1])
+    for script in ("train.sbatch", "prm.sbatch"):
+        lead = int(re.search(r"#SBATCH --signal=B:USR1@(\d+)", (COMMON.parent / script).read_text()).group(1))
+        assert 120 <= grace <= lead - 30, (grace, lead)
+
+
 # ----------------------------------------------------------------------------- on a real cluster (test_slurm's)
 @pytest.mark.slow
 def test_a_killed_rank_requeues_the_job_which_resumes_and_completes(cluster, task, tmp_path):

@@ -45,6 +45,11 @@ grpo_job_setup() {
   export RDZV_PORT=${RDZV_PORT:-$(( 20000 + SLURM_JOB_ID % 10000 ))}
   export PYTHON=${PYTHON:-python}
   GRPO_MAX_FAULT_REQUEUES=${GRPO_MAX_FAULT_REQUEUES:-3}
+  # torchrun, signalled with the step, gives the ranks this long to finish the step in flight and save before it
+  # SIGKILLs them (its default, 30 s, is shorter than one GRPO step of a 7B model); 240 s leaves 60 of the 300 s
+  # USR1 lead (--signal=B:USR1@300) for the requeue. A rank that hangs (SIGSTOP, a dead GPU) ends within
+  # trainer.collective_timeout_s + this grace.
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}
 
   log_file=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p' | head -n1)
   log_start=0
