@@ -1,12 +1,14 @@
 """launch/slurm/* on a real one-node SLURM cluster (installed with apt when missing, see slurm_cluster.py): a
 2-step training job completes; pipeline.sh chains labels + PRM training and GRPO as dependent jobs, and its PRM job,
 told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does before the time limit), saves, requeues itself
-and resumes from the saved step. The same stop-requeue-resume of a GRPO job (train.sbatch) runs across two nodes in
-test_slurm_two_nodes.py."""
+and resumes from the saved step; faults (issue 37): a rank SIGKILLed mid-run makes the job requeue itself and
+resume, a corrupt data row fails it without a requeue. The same stop-requeue-resume of a GRPO job (train.sbatch),
+and a lost node, run across two nodes in test_slurm_two_nodes.py."""
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from grpo_mega.metrics import read_metrics
+from test_faults import _rank_pid
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 from slurm_cluster import cpu_node_options, slurm_cluster
@@ -264,3 +267,53 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
     # The GRPO step scored its rollouts' steps with the PRM.
     [grpo_row] = read_metrics(grpo_run / "metrics.jsonl")
     assert grpo_row["step"] == 1 and "timing_s/prm" in grpo_row, sorted(grpo_row)
+
+
+# ----------------------------------------------------------------------------- faults: the requeue policy
+# (launch/slurm/common.sh; its branches on written logs in test_slurm_faults.py)
+@pytest.mark.slow
+def test_a_killed_rank_requeues_the_job_which_resumes_and_completes(cluster, task, tmp_path):
+    run_dir, total = tmp_path / "run", 8
+    job_id = _submit(tmp_path, *_overrides(task, run_dir, f"trainer.total_steps={total}", "trainer.save_every=2",
+                                           "trainer.collective_timeout_s=20"))
+    log = tmp_path / f"grpo-mega-{job_id}.out"
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) >= 3, 240, "step 3 in metrics.jsonl", log)
+        victim = _rank_pid(1, run_dir)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)  # as the OOM killer or a crashed driver would
+        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
+        state = _final_state(job_id, log)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    first, second = text.split("SLURM_RESTART_COUNT=1")
+    assert re.search(r"transient fault \(cause=[a-z_ :]+.*\), fault requeue 1 of 3; requeueing", first), first[-3000:]
+    resumed = re.search(r"resumed from \S*step_(\d+) at step (\d+)", second)
+    assert resumed and int(resumed.group(1)) % 2 == 0 and int(resumed.group(1)) >= 2, second[-3000:]
+    # one metrics row per step (a step logged before the kill and run again after the resume keeps its newer row)
+    assert _steps(run_dir) == list(range(1, total + 1))
+    assert _job(job_id)["Restarts"] == "1"
+
+
+@pytest.mark.slow
+def test_a_corrupt_data_row_fails_the_job_without_a_requeue(cluster, task, tmp_path):
+    model_dir, train_file = task
+    corrupt = tmp_path / "train.jsonl"
+    lines = train_file.read_text().splitlines()
+    corrupt.write_text("\n".join([*lines[:3], '{"prompt": "1+1=", "answer"', *lines[3:]]) + "\n")
+    run_dir = tmp_path / "run"
+    job_id = _submit(tmp_path, *_overrides((model_dir, corrupt), run_dir, "trainer.total_steps=2",
+                                           "data.on_bad_row=error"))
+    log = tmp_path / f"grpo-mega-{job_id}.out"
+    try:
+        state = _final_state(job_id, log)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    text = log.read_text()
+    assert state == "FAILED", text[-4000:]
+    assert "failed (cause=data), which a restart would repeat; not requeueing" in text
+    assert "SLURM_RESTART_COUNT=1" not in text and _job(job_id)["Restarts"] == "0"
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["cause"] == "data" and f"{corrupt}:4" in failure["exception"]

@@ -4,20 +4,17 @@ GRPO_MAX_FAULT_REQUEUES times; it does not requeue on a fault a restart would re
 row, a NaN loss, a full disk), so a requeue loop cannot burn an allocation.
 
 The policy is read from the failure line the ranks print (``failed (cause=...)``, ``grpo_mega.run_failure``). It is
-tested twice: the shell function alone on logs written here (every branch, no cluster), and on a real one-node
-cluster (slurm_cluster.py) with a rank SIGKILLed mid-run and a dataset with a corrupt row."""
+tested here on logs written by the test (every branch, no cluster), and on a real one-node cluster in
+tests/test_slurm.py (a rank SIGKILLed mid-run, a dataset with a corrupt row; there, so that one pytest worker runs
+every job of that cluster) and a two-node one in tests/test_slurm_two_nodes.py (a node lost)."""
 
-import json
 import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from test_faults import _rank_pid
-from test_slurm import _final_state, _job, _overrides, _steps, _submit, _wait_for, cluster, task  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = REPO / "launch" / "slurm" / "common.sh"
@@ -98,52 +95,3 @@ def test_torchruns_grace_fits_a_step_and_a_save_inside_the_usr1_lead():
     for script in ("train.sbatch", "prm.sbatch"):
         lead = int(re.search(r"#SBATCH --signal=B:USR1@(\d+)", (COMMON.parent / script).read_text()).group(1))
         assert 120 <= grace <= lead - 30, (grace, lead)
-
-
-# ----------------------------------------------------------------------------- on a real cluster (test_slurm's)
-@pytest.mark.slow
-def test_a_killed_rank_requeues_the_job_which_resumes_and_completes(cluster, task, tmp_path):
-    run_dir, total = tmp_path / "run", 8
-    job_id = _submit(tmp_path, *_overrides(task, run_dir, f"trainer.total_steps={total}", "trainer.save_every=2",
-                                           "trainer.collective_timeout_s=20"))
-    log = tmp_path / f"grpo-mega-{job_id}.out"
-    try:
-        _wait_for(lambda: len(_steps(run_dir)) >= 3, 240, "step 3 in metrics.jsonl", log)
-        victim = _rank_pid(1, run_dir)
-        assert victim is not None
-        os.kill(victim, signal.SIGKILL)  # as the OOM killer or a crashed driver would
-        _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
-        state = _final_state(job_id, log)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    text = log.read_text()
-    assert state == "COMPLETED", text[-4000:]
-    first, second = text.split("SLURM_RESTART_COUNT=1")
-    assert re.search(r"transient fault \(cause=[a-z_ :]+.*\), fault requeue 1 of 3; requeueing", first), first[-3000:]
-    resumed = re.search(r"resumed from \S*step_(\d+) at step (\d+)", second)
-    assert resumed and int(resumed.group(1)) % 2 == 0 and int(resumed.group(1)) >= 2, second[-3000:]
-    # one metrics row per step (a step logged before the kill and run again after the resume keeps its newer row)
-    assert _steps(run_dir) == list(range(1, total + 1))
-    assert _job(job_id)["Restarts"] == "1"
-
-
-@pytest.mark.slow
-def test_a_corrupt_data_row_fails_the_job_without_a_requeue(cluster, task, tmp_path):
-    model_dir, train_file = task
-    corrupt = tmp_path / "train.jsonl"
-    lines = train_file.read_text().splitlines()
-    corrupt.write_text("\n".join([*lines[:3], '{"prompt": "1+1=", "answer"', *lines[3:]]) + "\n")
-    run_dir = tmp_path / "run"
-    job_id = _submit(tmp_path, *_overrides((model_dir, corrupt), run_dir, "trainer.total_steps=2",
-                                           "data.on_bad_row=error"))
-    log = tmp_path / f"grpo-mega-{job_id}.out"
-    try:
-        state = _final_state(job_id, log)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    text = log.read_text()
-    assert state == "FAILED", text[-4000:]
-    assert "failed (cause=data), which a restart would repeat; not requeueing" in text
-    assert "SLURM_RESTART_COUNT=1" not in text and _job(job_id)["Restarts"] == "0"
-    failure = json.loads((run_dir / "failure.json").read_text())
-    assert failure["cause"] == "data" and f"{corrupt}:4" in failure["exception"]
