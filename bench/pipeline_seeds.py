@@ -1,13 +1,16 @@
 """The quickstart pipeline over seeds, with all three GRPO arms: outcome supervision, process supervision by the
 learned PRM, and process supervision by the task's ground-truth step checker (the oracle PRM).
 
-    .venv/bin/python bench/pipeline_seeds.py [--seeds 1 2 3] [--regime dense|sparse] [--out runs/pipeline_seeds]
+    .venv/bin/python bench/pipeline_seeds.py [--seeds 1 2 3] [--regime dense|sparse] [--out runs/pipeline_seeds] \
+        [--step-rewards progress delta clip]
 
 Each seed runs the whole pipeline of ``grpo-mega quickstart`` (same data; the seed moves SFT, the PRM's labels and
 training, and GRPO) plus the oracle arm, in ``OUT/seed<N>``. Prints one row per seed with the mean, the standard
 deviation and the range, each arm's gain over SFT and its share of zero-signal groups, then the seed-by-seed
 difference process (learned PRM) - outcome with its mean, standard deviation and standard error, and writes
-bench/results/pipeline_seeds_<regime>.json (path printed last).
+bench/results/pipeline_seeds_<regime>.json (path printed last). ``--step-rewards`` adds a learned-PRM arm per
+``process_reward.step_reward`` option named (the process arm's settings with that option, the same PRM, SFT
+checkpoint, seed and steps), each with its difference to outcome supervision.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.seed_table import report_seeds  # noqa: E402
+from grpo_mega.algo import STEP_REWARDS  # noqa: E402
 from grpo_mega.quickstart import FAST, REGIMES, run_pipeline  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
@@ -47,6 +51,8 @@ def main() -> int:
     parser.add_argument("--result", type=Path, default=None,
                         help="default: bench/results/pipeline_seeds_<regime>.json")
     parser.add_argument("--fast", action="store_true", help="the shortened plan of the end-to-end test")
+    parser.add_argument("--step-rewards", nargs="*", default=[], choices=[k for k in STEP_REWARDS if k != "score"],
+                        help="more learned-PRM arms, one per process_reward.step_reward option")
     parser.add_argument("--reuse", action="store_true", help="take a seed's OUT/seed<N>/summary.json when one of "
                         "the same regime exists (e.g. a finished `grpo-mega quickstart` run linked there) instead of "
                         "running it again")
@@ -61,13 +67,18 @@ def main() -> int:
             print(f"   reusing {done}", flush=True)
             summary = json.loads(done.read_text())
         else:
-            summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True))
+            summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True,
+                                                                     step_reward_arms=tuple(args.step_rewards)))
         results.append({**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement")})
-    differences = difference_report([r["ps_minus_os"] for r in results])
-    print(f"process (learned PRM) - outcome, held-out accuracy, per seed: "
-          f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
-          f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
-    report_seeds(args.seeds, results, COLUMNS, result, width=14, extra={"ps_minus_os": differences})
+    extra, columns = {}, list(COLUMNS)
+    for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards)]:
+        differences = extra[f"{key}_minus_os"] = difference_report([r[f"{key}_minus_os"] for r in results])
+        print(f"{key} (learned PRM) - outcome, held-out accuracy, per seed: "
+              f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
+              f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
+        if key != "ps":
+            columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_minus_os"]
+    report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
     return 0
 
 

@@ -22,7 +22,15 @@ from pathlib import Path
 from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.metrics import read_metrics
 from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
-from grpo_mega.quickstart_report import ARM_TITLES, PRM_COST_STAGES, arm_report, flat_figures, print_table
+from grpo_mega.quickstart_report import (
+    PRM_COST_STAGES,
+    STEP_REWARD_ARM,
+    arm_report,
+    arm_title,
+    flat_figures,
+    learned_prm_arm,
+    print_table,
+)
 from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
 from prm.iterative import RefreshPlan
 from prm.pipeline import PRMPlan
@@ -62,6 +70,9 @@ class QuickstartPlan:
     """False: data -> SFT -> outcome-supervised GRPO only (``--outcome-only``)."""
     oracle_arm: bool = False
     """Also GRPO with process supervision by the task's ground-truth step checker (the upper bound of a PRM)."""
+    step_reward_arms: tuple[str, ...] = ()
+    """More learned-PRM arms, one per ``process_reward.step_reward`` option named here (``progress``, ``delta``,
+    ``clip``): the process arm's settings with that option, the same PRM, SFT checkpoint, seed and steps."""
     iterations: int = 1
     """Iterative RL for the process-supervised arm (DeepSeekMath, Algorithm 1): its GRPO steps are split into this
     many runs, each starting from (and taking as its reference) the previous run's policy, and in between the PRM
@@ -176,6 +187,15 @@ SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
 ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle"}
 
 
+def _arm_settings(arm: str) -> tuple[str, tuple[str, ...], str]:
+    """(title, overrides, folder) of ``arm``: one of ``ARMS``, or ``process_<step_reward>``."""
+    if arm in ARMS:
+        return (*ARMS[arm], ARM_FOLDERS[arm])
+    step_reward = arm.removeprefix(STEP_REWARD_ARM)
+    return (f"{ARMS['process'][0]}, step_reward={step_reward}",
+            (*ARMS["process"][1], f"process_reward.step_reward={step_reward}"), f"grpo_{arm}")
+
+
 def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str], policy_dir: Path, prm_summary: dict,
                            model_dir: Path, train_file: Path) -> dict[str, float]:
     """The process-supervised arm as ``plan.iterations`` GRPO runs (``arm_dir/iter<k>``), each from the previous
@@ -239,7 +259,7 @@ def _policy_and_prm_start(plan: QuickstartPlan, sft_dir: Path) -> tuple[Path, Pa
 
 def _arm_seconds(seconds: dict[str, float], arm: str) -> float:
     """Wall seconds of an arm's GRPO command(s), with the PRM refreshes of an iterative process arm."""
-    folder = ARM_FOLDERS[arm]
+    folder = _arm_settings(arm)[2]
     return sum(value for key, value in seconds.items()
                if key == folder or key.startswith(f"{folder}_iter") or (arm == "process" and key.startswith(
                    "prm_refresh")))
@@ -253,7 +273,9 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     seconds: dict[str, float] = {}
-    arms = ["outcome", *(["process"] if plan.process_supervision else []), *(["oracle"] if plan.oracle_arm else [])]
+    arms = ["outcome", *(["process"] if plan.process_supervision else []),
+            *([f"{STEP_REWARD_ARM}{kind}" for kind in plan.step_reward_arms] if plan.process_supervision else []),
+            *(["oracle"] if plan.oracle_arm else [])]
     total = 2 + (3 if plan.process_supervision else 0) + len(arms)
     header = iter(range(1, total + 1))
 
@@ -289,8 +311,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             *_optional("algorithm.response_length", plan.response_length)]
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
-        title, overrides = ARMS[arm]
-        folder = ARM_FOLDERS[arm]
+        title, overrides, folder = _arm_settings(arm)
         arm_dirs[arm] = run_dir / folder
         if arm == "process" and plan.iterations > 1:
             announce(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
@@ -298,19 +319,19 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], policy_dir, prm_summary,
                                                   model_dir, train_file))
             continue
-        if arm == "process":
+        if learned_prm_arm(arm):
             overrides = (*overrides, f"process_reward.prm={prm_summary['prm_checkpoint']}")
         announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
         seconds[folder] = _training_command(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
-            SHOWN.get(arm, SHOWN["outcome"]),
+            SHOWN["process" if learned_prm_arm(arm) else "outcome"],
             [*grpo, f"model.init_from={policy_dir}", *overrides], run_dir / f"{folder}.log")
 
     prm_cost = (prm_head_start_seconds + sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES)
                 if prm_summary else 0.0)
     arm_seconds = {arm: _arm_seconds(seconds, arm) for arm in arms}
     reports = {arm: arm_report(arm_dirs[arm] / "metrics.jsonl", arm_seconds[arm],
-                               prm_cost if arm == "process" else 0.0) for arm in arms}
+                               prm_cost if learned_prm_arm(arm) else 0.0) for arm in arms}
     summary = {
         "regime": plan.name,
         "sft_accuracy": reports["outcome"]["start_accuracy"],
@@ -332,9 +353,9 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             "label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
             "pass_at_n")}
     summary["plot"] = str(plot_arms(
-        {ARM_TITLES[arm]: path / "metrics.jsonl" for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",
+        {arm_title(arm): path / "metrics.jsonl" for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",
         title=f"quickstart ({plan.name} regime): GRPO from the same SFT policy, seed {plan.seed}",
-        seconds_before={ARM_TITLES["process"]: prm_cost}))
+        seconds_before={arm_title(arm): prm_cost for arm in arms if learned_prm_arm(arm)}))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

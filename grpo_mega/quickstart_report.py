@@ -12,6 +12,22 @@ ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)"}
+STEP_REWARD_ARM = "process_"
+"""Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
+
+
+def learned_prm_arm(arm: str) -> bool:
+    """Whether ``arm`` trains on the learned PRM (its labelling and training count against it)."""
+    return arm == "process" or arm.startswith(STEP_REWARD_ARM)
+
+
+def arm_key(arm: str) -> str:
+    """``os``, ``ps``, ``oracle``; ``ps_delta`` for the arm ``process_delta``."""
+    return ARM_KEYS.get(arm) or f"ps_{arm.removeprefix(STEP_REWARD_ARM)}"
+
+
+def arm_title(arm: str) -> str:
+    return ARM_TITLES.get(arm) or f"process supervision (learned PRM, {arm.removeprefix(STEP_REWARD_ARM)})"
 PRM_COST_STAGES = ("label", "train")
 """The PRM commands whose seconds count against the process arm (its evaluation is a report, not training)."""
 
@@ -50,11 +66,11 @@ def flat_figures(arms: dict[str, dict]) -> dict:
     ``ps_minus_os`` when both ran."""
     figures = {}
     for arm, report in arms.items():
-        figures[f"{ARM_KEYS[arm]}_accuracy"] = report["accuracy"]
-        figures[f"{ARM_KEYS[arm]}_gain"] = report["gain"]
-        figures[f"{ARM_KEYS[arm]}_zero_signal"] = report["zero_signal_group_fraction"]
-    if "outcome" in arms and "process" in arms:
-        figures["ps_minus_os"] = arms["process"]["accuracy"] - arms["outcome"]["accuracy"]
+        figures[f"{arm_key(arm)}_accuracy"] = report["accuracy"]
+        figures[f"{arm_key(arm)}_gain"] = report["gain"]
+        figures[f"{arm_key(arm)}_zero_signal"] = report["zero_signal_group_fraction"]
+        if learned_prm_arm(arm) and "outcome" in arms:  # ps_minus_os, ps_delta_minus_os, ...
+            figures[f"{arm_key(arm)}_minus_os"] = report["accuracy"] - arms["outcome"]["accuracy"]
     return figures
 
 
@@ -71,7 +87,7 @@ def print_table(summary: dict) -> None:
     print(f"{'held-out accuracy':40}{'after SFT':>10}{'after GRPO':>11}{'gain':>8}{'zero-signal':>13}{'seconds':>9}")
     for arm, report in summary["arms"].items():
         zero = report["zero_signal_group_fraction"]
-        print(f"{'GRPO, ' + ARM_TITLES[arm]:40}{report['start_accuracy']:>10.3f}{report['accuracy']:>11.3f}"
+        print(f"{'GRPO, ' + arm_title(arm):40}{report['start_accuracy']:>10.3f}{report['accuracy']:>11.3f}"
               f"{100 * report['gain']:>+7.1f}p{'n/a' if zero is None else f'{zero:.2f}':>13}{report['seconds']:>9.0f}")
     print("zero-signal: mean share of groups whose G outcome rewards were all equal (no outcome gradient); seconds: "
           "the arm's GRPO run, plus PRM labelling and training for the learned-PRM arm")

@@ -1,0 +1,32 @@
+"""The quickstart's GRPO arms: the learned-PRM arms of other ``process_reward.step_reward`` options
+(``QuickstartPlan.step_reward_arms``, ``bench/pipeline_seeds.py --step-rewards``) run the process arm's settings with
+that option, bear the PRM's cost, and are reported beside it against outcome supervision."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_mega.quickstart import ARMS, _arm_settings
+from grpo_mega.quickstart_report import arm_key, arm_title, flat_figures, learned_prm_arm
+
+
+def test_a_step_reward_arm_is_the_process_arm_with_its_option():
+    title, overrides, folder = _arm_settings("process_delta")
+    assert overrides == (*ARMS["process"][1], "process_reward.step_reward=delta")
+    assert folder == "grpo_process_delta" and "step_reward=delta" in title
+    assert _arm_settings("outcome") == (*ARMS["outcome"], "grpo")
+    assert [learned_prm_arm(a) for a in ("outcome", "process", "process_clip", "oracle")] == [False, True, True, False]
+    assert (arm_key("process_progress"), arm_key("oracle")) == ("ps_progress", "oracle")
+    assert arm_title("process_clip") == "process supervision (learned PRM, clip)"
+
+
+def test_every_learned_prm_arm_is_set_against_outcome_supervision():
+    def report(accuracy):
+        return {"accuracy": accuracy, "gain": accuracy - 0.2, "zero_signal_group_fraction": 0.5}
+
+    figures = flat_figures({"outcome": report(0.30), "process": report(0.34), "process_delta": report(0.41),
+                            "oracle": report(0.5)})
+    assert figures["ps_minus_os"] == pytest.approx(0.04)
+    assert figures["ps_delta_minus_os"] == pytest.approx(0.11)
+    assert figures["ps_delta_accuracy"] == 0.41 and figures["ps_delta_gain"] == pytest.approx(0.21)
+    assert "oracle_minus_os" not in figures
