@@ -47,7 +47,7 @@ from grpo_mega.metrics import read_metrics  # noqa: E402
 from grpo_mega.run_failure import TRANSIENT_CAUSES  # noqa: E402
 
 GRACE_S = 10
-NOT_COMPARED = ("timing_s/", "memory/", "perf/throughput", "time", "prm/seconds", "prm/score_seconds")
+NOT_COMPARED = ("timing_s/", "memory/", "perf/throughput", "time", "step_seconds")
 EXPECTED = {  # the causes a right diagnosis names, and the phase where the fault is planted inside a rank
     "sigkill": (set(TRANSIENT_CAUSES), None), "prm_sigkill": (set(TRANSIENT_CAUSES), None),
     "sigstop": ({"collective_timeout", "phase_timeout"}, None), "exception": ({"error"}, "update"),
@@ -120,19 +120,21 @@ def reference(task: FaultTask, fault: str, work: Path, timeout: int, env: dict) 
             raise SystemExit(f"the reference run of {fault} failed: see {work}")
         (run_dir / "done").write_text(f"{time.monotonic() - start}\n")
     rows = read_metrics(run_dir / "metrics.jsonl")
+    times = [row["time"] for row in rows]
     return {"metrics": {row["step"]: _comparable(row) for row in rows}, "prompts": _prompts(run_dir),
-            "seconds": float((run_dir / "done").read_text()), "run_dir": run_dir}
+            "seconds": float((run_dir / "done").read_text()), "run_dir": run_dir,
+            "window_s": times[-2] - times[0]}  # from the first step's row to the second-to-last step's
 
 
 def _inject_external(fault: str, job: subprocess.Popen, run_dir: Path, rng: random.Random, ref: dict,
                      disk: Path | None) -> float | None:
-    """Wait for the first logged step, then a random moment of the run, then the fault; returns its time."""
+    """Wait for the first logged step, then a random moment before the last step's row (in the reference run's
+    timing; the disk filled before the last save), then the fault; returns its time."""
     while _steps_logged(run_dir) < 1:
         if job.poll() is not None:
             return None
-        time.sleep(0.1)
-    step_s = ref["seconds"] / max(1, len(ref["metrics"]) + 2)  # start-up counted as ~2 steps
-    time.sleep(rng.uniform(0, step_s * (len(ref["metrics"]) - 2)))
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0, ref["window_s"]))
     if job.poll() is not None:
         return None
     if fault == "disk_full":

@@ -162,10 +162,20 @@ FULL_FRACTION = 0.01
 """A file system with less than this share of its size free (or under 1 MiB) counts as full."""
 
 
+def _checkpoint_bytes(folder: Path) -> int:
+    """The size of the complete checkpoint ``folder`` (its ``complete.json`` listing), 0 when unknown."""
+    try:
+        return sum(json.loads((folder / COMPLETE_FILE).read_text())["files"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
 def full_disk_error(staging: Path, step: int, error: BaseException) -> OSError | None:
-    """When the save of ``step`` into ``staging`` failed for want of space (ENOSPC / EDQUOT in ``error``'s chain,
-    which torch's checkpoint writers do not always keep, or the file system now under 1 % free), an OSError(ENOSPC)
-    that names the folder, the space left and the checkpoint ``latest`` still names; else None."""
+    """When the save of ``step`` into ``staging`` failed for want of space, an OSError(ENOSPC) that names the
+    folder, the space left and the checkpoint ``latest`` still names; else None. Want of space: ENOSPC / EDQUOT in
+    ``error``'s chain (torch's checkpoint writers do not always keep it; on the other ranks the error is only that a
+    peer failed), or less free than the previous checkpoint took (what this save needs, about), 1 % of the file
+    system or 1 MiB."""
     chain, link = [], error
     while link is not None and link not in chain:
         chain.append(link)
@@ -176,12 +186,15 @@ def full_disk_error(staging: Path, step: int, error: BaseException) -> OSError |
         usage = shutil.disk_usage(folder)
     except OSError:
         usage = None
-    full = usage is not None and (usage.free < FULL_FRACTION * usage.total or usage.free < 2**20)
+    latest = folder / LATEST_FILE
+    previous = latest.read_text().strip() if latest.is_file() else None
+    needed = _checkpoint_bytes(folder / previous) if previous else 0
+    full = usage is not None and usage.free < max(FULL_FRACTION * usage.total, 2**20, needed)
     if not (no_space or full):
         return None
     space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "space unknown"
-    latest = folder / LATEST_FILE
-    previous = latest.read_text().strip() if latest.is_file() else None
+    if needed:
+        space += f"; the previous checkpoint took {needed / 2**20:.1f} MiB"
     kept = f"the previous checkpoint {folder / previous} is untouched" if previous else "no earlier checkpoint exists"
     return OSError(errno.ENOSPC, f"the checkpoint of step {step} was not saved: no space left on the file system "
                                  f"of {staging} ({space}); {kept}")
