@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import re
 import shutil
@@ -262,10 +263,12 @@ def main() -> int:
     for fault in faults:
         ref = reference(task, fault, work, args.timeout, env)
         trials = [trial(task, fault, n, work, args.timeout, env, rng, ref) for n in range(args.trials)]
-        results["faults"][fault] = {"summary": summarise(trials), "trials": trials}
+        results["faults"][fault] = {"summary": summarise(trials), "trials": trials, "seed": args.seed,
+                                    "command": "python bench/faults.py " + " ".join(sys.argv[1:]),
+                                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         print(fault, json.dumps(results["faults"][fault]["summary"]), flush=True)
-        results.update(machine=f"{os.cpu_count()} cores", timeout_s=args.timeout, torchrun_grace_s=GRACE_S,
-                       seed=args.seed, command="python bench/faults.py " + " ".join(sys.argv[1:]))
+        results.update(machine=f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+                       timeout_s=args.timeout, torchrun_grace_s=GRACE_S)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(args.out)
