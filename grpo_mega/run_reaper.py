@@ -6,10 +6,14 @@ ranks that are still alive only (``torch.distributed.elastic.multiprocessing.api
 None``). The group of a rank that died (SIGKILL, the OOM killer, the phase watchdog's ``os._exit``) is never
 signalled, so its helpers live on: measured, a rank SIGKILLed during a save left a forked checkpoint writer, the
 writers' manager and a resource tracker running, which held the job step's stdout open, so ``srun`` (and the
-SLURM job) never ended; without SLURM they leak their memory on the node.
+SLURM job) never ended; without SLURM they leak their memory on the node. And a stopped rank (SIGSTOP, a job-control
+stop) cannot act on torchrun's SIGTERM: torchrun kills it 30 s later (its fixed grace when a worker failed,
+``LocalElasticAgent._stop_workers``; TORCH_ELASTIC_SHUTDOWN_TIMEOUT does not reach that path), so a hang ended
+``trainer.collective_timeout_s`` + 33 s after it began.
 
 :func:`reap_group_when_rank_exits` starts one small watcher process per rank (no torch import) that waits for the
-rank to exit and then kills the rank's process group. It acts only where the rank leads its own group (as under
+rank to exit, or to be stopped with a SIGTERM pending (it will never act on it), and then kills the rank's process
+group. It acts only where the rank leads its own group (as under
 torchrun), never on a group a shell or a test shares.
 """
 
@@ -24,9 +28,18 @@ import os, signal, sys, time
 rank = int(sys.argv[1])
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, signal.SIG_IGN)   # torchrun signals the whole group while the rank lives: outlast it
-while os.getppid() == rank:
+
+def stopped_and_told_to_end():
+    try:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{rank}/status").read().splitlines() if ":" in line)
+    except OSError:
+        return False
+    pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
+    return fields.get("State", "").split()[:1] == ["T"] and bool(pending & (1 << (signal.SIGTERM - 1)))
+
+while os.getppid() == rank and not stopped_and_told_to_end():
     time.sleep(0.5)
-os.killpg(rank, signal.SIGKILL)          # the rank has exited: its helpers, and this watcher, go with it
+os.killpg(rank, signal.SIGKILL)          # the rank has exited or cannot: its helpers, and this watcher, go with it
 """
 
 
