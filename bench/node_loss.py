@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,17 +28,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.mkdtemp(prefix="grpo-node-loss-")),
+                        help="each trial's pytest folder (its job log) is kept here")
     args = parser.parse_args()
     trials = []
     for number in range(args.trials):
         start = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST],
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                 f"--basetemp={args.work / f'trial{number}'}", TEST],
                                 cwd=ROOT, capture_output=True, text=True)
         found = re.search(r"node loss: requeued ([\d.]+) s after the kill; resumed from step (\d+)", result.stdout)
         trial = {"trial": number, "passed": result.returncode == 0,
                  "seconds_to_requeue": float(found.group(1)) if found else None,
                  "resumed_from_step": int(found.group(2)) if found else None,
                  "seconds": round(time.monotonic() - start, 1)}
+        logs = sorted((args.work / f"trial{number}").rglob("grpo-mega-*.out"))
+        if logs:  # the job's own lines: its restarts, the failure lines, the requeue decision
+            trial["job_log"] = [line[:200] for line in logs[0].read_text().splitlines()
+                                if line.startswith(("===", "srun")) or "failed (cause=" in line]
         if result.returncode != 0:
             trial["output_tail"] = result.stdout[-3000:]
         trials.append(trial)
