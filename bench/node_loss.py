@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.mkdtemp(prefix="grpo-node-loss-")),
                         help="each trial's pytest folder (its job log) is kept here")
     args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
     trials = []
     for number in range(args.trials):
         start = time.monotonic()
