@@ -70,6 +70,7 @@ class StopRequests:
 
     def install(self) -> "StopRequests":
         """Catch ``STOP_SIGNALS`` in this process (main thread) until :meth:`uninstall`."""
+        note_signal(None)  # a new run: a signal an earlier run of this process received is not this one's
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -78,6 +79,7 @@ class StopRequests:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        note_signal(None)
 
     def _on_signal(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name

@@ -100,10 +100,11 @@ def set_step(step: int | None) -> None:
     POSITION["step"] = step
 
 
-def note_signal(name: str) -> None:
+def note_signal(name: str | None) -> None:
     """Remember that this rank received stop signal ``name`` (the run-control handler calls it): an error after it
     is most likely the teardown's (torchrun sends SIGTERM to every rank when one fails, and kills the helper
-    processes megatron's checkpoint writers talk to), so it is classified ``terminated`` rather than ``error``."""
+    processes megatron's checkpoint writers talk to), so it is classified ``terminated`` rather than ``error``.
+    None forgets it (a run's signal handlers installed or removed)."""
     POSITION["signal"] = name
 
 

@@ -35,6 +35,12 @@ from faults import rank_pid  # noqa: E402  (bench/faults.py)
 TIMEOUT_S = 15
 
 
+@pytest.fixture(autouse=True)
+def no_signal_received(monkeypatch):
+    """Classification reads whether this process received a stop signal: none, unless a test says so."""
+    monkeypatch.setitem(POSITION, "signal", None)
+
+
 def test_failures_are_classified_so_a_requeue_policy_can_tell_transient_from_deterministic():
     class NonFiniteError(Exception):
         pass
