@@ -105,6 +105,17 @@ def _final_state(job_id: str, log: Path) -> str:
                      log)
 
 
+def _run_to_the_end(log_dir: Path, *args) -> tuple[str, str, str]:
+    """Submit train.sbatch with ``args`` and wait until it has ended: (job id, final state, its log)."""
+    job_id = _submit(log_dir, *args)
+    log = log_dir / f"grpo-mega-{job_id}.out"
+    try:
+        state = _final_state(job_id, log)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    return job_id, state, log.read_text()
+
+
 def _wait_for(predicate, timeout: float, what: str, log: Path):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -124,13 +135,7 @@ def _steps(run_dir: Path) -> list[int]:
 @pytest.mark.slow
 def test_train_sbatch_runs_two_steps_on_one_node(cluster, task, tmp_path):
     run_dir = tmp_path / "run"
-    job_id = _submit(tmp_path, *_overrides(task, run_dir, "trainer.total_steps=2"))
-    log = tmp_path / f"grpo-mega-{job_id}.out"
-    try:
-        state = _final_state(job_id, log)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    text = log.read_text()
+    _, state, text = _run_to_the_end(tmp_path, *_overrides(task, run_dir, "trainer.total_steps=2"))
     assert state == "COMPLETED", text[-4000:]
     assert "SLURM_RESTART_COUNT=0" in text
     assert _steps(run_dir) == [1, 2]
@@ -304,14 +309,8 @@ def test_a_corrupt_data_row_fails_the_job_without_a_requeue(cluster, task, tmp_p
     lines = train_file.read_text().splitlines()
     corrupt.write_text("\n".join([*lines[:3], '{"prompt": "1+1=", "answer"', *lines[3:]]) + "\n")
     run_dir = tmp_path / "run"
-    job_id = _submit(tmp_path, *_overrides((model_dir, corrupt), run_dir, "trainer.total_steps=2",
-                                           "data.on_bad_row=error"))
-    log = tmp_path / f"grpo-mega-{job_id}.out"
-    try:
-        state = _final_state(job_id, log)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    text = log.read_text()
+    job_id, state, text = _run_to_the_end(tmp_path, *_overrides((model_dir, corrupt), run_dir,
+                                                                "trainer.total_steps=2", "data.on_bad_row=error"))
     assert state == "FAILED", text[-4000:]
     assert "failed (cause=data), which a restart would repeat; not requeueing" in text
     assert "SLURM_RESTART_COUNT=1" not in text and _job(job_id)["Restarts"] == "0"
