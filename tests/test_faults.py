@@ -315,3 +315,32 @@ def test_a_stopped_rank_told_to_end_is_killed_at_once():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank.pid, signal.SIGKILL)
+
+
+SHARES_MEMORY = """
+import sys, time
+from multiprocessing import shared_memory
+from grpo_mega.run_reaper import reap_group_when_rank_exits
+assert reap_group_when_rank_exits() is not None
+queue = shared_memory.SharedMemory(create=True, size=1 << 20)   # as vLLM's message queue: the tracker knows it
+print(queue.name, flush=True)
+time.sleep(300)
+"""
+
+
+def test_shared_memory_of_a_killed_rank_is_unlinked():
+    """The watcher spares the rank's resource tracker, which unlinks what the dead rank left in /dev/shm."""
+    rank = subprocess.Popen([sys.executable, "-c", SHARES_MEMORY], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, TORCHELASTIC_RUN_ID="test"), start_new_session=True)
+    try:
+        segment = Path("/dev/shm") / rank.stdout.readline().strip()
+        assert segment.exists()
+        rank.kill()
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while segment.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not segment.exists(), f"{segment} outlived its rank"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)
