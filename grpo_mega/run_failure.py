@@ -50,7 +50,8 @@ _PEER_LOST_MARKS = ("connection reset by peer", "connection closed by peer", "br
                     "connection refused", "ncclremoteerror", "remote process exited")
 _HARDWARE_MARKS = ("uncorrectable ecc error", "ecc error", "fallen off the bus", "unspecified launch failure",
                    "busy or unavailable", "nvlink error", "cuda error: unknown error")
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The errnos of a full file system or an exhausted quota."""
 _PHASE_ATTRIBUTE = "_grpo_mega_failed_in"
 
 
@@ -108,7 +109,7 @@ def note_signal(name: str | None) -> None:
     POSITION["signal"] = name
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
     """``error`` and the exceptions it was raised from or during (``__cause__`` / ``__context__``)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
@@ -125,7 +126,7 @@ def classify(error: BaseException) -> str:
     norm), ``config`` (a bad config), ``data`` (a malformed dataset row), ``interrupted`` (KeyboardInterrupt),
     ``terminated`` (any other error after this rank received a stop signal: see :func:`note_signal`), else
     ``error``."""
-    chain = list(_chain(error))
+    chain = list(exception_chain(error))
     names = {type(link).__name__ for link in chain}
     messages = " | ".join(str(link).lower() for link in chain)
     if "PhaseTimeout" in names:
@@ -138,8 +139,8 @@ def classify(error: BaseException) -> str:
         return "data"
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
-    if any(isinstance(link, OSError) and link.errno in _FULL_ERRNOS for link in chain) or "no space left" in messages \
-            or "disk quota exceeded" in messages:
+    no_space = any(isinstance(link, OSError) and link.errno in NO_SPACE_ERRNOS for link in chain)
+    if no_space or "no space left" in messages or "disk quota exceeded" in messages:
         return "disk_full"
     if any(mark in messages for mark in _HARDWARE_MARKS):
         return "hardware"

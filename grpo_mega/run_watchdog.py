@@ -82,7 +82,7 @@ class PhaseWatchdog:
                 if not self._armed:
                     self._changed.wait()
                     continue
-                token, (name, deadline) = min(self._armed.items(), key=lambda item: item[1][1])
+                name, deadline = min(self._armed.values(), key=lambda armed: armed[1])
                 left = deadline - time.monotonic()
                 if left > 0:
                     self._changed.wait(timeout=left)

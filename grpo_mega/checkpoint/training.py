@@ -87,8 +87,6 @@ def _distributed_optimizer(engine) -> bool:
     return bool(getattr(engine, "distributed_optimizer", False))
 
 
-
-
 def _layout() -> dict[str, int]:
     return {
         "tensor": mpu.get_tensor_model_parallel_world_size(),

@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE as MCORE_MODEL_INFO_FILE
+from grpo_mega.run_failure import NO_SPACE_ERRNOS, exception_chain
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -176,11 +177,7 @@ def full_disk_error(staging: Path, step: int, error: BaseException) -> OSError |
     ``error``'s chain (torch's checkpoint writers do not always keep it; on the other ranks the error is only that a
     peer failed), or less free than the previous checkpoint took (what this save needs, about), 1 % of the file
     system or 1 MiB."""
-    chain, link = [], error
-    while link is not None and link not in chain:
-        chain.append(link)
-        link = link.__cause__ or link.__context__
-    no_space = any(isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT) for link in chain)
+    no_space = any(isinstance(link, OSError) and link.errno in NO_SPACE_ERRNOS for link in exception_chain(error))
     folder = staging.parent
     try:
         usage = shutil.disk_usage(folder)

@@ -62,7 +62,6 @@ def external_launcher_environment(rank: int, local_rank: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-
 SHM_FOLDER = Path("/dev/shm")
 
 
@@ -71,8 +70,8 @@ def _mapped_paths() -> set[str]:
     used: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
-            used.update(line.split(None, 5)[5].strip() for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                        if len(line.split(None, 5)) == 6)
+            fields = (line.split(None, 5) for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+            used.update(field[5].strip() for field in fields if len(field) == 6)
         with contextlib.suppress(OSError):
             used.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
     return used

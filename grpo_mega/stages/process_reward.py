@@ -74,7 +74,8 @@ class PRMStepRewards:
         pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
         steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in texts]
         scores, failed = self._score(prompts, texts, steps)
-        starts = group_start_values(prompts, outcomes) if self.settings.step_reward == "progress" else outcomes
+        progress = self.settings.step_reward == "progress"
+        starts = group_start_values(prompts, outcomes) if progress else [0.0] * len(texts)  # s_0 of progress only
         rewards = [shape_step_rewards(s, outcome, self.settings, start=start)
                    for s, outcome, start in zip(scores, outcomes, starts)]
         ends = [step_char_ends(row_steps) for row_steps in steps]

@@ -99,9 +99,14 @@ grpo_run_step() {
   return "$status"
 }
 
+# grpo_log_part: this restart's part of the job log (nothing when the log is not found).
+grpo_log_part() {
+  [[ -n "$log_file" && -f "$log_file" ]] && tail -n +"$(( log_start + 1 ))" "$log_file"
+}
+
 # grpo_log_since_start PATTERN: whether this restart's part of the job log has a line matching PATTERN.
 grpo_log_since_start() {
-  [[ -n "$log_file" && -f "$log_file" ]] && tail -n +"$(( log_start + 1 ))" "$log_file" | grep -q -- "$1"
+  grpo_log_part | grep -q -- "$1"
 }
 
 # grpo_requeue: put this job back in the queue (same job id, SLURM_RESTART_COUNT + 1) and end this run.
@@ -114,9 +119,8 @@ grpo_requeue() {
 # grpo_failure_cause: the cause named in this restart's part of the log by the rank that wrote failure.json (its
 # line ends with that path), else by the first failure line; nothing when no rank named one.
 grpo_failure_cause() {
-  [[ -n "$log_file" && -f "$log_file" ]] || return 0
   local lines line
-  lines=$(tail -n +"$(( log_start + 1 ))" "$log_file" | grep -a 'failed (cause=[a-z_]*)')
+  lines=$(grpo_log_part | grep -a 'failed (cause=[a-z_]*)')
   line=$(grep -a 'failure\.json$' <<<"$lines" | head -n1)
   [[ -n "$line" ]] || line=$(head -n1 <<<"$lines")
   grep -o 'failed (cause=[a-z_]*)' <<<"$line" | head -n1 | sed 's/^failed (cause=\([a-z_]*\))$/\1/'
