@@ -41,7 +41,7 @@ def _node_idle(node: str) -> bool:
         out = _run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], timeout=10)
     except subprocess.TimeoutExpired:
         return False
-    return out.returncode == 0 and out.stdout.strip() in {"idle", "mix", "alloc"}
+    return out.returncode == 0 and out.stdout.strip() == "idle"
 
 
 def apt_install(packages: list[str]) -> float:
@@ -144,10 +144,14 @@ def _start_daemons() -> bool:
 
 
 def _stop_daemons(munge: bool) -> None:
+    """SIGTERM the daemons the pid files name, where that process is still the daemon (a pid file left by a machine
+    that restarted may name any process now)."""
     pid_files = [STATE / "slurmd.pid", STATE / "slurmctld.pid"] + ([MUNGE_PID] if munge else [])
     for pid_file in pid_files:
         try:
-            os.kill(int(pid_file.read_text().strip()), 15)
+            pid = int(pid_file.read_text().strip())
+            if Path(f"/proc/{pid}/comm").read_text().strip() in {"slurmd", "slurmctld", "munged"}:
+                os.kill(pid, 15)
         except (OSError, ValueError):
             pass
 
@@ -167,6 +171,11 @@ def slurm_cluster():
         install_seconds = _install()
     if os.geteuid() != 0:
         pytest.skip("starting the SLURM daemons needs root")
+    # A run stopped hard (the machine or session ended mid-test) leaves its daemons' state behind: a job it recovers
+    # as RUNNING holds the node ("alloc") with no process behind it and every new job pends for good. This cluster
+    # is the tests' own, so it starts empty.
+    _stop_daemons(munge=False)
+    shutil.rmtree(STATE, ignore_errors=True)
     _configure(node)
     started_munge = False
     try:

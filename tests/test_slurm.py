@@ -124,7 +124,10 @@ def _wait_for(predicate, timeout: float, what: str, log: Path):
             return value
         time.sleep(0.5)
     text = log.read_text()[-4000:] if log.exists() else "(no log)"
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; log:\n{text}")
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True, timeout=30).stdout
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t %E"], capture_output=True, text=True, timeout=30).stdout
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; queue (job state reason):\n{queue}nodes:\n"
+                f"{nodes}log:\n{text}")
 
 
 def _steps(run_dir: Path) -> list[int]:
