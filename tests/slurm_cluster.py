@@ -20,6 +20,7 @@ import pytest
 STATE = Path("/tmp/grpo-mega-slurm")
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
 MUNGE_KEY = Path("/etc/munge/munge.key")
+CONF_HEADER = "# written by grpo-mega tests/slurm_cluster.py"
 
 
 @dataclass
@@ -89,7 +90,7 @@ def _configure(node: str) -> None:
     shutil.chown(MUNGE_KEY, "munge", "munge")
     MUNGE_KEY.chmod(0o400)
     SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
-    SLURM_CONF.write_text(f"""# written by grpo-mega tests/slurm_cluster.py
+    SLURM_CONF.write_text(f"""{CONF_HEADER}
 ClusterName=grpotest
 SlurmctldHost={node}
 SlurmUser=root
@@ -147,20 +148,46 @@ def _stop_daemons(munge: bool) -> None:
     """SIGTERM the daemons the pid files name, where that process is still the daemon (a pid file left by a machine
     that restarted may name any process now)."""
     pid_files = [STATE / "slurmd.pid", STATE / "slurmctld.pid"] + ([MUNGE_PID] if munge else [])
+    stopped = []
     for pid_file in pid_files:
         try:
             pid = int(pid_file.read_text().strip())
             if Path(f"/proc/{pid}/comm").read_text().strip() in {"slurmd", "slurmctld", "munged"}:
                 os.kill(pid, 15)
+                stopped.append(pid)
         except (OSError, ValueError):
             pass
+    deadline = time.monotonic() + 20
+    while any(map(_alive, stopped)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _cancel_every_job() -> None:
+    """SIGKILL every job of a running test cluster (a run killed before its teardown left them) and wait, up to 30 s,
+    until none is left."""
+    if _run(["scancel", "--full", "--signal=KILL", "--state=RUNNING"], timeout=30).returncode != 0:
+        return  # no cluster answers
+    _run(["scancel", "--state=PENDING"], timeout=30)
+    deadline = time.monotonic() + 30
+    while _run(["squeue", "-h", "-t", "R,CG"], timeout=30).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: where PID 1 reaps nothing, a stopped daemon stays one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def slurm_cluster():
     """Yield a SlurmCluster whose node is idle; skip when this machine cannot run one."""
     node = socket.gethostname().split(".")[0]
-    if shutil.which("sinfo") and _run(["sinfo", "-h"], timeout=10).returncode == 0:
-        # A cluster answers already (ours from an earlier session, or a real one).
+    ours = SLURM_CONF.exists() and SLURM_CONF.read_text().startswith(CONF_HEADER)
+    if not ours and shutil.which("sinfo") and _run(["sinfo", "-h"], timeout=10).returncode == 0:
+        # A cluster answers already (a real one: the tests' own, left by a run killed before its teardown, is
+        # restarted empty below).
         out = _run(["sinfo", "-h", "-o", "%n"], timeout=10).stdout.split()
         if out:
             node = out[0]
@@ -174,6 +201,8 @@ def slurm_cluster():
     # A run stopped hard (the machine or session ended mid-test) leaves its daemons' state behind: a job it recovers
     # as RUNNING holds the node ("alloc") with no process behind it and every new job pends for good. This cluster
     # is the tests' own, so it starts empty.
+    if ours and shutil.which("scancel"):
+        _cancel_every_job()
     _stop_daemons(munge=False)
     shutil.rmtree(STATE, ignore_errors=True)
     _configure(node)
