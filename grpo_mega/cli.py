@@ -20,6 +20,7 @@ import sys
 import warnings
 
 from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
+from grpo_mega.library_warnings import quiet_libraries
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,36 +113,9 @@ def _run_training(args) -> int:
     return 0
 
 
-KNOWN_HARMLESS_WARNINGS = (
-    # megatron-core at import: it runs on torch's own kernels when Apex / Transformer Engine are absent (as on CPU)
-    r"Transformer Engine and Apex are not installed",
-    r"Apex is not installed",
-    # megatron's TransformerConfig default for CUDA graphs, which grpo-mega does not use
-    r"full scope is deprecated",
-)
-# Not filtered: megatron's CUDA_DEVICE_MAX_CONNECTIONS warning (init_distributed sets the variable at TP > 1, so it
-# shows only where a user set another value, which costs the TP layers their communication overlap).
-"""Messages (regexes from the start) of the UserWarnings every run printed once per process and import, none of
-which a user can act on. Other warnings of these libraries still show."""
-QUIET_DEPRECATIONS_OF = ("megatron", "torch.distributed.checkpoint", "torch.distributed._shard", "transformers")
-"""Libraries whose deprecation notices concern their own internals (not a user's code or config)."""
-
-
-def _quiet_libraries() -> None:
-    """Keep the console for our progress and warnings that matter: megatron logs every parameter name at INFO, and
-    megatron / torch.distributed.checkpoint repeat deprecation and "no Apex / Transformer Engine" warnings in every
-    process. Installed by the entry points only (``grpo-mega``, ``tools/*``), never at import of the package."""
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    for message in KNOWN_HARMLESS_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    for module in QUIET_DEPRECATIONS_OF:
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _quiet_libraries()
+    quiet_libraries()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.command == "prm":

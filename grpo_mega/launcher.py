@@ -2,8 +2,9 @@
 
 Under torchrun or SLURM (RANK / SLURM_PROCID set) a command runs in this process, which is one rank of the job.
 Otherwise ``relaunch_with_torchrun`` execs the same command line under ``torch.distributed.run --standalone``
-(the CLI's ``--nproc``), and ``spawn_local_ranks`` runs a picklable function on fresh local processes with a
-torchrun-like environment (the conversion tools and the multi-process tests).
+(the CLI's ``--nproc``), and ``spawn_local_ranks`` runs a picklable function on new local processes (forked from a
+server that has imported torch, megatron-core and transformers once) with a torchrun-like environment (the
+conversion tools and the multi-process tests).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
 
 
 def under_launcher() -> bool:
@@ -39,7 +42,8 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
     machine do not oversubscribe its cores.
     """
     threads = threads_per_process or threads_per_rank(nproc)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # exec keeps the process, so its start is the command's: the ranks count what passes before theirs as "launch"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **{COMMAND_START_ENV: repr(process_start_time())})
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         # "--" ends torchrun's own options: its parser would otherwise reject, as ambiguous abbreviations of its
@@ -77,20 +81,43 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PRELOADED = ["grpo_mega.rank_preload"]
+"""Imported once, by the fork server every local rank is forked from (multiprocessing's ``forkserver`` start
+method): torch, megatron-core and transformers, so that a rank starts with them loaded instead of importing them
+again (5-7 s of CPU per rank on the 2-core test machine, where the suite starts hundreds of ranks). Importing them
+runs no device code and starts no thread pool, so forking the server is as clean a start as a fresh interpreter; a
+rank still gets the caller's environment, working directory and ``sys.path`` of the moment it is started
+(:func:`_local_rank`, and multiprocessing's own preparation). Its standard streams are the server's: those of the
+process that started the first ranks."""
+
+
+def _start_method() -> str:
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts, the first time
+    return "forkserver"
+
+
 def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: int | None, result_dir: str,
-                args: tuple) -> None:
-    """One spawned rank: torchrun-like environment, ``threads`` intra-op threads, run ``fn``, pickle its result."""
+                args: tuple, environment: dict[str, str]) -> None:
+    """One local rank: the caller's ``environment`` (a forked rank would otherwise have the fork server's, from
+    when it started) with torchrun's variables, ``threads`` intra-op threads, run ``fn``, pickle its result."""
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     import torch
 
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads_per_rank(world_size))
+    # Set explicitly: OpenMP read OMP_NUM_THREADS when the fork server loaded it, not from this environment.
+    if threads is None:
+        configured = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(configured) if configured.isdigit() and int(configured) > 0 else threads_per_rank(world_size)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
     try:
         result = fn(*args)
     finally:
@@ -106,7 +133,8 @@ def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: in
 def spawn_local_ranks(
     fn: Callable, world_size: int, args: tuple = (), *, threads: int | None = None, timeout: float | None = None
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` fresh local processes, the way torchrun would; results by rank.
+    """Run ``fn(*args)`` on ``world_size`` new local processes, the way torchrun would; results by rank. The
+    processes are forked from a server that has imported :data:`PRELOADED` (spawned where the system cannot).
 
     ``fn`` must be importable by name and its result picklable. ``threads``: intra-op threads per rank (default:
     ``OMP_NUM_THREADS`` when set, else the cores split evenly). A failing rank raises here as
@@ -119,8 +147,8 @@ def spawn_local_ranks(
 
     with tempfile.TemporaryDirectory(prefix="grpo_mega_ranks_") as result_dir:
         context = mp.start_processes(
-            _local_rank, args=(fn, world_size, free_port(), threads, result_dir, args),
-            nprocs=world_size, join=False, start_method="spawn",
+            _local_rank, args=(fn, world_size, free_port(), threads, result_dir, args, dict(os.environ)),
+            nprocs=world_size, join=False, start_method=_start_method(),
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         while not context.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),

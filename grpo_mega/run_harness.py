@@ -36,6 +36,7 @@ from grpo_mega.checkpoint.training import CheckpointManager
 from grpo_mega.config import save_config
 from grpo_mega.metrics import MetricsLogger, logger_options
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
+from grpo_mega.perf.startup import StartupClock
 from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
 from grpo_mega.run_failure import FAILURE_FILE, POSITION, phase, set_step
 from grpo_mega.run_watchdog import PhaseWatchdog
@@ -54,10 +55,14 @@ class RunHarness:
     def __init__(self, cfg: Any, *, command: str = "grpo-mega"):
         self.cfg = cfg
         run = cfg.trainer
+        self.startup = StartupClock()
+        """Start-up seconds by phase; trainers mark theirs (``startup.mark``), logged in the first step's row."""
+        self.startup.mark("imports")
         self.stop_requests = StopRequests(save_before_seconds=run.save_before_seconds,
                                           end_time=run_end_time(run.time_limit_seconds)).install()
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device,
                          timeout_s=run.collective_timeout_s)
+        self.startup.mark("distributed")
         self.run_dir = Path(run.run_dir)
         self.watchdog = PhaseWatchdog(self.run_dir, run.collective_timeout_s, command=command,
                                       setting=f"trainer.collective_timeout_s={run.collective_timeout_s:g} s").install()
@@ -71,6 +76,7 @@ class RunHarness:
         self.metrics_log: MetricsLogger | None = None
         self._engine = None
         self._extra_state: dict[str, Any] = {}
+        self._startup_metrics: dict[str, float] = {}
 
     def start(self, engine, *, extra_state: dict[str, Any] | None = None,
               initial_weights: Callable[[], Any] | None = None, bar_metric: str = "critic/score/mean") -> int:
@@ -91,6 +97,7 @@ class RunHarness:
             logger.info("resumed from %s at step %d", resume_from, loaded.step)
         elif initial_weights is not None:
             initial_weights()
+        self.startup.mark("load")
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / "config.yaml")
@@ -106,6 +113,8 @@ class RunHarness:
     def steps(self) -> Iterator[int]:
         """The steps to run, ``start_step + 1`` through ``trainer.total_steps``; ends after a step that stopped."""
         for step in range(self.start_step + 1, self.total_steps + 1):
+            if not self.startup.done:
+                self._startup_metrics = self.startup.finish()
             set_step(step)
             POSITION["phase"] = "step"  # the trainer marks its phases inside (generation, update, sync, ...)
             yield step
@@ -127,7 +136,8 @@ class RunHarness:
         self.step = step
         with phase("end of step (stop agreement, metrics)"):
             self.stop_reason = None if step == self.total_steps else self.stop_requests.agreed_reason(get_device())
-            self.metrics_log.log(step, metrics)
+            self.metrics_log.log(step, {**metrics, **self._startup_metrics})
+            self._startup_metrics = {}
         if self.on_schedule(step, self.cfg.trainer.save_every) or self.stop_reason:
             self.save(step)
 

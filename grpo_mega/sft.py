@@ -106,6 +106,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     # Data first: a bad file fails in seconds, before the model is built.
     prompts, responses = load_sft_examples(cfg, tokenizer)
+    harness.startup.mark("data")
     engine = build_policy_engine(
         AutoConfig.from_pretrained(cfg.model.hf_config),
         optim=cfg.optim,
@@ -119,6 +120,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         recompute=cfg.parallel.recompute,
         distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
+    harness.startup.mark("model_build")
     initial_weights = (lambda: load_initial_weights(engine, cfg.model.init_from)) if cfg.model.init_from else None
     harness.start(engine, initial_weights=initial_weights, bar_metric="sft/nll")
     for step in harness.steps():

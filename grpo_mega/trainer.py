@@ -66,10 +66,12 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     train_prompts = PromptBatches(_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
                                   seed=cfg.parallel.seed)
     eval_prompts = _prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
+    harness.startup.mark("data")
 
     # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
     rollout_engine = _build_rollout_engine(cfg, tokenizer) if cfg.rollout.engine == "vllm" else None
     policy, reference = _build_engines(cfg)
+    harness.startup.mark("model_build")
     # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
     start_step = harness.start(policy, extra_state={"prompts": train_prompts},
@@ -81,6 +83,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         rollout_engine = _build_rollout_engine(cfg, tokenizer)
     offload = cfg.parallel.offload_during_rollout
     sync = _sync(policy, rollout_engine, cfg, offload=offload)
+    harness.startup.mark("rollout_engine")  # built (vLLM before the model: its seconds count here too) and synced
     memory = PhaseMemory(get_device())
     rollout = RolloutStage(rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg,
                            seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids),

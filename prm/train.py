@@ -138,11 +138,13 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                                 stop_at_first_bad_step=cfg.data.stop_at_first_bad_step)
     eval_set = (_render(cfg, _read(cfg, cfg.data.eval_file), tokenizer, settings, source=cfg.data.eval_file)
                 if cfg.data.eval_file else None)
+    harness.startup.mark("data")
     engine = build_prm_engine(hf_config, spec, tokenizer, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                               distributed_optimizer=cfg.parallel.distributed_optimizer)
+    harness.startup.mark("model_build")
     harness.start(engine, initial_weights=lambda: _load_initial_weights(engine, cfg), bar_metric="prm/loss")
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
     for step in harness.steps():

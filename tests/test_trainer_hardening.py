@@ -75,6 +75,15 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
     expected, got = read_metrics(tmp_path / "straight" / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
     for name in ("actor/lr", "actor/grad_norm", "actor/pg_loss", "critic/score/mean"):
         assert [row[name] for row in got] == pytest.approx([row[name] for row in expected], rel=1e-6, abs=1e-9), name
+    # Each process's first step says where its start-up went (grpo_mega.perf.startup): from the command's start
+    # (torchrun and the rank's process before it: launch), the rank's imports, ..., to the step.
+    phases = {"launch", "imports", "distributed", "data", "model_build", "load", "rollout_engine", "other", "total"}
+    for rows, firsts in ((expected, {1}), (got, {1, 3})):  # the resumed process's first step is 3
+        startup = [{k.split("/")[1]: v for k, v in row.items() if k.startswith("startup_s/")} for row in rows]
+        assert [bool(s) for s in startup] == [row["step"] in firsts for row in rows]
+        for first in filter(None, startup):
+            assert set(first) == phases and first["launch"] > 0.5 and first["imports"] > 0.5, first
+            assert first["total"] == pytest.approx(sum(v for k, v in first.items() if k != "total"))
     final_a = _checkpoint_tensors(tmp_path / "straight" / "checkpoints" / "step_000004")
     final_b = _checkpoint_tensors(interrupted / "checkpoints" / "step_000004")
     assert final_a.keys() == final_b.keys() and "embedding.word_embeddings.weight" in final_a
