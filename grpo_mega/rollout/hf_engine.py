@@ -1,16 +1,16 @@
-"""The ``hf`` rollout engine: transformers ``generate`` (KV cache, batched, prompts bucketed by length and
-left-padded within a batch), CPU or one GPU. The KV cache is allocated once per generate call for prompt + new
-tokens (``grpo_mega.rollout.kv_cache``) instead of growing by concatenation at every token.
+"""The ``hf`` rollout engine: a transformers causal LM, CPU or one GPU, prompts bucketed by length and left-padded
+within a batch. Each prompt but its last token runs once and its KV cache is repeated for its G samples; the decode
+loop (``grpo_mega.rollout.hf_decode``) drops rows from the batch as they end, over a KV cache allocated once per
+call for prompt + new tokens (``grpo_mega.rollout.kv_cache``) instead of growing by concatenation at every token.
 
 Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
-the tokenizer's ids (no top-p / top-k renormalisation; see ``rollout.base`` for the definition): a logits
-processor placed before the temperature / top-k / top-p warpers keeps one step's log-softmax and gathers it at
-the token sampled from it, so memory stays at one [rows, vocab] tensor instead of all logits of the response.
+the tokenizer's ids (no top-p / top-k renormalisation; see ``rollout.base`` for the definition), before the
+temperature / top-k / top-p warpers (transformers' own) shape what is sampled.
 Ids past the tokenizer (a checkpoint's padded embedding rows) are masked before it, so they are never sampled.
 
 Sampling is defined by :class:`SamplingConfig` alone: the engine replaces the model's ``generation_config``
 (a checkpoint's ``generation_config.json`` often sets top_k / top_p / repetition_penalty, and transformers fills
-unset values with top_k=50), keeping only its EOS ids.
+unset values with top_k=50), keeping only its EOS ids, for any caller of the model's own ``generate``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -41,40 +39,10 @@ from grpo_mega.rollout.base import (
     load_hf_tokenizer,
     resolve_dtype,
 )
+from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.kv_cache import preallocated_cache
-from grpo_mega.rollout.stopping import StopStringsOnText, cut_response
+from grpo_mega.rollout.stopping import cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
-
-
-class SampledTokenLogprobs(LogitsProcessor):
-    """Records ``log_softmax(logits / T)[sampled token]`` per step; must run first among the logits processors.
-
-    At step t it sees the raw logits of step t and the tokens up to step t-1, so it keeps step t's log-softmax
-    and gathers it one call later at the token then appended; :meth:`finish` gathers the last step.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self._pending: torch.Tensor | None = None
-        self._steps: list[torch.Tensor] = []
-
-    def _gather_pending(self, tokens: torch.Tensor) -> None:
-        if self._pending is not None:
-            self._steps.append(self._pending.gather(1, tokens[:, None]).squeeze(1))
-            self._pending = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """Leaves ``scores`` unchanged; records the previous step's log-prob."""
-        self._gather_pending(input_ids[:, -1])
-        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[rows, generated tokens] log-probs of the tokens in ``sequences`` after the prompt."""
-        self._gather_pending(sequences[:, -1])
-        if not self._steps:
-            return torch.zeros(sequences.shape[0], 0)
-        return torch.stack(self._steps, dim=1).cpu()
 
 
 class PastTokenizerMask(LogitsProcessor):
@@ -177,6 +145,8 @@ class HFRolloutEngine:
         self._weights_ready = weights_ready
         self.weight_version = 0
         """Complete weight updates received so far."""
+        self.decode_row_steps = 0
+        """Rows x decode steps computed since the engine was built (a finished row leaves the batch)."""
 
     @classmethod
     def from_pretrained(
@@ -266,33 +236,18 @@ class HFRolloutEngine:
         prompt_length = input_ids.shape[1]
         # Greedy rows of one prompt are identical: generate once, copy n times.
         samples = 1 if sampling.greedy else sampling.n
-        recorder = SampledTokenLogprobs(sampling.logprob_temperature)
-        stopping = StoppingCriteriaList()
-        if sampling.stop:
-            stopping.append(StopStringsOnText(sampling.stop, self._decode, prompt_length))
-        # temperature / top-k / top-p are applied by the warpers after the recorder, so the config keeps them off.
-        neutral = {} if sampling.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-        config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens,
-            do_sample=not sampling.greedy,
-            eos_token_id=sorted(self.eos_token_ids),
-            pad_token_id=self.pad_token_id,
-            **neutral,
-        )
         cache = self._shared_prompt_cache(input_ids, attention_mask, samples,
                                           capacity=prompt_length + sampling.max_new_tokens)
-        sequences = self.model.generate(
-            input_ids=input_ids.repeat_interleave(samples, dim=0),
-            attention_mask=attention_mask.repeat_interleave(samples, dim=0),
-            generation_config=config,
-            past_key_values=cache,
-            logits_processor=LogitsProcessorList([*self._masks, recorder, *_sampling_warpers(sampling)]),
-            stopping_criteria=stopping,
+        stop = sampling.stop
+        decoded = decode(
+            self.model, input_ids.repeat_interleave(samples, dim=0), attention_mask.repeat_interleave(samples, dim=0),
+            cache, max_new_tokens=sampling.max_new_tokens, eos_token_ids=sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id, masks=self._masks, warpers=_sampling_warpers(sampling),
+            greedy=sampling.greedy, logprob_temperature=sampling.logprob_temperature,
+            stopped=(lambda ids: any(s in self._decode(ids) for s in stop)) if stop else None,
         )
-        generated = sequences[:, prompt_length:].tolist()
-        logprobs = recorder.finish(sequences)
-        if logprobs.shape[1] != len(generated[0]):
-            raise RuntimeError(f"recorded {logprobs.shape[1]} log-prob steps for {len(generated[0])} generated tokens")
+        self.decode_row_steps += decoded.row_steps
+        generated, logprobs = decoded.tokens.tolist(), decoded.logprobs
         completions: list[list[Completion]] = [[] for _ in prompts]
         for row, token_ids in enumerate(generated):
             prompt_in_chunk = row // samples

@@ -1,10 +1,10 @@
 """Where a generated response ends: EOS tokens, stop strings, the length limit.
 
 Stop strings are matched on the decoded text (``skip_special_tokens=True``), the same text a completion returns,
-both while generating (:class:`StopStringsOnText`, which ends a row early) and afterwards (:func:`cut_response`,
-which finds the token that completed the stop string). transformers' own ``StopStringCriteria`` matches on
-token strings instead, which can disagree with the decoded text (special tokens, byte-level pieces); one rule for
-both places keeps the cut exact.
+both while generating (the hf engine's decode loop ends a row once its text contains one) and afterwards
+(:func:`cut_response`, which finds the token that completed the stop string). transformers' own
+``StopStringCriteria`` matches on token strings instead, which can disagree with the decoded text (special tokens,
+byte-level pieces); one rule for both places keeps the cut exact.
 """
 
 from __future__ import annotations
@@ -12,33 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
-import torch
-from transformers import StoppingCriteria
-
 from grpo_mega.rollout.base import FinishReason
 
 Decode = Callable[[Sequence[int]], str]
-
-
-class StopStringsOnText(StoppingCriteria):
-    """Marks a row finished once the decoded text of its generated tokens contains any of ``stop``."""
-
-    def __init__(self, stop: Sequence[str], decode: Decode, prompt_length: int):
-        self.stop = list(stop)
-        self.decode = decode
-        self.prompt_length = prompt_length
-        self._stopped: set[int] = set()
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None, **kwargs) -> torch.BoolTensor:
-        """[B] bool: row b has produced a stop string (rows already stopped are not decoded again)."""
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for row in range(input_ids.shape[0]):
-            if row not in self._stopped:
-                text = self.decode(input_ids[row, self.prompt_length :].tolist())
-                if any(s in text for s in self.stop):
-                    self._stopped.add(row)
-            done[row] = row in self._stopped
-        return done
 
 
 @dataclass(frozen=True)
