@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 IMPORTS = ["pass", "import torch", "import transformers", "import megatron.core", "import grpo_mega.trainer",
            "import grpo_mega.cli"]
-SHARED = ["trainer.total_steps=1", "trainer.save_every=0", "trainer.eval_every=0", "trainer.progress_bar=false",
-          "trainer.tensorboard=false", "parallel.device=cpu"]
+SHARED = ["trainer.total_steps=1", "trainer.save_every=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
+          "parallel.device=cpu"]
 
 
 def _env() -> dict[str, str]:
@@ -73,7 +73,7 @@ def commands(task: dict[str, Path], run_root: Path) -> dict[str, list[str]]:
 
     grpo = [*model, f"data.train_file={task['train']}", "data.eval_file=null", "algorithm.rollout_batch_size=4",
             "algorithm.num_return_sequences_in_group=2", "algorithm.response_length=8",
-            "algorithm.dynamic_sampling=false", *SHARED]
+            "algorithm.dynamic_sampling=false", "trainer.eval_every=0", *SHARED]
     train = ["train", "--config", str(CONFIGS / "quickstart_grpo.yaml")]
     return {
         "train_1": [*train, "--nproc", "1", *grpo, run("train_1")],

@@ -2,9 +2,9 @@
 
 Under torchrun or SLURM (RANK / SLURM_PROCID set) a command runs in this process, which is one rank of the job.
 Otherwise ``relaunch_with_torchrun`` execs the same command line under ``torch.distributed.run --standalone``
-(the CLI's ``--nproc``), and ``spawn_local_ranks`` runs a picklable function on new local processes (forked from a
-server that has imported torch, megatron-core and transformers once) with a torchrun-like environment (the
-conversion tools and the multi-process tests).
+(the CLI's ``--nproc``), and ``spawn_local_ranks`` runs a picklable function on new local processes (on a CPU build
+of torch forked from a server that has imported torch, megatron-core and transformers once) with a torchrun-like
+environment (the conversion tools and the multi-process tests).
 """
 
 from __future__ import annotations
@@ -92,9 +92,14 @@ process that started the first ranks."""
 
 
 def _start_method() -> str:
+    """``forkserver`` with :data:`PRELOADED` on a CPU build of torch; ``spawn`` where torch is built for CUDA (or
+    the system has no fork server): a library that initialises CUDA at import (Transformer Engine reads the device
+    when it loads) would leave every rank forked after it unable to use the GPU, and no GPU has run this yet."""
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    import torch
+
+    if torch.version.cuda is not None or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts, the first time
     return "forkserver"
@@ -133,8 +138,8 @@ def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: in
 def spawn_local_ranks(
     fn: Callable, world_size: int, args: tuple = (), *, threads: int | None = None, timeout: float | None = None
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` new local processes, the way torchrun would; results by rank. The
-    processes are forked from a server that has imported :data:`PRELOADED` (spawned where the system cannot).
+    """Run ``fn(*args)`` on ``world_size`` new local processes, the way torchrun would; results by rank. On a CPU
+    build of torch the processes are forked from a server that has imported :data:`PRELOADED` (else spawned).
 
     ``fn`` must be importable by name and its result picklable. ``threads``: intra-op threads per rank (default:
     ``OMP_NUM_THREADS`` when set, else the cores split evenly). A failing rank raises here as

@@ -10,36 +10,29 @@ then fill in around the long ones and both workers finish at about the same time
 
 from __future__ import annotations
 
-# Approximate seconds of the slowest files under `make test` (2 idle cores, measured 2026-11-25 with --durations=0;
-# test_sft_preemption.py from its own run); only their order matters, and a file missing here just runs after them.
+# Approximate seconds of the slowest files under `make test` (2 idle cores, clean clone, measured 2026-11-27 from
+# pytest's junit XML, after local ranks came to be forked from a preloaded server); only their order matters, and a
+# file missing here just runs after them.
 SLOW_FILES = {
-    "test_quickstart_e2e.py": 315,
-    "test_trainer_hardening.py": 235,
-    "test_slurm.py": 300,
-    "test_prm_commands.py": 160,
-    "test_trainer_preemption.py": 155,
-    "test_gpu_check.py": 240,
-    "test_readme_small_model.py": 140,
-    "test_rollout_vllm.py": 110,
-    "test_hf_conversion.py": 95,
-    "test_distributed_optimizer.py": 95,
-    "test_engine_deepspeed.py": 80,
-    "test_training_checkpoint.py": 80,
-    "test_slurm_two_nodes.py": 200,
-    "test_sequence_parallel.py": 75,
-    "test_engine_megatron.py": 45,
-    "test_checkpoint_extra_state.py": 45,
-    "test_prm_replay.py": 40,
-    "test_sft_preemption.py": 60,
-    "test_sft_chat_format.py": 40,
-    "test_plan_engine.py": 35,
-    "test_prm_labeling.py": 35,
-    "test_model_parallel.py": 35,
-    "test_prm_conversion.py": 35,
-    "test_rollout_vllm_runners.py": 40,
-    "test_gpu_install.py": 40,
-    "test_bf16.py": 30,
-    "test_faults.py": 110,
+    "test_quickstart_e2e.py": 200,
+    "test_slurm.py": 194,
+    "test_gpu_check.py": 138,
+    "test_prm_commands.py": 110,
+    "test_slurm_two_nodes.py": 106,
+    "test_trainer_hardening.py": 97,
+    "test_readme_small_model.py": 93,
+    "test_trainer_preemption.py": 80,
+    "test_faults.py": 74,
+    "test_sft_preemption.py": 70,
+    "test_hf_conversion.py": 59,
+    "test_gpu_install.py": 50,
+    "test_engine_deepspeed.py": 48,
+    "test_rollout_vllm.py": 33,
+    "test_sequence_parallel.py": 22,
+    "test_training_checkpoint.py": 20,
+    "test_prm_replay.py": 16,
+    "test_distributed_optimizer.py": 13,
+    "test_plan_engine.py": 13,
 }
 
 
