@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 
 from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
 from grpo_mega.library_warnings import quiet_libraries
