@@ -113,8 +113,7 @@ class RunHarness:
     def steps(self) -> Iterator[int]:
         """The steps to run, ``start_step + 1`` through ``trainer.total_steps``; ends after a step that stopped."""
         for step in range(self.start_step + 1, self.total_steps + 1):
-            if not self.startup.done:
-                self._startup_metrics = self.startup.finish()
+            self._startup_metrics = self.startup.finish()  # the first step's; empty afterwards
             set_step(step)
             POSITION["phase"] = "step"  # the trainer marks its phases inside (generation, update, sync, ...)
             yield step

@@ -144,10 +144,9 @@ def _start_daemons() -> bool:
     return not munge_running
 
 
-def _stop_daemons(munge: bool) -> None:
-    """SIGTERM the daemons the pid files name, where that process is still the daemon (a pid file left by a machine
-    that restarted may name any process now)."""
-    pid_files = [STATE / "slurmd.pid", STATE / "slurmctld.pid"] + ([MUNGE_PID] if munge else [])
+def stop_daemons(pid_files: list[Path]) -> None:
+    """SIGTERM the daemons the pid files name, where that process is still a SLURM or munge daemon (a pid file left
+    by a machine that restarted may name any process now), and wait (up to 20 s) until they have exited."""
     stopped = []
     for pid_file in pid_files:
         try:
@@ -160,6 +159,10 @@ def _stop_daemons(munge: bool) -> None:
     deadline = time.monotonic() + 20
     while any(map(_alive, stopped)) and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def _stop_daemons(munge: bool) -> None:
+    stop_daemons([STATE / "slurmd.pid", STATE / "slurmctld.pid"] + ([MUNGE_PID] if munge else []))
 
 
 def _cancel_every_job() -> None:

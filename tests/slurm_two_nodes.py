@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import _memory_mb, _run, apt_install
+from slurm_cluster import _memory_mb, _run, apt_install, stop_daemons
 
 STATE = Path("/tmp/grpo-mega-slurm-2node")
 NODES = ("gmnode1", "gmnode2")
@@ -161,18 +161,7 @@ def _pids() -> list[Path]:
 
 def _stop() -> None:
     """Stop the daemons this cluster's pid files name, and wait (up to 20 s) until they have exited."""
-    pids = []
-    for pid_file in _pids():
-        try:
-            pid = int(pid_file.read_text().strip())
-            os.kill(pid, 15)
-            pids.append(pid)
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 20
-    while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
-        time.sleep(0.2)
+    stop_daemons(_pids())
 
 
 def _log_tail() -> str:

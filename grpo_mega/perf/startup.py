@@ -39,19 +39,18 @@ class StartupClock:
     """Seconds per start-up phase, from the process start (from the user's command when the launcher says when it
     started: the ``launch`` phase); a phase marked twice adds up."""
 
-    def __init__(self, start: float | None = None, command_start: float | None = None):
+    def __init__(self, start: float | None = None):
         self.start = process_start_time() if start is None else start
         self._last = self.start
         self.seconds: dict[str, float] = {}
         self.done = False
         # taken out of the environment, so a command this process starts does not count from the same start
-        launched_at = os.environ.pop(COMMAND_START_ENV, None)
-        if command_start is None and launched_at:
-            try:
-                command_start = float(launched_at)
-            except ValueError:
-                command_start = None
-        if command_start is not None and command_start <= self.start:
+        launched_at = os.environ.pop(COMMAND_START_ENV, "")
+        try:
+            command_start = float(launched_at)
+        except ValueError:
+            return
+        if command_start <= self.start:
             self.seconds["launch"] = self.start - command_start
 
     def mark(self, phase: str) -> None:

@@ -145,8 +145,6 @@ class HFRolloutEngine:
         self._weights_ready = weights_ready
         self.weight_version = 0
         """Complete weight updates received so far."""
-        self.decode_row_steps = 0
-        """Rows x decode steps computed since the engine was built (a finished row leaves the batch)."""
 
     @classmethod
     def from_pretrained(
@@ -246,7 +244,6 @@ class HFRolloutEngine:
             greedy=sampling.greedy, logprob_temperature=sampling.logprob_temperature,
             stopped=(lambda ids: any(s in self._decode(ids) for s in stop)) if stop else None,
         )
-        self.decode_row_steps += decoded.row_steps
         generated, logprobs = decoded.tokens.tolist(), decoded.logprobs
         completions: list[list[Completion]] = [[] for _ in prompts]
         for row, token_ids in enumerate(generated):
