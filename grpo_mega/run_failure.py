@@ -156,7 +156,9 @@ def classify(error: BaseException) -> str:
 
 
 def _rank() -> int:
-    for name in ("RANK", "SLURM_PROCID"):
+    """The job-wide rank (a job split into training and rollout worlds rewrites RANK to the world's own and keeps
+    the job's in GRPO_MEGA_GLOBAL_RANK: ``grpo_mega.parallel.roles``)."""
+    for name in ("GRPO_MEGA_GLOBAL_RANK", "RANK", "SLURM_PROCID"):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0

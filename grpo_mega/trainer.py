@@ -26,20 +26,22 @@ from transformers import AutoConfig
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.checkpoint.source import resolve_model_source
 from grpo_mega.config import GRPOConfig
-from grpo_mega.data.prompts import PromptBatches, load_prompt_dataset
+from grpo_mega.data.prompts import PromptBatches
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
-from grpo_mega.evaluation import evaluate
-from grpo_mega.parallel import destroy_model_parallel, get_device
+from grpo_mega.parallel import get_device
+from grpo_mega.parallel.roles import ROLLOUT, split_roles
 from grpo_mega.perf.memory import PhaseMemory
-from grpo_mega.reward import get_reward_function
-from grpo_mega.rollout import SyncStats, build_rollout_engine, sync_weights
+from grpo_mega.rollout import SyncStats, sync_weights
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.run_harness import RunHarness
 from grpo_mega.run_failure import phase as failure_phase
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.rollout import sampling_from_config
+from grpo_mega.stages.rollout_feed import RolloutFeed
+from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
+                                            load_prompts, run_evaluation, step_reward_source)
 
 logger = logging.getLogger(__name__)
 
@@ -59,42 +61,58 @@ class Timer:
 
 def train(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO; returns the last evaluation metrics. Raises ``StoppedEarly`` after saving the step in flight when
-    a stop signal arrived (on any rank) or the time limit came near (``grpo_mega.run_harness``)."""
+    a stop signal arrived (on any rank) or the time limit came near (``grpo_mega.run_harness``).
+
+    ``rollout.mode: async``: the job's last ``rollout.async_ranks`` processes become the rollout world
+    (``grpo_mega.rollout_worker``) and the others train here; batches come from the rollout world
+    (``grpo_mega.stages.rollout_feed``) instead of the rollout stage, and weights go to it instead of the engine."""
     alg = cfg.algorithm
+    split = None
+    if cfg.rollout.mode == "async":
+        split = split_roles(cfg.rollout.async_ranks, timeout_s=cfg.trainer.collective_timeout_s)
+        if split.layout.role == ROLLOUT:
+            from grpo_mega.rollout_worker import run_rollout_worker
+
+            return run_rollout_worker(cfg, split)
     harness = RunHarness(cfg, command="grpo-mega train")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
-    train_prompts = PromptBatches(_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
+    train_prompts = PromptBatches(load_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
                                   seed=cfg.parallel.seed)
-    eval_prompts = _prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
+    eval_records = eval_prompts(cfg, tokenizer)
     harness.startup.mark("data")
 
     # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
-    rollout_engine = _build_rollout_engine(cfg, tokenizer) if cfg.rollout.engine == "vllm" else None
+    rollout_engine = build_rollout_engine_for(cfg, tokenizer) if cfg.rollout.engine == "vllm" and not split else None
     policy, reference = _build_engines(cfg)
     harness.startup.mark("model_build")
+    feed = None if split is None else RolloutFeed(split, max_staleness=cfg.rollout.max_staleness,
+                                                  total_steps=cfg.trainer.total_steps,
+                                                  bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20)
     # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
-    start_step = harness.start(policy, extra_state={"prompts": train_prompts},
+    start_step = harness.start(policy, extra_state={"prompts": train_prompts} if feed is None else {"rollout_feed": feed},
                                initial_weights=lambda: load_initial_weights(policy, source),
                                bar_metric="critic/score/mean")
     if reference is not None:
         load_initial_weights(reference, source)
-    if rollout_engine is None:
-        rollout_engine = _build_rollout_engine(cfg, tokenizer)
     offload = cfg.parallel.offload_during_rollout
-    sync = _sync(policy, rollout_engine, cfg, offload=offload)
+    if feed is not None:  # the rollout world starts from this version of the weights
+        start_metrics = feed.start(start_step, policy.export_hf_weights())
+    else:
+        if rollout_engine is None:
+            rollout_engine = build_rollout_engine_for(cfg, tokenizer)
+        _sync(policy, rollout_engine, cfg, offload=offload)
     harness.startup.mark("rollout_engine")  # built (vLLM before the model: its seconds count here too) and synced
     memory = PhaseMemory(get_device())
-    rollout = RolloutStage(rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg,
-                           seed=cfg.parallel.seed, decode=lambda ids: decode_response(tokenizer, ids),
-                           step_reward_source=_step_reward_source(cfg))
+    rollout = None if feed is not None else RolloutStage(
+        rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
+        decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg))
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
-    verifier = get_reward_function(cfg.reward.function)
 
-    def run_eval(step: int) -> dict[str, float]:
-        return evaluate(rollout_engine, eval_prompts, verifier, max_new_tokens=alg.response_length,
-                        stop=cfg.rollout.stop, temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + step,
-                        on_error=cfg.reward.on_error) if eval_prompts else {}
+    def run_eval(step: int) -> dict[str, float]:  # async: the rollout world's evaluation of this step's weights
+        if feed is not None:
+            return feed.evaluation(step) if eval_records else {}
+        return run_evaluation(cfg, rollout_engine, eval_records, step)
 
     eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
     if eval_metrics:
@@ -102,12 +120,17 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
 
     for step in harness.steps():
         timer = Timer()
-        # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter
-        if offload:  # a checkpoint save took the optimizer state back
-            policy.offload_to_host()
-        with timer("gen"), memory.phase("generation"), failure_phase("generation"):
-            groups, metrics = rollout.run(step)
-        _release_rollout_memory(rollout_engine)
+        # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter; async: the
+        # batch the rollout world made for this step (timing_s/wait: the seconds the trainer waited for it)
+        if feed is not None:
+            with timer("wait"), failure_phase("waiting for the rollout world"):
+                groups, metrics = feed.batch(step)
+        else:
+            if offload:  # a checkpoint save took the optimizer state back
+                policy.offload_to_host()
+            with timer("gen"), memory.phase("generation"), failure_phase("generation"):
+                groups, metrics = rollout.run(step)
+            _release_rollout_memory(rollout_engine)
         if cfg.trainer.dump_rollouts and harness.is_rank0:
             _dump_rollouts(harness.run_dir, step, groups)
         if len(groups) == 0:
@@ -124,11 +147,16 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 harness.fail_step(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
                 raise
             metrics.update(_batch_metrics(groups, batch, alg))
-        # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights
+        # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights;
+        # async: the new version goes to the rollout world, which takes it when its schedule needs it
         with timer("sync"), failure_phase("sync", bounded=True):
-            sync = _sync(policy, rollout_engine, cfg, offload=offload)
+            if feed is not None:
+                sync_metrics, start_metrics = {**start_metrics, **feed.push_weights(step, policy.export_hf_weights())}, {}
+            else:
+                sync = _sync(policy, rollout_engine, cfg, offload=offload)
+                sync_metrics = {"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)}
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
-        metrics.update(timer.seconds, **{"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)})
+        metrics.update(timer.seconds, **sync_metrics)
         metrics.update(memory.metrics())
         metrics["timing_s/step"] = sum(timer.seconds.values())
         if "perf/num_tokens" in metrics:
@@ -142,18 +170,11 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             metrics.update(eval_metrics)
         harness.end_step(step, metrics)
 
-    harness.finish(before_shutdown=lambda: _close_rollout_engine(rollout_engine))
+    harness.finish(before_shutdown=feed.close if feed is not None else lambda: close_rollout_engine(rollout_engine))
     return eval_metrics
 
 
 # ----------------------------------------------------------------------------- set-up
-def _prompts(cfg: GRPOConfig, tokenizer, path: str):
-    return load_prompt_dataset(
-        path, tokenizer, prompt_length=cfg.data.prompt_length, prompt_field=cfg.data.prompt_field,
-        answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row, use_chat_template=cfg.data.chat_template,
-    ).records
-
-
 def _build_engines(cfg: GRPOConfig):
     """The policy (trained) and, with the KL loss, the reference (forward-only), with their initial weights still
     to load (``model.init_from``, in :func:`train`)."""
@@ -171,48 +192,11 @@ def _build_engines(cfg: GRPOConfig):
     return policy, reference
 
 
-def _step_reward_source(cfg: GRPOConfig):
-    """The PRM scoring every step (``process_reward.source: prm``) on its own forward-only engine of the policy's
-    kind (``engine``), else None (the reward function gives the step rewards, if any)."""
-    if cfg.process_reward.source != "prm":
-        return None
-    from grpo_mega.stages.process_reward import build_prm_step_rewards
-
-    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
-                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
-
-
-def _build_rollout_engine(cfg: GRPOConfig, tokenizer):
-    """The rollout engine on this rank's device (``parallel.device``): bf16 on a GPU, fp32 on the CPU. vllm: one
-    engine per rank inside torchrun (external_launcher), ``rollout.tensor_parallel`` ranks per replica, eager on
-    the CPU."""
-    device = get_device()
-    engine_settings = (
-        {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device} if cfg.rollout.engine == "hf"
-        else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "seed": cfg.parallel.seed,
-              "tensor_parallel_size": cfg.rollout.tensor_parallel,
-              "enforce_eager": cfg.rollout.enforce_eager or device.type == "cpu",
-              "max_num_seqs": cfg.rollout.max_num_seqs, "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
-              "max_model_len": cfg.data.prompt_length + cfg.algorithm.response_length}
-    )
-    return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
-                                dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
-
-
 def _release_rollout_memory(rollout_engine) -> None:
     """Free the rollout engine's accelerator memory for the update, where it can (vllm sleep mode on GPUs)."""
     release = getattr(rollout_engine, "release_memory", None)
     if release is not None:
         release()
-
-
-def _close_rollout_engine(rollout_engine) -> None:
-    """Shut down a rollout engine that holds process groups (vllm), after megatron's groups: inside torchrun
-    vLLM's shutdown also destroys the default process group."""
-    close = getattr(rollout_engine, "close", None)
-    if close is not None:
-        destroy_model_parallel()
-        close()
 
 
 def _sync(policy, rollout_engine, cfg: GRPOConfig, *, offload: bool) -> SyncStats:

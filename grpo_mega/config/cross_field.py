@@ -34,6 +34,7 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
                           "deepspeed.offload_optimizer")
     validate_rollout_layout(cfg, int(os.environ.get("WORLD_SIZE", "0")))
+    validate_rollout_mode(cfg, int(os.environ.get("WORLD_SIZE", "0")))
     check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     check_choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     check_choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
@@ -115,12 +116,46 @@ def validate_rollout_layout(cfg: GRPOConfig, world_size: int) -> None:
               else f"rollout.tensor_parallel={rollout.tensor_parallel}")
     if rollout.tensor_parallel < 1:
         raise ConfigError(f"{source} must be >= 1")
-    if rollout.engine == "vllm" and world_size and world_size % rollout.tensor_parallel:
+    if rollout.engine == "vllm" and world_size and rollout.mode != "async" and world_size % rollout.tensor_parallel:
         raise ConfigError(
             f"{source} does not divide the job's {world_size} processes: each vLLM rollout replica takes "
             f"rollout.tensor_parallel consecutive ranks. Set rollout.tensor_parallel to a divisor of {world_size} "
             f"(1 puts a whole copy of the model on every GPU), or run a multiple of it"
         )
+
+
+def validate_rollout_mode(cfg: GRPOConfig, world_size: int) -> None:
+    """``rollout.mode`` and, for ``async``, its ranks and staleness (``world_size``: the whole job's; 0 = not known
+    yet, outside a launcher)."""
+    rollout = cfg.rollout
+    check_choice(rollout.mode, ("colocated", "async"), "rollout.mode")
+    if rollout.mode != "async":
+        return
+    if rollout.async_ranks < 1:
+        raise ConfigError(f"rollout.async_ranks={rollout.async_ranks} must be >= 1 (processes that generate)")
+    if rollout.max_staleness < 0:
+        raise ConfigError(f"rollout.max_staleness={rollout.max_staleness} must be >= 0")
+    if rollout.max_staleness >= 1 and cfg.algorithm.rollout_is != "tis":
+        raise ConfigError(
+            f"rollout.max_staleness={rollout.max_staleness} trains on samples from weights up to that many updates "
+            "old: set algorithm.rollout_is=tis (truncated importance sampling from the rollout engine's log-probs), "
+            "or rollout.max_staleness=0")
+    if cfg.parallel.offload_during_rollout:
+        raise ConfigError("parallel.offload_during_rollout frees the training ranks' memory for a colocated rollout "
+                          "engine; with rollout.mode=async the engine has ranks of its own: set it to false")
+    if rollout.engine == "vllm" and rollout.async_ranks % rollout.tensor_parallel:
+        raise ConfigError(f"rollout.async_ranks={rollout.async_ranks} is not a multiple of rollout.tensor_parallel="
+                          f"{rollout.tensor_parallel}: each vLLM replica takes that many rollout ranks")
+    if world_size:
+        train_ranks = world_size - rollout.async_ranks
+        if train_ranks < 1:
+            raise ConfigError(f"rollout.async_ranks={rollout.async_ranks} leaves no training rank in a job of "
+                              f"{world_size} processes: start more processes (e.g. --nproc {rollout.async_ranks + 1})")
+        if train_ranks % (cfg.parallel.tensor * cfg.parallel.pipeline):
+            raise ConfigError(
+                f"the {train_ranks} training ranks (the job's {world_size} processes less rollout.async_ranks="
+                f"{rollout.async_ranks}) are not a multiple of parallel.tensor x parallel.pipeline = "
+                f"{cfg.parallel.tensor * cfg.parallel.pipeline}")
 
 
 def validate_sft(cfg: SFTConfig) -> None:

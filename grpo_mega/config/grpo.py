@@ -62,6 +62,19 @@ class RolloutConfig:
     """vLLM only: tokens in one forward pass (prefill chunks + decodes). None: vLLM's default for the GPU (16,384 on
     H100 / H200 and GPUs of >= 160 GiB, 8,192 elsewhere). With ``max_num_seqs`` it sizes vLLM's start-up
     activation workspace and its CUDA graphs."""
+    mode: str = "colocated"
+    """``colocated``: every rank generates, then every rank trains (the synchronous loop). ``async``: the job's last
+    ``async_ranks`` processes generate (the rollout engine, rewards, PRM scoring) on their own devices while the
+    others train, up to ``max_staleness`` steps ahead; weights cross after every update (``docs/training.md``,
+    "Asynchronous rollouts"). Start ``async_ranks`` more processes than the training layout needs."""
+    async_ranks: int = 1
+    """``mode: async``: processes (GPUs) that generate; the rest train. With vllm, a multiple of
+    ``tensor_parallel``."""
+    max_staleness: int = 1
+    """``mode: async``: the batch trained at step n is generated with the weights after step n - 1 - max_staleness
+    (exactly: a fixed lag, so runs are reproducible and resume exactly). 0: the synchronous algorithm on separate
+    ranks; 1: generation of the next batch overlaps this update (verl's one-step off-policy). >= 1 needs
+    ``algorithm.rollout_is: tis``, the correction of the stale samples."""
     enforce_eager: bool = False
     """vLLM only: no CUDA graphs (slower decoding; saves their memory pool, which vLLM's sleep mode does not
     free, so it stays on the GPU through the update). Always eager on the CPU."""

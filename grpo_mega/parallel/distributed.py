@@ -20,6 +20,7 @@ from megatron.core import parallel_state, tensor_parallel
 from grpo_mega.parallel.cpu_compat import apply_cpu_compat
 from grpo_mega.parallel.launch_env import megatron_cuda_environment, nccl_fault_environment, read_launch_env
 from grpo_mega.parallel.layout import ParallelLayout, layout_for_world
+from grpo_mega.parallel.roles import current_split, forget_split
 
 # Megatron-LM offsets the seed by 100 per pipeline stage so that stages holding different layers do
 # not draw identical initial weights; we keep its convention so runs are comparable.
@@ -145,12 +146,15 @@ def init_distributed(
     else:
         apply_cpu_compat()
     _device = chosen
+    split = current_split()  # a job split into training and rollout worlds: this process's world, over its store
+    rendezvous = ({"store": split.world_store()} if split is not None
+                  else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"})
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
+        **rendezvous,
     )
     init_model_parallel(tp, pp, seed=seed, timeout_s=timeout_s)
     return layout
@@ -198,4 +202,5 @@ def destroy_distributed() -> None:
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_split()
     _device = None

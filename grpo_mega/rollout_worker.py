@@ -1,0 +1,165 @@
+"""The rollout world of ``rollout.mode: async``: generation, rewards and PRM scoring on their own ranks.
+
+Its loop, top to bottom (``run_rollout_worker``; the schedule is ``grpo_mega.stages.rollout_feed``'s):
+
+1. the trainer says where to begin (``start``: the first step to generate, the prompt sampler's state when a
+   checkpoint resumes) and sends the weights it starts from;
+2. for each step ``n``: take weights versions from the bridge until this world holds version ``n - 1 - k``
+   (``k = rollout.max_staleness``), evaluating the versions the evaluation schedule names as they arrive; then the
+   rollout stage of colocated mode (prompts -> G completions -> outcome rewards -> PRM step rewards -> dynamic
+   sampling) and the batch to the trainer, with its metrics and the version that made it;
+3. after the last step: the remaining versions (the last one's evaluation), then ``stop`` -> ``bye``.
+
+Rewards and PRM scoring run here, off the training ranks' critical path: the PRM is a forward-only model like the
+rollout engine, the scores it gives belong to the batch they are sent with, and the trainer's devices keep only
+the policy (and reference). Every rollout rank runs this loop (SPMD within the rollout world: generation and
+scoring are split over its ranks and gathered); rank 0 talks to the bridge and relays to the others.
+
+Stop signals are recorded and not acted on: the training ranks decide when the job stops (they save, and the
+checkpoint needs the batches in flight from this world), then send ``stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from grpo_mega.config import GRPOConfig
+from grpo_mega.data.prompts import PromptBatches
+from grpo_mega.data.tokenizer import load_tokenizer
+from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
+from grpo_mega.parallel.roles import RoleSplit
+from grpo_mega.rollout.base import decode_response
+from grpo_mega.rollout.bridge import Bridge, share_in_world, share_tensors_in_world
+from grpo_mega.run_control import StopRequests
+from grpo_mega.run_failure import phase, set_step
+from grpo_mega.run_watchdog import PhaseWatchdog
+from grpo_mega.stages import RolloutStage
+from grpo_mega.stages.rollout import sampling_from_config
+from grpo_mega.stages.rollout_feed import generating_version
+from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
+                                            load_prompts, run_evaluation, step_reward_source)
+
+logger = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    """The trainer said stop while this world waited for weights."""
+
+
+class RolloutLink:
+    """The rollout world's end of the bridge, on every rollout rank: rank 0 talks, the others hear it relayed."""
+
+    def __init__(self, split: RoleSplit, engine):
+        self.bridge = Bridge(split.bridge_group(), is_trainer=False) if split.layout.on_bridge else None
+        self.engine = engine
+        self.version = -1
+        self.receive_seconds = self.bytes = 0.0
+
+    def receive(self) -> tuple[str, object]:
+        return share_in_world(self.bridge.receive() if self.bridge else None, source_has_it=self.bridge is not None)
+
+    def send(self, kind: str, payload=None, *, key: int = 0) -> None:
+        if self.bridge is not None:
+            self.bridge.send(kind, payload, key=key)
+
+    def take_weights(self) -> int:
+        """Load the next weights version into the engine (raises ``_Stop`` on ``stop``); returns the version."""
+        kind, message = self.receive()
+        if kind == "stop":
+            raise _Stop
+        if kind != "weights":
+            raise RuntimeError(f"the trainer sent {kind!r} where a weights version was due")
+        start = time.perf_counter()
+        device = get_device()
+        self.engine.begin_weight_update()
+        while True:
+            kind, entries = self.receive()
+            if kind == "weights_end":
+                break
+            named = self.bridge.receive_bucket(entries) if self.bridge is not None else None
+            tensors = list(share_tensors_in_world(named, entries, device))
+            self.bytes += sum(size for *_, size in entries)
+            self.engine.update_weights(tensors)
+        self.engine.finish_weight_update()
+        self.receive_seconds += time.perf_counter() - start
+        self.version = message["version"]
+        return self.version
+
+    def settle(self, up_to_key: int | None = None) -> None:
+        if self.bridge is not None:
+            self.bridge.settle(up_to_key)
+
+
+def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
+    """Serve the training world until it says stop (module docstring). Returns {} (the trainer reports)."""
+    alg, run = cfg.algorithm, cfg.trainer
+    stop_requests = StopRequests().install()  # recorded, not acted on: the trainer decides
+    init_distributed(1, 1, seed=cfg.parallel.seed, device=cfg.parallel.device, timeout_s=run.collective_timeout_s)
+    watchdog = PhaseWatchdog(run.run_dir, run.collective_timeout_s, command="grpo-mega train (rollout world)",
+                             setting=f"trainer.collective_timeout_s={run.collective_timeout_s:g} s").install()
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
+    prompts = PromptBatches(load_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
+                            seed=cfg.parallel.seed)
+    eval_records = eval_prompts(cfg, tokenizer)
+    engine = build_rollout_engine_for(cfg, tokenizer)
+    stage = RolloutStage(engine, prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
+                         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg))
+    link = RolloutLink(split, engine)
+    k, total = cfg.rollout.max_staleness, run.total_steps
+
+    kind, start = link.receive()
+    if kind != "start":
+        raise RuntimeError(f"the trainer sent {kind!r} before 'start'")
+    if start["prompts"] is not None:
+        prompts.load_state_dict(start["prompts"])
+    fresh = start["version"] == 0 and start["first_step"] == 1
+
+    def take_weights() -> float:
+        """The next version, evaluated when the schedule names it; returns the seconds waited and loaded."""
+        began = time.perf_counter()
+        with phase("waiting for weights"):
+            version = link.take_weights()
+        if eval_records and ((version == 0 and fresh) or (version > start["version"] and on_schedule(version))):
+            with phase("evaluation"):
+                link.send("eval", {"version": version,
+                                   "metrics": run_evaluation(cfg, engine, eval_records, version)}, key=version)
+        return time.perf_counter() - began
+
+    def on_schedule(version: int) -> bool:  # RunHarness.on_schedule's rule for trainer.eval_every
+        return bool(run.eval_every and version % run.eval_every == 0) or version == total
+
+    try:
+        take_weights()
+        for step in range(start["first_step"], total + 1):
+            set_step(step)
+            waited = link.receive_seconds
+            weights_wait = 0.0
+            while link.version < generating_version(step, k):
+                weights_wait += take_weights()
+            began = time.perf_counter()
+            with phase("generation"):
+                batch, metrics = stage.run(step)
+            seconds = time.perf_counter() - began
+            tokens = sum(len(c.response_ids) for c in batch.completions)
+            metrics.update({"async/weights_version": float(link.version), "async/generation_s": seconds,
+                            "async/rollout_wait_s": weights_wait,
+                            "async/weights_receive_s": link.receive_seconds - waited,
+                            "async/generation_tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
+            link.send("batch", {"step": step, "batch": batch, "metrics": metrics, "prompts": prompts.state_dict()},
+                      key=step)
+            link.settle(generating_version(step, k))  # the trainer has taken the batches of those steps
+        while link.version < total:
+            take_weights()
+        kind, _ = link.receive()
+        if kind != "stop":
+            raise RuntimeError(f"the trainer sent {kind!r} after the last weights version, where 'stop' was due")
+    except _Stop:
+        logger.info("rollout world: the trainer stopped the run at version %d", link.version)
+    link.send("bye")
+    link.settle()
+    watchdog.close()
+    stop_requests.uninstall()
+    close_rollout_engine(engine)
+    destroy_distributed()
+    return {}

@@ -1,0 +1,72 @@
+"""What generating needs, built from a GRPO config: the prompt records, the rollout engine, the PRM step-reward
+source, the evaluation. Shared by the trainer (colocated mode) and the rollout world (``rollout.mode: async``,
+``grpo_mega.rollout_worker``), so both build the same thing from the same config."""
+
+from __future__ import annotations
+
+from grpo_mega.config import GRPOConfig
+from grpo_mega.data.prompts import load_prompt_dataset
+from grpo_mega.evaluation import evaluate
+from grpo_mega.parallel import destroy_model_parallel, get_device
+from grpo_mega.reward import get_reward_function
+from grpo_mega.rollout import build_rollout_engine
+
+
+def load_prompts(cfg: GRPOConfig, tokenizer, path: str):
+    """The usable prompt records of ``path`` (``data.*``)."""
+    return load_prompt_dataset(
+        path, tokenizer, prompt_length=cfg.data.prompt_length, prompt_field=cfg.data.prompt_field,
+        answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row, use_chat_template=cfg.data.chat_template,
+    ).records
+
+
+def eval_prompts(cfg: GRPOConfig, tokenizer) -> list:
+    """The held-out prompts (``data.eval_file``, at most ``data.max_eval_prompts``); none without an eval file."""
+    return load_prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
+
+
+def step_reward_source(cfg: GRPOConfig):
+    """The PRM scoring every step (``process_reward.source: prm``) on its own forward-only engine of the policy's
+    kind (``engine``), else None (the reward function gives the step rewards, if any)."""
+    if cfg.process_reward.source != "prm":
+        return None
+    from grpo_mega.stages.process_reward import build_prm_step_rewards
+
+    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
+
+
+def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
+    """The rollout engine on this rank's device (``parallel.device``): bf16 on a GPU, fp32 on the CPU. vllm: one
+    engine per rank inside torchrun (external_launcher), ``rollout.tensor_parallel`` ranks per replica, eager on
+    the CPU."""
+    device = get_device()
+    engine_settings = (
+        {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device} if cfg.rollout.engine == "hf"
+        else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "seed": cfg.parallel.seed,
+              "tensor_parallel_size": cfg.rollout.tensor_parallel,
+              "enforce_eager": cfg.rollout.enforce_eager or device.type == "cpu",
+              "max_num_seqs": cfg.rollout.max_num_seqs, "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
+              "max_model_len": cfg.data.prompt_length + cfg.algorithm.response_length}
+    )
+    return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
+                                dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
+
+
+def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int) -> dict[str, float]:
+    """The held-out evaluation of the weights after step ``version`` (collective; {} without eval prompts)."""
+    if not prompts:
+        return {}
+    return evaluate(rollout_engine, prompts, get_reward_function(cfg.reward.function),
+                    max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
+                    temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
+                    on_error=cfg.reward.on_error)
+
+
+def close_rollout_engine(rollout_engine) -> None:
+    """Shut down a rollout engine that holds process groups (vllm), after megatron's groups: inside torchrun
+    vLLM's shutdown also destroys the default process group."""
+    close = getattr(rollout_engine, "close", None)
+    if close is not None:
+        destroy_model_parallel()
+        close()
