@@ -1,0 +1,187 @@
+"""Asynchronous rollouts (``rollout.mode: async``): the job split into a training and a rollout world, the bridge
+between them, the fixed-lag schedule, and the real CLI end to end on 2 gloo processes (1 training rank, 1 rollout
+rank): k = 0 gives the colocated run's batches and metrics, k = 1 is killed and resumes exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+from grpo_mega.data.prompts import PromptRecord
+from grpo_mega.metrics import read_metrics
+from grpo_mega.parallel.roles import role_layout
+from grpo_mega.rollout.base import Completion
+from grpo_mega.rollout.bridge import pack_bucket, unpack_bucket
+from grpo_mega.stages.rollout import RolloutBatch
+from grpo_mega.stages.rollout_feed import batch_from_state, batch_state, generating_version
+from tiny_task import build_tiny_task, tiny_run_overrides
+
+TESTS = Path(__file__).resolve().parent
+CONFIG = TESTS.parent / "configs" / "quickstart_grpo.yaml"
+ASYNC = ["rollout.mode=async", "parallel.tensor=1"]
+
+
+def digit_reward(prompt: str, completion: str, answer: str, **extra) -> float:
+    """Share of digits in the completion: varies within a group even for a random policy, so every step updates."""
+    return sum(ch.isdigit() for ch in completion) / len(completion) if completion else 0.0
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_the_last_ranks_generate_and_global_rank_0_trains():
+    assert role_layout(0, 3, 1) == role_layout(0, 3, 1)
+    first, second, last = (role_layout(rank, 3, 1) for rank in range(3))
+    assert (first.role, first.rank, first.world_size, first.on_bridge) == ("train", 0, 2, True)
+    assert (second.role, second.rank, second.world_size, second.on_bridge) == ("train", 1, 2, False)
+    assert (last.role, last.rank, last.world_size, last.on_bridge, last.bridge_rank) == ("rollout", 0, 1, True, 1)
+    spread = [role_layout(rank, 8, 4) for rank in range(8)]
+    assert [(r.role, r.rank) for r in spread] == [("train", i) for i in range(4)] + [("rollout", i) for i in range(4)]
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="async_ranks"):
+            role_layout(0, 3, bad)
+
+
+def test_the_batch_of_step_n_is_generated_by_version_n_minus_1_minus_k():
+    assert [generating_version(n, 0) for n in range(1, 6)] == [0, 1, 2, 3, 4]  # synchronous
+    assert [generating_version(n, 1) for n in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [generating_version(n, 2) for n in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+def test_a_bucket_crosses_the_bridge_bit_for_bit_whatever_its_dtypes():
+    generator = torch.Generator().manual_seed(0)
+    bucket = [("odd_bf16", torch.randn(3, 5, generator=generator).bfloat16()),  # 30 bytes: the next is realigned
+              ("fp32", torch.randn(7, generator=generator)),
+              ("empty", torch.zeros(0, 4)),
+              ("ids", torch.arange(9, dtype=torch.int64).reshape(3, 3)),
+              ("strided", torch.randn(4, 6, generator=generator).t())]  # not contiguous
+    entries, buffer = pack_bucket(bucket)
+    assert buffer.dtype == torch.uint8 and all(start % 16 == 0 for _, _, _, start, _ in entries)
+    received = unpack_bucket(entries, buffer.clone())
+    assert [name for name, _ in received] == [name for name, _ in bucket]
+    for (_, sent), (_, got) in zip(bucket, received):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
+
+
+def test_a_batch_in_flight_survives_the_checkpoint_format(tmp_path):
+    record = PromptRecord("Q: 1+2? A:", [5, 6, 7], "3", "1+2?", "train.jsonl:4", {"level": 2})
+    completions = [Completion(0, [5, 6, 7], [8, 9], [-0.5, -1.25], " 3", "eos"),
+                   Completion(0, [5, 6, 7], [10], [-2.0], " x", "length")]
+    batch = RolloutBatch([record], completions, torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]),
+                         [[0.9, 1.0], [0.1]], [[0, 1], [0]])
+    path = tmp_path / "state.pt"
+    torch.save({"batch": batch_state(batch)}, path)
+    loaded = batch_from_state(torch.load(path, weights_only=True)["batch"])  # how checkpoints are read
+    assert loaded.records == batch.records and loaded.completions == batch.completions
+    assert torch.equal(loaded.rewards, batch.rewards) and torch.equal(loaded.scores, batch.scores)
+    assert loaded.step_rewards == batch.step_rewards and loaded.step_ends == batch.step_ends
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["rollout.max_staleness=1", "algorithm.rollout_is=none"], 2, "set algorithm.rollout_is=tis"),
+    (["parallel.offload_during_rollout=true", "rollout.max_staleness=0"], 2, "parallel.offload_during_rollout"),
+    (["rollout.max_staleness=0"], 1, "leaves no training rank"),
+    (["rollout.max_staleness=0", "rollout.async_ranks=1", "parallel.tensor=2"], 2, "not a multiple of"),
+    (["rollout.max_staleness=0", "rollout.engine=vllm", "rollout.tensor_parallel=2", "rollout.async_ranks=1"], 3,
+     "rollout.async_ranks=1 is not a multiple of rollout.tensor_parallel=2"),
+    (["rollout.mode=later"], 2, "rollout.mode"),
+])
+def test_async_settings_that_cannot_run_are_refused_naming_the_key(overrides, world, message, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    base = ["model.hf_config=x", f"data.train_file={tmp_path / 'train.jsonl'}", "rollout.mode=async"]
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(GRPOConfig, CONFIG, base + overrides, validate)
+
+
+# ----------------------------------------------------------------------------- end to end (the CLI)
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
+
+
+def _command(task, run_dir, nproc, *extra):
+    heldout = task[1].parent / "heldout.jsonl"
+    return [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(CONFIG), "--nproc", str(nproc),
+            *tiny_run_overrides(task, run_dir, "optim.lr=1e-3", f"reward.function={__name__}:digit_reward",
+                                f"data.eval_file={heldout}", "trainer.eval_every=2", "trainer.dump_rollouts=true",
+                                *extra)]
+
+
+def _environment(**extra):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def _run(command, timeout=300, **environment):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_environment(**environment))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _comparable(row):
+    """A metrics row without what depends on the clock or the mode (timings, memory, the async metrics)."""
+    skip = ("timing_s/", "startup_s/", "memory/", "async/", "perf/throughput")
+    return {k: v for k, v in row.items() if k != "time" and not k.startswith(skip)}
+
+
+def _trained(run_dir, step):
+    return [(line["prompt"], line["response"]) for line in
+            map(json.loads, (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_staleness_0_on_separate_ranks_trains_what_the_colocated_run_trains(task, tmp_path):
+    """Same seed, same steps: the rollout world (hf engine) samples exactly what the colocated engine samples, so
+    every batch, reward, loss, gradient norm and evaluation is equal (not within a tolerance: equal)."""
+    colocated, separate = tmp_path / "colocated", tmp_path / "async"
+    # one thread, as each of the 2 processes of the async job has (--nproc splits the cores): float sums in the
+    # same order
+    _run(_command(task, colocated, 1, "parallel.tensor=1", "trainer.total_steps=3"), OMP_NUM_THREADS="1")
+    _run(_command(task, separate, 2, *ASYNC, "rollout.max_staleness=0", "trainer.total_steps=3"))
+    expected, got = read_metrics(colocated / "metrics.jsonl"), read_metrics(separate / "metrics.jsonl")
+    assert [r["step"] for r in got] == [0, 1, 2, 3] and "eval/accuracy" in got[0] and "eval/accuracy" in got[2]
+    assert all(row["actor/grad_norm"] > 0 for row in got[1:])  # every step moved the weights
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
+    for row in got[1:]:
+        assert row["async/weights_version"] == row["step"] - 1 and row["async/staleness_max"] == 0
+        assert row["perf/sync_bytes"] > 0 and row["async/generation_tokens_per_s"] > 0
+    for step in (1, 2, 3):
+        assert _trained(separate, step) == _trained(colocated, step)
+
+
+@pytest.mark.slow
+def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(task, tmp_path):
+    """k = 1, a checkpoint every 2 steps; the job is SIGKILLed once step 5 is logged (the checkpoint after step 4
+    holds the batch of step 5, generated from version 3, which no checkpoint keeps). The resumed run's steps equal
+    an uninterrupted run's, and every step trained the same prompts and completions: none lost, none twice."""
+    settings = [*ASYNC, "rollout.max_staleness=1", "algorithm.rollout_is=tis", "trainer.total_steps=6",
+                "trainer.save_every=2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    _run(_command(task, whole, 2, *settings))
+    job = subprocess.Popen(_command(task, killed, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, env=_environment(), start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not any(r["step"] == 5 for r in _rows(killed)):
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:] if job.stderr else ""
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    resumed = _run(_command(task, killed, 2, *settings))
+    assert "resumed from" in resumed.stderr
+    expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(7))
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
+    assert [r["async/weights_version"] for r in got[1:]] == [0, 0, 1, 2, 3, 4]  # the fixed lag, also after resume
+    assert [r["async/staleness_max"] for r in got[1:]] == [0, 1, 1, 1, 1, 1]
+    for step in range(1, 7):
+        assert _trained(killed, step) == _trained(whole, step)
+
+
+def _rows(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
