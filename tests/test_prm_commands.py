@@ -237,6 +237,29 @@ def test_process_supervised_grpo_with_the_learned_prm_scores_every_step(prm_task
         assert line["step_ends"] == sorted(set(line["step_ends"])) and line["step_ends"][-1] < len(line["response_ids"])
 
 
+@pytest.mark.slow
+def test_process_supervised_grpo_in_async_mode_scores_on_the_rollout_rank(prm_task, trained_prm, tmp_path):
+    """rollout.mode=async, 1 training rank and 1 rollout rank: the PRM scores every step on the rollout rank, one
+    step ahead of the update (staleness 1 after the first step), and its step rewards reach the trainer."""
+    from tiny_task import tiny_run_overrides
+
+    run_dir = tmp_path / "grpo_ps_async"
+    result = _grpo_mega(
+        "train", "--config", str(CONFIG.parent / "quickstart_grpo.yaml"), "--nproc", "2",
+        *tiny_run_overrides((prm_task["model"], prm_task["problems"]), run_dir), "parallel.tensor=1",
+        f"model.init_from={prm_task['policy']}", "trainer.total_steps=3", "algorithm.supervision=process",
+        "process_reward.source=prm", f"process_reward.prm={trained_prm[0]}", "process_reward.max_counted_steps=4",
+        "rollout.mode=async", "rollout.max_staleness=1", "algorithm.rollout_is=tis",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    for row in rows:
+        assert 0.0 <= row["prm/score_mean"] <= 1.0 and row["timing_s/prm"] > 0
+        assert 1.0 <= row["prm/steps_per_completion"] <= 4.0 and "reward/step_reward_mean" in row
+
+
 def test_prm_train_saves_and_stops_before_its_time_limit(prm_task, tmp_path):
     # less than save_before_seconds is left from the start: the run saves after step 1 and exits 3 (resumable)
     run_dir = tmp_path / "limited"

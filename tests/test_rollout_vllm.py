@@ -266,6 +266,23 @@ def test_grpo_steps_with_vllm_rollouts_on_two_processes(task, tmp_path):
     print("trainer sampler-vs-old log-prob |diff| max per step:", [row["rollout/logprob_diff_max"] for row in rows])
 
 
+def test_async_rollouts_with_vllm_on_the_rollout_rank(task, tmp_path):
+    """rollout.mode=async on 2 processes: 1 training rank, 1 rollout rank running vLLM (external_launcher over the
+    rollout world alone). At staleness 0 each batch comes from the weights the trainer has when it trains it, so
+    the sampler's log-probs match the trainer's: the weights crossed the bridge into vLLM intact, every step."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_run_overrides(task, run_dir, "rollout.engine=vllm", "trainer.total_steps=3", "optim.lr=1e-3",
+                                   f"reward.function={__name__}:digit_reward", "parallel.tensor=1",
+                                   "rollout.mode=async", "rollout.max_staleness=0")
+    run_distributed(_train, 2, overrides, timeout=400)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["async/weights_version"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["actor/grad_norm"] > 0
+        assert row["rollout/logprob_diff_max"] < 1e-4, row
+
+
 CURRENT_STEP = [0]
 
 
