@@ -7,7 +7,8 @@
 # NPROC processes (one per GPU on a GPU node; on CPU, gloo processes sharing the cores). Without NPROC, the
 # config's whole world size: parallel.tensor x parallel.pipeline x data parallel, from --config FILE and the
 # key=value overrides, where data parallel is --dp N, else the world size the config was written for (its
-# "# world_size: N" line, as the shipped real-model configs have) divided by tensor x pipeline, else 1.
+# "# world_size: N" line, as the shipped real-model configs have) divided by tensor x pipeline, else 1. With
+# rollout.mode=async, rollout.async_ranks more processes (the rollout ranks; a world size line counts them).
 # --dry-run prints the torchrun command line instead of running it. PYTHON: the interpreter (default: python).
 set -euo pipefail
 usage="usage: launch/local.sh [--dry-run] [--dp N | NPROC] COMMAND [ARGS...]"
@@ -65,19 +66,26 @@ for key in ("parallel.tensor", "parallel.pipeline"):
         sys.exit(f"launch/local.sh: {key} must be an integer >= 1, got {value!r} ({path} and overrides)")
     sizes.append(value)
 model_parallel = sizes[0] * sizes[1]
+# rollout.mode=async: rollout.async_ranks processes generate beside the training ranks (the world size line counts both)
+rollout_ranks = 0
+if OmegaConf.select(cfg, "rollout.mode", default="colocated") == "async":
+    rollout_ranks = OmegaConf.select(cfg, "rollout.async_ranks", default=1)
+    if isinstance(rollout_ranks, bool) or not isinstance(rollout_ranks, int) or rollout_ranks < 1:
+        sys.exit(f"launch/local.sh: rollout.async_ranks must be an integer >= 1, got {rollout_ranks!r} ({path} and overrides)")
 if dp:
-    print(model_parallel * int(dp))
+    print(model_parallel * int(dp) + rollout_ranks)
     sys.exit()
 worlds = re.findall(r"^# world_size: (\d+)[ \t]*$", text, flags=re.MULTILINE)
 if len(worlds) > 1:
     sys.exit(f"launch/local.sh: {path} has {len(worlds)} \"# world_size: N\" lines; keep one")
 if not worlds:
-    print(model_parallel)  # one data-parallel replica
+    print(model_parallel + rollout_ranks)  # one data-parallel replica
     sys.exit()
 world = int(worlds[0])
-if world % model_parallel:
+if world <= rollout_ranks or (world - rollout_ranks) % model_parallel:
+    less = f" less rollout.async_ranks={rollout_ranks}" if rollout_ranks else ""
     sys.exit(f"launch/local.sh: parallel.tensor x parallel.pipeline = {sizes[0]} x {sizes[1]} does not divide the "
-             f"world size {world} of {path} (its \"# world_size: {world}\" line); give --dp N or NPROC")
+             f"world size {world} of {path} (its \"# world_size: {world}\" line{less}); give --dp N or NPROC")
 print(world)
 ' "$config" "$dp" "${overrides[@]}") || exit 2
 fi

@@ -60,6 +60,18 @@ def test_process_count_is_tensor_times_pipeline_of_the_config_and_its_overrides(
     assert _nproc(_dry_run("train", "--config", "configs/quickstart_grpo.yaml")) == 1
 
 
+def test_async_rollout_ranks_come_on_top_of_the_training_ranks():
+    """rollout.mode=async: rollout.async_ranks processes more than the training layout; a config's world size line
+    counts them, so the training ranks are what is left."""
+    async_ranks = ["rollout.mode=async", "rollout.async_ranks=2"]
+    assert _nproc(_dry_run("--dp", "2", "train", "--config", "configs/quickstart_grpo.yaml", *async_ranks)) == 4
+    assert _nproc(_dry_run("train", "--config", "configs/quickstart_grpo.yaml", *async_ranks)) == 3
+    assert _nproc(_dry_run("train", "--config", "configs/qwen2.5-math-7b_grpo.yaml", "rollout.mode=async",
+                           "rollout.async_ranks=4")) == 8  # its world size line: 4 training ranks at TP=4, 4 rollout
+    result = _local("--dry-run", "train", "--config", "configs/qwen2.5-math-7b_grpo.yaml", *async_ranks)
+    assert result.returncode == 2 and "less rollout.async_ranks=2" in result.stderr  # 6 training ranks at TP=4
+
+
 def test_an_explicit_process_count_wins_and_the_command_passes_through_after_a_double_dash():
     command = _dry_run("4", "prm", "label", "--n", "8", "--policy", "runs/sft")
     assert _nproc(command) == 4
