@@ -24,6 +24,7 @@ REAL_MODEL_CONFIGS = {
     "qwen2.5-math-7b_grpo.yaml": ("qwen2.5-math-7b", 7.6e9),
     "llama-3.1-8b_grpo.yaml": ("llama-3.1-8b", 8.0e9),
     "qwen2.5-math-7b_grpo_prm.yaml": ("qwen2.5-math-7b", 7.6e9),
+    "qwen2.5-math-7b_grpo_async.yaml": ("qwen2.5-math-7b", 7.6e9),
 }
 for _multi_node in sorted(CONFIGS.glob("*_2node.yaml")):
     _single = _multi_node.name.replace("_2node", "")
@@ -113,14 +114,17 @@ def test_layout_splits_model_and_world(name):
     tp, pp, world = cfg.parallel.tensor, cfg.parallel.pipeline, _world_size(name)
     assert world % 8 == 0, "real-model configs are for whole nodes of 8 GPUs"
     validate_model_split(tp, pp, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads)
-    layout = validate_layout(tp, pp, world, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads)
+    # rollout.mode=async: the last async_ranks GPUs generate, the others train
+    generators = cfg.rollout.async_ranks if cfg.rollout.mode == "async" else 0
+    layout = validate_layout(tp, pp, world - generators, hf.num_hidden_layers, hf.num_attention_heads,
+                             hf.num_key_value_heads)
     alg = cfg.algorithm
     G = alg.num_return_sequences_in_group
     mini = alg.mini_batch_size or alg.rollout_batch_size
     assert alg.rollout_batch_size % mini == 0
     assert (alg.rollout_batch_size * G) % layout.dp == 0
     assert (mini * G) % layout.dp == 0, "every data-parallel rank gets rows of every mini-batch"
-    assert (alg.rollout_batch_size * G) % world == 0, "generation splits evenly over all ranks"
+    assert (alg.rollout_batch_size * G) % (generators or world) == 0, "generation splits evenly over its ranks"
     # A full-length row fits the micro-batch budget (a longer row would get a micro-batch of its own).
     assert cfg.parallel.max_tokens_per_micro_batch >= cfg.data.prompt_length + alg.response_length
 

@@ -10,7 +10,8 @@ import pytest
 from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 
 REAL_CONFIGS = ["qwen2.5-math-1.5b_grpo", "qwen2.5-math-7b_grpo", "qwen2.5-math-7b_grpo_prm",
-                "qwen2.5-math-7b_grpo_2node", "llama-3.1-8b_grpo", "llama-3.1-8b_grpo_2node"]
+                "qwen2.5-math-7b_grpo_2node", "llama-3.1-8b_grpo", "llama-3.1-8b_grpo_2node",
+                "qwen2.5-math-7b_grpo_async"]
 # The PRM config points at a downloaded folder; plan it with the architecture shipped in configs/models.
 PRM_ARCHITECTURE = "process_reward.prm=configs/models/qwen2.5-math-prm-7b"
 
@@ -43,6 +44,25 @@ def test_shipped_config_fits_its_documented_hardware(name):
         assert plan.vllm.sequences_held >= 1
     if "prm" in name:
         assert plan.prm and plan.prm > 0 and plan.phase("prm_scoring").total > plan.phase("generation").total
+
+
+def test_async_rollouts_put_vllm_and_the_prm_on_the_rollout_gpus_and_the_policy_on_the_others():
+    """rollout.mode=async: data parallelism counts the training GPUs only; the update and the save hold no vLLM
+    and no PRM, generation and PRM scoring hold no policy state; vLLM's replicas are the rollout GPUs'."""
+    colocated = _plan("qwen2.5-math-7b_grpo_prm")
+    split = _plan("qwen2.5-math-7b_grpo_prm", "rollout.mode=async", "rollout.async_ranks=4", "rollout.tensor_parallel=1",
+                  "algorithm.rollout_is=tis", "rollout.gpu_memory_utilization=0.5")
+    assert (colocated.data, split.data) == (2, 1)
+    assert split.vllm.replicas == 4
+    for name in ("update", "save"):
+        items = split.phase(name).items
+        assert items.get("PRM weights", 0) == 0 and not any(key.startswith("vLLM") for key in items)
+    for name in ("generation", "prm_scoring"):
+        items = split.phase(name).items
+        assert items["PRM weights"] > 0 and "parameters" not in items and "optimizer" not in items
+    # the PRM runs at TP1 on a rollout GPU: a whole copy, 4x its TP4 share
+    assert split.phase("generation").items["PRM weights"] == pytest.approx(4 * colocated.prm, rel=0.02)
+    assert any("rollout.mode=async" in note for note in split.notes)
 
 
 def test_seven_b_static_bytes_are_eighteen_bytes_a_parameter_and_shard_with_the_distributed_optimizer():

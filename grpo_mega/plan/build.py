@@ -13,7 +13,7 @@ from grpo_mega.plan.activations import (
 from grpo_mega.plan.counts import ModelRequest, count_stage_params
 from grpo_mega.plan.phases import CUDA_CONTEXT_BYTES, NCCL_BYTES, Phase, Plan, SaveHost
 from grpo_mega.plan.settings import (
-    Hardware, data_parallel_size, memory_settings, rollout_tensor_parallel,
+    Hardware, data_parallel_size, memory_settings, rollout_ranks, rollout_tensor_parallel,
 )
 from grpo_mega.plan.static import checkpoint_save_bytes, forward_only_bytes, training_static_bytes
 from grpo_mega.plan.vllm import plan_vllm
@@ -67,8 +67,8 @@ def _prm_hf_config(path: str) -> dict | None:
     return json.loads(saved.read_text()) if hf_dir and saved.is_file() else None
 
 
-def _prm_request(cfg, dtype: str) -> tuple[ModelRequest | None, str | None]:
-    """The PRM's model request at the job's layout, or (None, why it is unknown)."""
+def _prm_request(cfg, dtype: str, tp: int, pp: int) -> tuple[ModelRequest | None, str | None]:
+    """The PRM's model request at the layout it runs at (``tp`` x ``pp``), or (None, why it is unknown)."""
     if cfg.process_reward.source != "prm":
         return None, None
     hf = _prm_hf_config(cfg.process_reward.prm or "")
@@ -76,7 +76,7 @@ def _prm_request(cfg, dtype: str) -> tuple[ModelRequest | None, str | None]:
         return None, (f"PRM unknown: {cfg.process_reward.prm} holds no config.json (nor a grpo-mega checkpoint's); "
                       "its weights and activations are not counted (process_reward.prm)")
     classifier = PRM_CLASSIFIER_ARCHITECTURE in (hf.get("architectures") or [])
-    return ModelRequest(hf, cfg.parallel.tensor, cfg.parallel.pipeline, dtype, lm_output=not classifier,
+    return ModelRequest(hf, tp, pp, dtype, lm_output=not classifier,
                         head="classifier" if classifier else "none"), None
 
 
@@ -102,7 +102,10 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     requests = [ModelRequest(policy_hf, tp, pp, dtype)]
     if vllm:
         requests.append(ModelRequest(policy_hf, rollout_tp, 1, "bfloat16"))
-    prm_request, prm_note = _prm_request(cfg, dtype)
+    generators = rollout_ranks(cfg)  # rollout.mode=async: GPUs of their own generate (and score with the PRM)
+    # the rollout world builds the PRM at TP1 (grpo_mega.rollout_worker); colocated, it shares the policy's layout
+    prm_tp, prm_pp = (1, 1) if generators else (tp, pp)
+    prm_request, prm_note = _prm_request(cfg, dtype, prm_tp, prm_pp)
     if prm_request is not None:
         requests.append(prm_request)
     counted = count_stage_params(requests)
@@ -133,15 +136,25 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
         prm_stages = counted[-1]
         prm = max(forward_only_bytes(stage) for stage in prm_stages)
         prm_hf = prm_request.hf_config
-        prm_shapes = Shapes.from_hf(prm_hf, padded_vocab_size(int(prm_hf["vocab_size"]), tp))
-        prm_activations = forward_activation_bytes(prm_shapes, tokens=cfg.parallel.max_tokens_per_micro_batch, tp=tp,
-                                                   dtype_bytes=dtype_bytes)
+        prm_shapes = Shapes.from_hf(prm_hf, padded_vocab_size(int(prm_hf["vocab_size"]), prm_tp))
+        prm_activations = forward_activation_bytes(prm_shapes, tokens=cfg.parallel.max_tokens_per_micro_batch,
+                                                   tp=prm_tp, dtype_bytes=dtype_bytes)
     elif prm_note:
         prm = None
 
-    base = {"CUDA context": 0 if cpu else CUDA_CONTEXT_BYTES, "NCCL": 0 if cpu else NCCL_BYTES,
-            "parameters": policy.params}
+    device_base = {"CUDA context": 0 if cpu else CUDA_CONTEXT_BYTES, "NCCL": 0 if cpu else NCCL_BYTES}
+    base = {**device_base, "parameters": policy.params}
     resident_others = {"reference (KL)": reference, "PRM weights": prm or 0}
+    if generators:  # the training ranks hold no PRM, no vLLM; the rollout ranks hold those and no policy
+        full_weights = sum(p.numel for stage in policy_stages for p in stage) * tp * dtype_bytes  # norms: x tp, ~
+        copies_gib = (cfg.rollout.max_staleness + 1) * full_weights / 2**30
+        resident_others = {"reference (KL)": reference}
+        rollout_base = {**device_base, "PRM weights": prm or 0}
+        notes.append(
+            f"rollout.mode=async: update and save are the {hardware.world_size - generators} training GPUs' (DP{dp}); "
+            f"generation and prm_scoring the {generators} rollout GPUs' (the PRM at TP1). The weights cross in host "
+            f"memory: training rank 0 holds up to rollout.max_staleness + 1 = {cfg.rollout.max_staleness + 1} "
+            f"copies, about {copies_gib:.1f} GiB of host RAM")
     update = Phase("update", {**base, "gradients": policy.grads, "optimizer": policy.optimizer, **resident_others,
                               "activations": activations, "log-prob buffers": logprobs})
     phases = [update]
@@ -154,18 +167,22 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
             limits=limits, enforce_eager=cfg.rollout.enforce_eager,
             shapes=Shapes.from_hf(policy_hf, int(policy_hf["vocab_size"])),
             weight_elements=sum(p.numel for p in counted[1][0]), tensor_parallel=rollout_tp,
-            world_size=hardware.world_size, gpu_bytes=hardware.gpu_bytes,
+            world_size=generators or hardware.world_size, gpu_bytes=hardware.gpu_bytes,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             sequence_tokens=cfg.data.prompt_length + cfg.algorithm.response_length,
             rollout_sequences=cfg.algorithm.rollout_batch_size * cfg.algorithm.num_return_sequences_in_group)
         offload = settings.offload_during_rollout
-        # vLLM sleeps during the update, but its CUDA-graph pool does not go with it
-        update.items["vLLM CUDA graphs"] = vllm_plan.cuda_graphs
         vllm_resident = {"vLLM weights": vllm_plan.weights, "vLLM KV cache": max(0, vllm_plan.kv_cache),
                          "vLLM CUDA graphs": vllm_plan.cuda_graphs}
-        generation = Phase("generation", {
-            **base, "gradients": 0 if offload else policy.grads, "optimizer": 0 if offload else policy.optimizer,
-            **resident_others, **vllm_resident, "vLLM workspace": vllm_plan.workspace})
+        if generators:
+            generation = Phase("generation", {**rollout_base, **vllm_resident, "vLLM workspace": vllm_plan.workspace})
+            vllm_resident = {}  # nothing of vLLM on the training GPUs
+        else:
+            # vLLM sleeps during the update, but its CUDA-graph pool does not go with it
+            update.items["vLLM CUDA graphs"] = vllm_plan.cuda_graphs
+            generation = Phase("generation", {
+                **base, "gradients": 0 if offload else policy.grads, "optimizer": 0 if offload else policy.optimizer,
+                **resident_others, **vllm_resident, "vLLM workspace": vllm_plan.workspace})
         phases.append(generation)
         if 0 < vllm_plan.sequences_held < vllm_plan.sequences_asked:
             notes.append(f"vLLM holds {vllm_plan.sequences_held} of the {vllm_plan.sequences_asked} full-length "
@@ -173,14 +190,16 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
         if prm_request is not None:
             phases.append(Phase("prm_scoring", {**generation.items, "PRM activations": prm_activations}))
     elif prm_request is not None:
-        phases.append(Phase("prm_scoring", {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
-                                            **resident_others, "PRM activations": prm_activations}))
+        holding = rollout_base if generators else {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
+                                                   **resident_others}
+        phases.append(Phase("prm_scoring", {**holding, "PRM activations": prm_activations}))
     # The save comes after the step's weight sync, which woke vLLM (weights and KV cache); the optimizer state is
     # on the device for it (an offloaded one is taken back), and the distributed optimizer gathers its state.
     save_bytes = checkpoint_save_bytes(policy_stages[worst], dp, settings.distributed_optimizer)
     phases.append(Phase("save", {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
                                  **resident_others, **vllm_resident, "checkpoint gather": save_bytes.device}))
-    save_host = SaveHost(per_rank=save_bytes.host, per_node=save_bytes.host * hardware.gpus_per_node)
+    savers_per_node = min(hardware.gpus_per_node, hardware.world_size - generators)  # async: training ranks only
+    save_host = SaveHost(per_rank=save_bytes.host, per_node=save_bytes.host * savers_per_node)
     if settings.assumed:
         notes.append("assumed (not from the config): " + ", ".join(
             f"{name}={getattr(settings, name)}" for name in settings.assumed))

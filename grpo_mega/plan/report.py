@@ -78,7 +78,7 @@ def format_table(plan: Plan, *, accept_unknown: bool = False) -> str:
         f"{_gib(p.total)} ({plan.headroom(p):.0%})".rjust(16) for p in plan.phases))
     if plan.save_host is not None:
         lines.append(f"save: host RAM {_gib(plan.save_host.per_rank)} GiB per rank, {_gib(plan.save_host.per_node)} "
-                     f"GiB per node of {hw.gpus_per_node} ranks"
+                     f"GiB per node of {plan.save_host.per_node // max(plan.save_host.per_rank, 1)} ranks"
                      + (" (the distributed optimizer's state gathered on every rank)" if s.distributed_optimizer else ""))
     for note in plan.notes:
         lines.append(f"note: {note}")

@@ -131,10 +131,18 @@ def rollout_tensor_parallel(cfg) -> int:
     return int(value) if value else int(cfg.parallel.tensor)
 
 
+def rollout_ranks(cfg) -> int:
+    """GPUs that only generate: ``rollout.async_ranks`` with ``rollout.mode: async``, else 0."""
+    return int(cfg.rollout.async_ranks) if getattr(cfg.rollout, "mode", "colocated") == "async" else 0
+
+
 def data_parallel_size(cfg, hardware: Hardware) -> int:
-    """world / (TP x PP); ConfigError when the layout does not divide the world."""
+    """training GPUs / (TP x PP) (the training GPUs: the world less the rollout ranks of ``rollout.mode: async``);
+    ConfigError when the layout does not divide them."""
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
-    if hardware.world_size % model_parallel:
+    training = hardware.world_size - rollout_ranks(cfg)
+    if training < 1 or training % model_parallel:
+        less = f" less rollout.async_ranks={rollout_ranks(cfg)}" if rollout_ranks(cfg) else ""
         raise ConfigError(f"parallel.tensor x parallel.pipeline = {model_parallel} does not divide the "
-                          f"{hardware.world_size} GPUs ({hardware.nodes} node(s) x {hardware.gpus_per_node})")
-    return hardware.world_size // model_parallel
+                          f"{hardware.world_size} GPUs ({hardware.nodes} node(s) x {hardware.gpus_per_node}){less}")
+    return training // model_parallel
