@@ -59,13 +59,14 @@ def test_config_comments_state_the_replicas_the_code_makes(monkeypatch, name):
     [world] = [int(n) for n in re.findall(r"^# world_size: (\d+)\s*$", text, flags=re.MULTILINE)]
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = _load(path=CONFIGS / name)
-    replicas = world // cfg.rollout.tensor_parallel
+    generating = cfg.rollout.async_ranks if cfg.rollout.mode == "async" else world  # async: the rollout GPUs only
+    replicas = generating // cfg.rollout.tensor_parallel
     completions = cfg.algorithm.rollout_batch_size * cfg.algorithm.num_return_sequences_in_group
 
     [tp_line] = re.findall(r"^  tensor_parallel: .*$", text, flags=re.MULTILINE)
     stated = re.search(r"(\d+) / (\d+) = (\d+) replicas?\b", tp_line)
     assert stated, f"{name}: the rollout.tensor_parallel line should state world / TP = replicas: {tp_line!r}"
-    assert tuple(map(int, stated.groups())) == (world, cfg.rollout.tensor_parallel, replicas), tp_line
+    assert tuple(map(int, stated.groups())) == (generating, cfg.rollout.tensor_parallel, replicas), tp_line
 
     [batch_line] = re.findall(r"^  rollout_batch_size: .*$", text, flags=re.MULTILINE)
     assert f"x G = {completions} completions" in batch_line, batch_line
