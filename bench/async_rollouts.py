@@ -12,8 +12,8 @@ generation seconds hidden behind training, ``1 - trainer_wait / generation``.
 
 On 2 CPU cores the two modes do not get the same compute per phase: colocated, generation and the update each use
 both processes (DP2); async, each phase has one process. Async wins when generation and update take similar
-time and loses where one dominates; the figures say which. The GPU model (``gpu_model``) is arithmetic on
-published and measured shares, not a measurement: see its docstring.
+time and loses where one dominates; the figures say which. The GPU model (``gpu_model``) is arithmetic over assumed
+generation shares and decode scaling, not a measurement: see its docstring.
 
     python bench/async_rollouts.py               # ~5 min on 2 cores; writes bench/results/async_rollouts.json
 """
@@ -71,18 +71,26 @@ def summarize(rows: list[dict], warmup: int) -> dict[str, float]:
     return out
 
 
-def gpu_model(generation_share: float, gpus: int = 8, rollout_gpus: int = 4, transfer_share: float = 0.02) -> dict:
-    """Step-time ratio colocated / async (k >= 1) on ``gpus`` GPUs, from the share of the colocated step spent
-    generating (``generation_share``; the rest trains), assuming each phase's time scales inversely with its GPUs
-    (generation is throughput-bound at these batch sizes; training is data-parallel) and that the weight transfer
-    costs ``transfer_share`` of the colocated step on the critical path. Async: the steady-state step is the
-    slower of the two sides, ``max(g * gpus / rollout, (1 - g) * gpus / training) + transfer``. It leaves out
-    what async also removes (vLLM's sleep / wake, the long-tail idle of colocated generation) and what it adds
-    (stale-sample correction); verl's and NeMo-RL's published ratios sit in the range it spans."""
+def gpu_model(generation_share: float, decode_scaling: float, gpus: int = 8, transfer_share: float = 0.02) -> dict:
+    """Step-time ratio colocated / async (k >= 1) on ``gpus`` GPUs: arithmetic, not a measurement (no GPU has run
+    this code). Inputs: the share ``g`` of the colocated step spent generating (the rest trains), and how generation
+    time grows when fewer GPUs generate the same batch, ``(gpus / rollout_gpus) ** decode_scaling``: 1 = linear
+    (compute-bound), below 1 = each GPU decodes a larger batch more efficiently (decoding is memory-bound: a vLLM
+    replica's tokens/s grows with its batch until the KV cache or compute limits it). Training scales linearly. The
+    weight transfer costs ``transfer_share`` of the colocated step on the critical path. Async's steady-state step is
+    the slower side plus the transfer; the split of GPUs is the best one for the inputs. With linear scaling the best
+    split only ties colocated (the work is the same, only rearranged); the speed-up comes from generation's
+    sub-linear scaling and from what the model leaves out: colocated mode's sleep / wake and weight sync, and the
+    idle GPUs of its long generation tail (async overlaps the tail with training)."""
     g = generation_share
-    training = gpus - rollout_gpus
-    async_step = max(g * gpus / rollout_gpus, (1 - g) * gpus / training) + transfer_share
-    return {"generation_share": g, "gpus": gpus, "rollout_gpus": rollout_gpus, "speed_up": 1.0 / async_step}
+    best = None
+    for rollout_gpus in range(1, gpus):
+        training = gpus - rollout_gpus
+        step = max(g * (gpus / rollout_gpus) ** decode_scaling, (1 - g) * gpus / training) + transfer_share
+        if best is None or step < best[1]:
+            best = (rollout_gpus, step)
+    return {"generation_share": g, "decode_scaling": decode_scaling, "gpus": gpus, "best_rollout_gpus": best[0],
+            "speed_up": round(1.0 / best[1], 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                      "steps": args.steps, "warmup": args.warmup, "processes": 2,
                      "model": "quickstart policy (random weights)"},
         "modes": results,
-        "gpu_model": [gpu_model(g) for g in (0.3, 0.5, 0.6, 0.7)],
+        "gpu_model": [gpu_model(g, a) for g in (0.5, 0.6, 0.7) for a in (1.0, 0.7, 0.5)],
         "published": {"verl one-step off-policy, Qwen2.5-Math-7B DAPO, 16 GPUs (s/step)": [699, 566],
                       "verl fully async, 32 GPUs (s/step)": [790, 295],
                       "NeMo-RL v0.5 one-step off-policy, Llama-3.1-8B (tokens/s/GPU)": [1581, 2478]},

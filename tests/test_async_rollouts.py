@@ -185,3 +185,28 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
 def _rows(run_dir):
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+
+def reward_failing_from_step_2(prompt: str, completion: str, answer: str, **extra) -> float:
+    """digit_reward until the rollout world scores the batch of step 2, then an error (reward.on_error=raise)."""
+    from grpo_mega.run_failure import POSITION
+
+    if POSITION["step"] == 2:
+        raise RuntimeError("the verifier broke")
+    return digit_reward(prompt, completion, answer)
+
+
+@pytest.mark.slow
+def test_a_failure_on_the_rollout_rank_ends_the_job_naming_that_rank_and_phase(task, tmp_path):
+    """The rollout world dies scoring step 2: the job ends (the trainer, waiting for the batch, sees its peer
+    gone) and failure.json names the root cause, not the trainer's consequence: the rollout rank (global rank 1),
+    its phase and step, the error."""
+    run_dir = tmp_path / "run"
+    command = _command(task, run_dir, 2, *ASYNC, "rollout.max_staleness=0", "trainer.total_steps=4",
+                       f"reward.function={__name__}:reward_failing_from_step_2", "reward.on_error=raise")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_environment())
+    assert result.returncode != 0
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert (failure["rank"], failure["step"], failure["cause"]) == (1, 2, "error"), failure
+    assert failure["phase"] == "reward scoring" and "the verifier broke" in failure["exception"], failure
+    assert "rank 1 on" in result.stderr and "(cause=error) at step 2 (reward scoring)" in result.stderr
