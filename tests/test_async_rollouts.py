@@ -210,3 +210,17 @@ def test_a_failure_on_the_rollout_rank_ends_the_job_naming_that_rank_and_phase(t
     assert (failure["rank"], failure["step"], failure["cause"]) == (1, 2, "error"), failure
     assert failure["phase"] == "reward scoring" and "the verifier broke" in failure["exception"], failure
     assert "rank 1 on" in result.stderr and "(cause=error) at step 2 (reward scoring)" in result.stderr
+
+
+@pytest.mark.slow
+def test_two_rollout_ranks_both_get_every_version(task, tmp_path):
+    """1 training rank, 2 rollout ranks (hf engine, a replica each): rank 0 of the rollout world relays each
+    version to rank 1. At staleness 0 the batch's log-probs, half from each replica, equal the trainer's: both
+    replicas generated with the trainer's current weights at every step."""
+    run_dir = tmp_path / "run"
+    _run(_command(task, run_dir, 3, *ASYNC, "rollout.async_ranks=2", "rollout.max_staleness=0",
+                  "trainer.total_steps=3", "data.eval_file=null"))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["actor/grad_norm"] > 0 and row["rollout/logprob_diff_max"] < 1e-4, row
