@@ -92,6 +92,11 @@ class RunHarness:
         if resume_from is not None:
             loaded = self.checkpoints.load(engine, resume_from, seed=self.cfg.parallel.seed)
             for name, holder in self._extra_state.items():
+                if name not in (loaded.extra_state or {}):
+                    raise ValueError(
+                        f"{resume_from} holds no {name!r} state (it holds {sorted(loaded.extra_state or {})}): it was "
+                        "saved by a run of another mode (e.g. rollout.mode colocated vs async); continue it with its own "
+                        f"settings, or start a new run from its weights with model.init_from={resume_from}")
                 holder.load_state_dict(loaded.extra_state[name])
             self.start_step = self.step = loaded.step
             logger.info("resumed from %s at step %d", resume_from, loaded.step)

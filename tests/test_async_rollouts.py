@@ -4,6 +4,8 @@ rank): k = 0 gives the colocated run's batches and metrics, k = 1 is killed and 
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,14 +135,32 @@ def _trained(run_dir, step):
             map(json.loads, (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines())]
 
 
+@pytest.fixture(scope="module")
+def colocated_run(task, tmp_path_factory):
+    """A 3-step colocated run on 1 process (its checkpoint: the last step's)."""
+    run_dir = tmp_path_factory.mktemp("colocated") / "run"
+    # one thread, as each of the 2 processes of an async job has (--nproc splits the cores): float sums in the
+    # same order
+    _run(_command(task, run_dir, 1, "parallel.tensor=1", "trainer.total_steps=3"), OMP_NUM_THREADS="1")
+    return run_dir
+
+
+K1 = [*ASYNC, "rollout.max_staleness=1", "algorithm.rollout_is=tis", "trainer.total_steps=6", "trainer.save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_k1(task, tmp_path_factory):
+    """A 6-step async run at staleness 1, a checkpoint every 2 steps, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("k1") / "run"
+    _run(_command(task, run_dir, 2, *K1))
+    return run_dir
+
+
 @pytest.mark.slow
-def test_staleness_0_on_separate_ranks_trains_what_the_colocated_run_trains(task, tmp_path):
+def test_staleness_0_on_separate_ranks_trains_what_the_colocated_run_trains(task, colocated_run, tmp_path):
     """Same seed, same steps: the rollout world (hf engine) samples exactly what the colocated engine samples, so
     every batch, reward, loss, gradient norm and evaluation is equal (not within a tolerance: equal)."""
-    colocated, separate = tmp_path / "colocated", tmp_path / "async"
-    # one thread, as each of the 2 processes of the async job has (--nproc splits the cores): float sums in the
-    # same order
-    _run(_command(task, colocated, 1, "parallel.tensor=1", "trainer.total_steps=3"), OMP_NUM_THREADS="1")
+    colocated, separate = colocated_run, tmp_path / "async"
     _run(_command(task, separate, 2, *ASYNC, "rollout.max_staleness=0", "trainer.total_steps=3"))
     expected, got = read_metrics(colocated / "metrics.jsonl"), read_metrics(separate / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1, 2, 3] and "eval/accuracy" in got[0] and "eval/accuracy" in got[2]
@@ -154,14 +174,11 @@ def test_staleness_0_on_separate_ranks_trains_what_the_colocated_run_trains(task
 
 
 @pytest.mark.slow
-def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(task, tmp_path):
+def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(task, uninterrupted_k1, tmp_path):
     """k = 1, a checkpoint every 2 steps; the job is SIGKILLed once step 5 is logged (the checkpoint after step 4
     holds the batch of step 5, generated from version 3, which no checkpoint keeps). The resumed run's steps equal
     an uninterrupted run's, and every step trained the same prompts and completions: none lost, none twice."""
-    settings = [*ASYNC, "rollout.max_staleness=1", "algorithm.rollout_is=tis", "trainer.total_steps=6",
-                "trainer.save_every=2"]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    _run(_command(task, whole, 2, *settings))
+    settings, whole, killed = K1, uninterrupted_k1, tmp_path / "killed"
     job = subprocess.Popen(_command(task, killed, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, env=_environment(), start_new_session=True)
     deadline = time.monotonic() + 300
@@ -180,6 +197,31 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
     assert [r["async/staleness_max"] for r in got[1:]] == [0, 1, 1, 1, 1, 1]
     for step in range(1, 7):
         assert _trained(killed, step) == _trained(whole, step)
+
+
+@pytest.mark.slow
+def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_exactly(task, uninterrupted_k1,
+                                                                                     tmp_path):
+    """SIGTERM to the job (as SLURM's preemption sends it) once step 1 is logged: the trainer saves the step in
+    flight with the batch the rollout rank already made for the next step, ends the rollout rank (which ignored the
+    signal) and stops; the same command resumes and its steps equal an uninterrupted run's."""
+    settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
+    job = subprocess.Popen(_command(task, stopped, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, env=_environment())
+    while not any(r["step"] == 1 for r in _rows(stopped)):
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    # torchrun, signalled itself, exits non-zero whatever its ranks did; the trainer's own line says it saved
+    assert job.returncode != 0 and "stopped after step" in stderr, stderr[-3000:]
+    saved = int(re.search(r"grpo-mega train: stopped after step (\d+)", stderr).group(1))
+    assert 1 <= saved < 6 and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
+    _run(_command(task, stopped, 2, *settings))
+    expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
+    for step in range(1, 7):
+        assert _trained(stopped, step) == _trained(whole, step)
 
 
 def _rows(run_dir):
@@ -224,3 +266,15 @@ def test_two_rollout_ranks_both_get_every_version(task, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["actor/grad_norm"] > 0 and row["rollout/logprob_diff_max"] < 1e-4, row
+
+
+@pytest.mark.slow
+def test_resuming_a_colocated_run_in_async_mode_is_refused_naming_the_checkpoint(task, colocated_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(colocated_run, run_dir)
+    result = subprocess.run(_command(task, run_dir, 2, *ASYNC, "rollout.max_staleness=0", "trainer.total_steps=4",
+                                     "data.eval_file=null"), capture_output=True, text=True, timeout=300,
+                            env=_environment())
+    assert result.returncode != 0
+    assert "step_000003 holds no 'rollout_feed' state" in result.stderr and "model.init_from=" in result.stderr
+    assert not (run_dir / "checkpoints" / "step_000004").exists()

@@ -238,9 +238,11 @@ def test_process_supervised_grpo_with_the_learned_prm_scores_every_step(prm_task
 
 
 @pytest.mark.slow
-def test_process_supervised_grpo_in_async_mode_scores_on_the_rollout_rank(prm_task, trained_prm, tmp_path):
-    """rollout.mode=async, 1 training rank and 1 rollout rank: the PRM scores every step on the rollout rank, one
-    step ahead of the update (staleness 1 after the first step), and its step rewards reach the trainer."""
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_process_supervised_grpo_in_async_mode_scores_on_the_rollout_rank(prm_task, trained_prm, tmp_path, engine):
+    """rollout.mode=async, 1 training rank and 1 rollout rank (the hf engine, or vLLM's CPU backend): the PRM
+    scores every step on the rollout rank, one step ahead of the update (staleness 1 after the first step), and
+    its step rewards reach the trainer."""
     from tiny_task import tiny_run_overrides
 
     run_dir = tmp_path / "grpo_ps_async"
@@ -249,7 +251,7 @@ def test_process_supervised_grpo_in_async_mode_scores_on_the_rollout_rank(prm_ta
         *tiny_run_overrides((prm_task["model"], prm_task["problems"]), run_dir), "parallel.tensor=1",
         f"model.init_from={prm_task['policy']}", "trainer.total_steps=3", "algorithm.supervision=process",
         "process_reward.source=prm", f"process_reward.prm={trained_prm[0]}", "process_reward.max_counted_steps=4",
-        "rollout.mode=async", "rollout.max_staleness=1", "algorithm.rollout_is=tis",
+        "rollout.mode=async", "rollout.max_staleness=1", "algorithm.rollout_is=tis", f"rollout.engine={engine}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

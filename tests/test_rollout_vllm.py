@@ -298,8 +298,8 @@ def _train_then_score_the_engines_samples(overrides):
     from grpo_mega.config import GRPOConfig, load_config, validate
 
     seen, events = {}, []
-    build_engines, build_rollout, close, run_rollout = (trainer._build_engines, trainer._build_rollout_engine,
-                                                        trainer._close_rollout_engine, trainer.RolloutStage.run)
+    build_engines, build_rollout, close, run_rollout = (trainer._build_engines, trainer.build_rollout_engine_for,
+                                                        trainer.close_rollout_engine, trainer.RolloutStage.run)
 
     def keep_policy(cfg):
         seen["policy"], reference = build_engines(cfg)
@@ -327,8 +327,8 @@ def _train_then_score_the_engines_samples(overrides):
                           for i, c in enumerate(completions)]
         close(engine)
 
-    trainer._build_engines, trainer._build_rollout_engine = keep_policy, sleeping_engine
-    trainer._close_rollout_engine, trainer.RolloutStage.run = score_then_close, note_step
+    trainer._build_engines, trainer.build_rollout_engine_for = keep_policy, sleeping_engine
+    trainer.close_rollout_engine, trainer.RolloutStage.run = score_then_close, note_step
     trainer.train(load_config(GRPOConfig, CONFIG, overrides, validate))
     return seen["scored"], events
 
