@@ -34,18 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "quickstart_grpo.yaml"
 
 
-def digit_reward(prompt: str, completion: str, answer: str, **extra) -> float:
-    """Share of digits in the completion (varies within every group of a random policy)."""
-    return sum(ch.isdigit() for ch in completion) / len(completion) if completion else 0.0
-
-
 def run_mode(task: dict[str, Path], run_dir: Path, mode: str, args) -> list[dict]:
     common = [f"model.hf_config={task['model']}", f"data.train_file={task['train']}", f"trainer.run_dir={run_dir}",
               f"trainer.total_steps={args.steps}", "trainer.save_every=0", "trainer.progress_bar=false",
               "trainer.tensorboard=false", "parallel.device=cpu", "parallel.tensor=1",
               f"algorithm.rollout_batch_size={args.prompts}", f"algorithm.num_return_sequences_in_group={args.group}",
               f"algorithm.response_length={args.response_length}", "algorithm.dynamic_sampling=false",
-              "algorithm.rollout_is=tis", "reward.function=async_rollouts:digit_reward"]
+              "algorithm.rollout_is=tis", "reward.function=workload:digit_reward"]
     if mode != "colocated":
         common += ["rollout.mode=async", f"rollout.max_staleness={mode.removeprefix('async_k')}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),

@@ -33,6 +33,7 @@ from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.bridge import Bridge, share_in_world, share_tensors_in_world
 from grpo_mega.run_control import StopRequests
 from grpo_mega.run_failure import phase, set_step
+from grpo_mega.run_harness import on_schedule
 from grpo_mega.run_watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
 from grpo_mega.stages.rollout import sampling_from_config
@@ -54,7 +55,7 @@ class RolloutLink:
         self.bridge = Bridge(split.bridge_group(), is_trainer=False) if split.layout.on_bridge else None
         self.engine = engine
         self.version = -1
-        self.receive_seconds = self.bytes = 0.0
+        self.receive_seconds = 0.0
 
     def receive(self) -> tuple[str, object]:
         return share_in_world(self.bridge.receive() if self.bridge else None, source_has_it=self.bridge is not None)
@@ -78,9 +79,7 @@ class RolloutLink:
             if kind == "weights_end":
                 break
             named = self.bridge.receive_bucket(entries) if self.bridge is not None else None
-            tensors = list(share_tensors_in_world(named, entries, device))
-            self.bytes += sum(size for *_, size in entries)
-            self.engine.update_weights(tensors)
+            self.engine.update_weights(list(share_tensors_in_world(named, entries, device)))
         self.engine.finish_weight_update()
         self.receive_seconds += time.perf_counter() - start
         self.version = message["version"]
@@ -120,14 +119,12 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
         began = time.perf_counter()
         with phase("waiting for weights"):
             version = link.take_weights()
-        if eval_records and ((version == 0 and fresh) or (version > start["version"] and on_schedule(version))):
+        if eval_records and ((version == 0 and fresh) or (version > start["version"] and
+                                                          on_schedule(version, run.eval_every, total))):
             with phase("evaluation"):
                 link.send("eval", {"version": version,
                                    "metrics": run_evaluation(cfg, engine, eval_records, version)}, key=version)
         return time.perf_counter() - began
-
-    def on_schedule(version: int) -> bool:  # RunHarness.on_schedule's rule for trainer.eval_every
-        return bool(run.eval_every and version % run.eval_every == 0) or version == total
 
     try:
         take_weights()

@@ -44,6 +44,12 @@ from grpo_mega.run_watchdog import PhaseWatchdog
 logger = logging.getLogger(__name__)
 
 
+def on_schedule(step: int, every: int, total_steps: int) -> bool:
+    """Whether ``step`` is a multiple of ``every`` (0: never) or the last of ``total_steps``: when to save, evaluate
+    (also the rollout world's evaluations in ``rollout.mode: async``)."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
 class RunHarness:
     """One training run of ``cfg`` (a GRPO, SFT or PRM config: its ``parallel`` and ``trainer`` sections).
 
@@ -127,7 +133,7 @@ class RunHarness:
 
     def on_schedule(self, step: int, every: int) -> bool:
         """Whether ``step`` is a multiple of ``every`` (0: never) or the last step: when to save, evaluate."""
-        return bool(every and step % every == 0) or step == self.total_steps
+        return on_schedule(step, every, self.total_steps)
 
     def end_step(self, step: int, metrics: dict[str, float]) -> None:
         """After the trainer's step: every rank agrees whether to stop now (a signal on any rank, the time limit;

@@ -76,8 +76,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             return run_rollout_worker(cfg, split)
     harness = RunHarness(cfg, command="grpo-mega train")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
-    train_prompts = PromptBatches(load_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
-                                  seed=cfg.parallel.seed)
+    # async: the rollout world samples the prompts (and a checkpoint keeps its sampler state)
+    train_prompts = None if split else PromptBatches(load_prompts(cfg, tokenizer, cfg.data.train_file),
+                                                     alg.rollout_batch_size, seed=cfg.parallel.seed)
     eval_records = eval_prompts(cfg, tokenizer)
     harness.startup.mark("data")
 
@@ -97,7 +98,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         load_initial_weights(reference, source)
     offload = cfg.parallel.offload_during_rollout
     if feed is not None:  # the rollout world starts from this version of the weights
-        start_metrics = feed.start(start_step, policy.export_hf_weights())
+        feed.start(start_step, policy.export_hf_weights())
     else:
         if rollout_engine is None:
             rollout_engine = build_rollout_engine_for(cfg, tokenizer)
@@ -151,7 +152,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         # async: the new version goes to the rollout world, which takes it when its schedule needs it
         with timer("sync"), failure_phase("sync", bounded=True):
             if feed is not None:
-                sync_metrics, start_metrics = {**start_metrics, **feed.push_weights(step, policy.export_hf_weights())}, {}
+                sync_metrics = feed.push_weights(step, policy.export_hf_weights())
             else:
                 sync = _sync(policy, rollout_engine, cfg, offload=offload)
                 sync_metrics = {"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)}

@@ -33,8 +33,9 @@ def validate(cfg: GRPOConfig) -> None:
     if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
                           "deepspeed.offload_optimizer")
-    validate_rollout_layout(cfg, int(os.environ.get("WORLD_SIZE", "0")))
-    validate_rollout_mode(cfg, int(os.environ.get("WORLD_SIZE", "0")))
+    world_size = int(os.environ.get("WORLD_SIZE", "0"))  # torchrun's; 0 outside a launcher
+    validate_rollout_layout(cfg, world_size)
+    validate_rollout_mode(cfg, world_size)
     check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     check_choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     check_choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")

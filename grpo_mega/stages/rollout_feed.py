@@ -47,19 +47,17 @@ class RolloutFeed:
         self.evals: dict[int, dict[str, float]] = {}
         self.prompts_state: dict | None = None
         """The rollout world's prompt sampler state after the newest batch received (what a checkpoint resumes)."""
-        self.last_step = 0
-        """The newest step whose batch was received (or restored from a checkpoint)."""
         self.trained_step = 0
         """The newest step whose batch the trainer took."""
 
     # ------------------------------------------------------------------ the run
-    def start(self, start_step: int, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    def start(self, start_step: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Tell the rollout world where to begin (after the batches a resumed checkpoint holds) and send it the
-        weights of version ``start_step``. Returns the transfer's metrics."""
+        weights of version ``start_step``."""
         first = max([start_step, *self.pending]) + 1
         if self.is_bridge:
             self.bridge.send("start", {"first_step": first, "prompts": self.prompts_state, "version": start_step})
-        return self.push_weights(start_step, weights)
+        self.push_weights(start_step, weights)
 
     def batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of ``step`` and its metrics (waiting for it if needed), the same on every training rank."""
@@ -114,12 +112,12 @@ class RolloutFeed:
             self._receive_until(lambda: all(s in self.pending for s in range(step + 1, last + 1)))
         return {"pending": {str(step): {"batch": batch_state(batch), "metrics": metrics}
                             for step, (batch, metrics) in self.pending.items()},
-                "prompts": self.prompts_state, "last_step": self.last_step}
+                "prompts": self.prompts_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = {int(step): (batch_from_state(entry["batch"]), entry["metrics"])
                         for step, entry in state["pending"].items()}
-        self.prompts_state, self.last_step = state["prompts"], state["last_step"]
+        self.prompts_state = state["prompts"]
 
     # ------------------------------------------------------------------ bridge
     def _receive_until(self, done) -> None:
@@ -127,7 +125,7 @@ class RolloutFeed:
             kind, payload = self.bridge.receive()
             if kind == "batch":
                 self.pending[payload["step"]] = (payload["batch"], payload["metrics"])
-                self.prompts_state, self.last_step = payload["prompts"], payload["step"]
+                self.prompts_state = payload["prompts"]
             elif kind == "eval":
                 self.evals[payload["version"]] = payload["metrics"]
             else:
