@@ -84,9 +84,10 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_at_the_same_step(task, tmp_p
 @pytest.mark.slow
 def test_the_time_limit_saves_and_stops_with_status_3(task, tmp_path):
     run_dir = tmp_path / "run"
-    # 1 s of limit from the start, stop with 0.5 s left: start-up alone takes longer, so the first step stops
+    # 60 s of limit from the start, stop with 600 s left: less than that is left after any first step, however fast
+    # the machine (a 1 s limit with 0.5 s left let a fast machine's start-up and first step through)
     result = subprocess.run(
-        _cli(task, run_dir, "trainer.total_steps=40", "trainer.time_limit_seconds=1", "trainer.save_before_seconds=0.5"),
+        _cli(task, run_dir, "trainer.total_steps=40", "trainer.time_limit_seconds=60", "trainer.save_before_seconds=600"),
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_STOPPED_EARLY}\b", result.stderr)
