@@ -8,7 +8,7 @@ one warm-up call), time to first token (median wall time of the same request wit
 one sampling step for the whole batch) and the process's peak RSS (ru_maxrss). Prints a table, writes JSON and
 prints its path last.
 
-    python bench/rollout_engines.py --sizes 3m 25m --out bench/results/rollout_engines.json
+    python bench/rollout_engines.py --sizes 3m 25m 135m --out bench/results/rollout_engines.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import SIZES  # noqa: E402  (the shared ~3M / ~25M model shapes)
+from engine_throughput import SIZES as TRAINING_SIZES  # noqa: E402  (the shared ~3M / ~25M model shapes)
+
+# and a ~135M one in SmolLM2-135M's shape (hidden 576, 30 layers, GQA 9/3, vocab 49,152): where the CPU crossover
+# of the engines is looked for (grpo_mega/rollout/engine_choice.py takes its threshold from these rows)
+SIZES = {**TRAINING_SIZES, "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)}
 
 ENGINES = ("hf", "vllm")
 
@@ -90,9 +95,16 @@ def run_engine(args: argparse.Namespace) -> dict:
     }
 
 
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["3m", "25m"], choices=sorted(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["3m", "25m", "135m"], choices=sorted(SIZES))
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group", type=int, default=8)
@@ -134,6 +146,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     workload = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "new_tokens", "repeats", "threads")}
     out.write_text(json.dumps({"workload": workload, "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
+                               "cpu": _cpu_model(),
                                "rows": rows}, indent=2) + "\n")
     print(out)
 

@@ -41,7 +41,7 @@ from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_tra
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import RolloutFeed
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
-                                            load_prompts, run_evaluation, step_reward_source)
+                                            load_prompts, run_evaluation, settle_rollout_engine, step_reward_source)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     (``grpo_mega.rollout_worker``) and the others train here; batches come from the rollout world
     (``grpo_mega.stages.rollout_feed``) instead of the rollout stage, and weights go to it instead of the engine."""
     alg = cfg.algorithm
+    settle_rollout_engine(cfg)  # rollout.engine: auto -> the faster engine on this device, for both roles
     split = None
     if cfg.rollout.mode == "async":
         split = split_roles(cfg.rollout.async_ranks, timeout_s=cfg.trainer.collective_timeout_s)

@@ -61,8 +61,10 @@ def test_per_phase_memory_is_flat_over_six_grpo_steps(tmp_path_factory, tmp_path
     task = build_tiny_task(tmp_path_factory.mktemp("task"))
     run_dir = tmp_path / "run"
     overrides = tiny_run_overrides(task, run_dir, "trainer.total_steps=6", "optim.lr=1e-3",
-                                   "parallel.offload_during_rollout=true", f"reward.function={__name__}:digit_reward")
+                                   "parallel.offload_during_rollout=true", f"reward.function={__name__}:digit_reward",
+                                   "rollout.engine=auto")
     run_distributed(_train, 2, overrides, timeout=500)
+    assert "  engine: hf\n" in (run_dir / "config.yaml").read_text()  # auto, settled for the CPU before the run began
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, 7))
     for phase in ("generation", "update"):

@@ -18,7 +18,7 @@ from grpo_mega.config.checks import (
     validate_parallel,
     validate_trainer_common,
 )
-from grpo_mega.config.cross_field import validate, validate_rollout_layout, validate_sft
+from grpo_mega.config.cross_field import validate, validate_rollout_layout, validate_rollout_mode, validate_sft
 from grpo_mega.config.grpo import (
     PROCESS_REWARD_SOURCES,
     STEP_CREDITS,
@@ -50,5 +50,6 @@ __all__ = [
     "SFTTrainerConfig", "STEP_CREDITS", "TrainerConfig", "check_choice", "check_context_length", "config_yaml",
     "load_config",
     "save_config", "validate", "validate_engine", "validate_memory_settings", "validate_optim", "validate_parallel",
-    "validate_rollout_layout", "validate_sft", "validate_trainer_common",
+    "validate_rollout_layout",
+    "validate_rollout_mode", "validate_sft", "validate_trainer_common",
 ]

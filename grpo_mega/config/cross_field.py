@@ -29,7 +29,7 @@ def validate(cfg: GRPOConfig) -> None:
     validate_parallel(cfg.parallel)
     check_choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     check_choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
-    check_choice(cfg.rollout.engine, ("hf", "vllm"), "rollout.engine")
+    check_choice(cfg.rollout.engine, ("auto", "hf", "vllm"), "rollout.engine")
     if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
                           "deepspeed.offload_optimizer")

