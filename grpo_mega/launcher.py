@@ -2,7 +2,8 @@
 
 Under torchrun or SLURM (RANK / SLURM_PROCID set) a command runs in this process, which is one rank of the job.
 Otherwise ``relaunch_with_torchrun`` execs the same command line under ``torch.distributed.run --standalone``
-(the CLI's ``--nproc``), and ``spawn_local_ranks`` runs a picklable function on new local processes (on a CPU build
+(the CLI's ``--nproc``), ``run_as_the_only_rank`` runs a function here as a one-process job, and
+``spawn_local_ranks`` runs a picklable function on new local processes (on a CPU build
 of torch forked from a server that has imported torch, megatron-core and transformers once) with a torchrun-like
 environment (the conversion tools and the multi-process tests).
 """
@@ -133,6 +134,28 @@ def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: in
             destroy_distributed()
     with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as handle:
         pickle.dump(result, handle)
+
+
+def run_as_the_only_rank(fn: Callable, args: tuple = ()) -> Any:
+    """Run ``fn(*args)`` in this process as rank 0 of a one-process job (torchrun's variables set, a free
+    rendezvous port): what ``spawn_local_ranks(fn, 1)`` does, without starting a process, so the modules this process
+    has imported serve the job instead of a second interpreter importing them again. The environment, torch's
+    intra-op thread count and the process groups are as before when it returns or raises."""
+    import torch
+
+    environment, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    try:
+        return fn(*args)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            from grpo_mega.parallel import destroy_distributed
+
+            destroy_distributed()
+        os.environ.clear()
+        os.environ.update(environment)
+        torch.set_num_threads(threads)
 
 
 def spawn_local_ranks(

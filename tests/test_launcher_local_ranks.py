@@ -33,3 +33,37 @@ def test_ranks_start_with_the_libraries_loaded_and_the_callers_environment_and_f
     assert {r["variable"] for r in second} == {"set after the server started"}
     assert {r["cwd"] for r in second} == {str(tmp_path)} and [r["threads"] for r in second] == [2, 2]
     assert len({r["pid"] for r in first + second} | {os.getpid()}) == 5
+
+
+def _one_rank_job(fail: bool) -> dict:
+    """Joins a one-process gloo group through torchrun's variables, changes the thread count, fails when asked."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    torch.set_num_threads(1)
+    if fail:
+        raise RuntimeError("the job failed")
+    return {"rank": os.environ["RANK"], "world": dist.get_world_size(), "sum": total.item(), "pid": os.getpid()}
+
+
+def test_a_one_rank_job_runs_here_and_leaves_the_process_as_it_found_it(monkeypatch):
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from grpo_mega.launcher import run_as_the_only_rank
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the count to restore, whatever this machine has
+    assert run_as_the_only_rank(_one_rank_job, (False,)) == {"rank": "0", "world": 1, "sum": 1.0, "pid": os.getpid()}
+    with pytest.raises(RuntimeError, match="the job failed"):
+        run_as_the_only_rank(_one_rank_job, (True,))
+    monkeypatch.undo()
+    assert not dist.is_initialized() and "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
