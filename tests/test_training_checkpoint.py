@@ -376,3 +376,28 @@ def test_weights_format_and_bad_inputs(scenario, tmp_path):
         manager.save(None, 1, config={"bad": object()})
     with pytest.raises(ValueError, match="trainer.resume"):
         manager.find_resume("")
+
+
+def _save_and_list_children(run_dir):
+    import queue
+
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from grpo_mega.checkpoint.training import CheckpointManager
+    from grpo_mega.parallel import init_distributed
+
+    init_distributed(1, 1, seed=SEED, device="cpu")
+    engine = _engine()
+    manager = CheckpointManager(run_dir, keep_last=2)
+    _train_step(engine, 1)
+    manager.save(engine, 1, config=CONFIG)
+    return {"children": [p.cmdline() for p in psutil.Process().children(recursive=True) if p.is_running()],
+            "in_process_queue": isinstance(filesystem_async._results_queue, queue.Queue)}
+
+
+def test_a_save_leaves_no_process_behind_for_its_write_results(tmp_path):
+    # megatron's writer would start a spawn-context Manager on the first save (1.3 s of imports, alive to the end)
+    (result,) = run_distributed(_save_and_list_children, 1, tmp_path / "run")
+    assert result == {"children": [], "in_process_queue": True}
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000001"

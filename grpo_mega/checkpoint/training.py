@@ -38,6 +38,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from grpo_mega.checkpoint.extra_state import load_sharded
+from grpo_mega.checkpoint.write_results import keep_write_results_in_process
 from grpo_mega.checkpoint.collective import is_distributed, is_rank0, rank0_decides
 from grpo_mega.checkpoint.optimizer_state import SETTING, load_across_modes
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -224,6 +225,7 @@ class CheckpointManager:
             state = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=False, rng_state=rng_state)
             state["scheduler"] = engine.schedule_state_dict()
             state["extra_state"] = extra_state
+            keep_write_results_in_process()  # a synchronous save: no manager process for the write results
             dist_checkpointing.save(state, str(staging))
 
     @staticmethod
