@@ -2,6 +2,8 @@
 
     grpo-mega train --config FILE [--nproc N] [--print-config] [key=value ...]   GRPO (outcome or process supervision)
     grpo-mega sft   --config FILE [--nproc N] [--print-config] [key=value ...]   supervised fine-tuning of the policy
+    grpo-mega eval  --config FILE --policy PATH [--samples K] [--out FILE] [--nproc N] [key=value ...]
+                                                                 a policy's held-out accuracy, without training
     grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--fast] [--outcome-only]
                          [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
@@ -32,6 +34,17 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--print-config", action="store_true",
                              help="print the resolved config (file + overrides + defaults) as YAML and exit")
         command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-6")
+    evaluation = commands.add_parser("eval", help="a policy's held-out accuracy (eval/accuracy) under a GRPO config, "
+                                     "without training: HF folder, converted folder, checkpoint or run directory")
+    evaluation.add_argument("--config", required=True, help="GRPO YAML config: data.eval_file, reward, lengths, "
+                            "trainer.eval_temperature, parallel.seed")
+    evaluation.add_argument("--policy", required=True, help="an HF folder with weights, a converted megatron folder, "
+                            "a grpo-mega training checkpoint or run directory")
+    evaluation.add_argument("--samples", type=int, default=1, help="evaluations with seeds parallel.seed + 0..K-1 "
+                            "(at a temperature > 0: the sampled pass@1 and its spread)")
+    evaluation.add_argument("--out", default=None, help="write the report as JSON here")
+    evaluation.add_argument("--nproc", type=int, default=1, help="processes to start here (ignored under torchrun/srun)")
+    evaluation.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.eval_temperature=1.0")
     quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> PRM -> GRPO (outcome and "
                                    "process supervision) -> eval, with a summary")
     quick.add_argument("--run-dir", default="runs/quickstart")
@@ -132,7 +145,30 @@ def main(argv: list[str] | None = None) -> int:
                               oracle=not args.no_oracle, iterations=args.iterations)
     if args.command == "plan":
         return _run_plan(args)
+    if args.command == "eval":
+        return _run_eval(args, argv)
     return _run_training(args)
+
+
+def _run_eval(args, argv: list[str]) -> int:
+    if args.nproc > 1 and not under_launcher():
+        return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
+    from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+
+    try:
+        cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
+        if not cfg.data.eval_file:
+            raise ConfigError("grpo-mega eval needs data.eval_file (the held-out prompts)")
+    except ConfigError as error:
+        print(f"grpo-mega eval: error: {error}", file=sys.stderr)
+        return 2
+    from grpo_mega.eval_command import run_eval_command
+
+    try:
+        return run_eval_command(cfg, args.policy, samples=args.samples, out=args.out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"grpo-mega eval: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _run_plan(args) -> int:
