@@ -13,11 +13,8 @@ engine generates (``prm.policy``); with ``--nproc N`` the ranks split the prompt
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 def evaluate_policy(cfg, policy: str | Path, *, samples: int = 1) -> dict:
