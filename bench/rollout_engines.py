@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import SIZES as TRAINING_SIZES  # noqa: E402  (the shared ~3M / ~25M model shapes)
+from report import machine  # noqa: E402
 
 # and a ~135M one in SmolLM2-135M's shape (hidden 576, 30 layers, GQA 9/3, vocab 49,152): where the CPU crossover
 # of the engines is looked for (grpo_mega/rollout/engine_choice.py takes its threshold from these rows)
@@ -95,13 +96,6 @@ def run_engine(args: argparse.Namespace) -> dict:
     }
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["3m", "25m", "135m"], choices=sorted(SIZES))
@@ -146,7 +140,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     workload = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "new_tokens", "repeats", "threads")}
     out.write_text(json.dumps({"workload": workload, "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
-                               "cpu": _cpu_model(),
+                               "cpu": machine()["cpu"],
                                "rows": rows}, indent=2) + "\n")
     print(out)
 

@@ -106,16 +106,29 @@ def _start_method() -> str:
     return "forkserver"
 
 
+def _torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a ``world_size``-process job on this machine."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _leave_no_process_group() -> None:
+    """Destroy the process groups (and megatron's) this process holds, if any."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from grpo_mega.parallel import destroy_distributed
+
+        destroy_distributed()
+
+
 def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: int | None, result_dir: str,
                 args: tuple, environment: dict[str, str]) -> None:
     """One local rank: the caller's ``environment`` (a forked rank would otherwise have the fork server's, from
     when it started) with torchrun's variables, ``threads`` intra-op threads, run ``fn``, pickle its result."""
     os.environ.clear()
     os.environ.update(environment)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(_torchrun_variables(rank, world_size, port))
     import torch
 
     # Set explicitly: OpenMP read OMP_NUM_THREADS when the fork server loaded it, not from this environment.
@@ -127,11 +140,7 @@ def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: in
     try:
         result = fn(*args)
     finally:
-        # Leave no process group behind, even on failure, so the other ranks see a clean exit.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            from grpo_mega.parallel import destroy_distributed
-
-            destroy_distributed()
+        _leave_no_process_group()  # even on failure, so the other ranks see a clean exit
     with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as handle:
         pickle.dump(result, handle)
 
@@ -144,15 +153,11 @@ def run_as_the_only_rank(fn: Callable, args: tuple = ()) -> Any:
     import torch
 
     environment, threads = dict(os.environ), torch.get_num_threads()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(_torchrun_variables(0, 1, free_port()))
     try:
         return fn(*args)
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            from grpo_mega.parallel import destroy_distributed
-
-            destroy_distributed()
+        _leave_no_process_group()
         os.environ.clear()
         os.environ.update(environment)
         torch.set_num_threads(threads)

@@ -92,8 +92,10 @@ def test_settling_auto_on_the_cpu_writes_hf_into_the_config_and_logs_why(tmp_pat
 def test_settling_auto_to_vllm_checks_the_vllm_layout_the_load_could_not(tmp_path, monkeypatch):
     # a GPU node with vLLM: auto becomes vllm, and 3 processes cannot hold replicas of rollout TP 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr("grpo_mega.stages.rollout_setup.vllm_installed", lambda: True)
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
     cfg = _config(tmp_path, "parallel.tensor=1", "rollout.tensor_parallel=2")  # loads: auto has no layout rule yet
     with pytest.raises(ConfigError, match="does not divide the job's 3 processes"):
         settle_rollout_engine(cfg)

@@ -19,13 +19,10 @@ from __future__ import annotations
 import queue
 
 
-def keep_write_results_in_process() -> bool:
-    """Give megatron-core's writer an in-process results queue unless it has one; True when ours is in place. Only
-    for synchronous saves (see the module docstring)."""
+def keep_write_results_in_process() -> None:
+    """Give megatron-core's writer an in-process results queue unless it has one. Only for synchronous saves (see
+    the module docstring)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    current = getattr(filesystem_async, "_results_queue", ...)
-    if current is None:
+    if getattr(filesystem_async, "_results_queue", ...) is None:
         filesystem_async._results_queue = queue.Queue()
-        return True
-    return isinstance(current, queue.Queue)

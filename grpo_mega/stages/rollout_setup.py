@@ -5,12 +5,11 @@ source, the evaluation. Shared by the trainer (colocated mode) and the rollout w
 from __future__ import annotations
 
 import logging
-import os
 
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
 from grpo_mega.data.prompts import load_prompt_dataset
 from grpo_mega.evaluation import evaluate
-from grpo_mega.parallel import destroy_model_parallel, get_device
+from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_env
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
@@ -18,27 +17,24 @@ from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine,
 logger = logging.getLogger(__name__)
 
 
-def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice:
+def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
     """Replace ``rollout.engine: auto`` in ``cfg`` by the engine this rank's device runs fastest
     (``grpo_mega.rollout.engine_choice``), check the vllm layout again for it (the load-time checks could not know
-    the device), and log the choice with its reason. Every rank of a job decides alike (same device type, same
-    installation). Call before the job's processes split into roles."""
-    import torch
+    the device), and log the choice with its reason; None when the config names its engine. Every rank of a job
+    decides alike (same device type, same installation). Call before the job's processes split into roles."""
+    if cfg.rollout.engine != "auto":
+        return None
     from transformers import AutoConfig
 
-    device_type = "cuda" if cfg.parallel.device != "cpu" and torch.cuda.is_available() else "cpu"
-    parameters = None
-    if cfg.rollout.engine == "auto":
-        parameters = parameters_from_hf_config(AutoConfig.from_pretrained(cfg.model.hf_config).to_dict())
-    choice = choose_rollout_engine(cfg.rollout.engine, device_type=device_type, has_vllm=vllm_installed(),
-                                   parameters=parameters)
-    if cfg.rollout.engine == "auto":
-        cfg.rollout.engine = choice.engine
-        world_size = int(os.environ.get("WORLD_SIZE", "0"))
-        validate_rollout_layout(cfg, world_size)
-        validate_rollout_mode(cfg, world_size)
-        if int(os.environ.get("RANK", "0")) == 0:
-            logger.info("rollout engine: %s (%s)", choice.engine, choice.reason)
+    launch = read_launch_env()  # torchrun's or srun's rank and world size (1 for a lone process)
+    parameters = parameters_from_hf_config(AutoConfig.from_pretrained(cfg.model.hf_config).to_dict())
+    choice = choose_rollout_engine("auto", device_type=get_device(cfg.parallel.device).type,
+                                   has_vllm=vllm_installed(), parameters=parameters)
+    cfg.rollout.engine = choice.engine
+    validate_rollout_layout(cfg, launch.world_size)
+    validate_rollout_mode(cfg, launch.world_size)
+    if launch.rank == 0:
+        logger.info("rollout engine: %s (%s)", choice.engine, choice.reason)
     return choice
 
 
