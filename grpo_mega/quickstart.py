@@ -59,7 +59,14 @@ class QuickstartPlan:
     """The GRPO arms start from the SFT checkpoint of this step (a weaker policy), while the PRM starts from the
     end of SFT and the Monte-Carlo labels come from that checkpoint's continuations (a completer and a PRM that know
     more than the policy); the SFT seconds after this step count against the process arm. None: policy and PRM
-    both start from the end of SFT."""
+    both start from the end of SFT. With ``policy_max_pass_at_1`` it is the interval of the candidate checkpoints."""
+    policy_max_pass_at_1: float | None = None
+    """Pick the arms' SFT checkpoint by measured pass@1 instead of by step: of the checkpoints every
+    ``policy_sft_step`` steps, the latest whose sampled pass@1 on ``selection_prompts`` training prompts is at most
+    this before one first exceeds it (``grpo_mega.quickstart_selection``). None: the checkpoint of ``policy_sft_step``."""
+    selection_prompts: int = 200
+    selection_samples: int = 2
+    """Evaluations at temperature 1 (seeds ``seed + k``) whose mean is a candidate's sampled pass@1."""
     grpo_steps: int | None = None  # None: configs/quickstart_grpo.yaml decides
     response_length: int | None = None
     """Most tokens of a GRPO completion; None: configs/quickstart_grpo.yaml decides (64, for three-step solutions)."""
@@ -92,9 +99,10 @@ SPARSE = QuickstartPlan(
     name="sparse",
     difficulty=Difficulty(min_steps=5, max_steps=5, max_value=20),
     direct_answer_fraction=0.0,
-    policy_sft_step=500,
-    grpo_steps=30,
-    eval_every=5,
+    policy_sft_step=100,
+    policy_max_pass_at_1=0.20,
+    grpo_steps=60,
+    eval_every=10,
     eval_prompts=500,
     response_length=96,  # a five-step solution is up to 82 tokens with its end token
     prm=PRMPlan(label_prompts=800, rollouts_per_step=1, completer_temperature=0.0, best_of_n_prompts=100,
@@ -111,14 +119,15 @@ supervision gains little in 30 steps and the regime is not reliably sparse (samp
 REGIMES = {"sparse": SPARSE, "dense": DENSE}
 
 FAST = replace(
-    DENSE, num_train=600, num_heldout=32, sft_steps=40, policy_sft_step=35, grpo_steps=3, eval_prompts=16,
-    eval_every=0,
+    DENSE, num_train=600, num_heldout=32, sft_steps=40, policy_sft_step=35, policy_max_pass_at_1=1.0,
+    selection_prompts=16, selection_samples=1, grpo_steps=3, eval_prompts=16, eval_every=0,
     prm=PRMPlan(label_prompts=12, samples_per_prompt=1, rollouts_per_step=1, completer_temperature=0.0, train_steps=4,
                 planted_problems=16, best_of_n_prompts=8, best_of_n=2),
     refresh=RefreshPlan(train_steps=3),
 )
-"""The end-to-end test's run: the dense task, shortened; the arms start from SFT step 35 of 40 and the PRM from
-step 40 with greedy Monte-Carlo labels, so the sparse regime's paths run too."""
+"""The end-to-end test's run: the dense task, shortened; the arms start from SFT step 35 of 40 (the only candidate
+of the pass@1 selection, which measures it) and the PRM from step 40 with greedy Monte-Carlo labels, so the sparse
+regime's paths run too."""
 
 # The policy: Qwen2-shaped, tied embeddings, ~0.9M parameters (vocabulary from the trained tokenizer).
 POLICY_SHAPE = dict(
@@ -245,16 +254,47 @@ def _policy_checkpoint_settings(plan: QuickstartPlan, sft_steps: int) -> list[st
     return [f"trainer.save_every={plan.policy_sft_step}", f"trainer.keep_last={sft_steps // plan.policy_sft_step + 1}"]
 
 
-def _policy_and_prm_start(plan: QuickstartPlan, sft_dir: Path) -> tuple[Path, Path | None, float]:
+def _sft_checkpoint(sft_dir: Path, step: int) -> Path:
+    checkpoint = sft_dir / "checkpoints" / f"step_{step:06d}"
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(f"the SFT run kept no checkpoint of step {step}: {checkpoint}")
+    return checkpoint
+
+
+def _select_policy_step(plan: QuickstartPlan, sft_dir: Path, sft_steps: int, task: list[str],
+                        train_file: Path) -> tuple[int | None, dict]:
+    """(the SFT step the GRPO arms start from, None for the end of SFT; the record of a pass@1 selection)."""
+    if plan.policy_max_pass_at_1 is None:
+        return plan.policy_sft_step, {}
+    from grpo_mega.quickstart_selection import measure_pass_at_1, pick_below_ceiling
+
+    folder = sft_dir.parent / "policy_selection"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def measure(step: int) -> float:
+        return measure_pass_at_1(
+            _sft_checkpoint(sft_dir, step), task=task, prompts_file=train_file, prompts=plan.selection_prompts,
+            samples=plan.selection_samples, response_length=plan.response_length,
+            out=folder / f"step_{step:06d}.json", nproc=NPROC)
+
+    candidates = list(range(plan.policy_sft_step, sft_steps, plan.policy_sft_step))
+    step, measured = pick_below_ceiling(candidates, measure, plan.policy_max_pass_at_1)
+    print(f"    sampled pass@1 on {plan.selection_prompts} training prompts: "
+          f"{', '.join(f'step {k}: {v:.3f}' for k, v in measured.items())} -> the arms start from step {step}",
+          flush=True)
+    return step, {"ceiling": plan.policy_max_pass_at_1, "prompts": plan.selection_prompts,
+                  "samples": plan.selection_samples, "pass_at_1": {str(k): v for k, v in measured.items()},
+                  "step": step}
+
+
+def _policy_and_prm_start(sft_dir: Path, policy_step: int | None) -> tuple[Path, Path | None, float]:
     """(the GRPO arms' starting checkpoint, the PRM's when it differs, the SFT seconds spent after the policy's
     checkpoint: what the PRM's head start cost)."""
-    if plan.policy_sft_step is None:
+    if policy_step is None:
         return sft_dir, None, 0.0
-    policy_dir = sft_dir / "checkpoints" / f"step_{plan.policy_sft_step:06d}"
-    if not policy_dir.is_dir():
-        raise FileNotFoundError(f"the SFT run kept no checkpoint of step {plan.policy_sft_step}: {policy_dir}")
+    policy_dir = _sft_checkpoint(sft_dir, policy_step)
     times = {row["step"]: row["time"] for row in read_metrics(sft_dir / "metrics.jsonl")}
-    return policy_dir, sft_dir, times[max(times)] - times[plan.policy_sft_step]
+    return policy_dir, sft_dir, times[max(times)] - times[policy_step]
 
 
 def _arm_seconds(seconds: dict[str, float], arm: str) -> float:
@@ -276,7 +316,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     arms = ["outcome", *(["process"] if plan.process_supervision else []),
             *([f"{STEP_REWARD_ARM}{kind}" for kind in plan.step_reward_arms] if plan.process_supervision else []),
             *(["oracle"] if plan.oracle_arm else [])]
-    total = 2 + (3 if plan.process_supervision else 0) + len(arms)
+    selects = plan.policy_max_pass_at_1 is not None
+    total = 2 + selects + (3 if plan.process_supervision else 0) + len(arms)
     header = iter(range(1, total + 1))
 
     def announce(text: str) -> None:
@@ -293,7 +334,14 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     seconds["sft"] = _training_command("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, sft_steps,
                                        (("nll", "sft/nll"),), [*task, *_policy_checkpoint_settings(plan, sft_steps)],
                                        run_dir / "sft.log")
-    policy_dir, prm_base, prm_head_start_seconds = _policy_and_prm_start(plan, sft_dir)
+    if selects:
+        announce(f"the arms' SFT checkpoint: the latest with sampled pass@1 <= {plan.policy_max_pass_at_1:g} on "
+                 f"training prompts, logs: {run_dir / 'policy_selection'}/")
+    begin = time.perf_counter()
+    policy_step, selection = _select_policy_step(plan, sft_dir, sft_steps, task, train_file)
+    if selects:
+        seconds["policy_selection"] = time.perf_counter() - begin
+    policy_dir, prm_base, prm_head_start_seconds = _policy_and_prm_start(sft_dir, policy_step)
 
     prm_summary = None
     if plan.process_supervision:
@@ -344,6 +392,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         "eval_prompts": int(read_metrics(arm_dirs["outcome"] / "metrics.jsonl")[-1].get("eval/num_prompts", 0)),
         "seed": plan.seed,
         "iterations": plan.iterations,
+        "policy_sft_step": policy_step,
+        **({"policy_selection": selection} if selection else {}),
         "arms": reports,
         "run_dir": str(run_dir),
     }

@@ -56,7 +56,8 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
      frozenset({"grpo_mega.run_harness", "grpo_mega.stages", "grpo_mega.grpo_loss", "grpo_mega.evaluation",
                 "grpo_mega.trainer", "grpo_mega.rollout_worker", "grpo_mega.sft", "prm.train"})),
     ("what a user runs: the CLIs, the commands, the pipelines, the memory planner; nothing below imports them",
-     frozenset({"grpo_mega.cli", "grpo_mega.eval_command", "grpo_mega.quickstart", "grpo_mega.quickstart_report", "grpo_mega.plan",
+     frozenset({"grpo_mega.cli", "grpo_mega.eval_command", "grpo_mega.quickstart", "grpo_mega.quickstart_report",
+                "grpo_mega.quickstart_selection", "grpo_mega.plan",
                 "grpo_mega.command_runner", "prm.cli", "prm.label_command", "prm.eval_command", "prm.pipeline",
                 "prm.iterative"})),
 ]

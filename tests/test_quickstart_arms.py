@@ -30,3 +30,25 @@ def test_every_learned_prm_arm_is_set_against_outcome_supervision():
     assert figures["ps_delta_minus_os"] == pytest.approx(0.11)
     assert figures["ps_delta_accuracy"] == 0.41 and figures["ps_delta_gain"] == pytest.approx(0.21)
     assert "oracle_minus_os" not in figures
+
+
+def test_the_arms_start_from_the_latest_checkpoint_under_the_pass_at_1_ceiling():
+    """Checkpoints are measured in step order until one exceeds the ceiling; later ones are never measured (pass@1
+    is not monotonic: a dip after the first crossing does not count)."""
+    from grpo_mega.quickstart_selection import pick_below_ceiling
+
+    pass_at_1 = {100: 0.05, 200: 0.06, 300: 0.15, 400: 0.35, 500: 0.18, 600: 0.9}
+    measured_steps = []
+
+    def measure(step):
+        measured_steps.append(step)
+        return pass_at_1[step]
+
+    step, measured = pick_below_ceiling(list(pass_at_1), measure, 0.20)
+    assert step == 300 and measured_steps == [100, 200, 300, 400] and measured == {k: pass_at_1[k] for k in measured_steps}
+    assert pick_below_ceiling([200, 300, 400], pass_at_1.get, 0.15)[0] == 300  # at the ceiling counts as under it
+    assert pick_below_ceiling([400, 600], pass_at_1.get, 0.20) == (400, {400: 0.35})  # none under: the first
+    assert pick_below_ceiling([100, 200, 300], pass_at_1.get, 1.0)[0] == 300  # none over: the last
+    for steps, ceiling in (([], 0.2), ([200, 100], 0.2), ([100], 1.5)):
+        with pytest.raises(ValueError):
+            pick_below_ceiling(steps, pass_at_1.get, ceiling)

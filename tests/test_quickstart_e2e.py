@@ -48,6 +48,12 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
                    - sft_time[35])
     assert math.isclose(summary["arms"]["process"]["prm_seconds"], prm_seconds, abs_tol=0.2)
     policy = run_dir / "sft" / "checkpoints" / "step_000035"
+    # the pass@1 selection measured it on 16 training prompts by `grpo-mega eval` (its report kept)
+    selection = summary["policy_selection"]
+    assert summary["policy_sft_step"] == selection["step"] == 35 and list(selection["pass_at_1"]) == ["35"]
+    report = json.loads((run_dir / "policy_selection" / "step_000035.json").read_text())
+    assert (report["prompts"], report["temperature"], report["eval_file"]) == (16, 1.0, str(run_dir / "data" / "train.jsonl"))
+    assert report["accuracy_mean"] == selection["pass_at_1"]["35"]
     assert f"init_from: {policy}" in (run_dir / "grpo" / "config.yaml").read_text()
     assert f"init_from: {run_dir / 'sft'}\n" in (run_dir / "prm" / "config.yaml").read_text()
     labels = json.loads((run_dir / "prm_labels.jsonl.summary.json").read_text())
@@ -57,8 +63,9 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
     assert math.isclose(summary["ps_minus_os"], summary["ps_accuracy"] - summary["os_accuracy"])
     assert "zero-signal" in result.stdout and "regime: dense" in result.stdout
     # every stage announced itself and showed a live line; training stages count their steps
-    for header in ("[1/7] data", "[2/7] SFT", "[3/7] PRM labels", "[4/7] PRM training", "[5/7] PRM evaluation",
-                   "[6/7] GRPO, outcome supervision", "[7/7] GRPO, process supervision by the learned PRM"):
+    for header in ("[1/8] data", "[2/8] SFT", "[3/8] the arms' SFT checkpoint", "[4/8] PRM labels",
+                   "[5/8] PRM training", "[6/8] PRM evaluation", "[7/8] GRPO, outcome supervision",
+                   "[8/8] GRPO, process supervision by the learned PRM"):
         assert header in result.stdout, header
     assert "SFT: 100%" in result.stdout and "40/40" in result.stdout
     assert "GRPO (process, iteration 1): 100%" in result.stdout and "3/3" in result.stdout
