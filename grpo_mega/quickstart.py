@@ -400,7 +400,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     summary.setdefault("ps_accuracy", None)
     if prm_summary:
         summary["prm"] = {key: prm_summary.get(key) for key in (
-            "label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
+            "label_agreement", "value_label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
             "pass_at_n")}
     summary["plot"] = str(plot_arms(
         {arm_title(arm): path / "metrics.jsonl" for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",

@@ -64,10 +64,12 @@ def summary_path(out: str | Path) -> Path:
     return Path(f"{out}.summary.json")
 
 
-def true_labels_of(record_extra: dict, steps: list[str], source: str) -> list[bool] | None:
-    """Ground-truth labels of a synthetic-task solution's steps (its row's ``steps`` record), None for other rows."""
+def true_labels_of(record_extra: dict, steps: list[str], source: str) -> dict[str, list[bool]] | None:
+    """Ground-truth labels of a synthetic-task solution's steps (its row's ``steps`` record), None for other rows:
+    ``true_labels`` by the step checker (``prm.synthetic.true_step_labels``) and ``value_labels`` by the value each
+    step carries on (``value_step_labels``)."""
     from grpo_mega.data.synthetic import Problem
-    from prm.synthetic import true_step_labels
+    from prm.synthetic import true_step_labels, value_step_labels
 
     if "steps" not in record_extra:
         return None
@@ -75,29 +77,42 @@ def true_labels_of(record_extra: dict, steps: list[str], source: str) -> list[bo
         problem = Problem.from_record({"steps": record_extra["steps"]})
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
-    return true_step_labels(problem, steps)
+    return {"true_labels": true_step_labels(problem, steps), "value_labels": value_step_labels(problem, steps)}
 
 
-def agreement_summary(examples: Sequence[StepExample]) -> dict[str, float]:
-    """Agreement of the Monte-Carlo labels with ``extra["true_labels"]`` over all steps (hard labels; soft >= 0.5),
-    and over the sampled steps only (all but each solution's last, which is labelled by its outcome)."""
+def _agreements(known: Sequence[StepExample], truth_key: str, prefix: str) -> dict[str, float]:
+    """Agreement of the hard and soft (>= 0.5) Monte-Carlo labels with ``extra[truth_key]``, over all steps and over
+    the sampled steps only (all but each solution's last, which is labelled by its outcome)."""
     from prm.metrics import label_agreement
 
-    known = [e for e in examples if e.extra.get("true_labels") is not None]
-    if not known:
-        return {}
-    truth = [e.extra["true_labels"] for e in known]
+    truth = [e.extra[truth_key] for e in known]
     summary = {
-        "label_agreement": label_agreement([e.labels for e in known], truth),
-        "soft_label_agreement": label_agreement([[s >= 0.5 for s in e.soft_labels] for e in known], truth),
-        "truth_good_fraction": sum(map(sum, truth)) / sum(map(len, truth)),
+        f"{prefix}label_agreement": label_agreement([e.labels for e in known], truth),
+        f"{prefix}soft_label_agreement": label_agreement([[s >= 0.5 for s in e.soft_labels] for e in known], truth),
+        f"{prefix}truth_good_fraction": sum(map(sum, truth)) / sum(map(len, truth)),
     }
     sampled = [e for e in known if len(e.steps) > 1]
     if sampled:
-        sampled_truth = [e.extra["true_labels"][:-1] for e in sampled]
-        summary["label_agreement_sampled_steps"] = label_agreement([e.labels[:-1] for e in sampled], sampled_truth)
-        summary["soft_label_agreement_sampled_steps"] = label_agreement(
+        sampled_truth = [e.extra[truth_key][:-1] for e in sampled]
+        summary[f"{prefix}label_agreement_sampled_steps"] = label_agreement([e.labels[:-1] for e in sampled],
+                                                                            sampled_truth)
+        summary[f"{prefix}soft_label_agreement_sampled_steps"] = label_agreement(
             [[s >= 0.5 for s in e.soft_labels[:-1]] for e in sampled], sampled_truth)
+    return summary
+
+
+def agreement_summary(examples: Sequence[StepExample]) -> dict[str, float]:
+    """Agreement of the Monte-Carlo labels with the step checker's truth (``extra["true_labels"]``: ``label_agreement``
+    and friends) and with the truth by value (``extra["value_labels"]``: ``value_label_agreement`` and friends); a
+    Monte-Carlo label cannot see a wrong expression that carries the right value on, so the second is the one a
+    better completer or a harder-to-guess answer can raise."""
+    known = [e for e in examples if e.extra.get("true_labels") is not None]
+    if not known:
+        return {}
+    summary = _agreements(known, "true_labels", "")
+    with_value = [e for e in known if e.extra.get("value_labels") is not None]
+    if len(with_value) == len(known):
+        summary.update(_agreements(with_value, "value_labels", "value_"))
     return summary
 
 
@@ -159,9 +174,9 @@ def run_label(args: argparse.Namespace) -> Path:
                                       on_error=args.on_reward_error)
         labelled = time.perf_counter()
         for item, example in zip(items, examples):
-            truth = true_labels_of(item.extra, item.steps, item.source)
-            if truth is not None:
-                example.extra["true_labels"] = truth
+            truths = true_labels_of(item.extra, item.steps, item.source)
+            if truths is not None:
+                example.extra.update(truths)
         steps = sum(len(e.steps) for e in examples)
         summary = {
             "prompts": len(records),

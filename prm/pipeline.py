@@ -163,6 +163,7 @@ def run_prm_pipeline(policy: PolicyRun, out_dir: Path, plan: PRMPlan = PRMPlan()
     summary = {
         "label_agreement": label_summary.get("label_agreement"),
         "soft_label_agreement": label_summary.get("soft_label_agreement"),
+        "value_label_agreement": label_summary.get("value_label_agreement"),
         "labelled_steps": label_summary.get("steps"),
         **{key: report.get(key) for key in (
             "step_accuracy", "step_f1", "processbench_f1", "processbench_threshold",

@@ -48,6 +48,32 @@ def true_step_labels(problem: Problem, steps: Sequence[str]) -> list[bool]:
     return labels
 
 
+def value_step_labels(problem: Problem, steps: Sequence[str]) -> list[bool]:
+    """The truth by value: like ``true_step_labels``, except that a "Step k:" piece is good iff it is alone, numbered
+    k and its result is the true value after the problem's k-th operation, whatever its left-hand side (e.g.
+    "Step 1: 5 - 4 = 2." for "Start with 5. Subtract 3." is good: it writes a wrong expression, but the value it
+    carries on is right). This is the truth a Monte-Carlo label estimates (whether the answer can still be
+    reached from the step), so the statement truth and this one differ exactly on the steps no completer can
+    call bad."""
+    text = "".join(steps)
+    parsed = parse_solution(text)
+    result_at = {step.start: (position, step.number, step.result)
+                 for position, step in enumerate(parsed.steps, start=1)}
+    labels = []
+    for piece, end in zip(steps, step_char_ends(list(steps))):
+        begin = end - len(piece)
+        if parsed.answer_end is not None and begin < parsed.answer_end <= end:
+            labels.append(parsed.answer == problem.answer)
+        elif _STEP_START.match(piece):
+            position, number, result = result_at.get(begin + len(piece) - len(piece.lstrip()), (0, None, None))
+            alone = sum(begin <= start < end for start in result_at) == 1
+            labels.append(alone and number == position and 1 <= position <= len(problem.steps)
+                          and result == problem.steps[position - 1].result)
+        else:
+            labels.append(False)
+    return labels
+
+
 def _record(steps: Sequence[Step]) -> list[dict]:
     return [{"lhs": s.lhs, "op": s.op, "rhs": s.rhs, "result": s.result} for s in steps]
 

@@ -208,13 +208,14 @@ def test_run_label_on_two_processes_writes_stepwise_rows_and_a_summary(tiny_poli
         assert all(soft in (0.0, 0.5, 1.0) for soft in row["soft_labels"])
         outcome = len("".join(steps)) % 2 == 0
         assert row["labels"][-1] is outcome and row["soft_labels"][-1] == float(outcome) == row["outcome"]
-        assert row["true_labels"] == [False] * len(steps)  # random text is no synthetic step
+        assert row["true_labels"] == row["value_labels"] == [False] * len(steps)  # random text is no synthetic step
     from prm.data import read_examples
 
     assert [e.soft_labels for e in read_examples(out, "stepwise")] == [row["soft_labels"] for row in rows]
-    assert summary["label_agreement"] == sum(
-        label == truth for row in rows for label, truth in zip(row["labels"], row["true_labels"])
-    ) / summary["steps"]
+    for prefix, key in (("", "true_labels"), ("value_", "value_labels")):
+        assert summary[f"{prefix}label_agreement"] == sum(
+            label == truth for row in rows for label, truth in zip(row["labels"], row[key])
+        ) / summary["steps"]
 
 
 # ----------------------------------------------------------------------------- the policy from a checkpoint

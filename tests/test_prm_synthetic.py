@@ -8,6 +8,7 @@ import pytest
 from grpo_mega.data.synthetic import Difficulty, Problem, Step, apply_operator, generate_problems
 from prm.examples import first_error_of
 from prm.synthetic import (
+    value_step_labels,
     planted_error_examples,
     planted_error_solution,
     solution_steps,
@@ -60,6 +61,31 @@ def test_true_step_labels_of_a_step_holding_two_steps():
     # "Step2:" is not a split point (the pattern wants "Step 2:") but parse_solution reads it as a step.
     steps = [" Step 1: 7 + 5 = 12. Step2: 12 * 3 = 36.", " The answer is 36."]
     assert true_step_labels(PROBLEM, steps) == [False, True]
+
+
+@pytest.mark.parametrize(
+    "text, statement, value",
+    [
+        (" Step 1: 7 + 5 = 12. Step 2: 12 * 3 = 36. The answer is 36.", [True, True, True], [True, True, True]),
+        # a wrong expression with the right result: wrong by the checker, right by the value it carries on
+        (" Step 1: 7 + 4 = 12. Step 2: 12 * 3 = 36. The answer is 36.", [False, True, True], [True, True, True]),
+        (" Step 1: 7 - 5 = 12. Step 2: 12 * 3 = 36. The answer is 36.", [False, True, True], [True, True, True]),
+        # a wrong value, then a wrong carry that lands on the right value again
+        (" Step 1: 7 + 5 = 13. Step 2: 13 * 3 = 36. The answer is 36.", [False, False, True], [False, True, True]),
+        # a wrong value carried on faithfully: wrong by both
+        (" Step 1: 7 + 5 = 13. Step 2: 13 * 3 = 39. The answer is 39.", [False, False, False], [False, False, False]),
+        # misnumbered, extra or unparseable steps and stray text are bad by both
+        (" Step 2: 7 + 5 = 12. Step 2: 12 * 3 = 36. The answer is 36.", [False, True, True], [False, True, True]),
+        (" Step 1: 7 + 5 = 12. Step 2: 12 * 3 = 36. Step 3: 36 * 1 = 36. The answer is 36.",
+         [True, True, False, True], [True, True, False, True]),
+        (" Step 1: twelve. Step 2: 12 * 3 = 36. The answer is 36.", [False, True, True], [False, True, True]),
+        (" hmm Step 1: 7 + 5 = 12. The answer is 12.", [False, True, False], [False, True, False]),
+    ],
+)
+def test_value_step_labels_judge_a_step_by_the_value_it_carries_on(text, statement, value):
+    steps = solution_steps(text)
+    assert true_step_labels(PROBLEM, steps) == statement
+    assert value_step_labels(PROBLEM, steps) == value
 
 
 def test_planted_error_solution_carries_the_wrong_value_forward():
