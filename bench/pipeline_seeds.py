@@ -6,11 +6,13 @@ learned PRM, and process supervision by the task's ground-truth step checker (th
 
 Each seed runs the whole pipeline of ``grpo-mega quickstart`` (same data; the seed moves SFT, the PRM's labels and
 training, and GRPO) plus the oracle arm, in ``OUT/seed<N>``. Prints one row per seed with the mean, the standard
-deviation and the range, each arm's gain over SFT and its share of zero-signal groups, then the seed-by-seed
-difference process (learned PRM) - outcome with its mean, standard deviation and standard error, and writes
-bench/results/pipeline_seeds_<regime>.json (path printed last). ``--step-rewards`` adds a learned-PRM arm per
-``process_reward.step_reward`` option named (the process arm's settings with that option, the same PRM, SFT
-checkpoint, seed and steps), each with its difference to outcome supervision.
+deviation and the range, each arm's gain over SFT and its share of zero-signal groups, the Monte-Carlo labels'
+agreement with the step checker's truth and with the truth by value, then for every arm the seed-by-seed difference
+arm - outcome at equal steps and at equal seconds (``bench.seed_curves``: a learned PRM's labels and training
+counted) with its mean, standard deviation and standard error; plots every arm's mean curve by step and by seconds
+(docs/img/pipeline_seeds_<regime>.png) and writes bench/results/pipeline_seeds_<regime>.json (path printed last).
+``--step-rewards`` adds a learned-PRM arm per ``process_reward.step_reward`` option named (the process arm's
+settings with that option, the same PRM, SFT checkpoint, seed and steps).
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.seed_curves import equal_seconds, plot_seed_curves  # noqa: E402
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
 from grpo_mega.quickstart import FAST, REGIMES, run_pipeline  # noqa: E402
+from grpo_mega.quickstart_report import arm_key, arm_title  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
-           "os_zero_signal", "ps_minus_os", "prm_f1", "prm_label_agreement")
+           "os_zero_signal", "ps_zero_signal", "ps_minus_os", "ps_minus_os_equal_seconds", "oracle_minus_os",
+           "prm_f1", "prm_label_agreement", "prm_value_label_agreement")
+
+
+def value_label_agreement(summary: dict) -> float | None:
+    """The Monte-Carlo labels' agreement with the truth by value: from the summary, or (a run from before the
+    summary carried it) from the labels' own summary file in the run directory."""
+    value = (summary.get("prm") or {}).get("value_label_agreement")
+    labels_summary = Path(summary["run_dir"]) / "prm_labels.jsonl.summary.json"
+    if value is None and labels_summary.is_file():
+        value = json.loads(labels_summary.read_text()).get("value_label_agreement")
+    return value
 
 
 def difference_report(differences: list[float]) -> dict:
@@ -50,6 +65,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline_seeds")
     parser.add_argument("--result", type=Path, default=None,
                         help="default: bench/results/pipeline_seeds_<regime>.json")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="every arm's mean curve by step and by seconds; default: docs/img/pipeline_seeds_<regime>.png")
     parser.add_argument("--fast", action="store_true", help="the shortened plan of the end-to-end test")
     parser.add_argument("--step-rewards", nargs="*", default=[], choices=[k for k in STEP_REWARDS if k != "score"],
                         help="more learned-PRM arms, one per process_reward.step_reward option")
@@ -69,17 +86,43 @@ def main() -> int:
         else:
             summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True,
                                                                      step_reward_arms=tuple(args.step_rewards)))
-        results.append({**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement")})
+        results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
-    for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards)]:
-        differences = extra[f"{key}_minus_os"] = difference_report([r[f"{key}_minus_os"] for r in results])
-        print(f"{key} (learned PRM) - outcome, held-out accuracy, per seed: "
-              f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
-              f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
-        if key != "ps":
-            columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_minus_os"]
+    for arm in [*(f"process_{kind}" for kind in ["score", *args.step_rewards]), "oracle"]:
+        key = arm_key("process" if arm == "process_score" else arm)
+        for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds")):
+            differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
+                [r[f"{key}_minus_os{suffix}"] for r in results])
+            print(f"{key} - outcome, held-out accuracy at {when}, per seed: "
+                  f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
+                  f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
+        if key not in ("ps", "oracle"):
+            columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_zero_signal", f"{key}_minus_os",
+                        f"{key}_minus_os_equal_seconds"]
+    columns.append("oracle_minus_os_equal_seconds")
+    plot = args.plot or ROOT / "docs" / "img" / f"pipeline_seeds_{args.regime}.png"
+    extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in results[0]["arms"]}, plot,
+                                         f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
     report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
     return 0
+
+
+def with_comparisons(summary: dict) -> dict:
+    """A seed's summary with, for every arm but outcome supervision, its difference to it at equal steps (the
+    summary's own ``<key>_minus_os``; added for the oracle) and at equal seconds (``<key>_minus_os_equal_seconds``,
+    ``bench.seed_curves.equal_seconds``), and the label agreements."""
+    row = {**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement"),
+           "prm_value_label_agreement": value_label_agreement(summary)}
+    outcome = summary["arms"]["outcome"]
+    for arm, report in summary["arms"].items():
+        if arm == "outcome":
+            continue
+        key = arm_key(arm)
+        row[f"{key}_minus_os"] = report["accuracy"] - outcome["accuracy"]
+        row[f"{key}_zero_signal"] = report["zero_signal_group_fraction"]
+        row[f"{key}_equal_seconds"] = equal_seconds(report, outcome)
+        row[f"{key}_minus_os_equal_seconds"] = row[f"{key}_equal_seconds"]["minus_os"]
+    return row
 
 
 if __name__ == "__main__":

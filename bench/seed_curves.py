@@ -1,0 +1,72 @@
+"""The quickstart arms over seeds at equal seconds, and their mean curves as one plot.
+
+Each arm's ``curve`` in a quickstart summary is ``[[step, seconds, held-out accuracy], ...]``, its seconds counted
+from the start of its GRPO command plus, for a learned-PRM arm, what its PRM cost before that (labels, training, the
+SFT steps its checkpoint took). At equal seconds two arms are compared at the smaller of their last evaluations'
+seconds: each at its latest evaluation within that budget, or at its start accuracy when the budget ended before its
+first evaluation (a learned-PRM arm whose PRM took longer than the whole outcome arm has not trained yet).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+
+def accuracy_at_seconds(curve: Sequence[Sequence[float]], seconds: float) -> float:
+    """Held-out accuracy of an arm at ``seconds``: its latest evaluation at or before them, else its start."""
+    if not curve:
+        raise ValueError("accuracy_at_seconds: the arm has no evaluation")
+    reached = [point for point in curve if point[1] <= seconds]
+    return (reached[-1] if reached else curve[0])[2]
+
+
+def equal_seconds(arm: dict, outcome: dict) -> dict:
+    """``arm`` (a quickstart arm report) against the outcome arm's report at the smaller of their last evaluations'
+    seconds: {seconds, accuracy, os_accuracy, minus_os}."""
+    budget = min(arm["curve"][-1][1], outcome["curve"][-1][1])
+    accuracy, os_accuracy = accuracy_at_seconds(arm["curve"], budget), accuracy_at_seconds(outcome["curve"], budget)
+    return {"seconds": budget, "accuracy": accuracy, "os_accuracy": os_accuracy, "minus_os": accuracy - os_accuracy}
+
+
+def mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float, float, float, float, float]]:
+    """(step, mean seconds, mean accuracy, min accuracy, max accuracy) at every step all ``curves`` evaluated."""
+    by_step = [{point[0]: point for point in curve} for curve in curves]
+    steps = sorted(set.intersection(*(set(points) for points in by_step)))
+    rows = []
+    for step in steps:
+        points = [points[step] for points in by_step]
+        accuracies = [point[2] for point in points]
+        rows.append((step, statistics.fmean(point[1] for point in points), statistics.fmean(accuracies),
+                     min(accuracies), max(accuracies)))
+    return rows
+
+
+def plot_seed_curves(runs: Sequence[dict], titles: dict[str, str], out_png: Path, title: str) -> Path:
+    """Two panels: every arm's mean held-out accuracy over the seeds against GRPO step (the band: the seeds' range)
+    and against mean seconds (PRM cost included)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_step, by_seconds) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for arm, label in titles.items():
+        rows = mean_curve([run["arms"][arm]["curve"] for run in runs])
+        steps, seconds, means, lows, highs = zip(*rows)
+        line, = by_step.plot(steps, means, "o-", label=label, markersize=3)
+        by_step.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.12)
+        by_seconds.plot(seconds, means, "o-", color=line.get_color(), markersize=3)
+    by_step.set_xlabel("GRPO step")
+    by_seconds.set_xlabel("seconds (mean over seeds; a learned PRM's labels and training first)")
+    by_step.set_ylabel(f"held-out accuracy (mean of {len(runs)} seeds; band: their range)")
+    by_step.legend(fontsize=8)
+    for axis in (by_step, by_seconds):
+        axis.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_png, dpi=90)
+    plt.close(figure)
+    return out_png
