@@ -15,10 +15,18 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 from grpo_mega.data.step_split import SYNTHETIC_STEP_PATTERN, split_steps, step_char_ends
-from grpo_mega.data.synthetic import Problem, Step, StepVerdict, apply_operator, check_steps, parse_solution
+from grpo_mega.data.synthetic import (
+    ParsedStep,
+    Problem,
+    Step,
+    StepVerdict,
+    apply_operator,
+    check_steps,
+    parse_solution,
+)
 from prm.examples import StepExample, first_error_of
 
 _STEP_START = re.compile(r"\s*Step \d+:")
@@ -29,23 +37,30 @@ def solution_steps(text: str) -> list[str]:
     return split_steps(text, SYNTHETIC_STEP_PATTERN)
 
 
-def true_step_labels(problem: Problem, steps: Sequence[str]) -> list[bool]:
-    """Ground-truth label of every piece of a partitioned solution (rules in the module docstring)."""
+def _label_pieces(problem: Problem, steps: Sequence[str], good_step: Callable[[int, ParsedStep], bool]) -> list[bool]:
+    """The label of every piece by the rules of the module docstring, a lone "Step k:" piece judged by
+    ``good_step(position, parsed step)`` (position: 1-based among the steps the text holds)."""
     text = "".join(steps)
     parsed = parse_solution(text)
-    verdict_at = {step.start: verdict for step, verdict in zip(parsed.steps, check_steps(problem, text))}
+    step_at = {step.start: (position, step) for position, step in enumerate(parsed.steps, start=1)}
     labels = []
     for piece, end in zip(steps, step_char_ends(list(steps))):
         begin = end - len(piece)
         if parsed.answer_end is not None and begin < parsed.answer_end <= end:
             labels.append(parsed.answer == problem.answer)
         elif _STEP_START.match(piece):
-            marker = begin + len(piece) - len(piece.lstrip())
-            alone = sum(begin <= start < end for start in verdict_at) == 1
-            labels.append(alone and verdict_at.get(marker) is StepVerdict.CORRECT)
+            found = step_at.get(begin + len(piece) - len(piece.lstrip()))
+            alone = sum(begin <= start < end for start in step_at) == 1
+            labels.append(alone and found is not None and good_step(*found))
         else:
             labels.append(False)
     return labels
+
+
+def true_step_labels(problem: Problem, steps: Sequence[str]) -> list[bool]:
+    """Ground-truth label of every piece of a partitioned solution (rules in the module docstring)."""
+    verdicts = check_steps(problem, "".join(steps))
+    return _label_pieces(problem, steps, lambda position, _: verdicts[position - 1] is StepVerdict.CORRECT)
 
 
 def value_step_labels(problem: Problem, steps: Sequence[str]) -> list[bool]:
@@ -55,23 +70,11 @@ def value_step_labels(problem: Problem, steps: Sequence[str]) -> list[bool]:
     carries on is right). This is the truth a Monte-Carlo label estimates (whether the answer can still be
     reached from the step), so the statement truth and this one differ exactly on the steps no completer can
     call bad."""
-    text = "".join(steps)
-    parsed = parse_solution(text)
-    result_at = {step.start: (position, step.number, step.result)
-                 for position, step in enumerate(parsed.steps, start=1)}
-    labels = []
-    for piece, end in zip(steps, step_char_ends(list(steps))):
-        begin = end - len(piece)
-        if parsed.answer_end is not None and begin < parsed.answer_end <= end:
-            labels.append(parsed.answer == problem.answer)
-        elif _STEP_START.match(piece):
-            position, number, result = result_at.get(begin + len(piece) - len(piece.lstrip()), (0, None, None))
-            alone = sum(begin <= start < end for start in result_at) == 1
-            labels.append(alone and number == position and 1 <= position <= len(problem.steps)
-                          and result == problem.steps[position - 1].result)
-        else:
-            labels.append(False)
-    return labels
+
+    def carries_the_true_value(position: int, step: ParsedStep) -> bool:
+        return step.number == position <= len(problem.steps) and step.result == problem.steps[position - 1].result
+
+    return _label_pieces(problem, steps, carries_the_true_value)
 
 
 def _record(steps: Sequence[Step]) -> list[dict]:
