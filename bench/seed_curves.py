@@ -43,9 +43,14 @@ def mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float,
     return rows
 
 
+def gain_curve(curve: Sequence[Sequence[float]]) -> list[list[float]]:
+    """The curve with each accuracy less the first (the start): seeds that start apart read on one scale."""
+    return [[step, seconds, accuracy - curve[0][2]] for step, seconds, accuracy in curve]
+
+
 def plot_seed_curves(runs: Sequence[dict], titles: dict[str, str], out_png: Path, title: str) -> Path:
-    """Two panels: every arm's mean held-out accuracy over the seeds against GRPO step (the band: the seeds' range)
-    and against mean seconds (PRM cost included)."""
+    """Two panels: every arm's mean held-out accuracy gain over its start, over the seeds, against GRPO step (the
+    band: the seeds' range) and against mean seconds (PRM cost included)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,14 +58,16 @@ def plot_seed_curves(runs: Sequence[dict], titles: dict[str, str], out_png: Path
 
     figure, (by_step, by_seconds) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for arm, label in titles.items():
-        rows = mean_curve([run["arms"][arm]["curve"] for run in runs])
+        rows = mean_curve([gain_curve(run["arms"][arm]["curve"]) for run in runs])
         steps, seconds, means, lows, highs = zip(*rows)
         line, = by_step.plot(steps, means, "o-", label=label, markersize=3)
         by_step.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.12)
         by_seconds.plot(seconds, means, "o-", color=line.get_color(), markersize=3)
     by_step.set_xlabel("GRPO step")
     by_seconds.set_xlabel("seconds (mean over seeds; a learned PRM's labels and training first)")
-    by_step.set_ylabel(f"held-out accuracy (mean of {len(runs)} seeds; band: their range)")
+    by_step.set_ylabel(f"held-out accuracy gain (mean of {len(runs)} seeds; band: their range)")
+    for axis in (by_step, by_seconds):
+        axis.axhline(0.0, color="grey", linewidth=0.8)
     by_step.legend(fontsize=8)
     for axis in (by_step, by_seconds):
         axis.grid(alpha=0.3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.seed_curves import accuracy_at_seconds, equal_seconds, mean_curve, plot_seed_curves
+from bench.seed_curves import accuracy_at_seconds, equal_seconds, gain_curve, mean_curve, plot_seed_curves
 
 
 def _arm(curve):
@@ -29,6 +29,7 @@ def test_an_arm_at_equal_seconds_is_at_its_latest_evaluation_within_the_budget()
 def test_mean_curves_over_seeds_keep_the_steps_every_seed_evaluated(tmp_path):
     curves = [[[0, 2.0, 0.1], [10, 20.0, 0.3], [20, 40.0, 0.5]], [[0, 4.0, 0.3], [10, 30.0, 0.1]]]
     assert mean_curve(curves) == [(0, 3.0, pytest.approx(0.2), 0.1, 0.3), (10, 25.0, pytest.approx(0.2), 0.1, 0.3)]
+    assert gain_curve(curves[0]) == [[0, 2.0, 0.0], [10, 20.0, pytest.approx(0.2)], [20, 40.0, pytest.approx(0.4)]]
     runs = [{"arms": {"outcome": {"curve": curve}, "process": {"curve": curve}}} for curve in curves]
     png = plot_seed_curves(runs, {"outcome": "outcome", "process": "learned PRM"}, tmp_path / "seeds.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
