@@ -88,8 +88,7 @@ def main() -> int:
                                                                      step_reward_arms=tuple(args.step_rewards)))
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
-    for arm in [*(f"process_{kind}" for kind in ["score", *args.step_rewards]), "oracle"]:
-        key = arm_key("process" if arm == "process_score" else arm)
+    for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards), "oracle"]:
         for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds")):
             differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
                 [r[f"{key}_minus_os{suffix}"] for r in results])
@@ -108,20 +107,18 @@ def main() -> int:
 
 
 def with_comparisons(summary: dict) -> dict:
-    """A seed's summary with, for every arm but outcome supervision, its difference to it at equal steps (the
-    summary's own ``<key>_minus_os``; added for the oracle) and at equal seconds (``<key>_minus_os_equal_seconds``,
+    """A seed's summary with the oracle's difference to outcome supervision at equal steps (the summary has the
+    learned-PRM arms' ``<key>_minus_os``), every arm's at equal seconds (``<key>_minus_os_equal_seconds``,
     ``bench.seed_curves.equal_seconds``), and the label agreements."""
     row = {**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement"),
            "prm_value_label_agreement": value_label_agreement(summary)}
-    outcome = summary["arms"]["outcome"]
-    for arm, report in summary["arms"].items():
-        if arm == "outcome":
-            continue
-        key = arm_key(arm)
-        row[f"{key}_minus_os"] = report["accuracy"] - outcome["accuracy"]
-        row[f"{key}_zero_signal"] = report["zero_signal_group_fraction"]
-        row[f"{key}_equal_seconds"] = equal_seconds(report, outcome)
-        row[f"{key}_minus_os_equal_seconds"] = row[f"{key}_equal_seconds"]["minus_os"]
+    arms = summary["arms"]
+    if "oracle" in arms:
+        row["oracle_minus_os"] = arms["oracle"]["accuracy"] - arms["outcome"]["accuracy"]
+    for arm, report in arms.items():
+        if arm != "outcome":
+            row[f"{arm_key(arm)}_equal_seconds"] = compared = equal_seconds(report, arms["outcome"])
+            row[f"{arm_key(arm)}_minus_os_equal_seconds"] = compared["minus_os"]
     return row
 
 

@@ -66,10 +66,9 @@ def plot_seed_curves(runs: Sequence[dict], titles: dict[str, str], out_png: Path
     by_step.set_xlabel("GRPO step")
     by_seconds.set_xlabel("seconds (mean over seeds; a learned PRM's labels and training first)")
     by_step.set_ylabel(f"held-out accuracy gain (mean of {len(runs)} seeds; band: their range)")
-    for axis in (by_step, by_seconds):
-        axis.axhline(0.0, color="grey", linewidth=0.8)
     by_step.legend(fontsize=8)
     for axis in (by_step, by_seconds):
+        axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()

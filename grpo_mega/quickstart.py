@@ -262,10 +262,8 @@ def _sft_checkpoint(sft_dir: Path, step: int) -> Path:
 
 
 def _select_policy_step(plan: QuickstartPlan, sft_dir: Path, sft_steps: int, task: list[str],
-                        train_file: Path) -> tuple[int | None, dict]:
-    """(the SFT step the GRPO arms start from, None for the end of SFT; the record of a pass@1 selection)."""
-    if plan.policy_max_pass_at_1 is None:
-        return plan.policy_sft_step, {}
+                        train_file: Path) -> tuple[int, dict]:
+    """(the SFT step the GRPO arms start from, the record of the selection) by ``plan.policy_max_pass_at_1``."""
     from grpo_mega.quickstart_selection import measure_pass_at_1, pick_below_ceiling
 
     folder = sft_dir.parent / "policy_selection"
@@ -334,12 +332,12 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     seconds["sft"] = _training_command("SFT", ["sft"], "quickstart_sft.yaml", sft_dir, sft_steps,
                                        (("nll", "sft/nll"),), [*task, *_policy_checkpoint_settings(plan, sft_steps)],
                                        run_dir / "sft.log")
+    policy_step, selection = plan.policy_sft_step, {}
     if selects:
         announce(f"the arms' SFT checkpoint: the latest with sampled pass@1 <= {plan.policy_max_pass_at_1:g} on "
                  f"training prompts, logs: {run_dir / 'policy_selection'}/")
-    begin = time.perf_counter()
-    policy_step, selection = _select_policy_step(plan, sft_dir, sft_steps, task, train_file)
-    if selects:
+        begin = time.perf_counter()
+        policy_step, selection = _select_policy_step(plan, sft_dir, sft_steps, task, train_file)
         seconds["policy_selection"] = time.perf_counter() - begin
     policy_dir, prm_base, prm_head_start_seconds = _policy_and_prm_start(sft_dir, policy_step)
 
@@ -400,8 +398,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     summary.setdefault("ps_accuracy", None)
     if prm_summary:
         summary["prm"] = {key: prm_summary.get(key) for key in (
-            "label_agreement", "value_label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1", "prm_at_n", "maj_at_n",
-            "pass_at_n")}
+            "label_agreement", "value_label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1",
+            "prm_at_n", "maj_at_n", "pass_at_n")}
     summary["plot"] = str(plot_arms(
         {arm_title(arm): path / "metrics.jsonl" for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",
         title=f"quickstart ({plan.name} regime): GRPO from the same SFT policy, seed {plan.seed}",

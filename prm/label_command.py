@@ -103,17 +103,14 @@ def _agreements(known: Sequence[StepExample], truth_key: str, prefix: str) -> di
 
 def agreement_summary(examples: Sequence[StepExample]) -> dict[str, float]:
     """Agreement of the Monte-Carlo labels with the step checker's truth (``extra["true_labels"]``: ``label_agreement``
-    and friends) and with the truth by value (``extra["value_labels"]``: ``value_label_agreement`` and friends); a
+    and friends) and with the truth by value (``extra["value_labels"]``, set with it by ``true_labels_of``:
+    ``value_label_agreement`` and friends); a
     Monte-Carlo label cannot see a wrong expression that carries the right value on, so the second is the one a
     better completer or a harder-to-guess answer can raise."""
     known = [e for e in examples if e.extra.get("true_labels") is not None]
     if not known:
         return {}
-    summary = _agreements(known, "true_labels", "")
-    with_value = [e for e in known if e.extra.get("value_labels") is not None]
-    if len(with_value) == len(known):
-        summary.update(_agreements(with_value, "value_labels", "value_"))
-    return summary
+    return {**_agreements(known, "true_labels", ""), **_agreements(known, "value_labels", "value_")}
 
 
 def load_completer(completer: str, policy, args: argparse.Namespace):
