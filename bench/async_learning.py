@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_mega.metrics import read_metrics  # noqa: E402
-from grpo_mega.quickstart import DENSE, run_pipeline  # noqa: E402
+from grpo_mega.quickstart.pipeline import DENSE, run_pipeline  # noqa: E402
+from grpo_mega.run.metrics import read_metrics  # noqa: E402
 
 ASYNC = ["rollout.mode=async", "rollout.max_staleness=1", "algorithm.rollout_is=tis", "parallel.tensor=1"]
 

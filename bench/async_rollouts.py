@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "async_rollouts.json")
     args = parser.parse_args(argv)
 
-    from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+    from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model
 
     results = {}
     with tempfile.TemporaryDirectory() as folder:

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 SIZES = {
-    # the quickstart policy (grpo_mega.quickstart.POLICY_SHAPE) with a 512-token vocabulary: ~0.9M parameters
+    # the quickstart policy (grpo_mega.quickstart.pipeline.POLICY_SHAPE) with a 512-token vocabulary: ~0.9M parameters
     "quickstart": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
     # ~25M parameters: hidden 512, 8 layers, GQA 8/4, vocab 8192
@@ -69,7 +69,7 @@ def _worker(config: str, size: str, weights_dir: str, rows: int, prompt: int, re
     from grpo_mega.checkpoint import HFWeights
     from grpo_mega.config import DeepSpeedConfig, OptimConfig
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
     from grpo_mega.parallel import init_distributed
 
     kind, tp, stage, offload = CONFIGS[config]

@@ -49,7 +49,7 @@ def _raise(what: str):
 
 
 def _hang_in_wake(_self) -> None:
-    from grpo_mega.run_failure import phase
+    from grpo_mega.run.failure import phase
 
     with phase("vllm wake (weights)", bounded=True, alone=True):
         while True:
@@ -57,7 +57,7 @@ def _hang_in_wake(_self) -> None:
 
 
 def plant(kind: str, rank: int, step: int) -> None:
-    from grpo_mega.run_failure import POSITION
+    from grpo_mega.run.failure import POSITION
 
     if int(os.environ.get("RANK", "0")) != rank:
         return
@@ -80,7 +80,7 @@ def plant(kind: str, rank: int, step: int) -> None:
         from grpo_mega.rollout.vllm_engine import VLLMRolloutEngine
         _wrap(VLLMRolloutEngine, "begin_weight_update", due, _hang_in_wake)
     elif kind == "prm_train_exception":
-        from grpo_mega.run_harness import RunHarness
+        from grpo_mega.harness.lifecycle import RunHarness
         _wrap(RunHarness, "end_step", due, _raise(f"PRM training, {where}"))
     else:
         raise SystemExit(f"GRPO_FAULT: unknown kind {kind!r}")

@@ -59,7 +59,7 @@ def build_fault_task(root: Path, *, needs_prm: bool, env: dict) -> FaultTask:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_mega.data.synthetic import Difficulty, read_jsonl
-    from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+    from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model
     from prm.data import write_stepwise
     from prm.synthetic import planted_error_examples
 

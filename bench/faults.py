@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from fault_setup import FaultTask, build_fault_task  # noqa: E402
 from grpo_mega.checkpoint.training_files import checkpoint_problem  # noqa: E402
-from grpo_mega.metrics import read_metrics  # noqa: E402
-from grpo_mega.run_failure import TRANSIENT_CAUSES  # noqa: E402
+from grpo_mega.run.failure import TRANSIENT_CAUSES  # noqa: E402
+from grpo_mega.run.metrics import read_metrics  # noqa: E402
 
 GRACE_S = 10
 NOT_COMPARED = ("timing_s/", "memory/", "perf/throughput", "time", "step_seconds")

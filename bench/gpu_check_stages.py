@@ -181,7 +181,7 @@ def stage_two_ranks(device: str) -> dict:
     the two shards' partial sums combined in another order, ~1e-6). Needs two visible GPUs on a GPU machine."""
     import torch
 
-    from grpo_mega.launcher import spawn_local_ranks
+    from grpo_mega.run.launcher import spawn_local_ranks
 
     if device == "cuda" and torch.cuda.device_count() < 2:
         return {"not_run": f"needs 2 visible GPUs, this machine shows {torch.cuda.device_count()}"}

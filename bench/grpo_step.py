@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_mega.metrics import read_metrics  # noqa: E402
-from grpo_mega.quickstart import QuickstartPlan, build_data_and_model  # noqa: E402
+from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model  # noqa: E402
+from grpo_mega.run.metrics import read_metrics  # noqa: E402
 
 
 def summarise(rows: list[dict]) -> dict:

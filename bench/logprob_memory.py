@@ -154,7 +154,7 @@ COLUMNS = [("vocab", "vocab", "d"), ("mode", "mode", ""), ("[N,V] MiB", "logits_
 
 def main() -> None:
     from grpo_mega.config import ModelConfig
-    from grpo_mega.launcher import spawn_local_ranks
+    from grpo_mega.run.launcher import spawn_local_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS))

@@ -26,7 +26,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_mega.metrics import read_metrics  # noqa: E402
+from grpo_mega.run.metrics import read_metrics  # noqa: E402
 
 MICRO_TOKENS = 1024
 """Default token budget of a training micro-batch (see the module docstring)."""

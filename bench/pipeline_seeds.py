@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 from bench.seed_curves import equal_seconds, plot_seed_curves  # noqa: E402
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
-from grpo_mega.quickstart import FAST, REGIMES, run_pipeline  # noqa: E402
-from grpo_mega.quickstart_report import arm_key, arm_title  # noqa: E402
+from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
+from grpo_mega.quickstart.report import arm_key, arm_title  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
            "os_zero_signal", "ps_zero_signal", "ps_minus_os", "ps_minus_os_equal_seconds", "oracle_minus_os",

@@ -1,7 +1,7 @@
 """PRM scoring throughput: steps scored per second by ``StepScorer.score_steps`` (what ``grpo-mega prm score`` and
 process-supervised GRPO call) on the Megatron forward engine, on 1 and 2 processes.
 
-Two PRM layouts on the quickstart policy's shape (``grpo_mega.quickstart.POLICY_SHAPE``, the synthetic task's
+Two PRM layouts on the quickstart policy's shape (``grpo_mega.quickstart.pipeline.POLICY_SHAPE``, the synthetic task's
 tokenizer): ``classifier`` (a two-class head read at the step tag " ки", Qwen2.5-Math-PRM's layout) and
 ``likelihood`` (the quickstart's PRM: the causal LM's smallest token probability in each step, no tag; its head
 computes full-vocabulary log-probs). Solutions are rendered up to 192 tokens; the weights are the engine's seeded
@@ -46,7 +46,7 @@ def build_inputs(folder: Path, solutions: int, seed: int = 0) -> tuple[dict[str,
     policy config; the likelihood PRM is the policy's causal LM itself) and ``solutions`` held-out solutions with
     planted errors; returns ({layout: PRM folder}, examples)."""
     from grpo_mega.data.synthetic import read_jsonl
-    from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+    from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model
     from prm.spec import prm_hf_config_from_policy
     from prm.synthetic import planted_error_examples
 
@@ -106,7 +106,7 @@ COLUMNS = [("prm", "prm", ""), ("layout", "layout", ""), ("procs", "processes", 
 
 
 def main() -> None:
-    from grpo_mega.launcher import spawn_local_ranks
+    from grpo_mega.run.launcher import spawn_local_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--solutions", type=int, default=512)
@@ -134,7 +134,7 @@ def main() -> None:
             print(f"{prm_layout} {layout}: {rows[-1]['steps_per_s']:.0f} steps/s", flush=True)
     record = build_record({
         "prm": {"layouts": {name: {"step_tag": tag} for name, tag in PRM_LAYOUTS.items() if name in args.prm_layouts},
-                "shape": "grpo_mega.quickstart.POLICY_SHAPE",
+                "shape": "grpo_mega.quickstart.pipeline.POLICY_SHAPE",
                 "max_length": MAX_LENGTH, "max_tokens_per_micro_batch": MAX_TOKENS_PER_MICRO_BATCH,
                 "weights": "random init", "engine": "megatron (forward-only)"},
         "repeats": args.repeats, "results": rows,

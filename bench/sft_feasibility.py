@@ -21,7 +21,7 @@ Held-out accuracy after 400 steps: greedy 48%, T=1 sampled 33-36%; after 500 ste
 58.5%, sampled 48-53%. Accuracy jumps between steps 300 and 500, so the step count, not the wall time, fixes the
 result. One SFT step costs 0.38-0.46 CPU-seconds on one thread (more under heavy contention).
 (The quickstart has since moved on: 800 SFT steps, 2700 / 500 problems, half of the SFT targets direct answers;
-see grpo_mega/quickstart.py.)
+see grpo_mega/quickstart/pipeline.py.)
 """
 
 from __future__ import annotations

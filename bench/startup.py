@@ -54,7 +54,7 @@ def time_imports(repeats: int) -> dict[str, float]:
 def _task(root: Path) -> dict[str, Path]:
     """The quickstart model, its GRPO / SFT data and a planted-error PRM training file under ``root``."""
     from grpo_mega.data.synthetic import read_jsonl
-    from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+    from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model
     from prm.data import write_stepwise
     from prm.synthetic import planted_error_examples
 

@@ -20,8 +20,8 @@ import argparse
 import logging
 import sys
 
-from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
-from grpo_mega.library_warnings import quiet_libraries
+from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
+from grpo_mega.run.library_warnings import quiet_libraries
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,7 +95,7 @@ def _run_training(args) -> int:
         else:
             cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
     except ConfigError as error:  # one line with cause=config: the SLURM scripts do not requeue it
-        from grpo_mega.run_failure import report_failure
+        from grpo_mega.run.failure import report_failure
 
         report_failure(f"grpo-mega {args.command}", None, error)
         return 2
@@ -104,8 +104,8 @@ def _run_training(args) -> int:
 
         print(config_yaml(cfg), end="")
         return 0
-    from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
-    from grpo_mega.run_reaper import reap_group_when_rank_exits
+    from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
+    from grpo_mega.run.reaper import reap_group_when_rank_exits
 
     reap_group_when_rank_exits()  # the rank's helper processes end with it, however it ends
     if args.command == "sft":
@@ -118,7 +118,7 @@ def _run_training(args) -> int:
         print(f"grpo-mega {args.command}: {stopped}", file=sys.stderr)
         return EXIT_STOPPED_EARLY
     except BaseException as error:  # named once in run_dir/failure.json and on stderr, then raised as it was
-        from grpo_mega.run_failure import report_failure
+        from grpo_mega.run.failure import report_failure
 
         report_failure(f"grpo-mega {args.command}", cfg.trainer.run_dir, error)
         raise
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grpo-mega prm {args.prm_command}: {error}", file=sys.stderr)
             return 2
     if args.command == "quickstart":
-        from grpo_mega.quickstart import run_quickstart
+        from grpo_mega.quickstart.pipeline import run_quickstart
 
         return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
                               oracle=not args.no_oracle, iterations=args.iterations)

@@ -27,14 +27,14 @@ import time
 from grpo_mega.config import GRPOConfig
 from grpo_mega.data.prompts import PromptBatches
 from grpo_mega.data.tokenizer import load_tokenizer
+from grpo_mega.harness.lifecycle import on_schedule
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.parallel.roles import RoleSplit
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.bridge import Bridge, share_in_world, share_tensors_in_world
-from grpo_mega.run_control import StopRequests
-from grpo_mega.run_failure import phase, set_step
-from grpo_mega.run_harness import on_schedule
-from grpo_mega.run_watchdog import PhaseWatchdog
+from grpo_mega.run.control import StopRequests
+from grpo_mega.run.failure import phase, set_step
+from grpo_mega.run.watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import generating_version

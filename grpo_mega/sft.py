@@ -4,7 +4,7 @@ Megatron or DeepSpeed).
 ``grpo-mega sft --config FILE [key=value ...]``: the loss is the token-mean negative log-likelihood of the
 response tokens (prompt tokens are context only), normalised over the global batch. Examples are rendered as GRPO
 renders its prompts (``grpo_mega.data.chat``), so ``data.chat_template`` gives a chat model its own format in both.
-Resume, saves and stopping early are GRPO's (``grpo_mega.run_harness``): SIGTERM / SIGUSR1 / SIGUSR2 or
+Resume, saves and stopping early are GRPO's (``grpo_mega.harness.lifecycle``): SIGTERM / SIGUSR1 / SIGUSR2 or
 ``trainer.save_before_seconds`` before the time limit save the step in flight and exit with status 3; the same
 command resumes exactly.
 """
@@ -18,14 +18,15 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
-from grpo_mega.batch import sequences_to_batch
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.config import SFTConfig, SFTDataConfig
+from grpo_mega.data.batch import sequences_to_batch
 from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
-from grpo_mega.run_harness import RunHarness
+from grpo_mega.harness.lifecycle import RunHarness
+from grpo_mega.harness.resume import trainer_state
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[
 def run_sft(cfg: SFTConfig) -> Path:
     """Train, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises ``StoppedEarly``
     after saving the step in flight when a stop signal arrived (on any rank) or the time limit came near
-    (``grpo_mega.run_harness``)."""
+    (``grpo_mega.harness.lifecycle``)."""
     harness = RunHarness(cfg, command="grpo-mega sft")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     # Data first: a bad file fails in seconds, before the model is built.
@@ -122,7 +123,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     )
     harness.startup.mark("model_build")
     initial_weights = (lambda: load_initial_weights(engine, cfg.model.init_from)) if cfg.model.init_from else None
-    harness.start(engine, initial_weights=initial_weights, bar_metric="sft/nll")
+    harness.start(engine, state=trainer_state("sft"), initial_weights=initial_weights, bar_metric="sft/nll")
     for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(prompts), cfg.trainer.batch_size)

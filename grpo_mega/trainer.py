@@ -9,7 +9,7 @@ schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers
 memory from the end of one update to the start of the next (sync, generation, rewards).
 Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself. The
 run's life cycle around the step (distributed set-up, resume, metrics log, saves, stop requests, shutdown) is
-``grpo_mega.run_harness``'s, shared with SFT and PRM training.
+``grpo_mega.harness.lifecycle``'s, shared with SFT and PRM training.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from grpo_mega.data.prompts import PromptBatches
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
+from grpo_mega.harness.lifecycle import RunHarness
+from grpo_mega.harness.resume import grpo_state
 from grpo_mega.parallel import get_device
 from grpo_mega.parallel.roles import ROLLOUT, split_roles
 from grpo_mega.perf.memory import PhaseMemory
 from grpo_mega.rollout import SyncStats, sync_weights
 from grpo_mega.rollout.base import decode_response
-from grpo_mega.run_harness import RunHarness
-from grpo_mega.run_failure import phase as failure_phase
+from grpo_mega.run.failure import phase as failure_phase
+from grpo_mega.run.layout import ROLLOUTS_DIR, step_dir_name
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import RolloutFeed
@@ -61,7 +63,7 @@ class Timer:
 
 def train(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO; returns the last evaluation metrics. Raises ``StoppedEarly`` after saving the step in flight when
-    a stop signal arrived (on any rank) or the time limit came near (``grpo_mega.run_harness``).
+    a stop signal arrived (on any rank) or the time limit came near (``grpo_mega.harness.lifecycle``).
 
     ``rollout.mode: async``: the job's last ``rollout.async_ranks`` processes become the rollout world
     (``grpo_mega.rollout_worker``) and the others train here; batches come from the rollout world
@@ -92,7 +94,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                                                   bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20)
     # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
-    start_step = harness.start(policy, extra_state={"prompts": train_prompts} if feed is None else {"rollout_feed": feed},
+    start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
                                initial_weights=lambda: load_initial_weights(policy, source),
                                bar_metric="critic/score/mean")
     if reference is not None:
@@ -239,10 +241,10 @@ def _batch_metrics(groups: RolloutBatch, batch: dict[str, torch.Tensor], alg) ->
 
 def _dump_rollouts(run_dir: Path, step: int, groups: RolloutBatch) -> None:
     """``run_dir/rollouts/step_N.jsonl``: one line per trained completion (``trainer.dump_rollouts``)."""
-    folder = run_dir / "rollouts"
+    folder = run_dir / ROLLOUTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     G = groups.group_size
-    with (folder / f"step_{step:06d}.jsonl").open("w", encoding="utf-8") as out:
+    with (folder / f"{step_dir_name(step)}.jsonl").open("w", encoding="utf-8") as out:
         for row, completion in enumerate(groups.completions):
             record = groups.records[row // G]
             line = {"prompt": record.prompt, "source": record.source, "response": completion.text,

@@ -1,8 +1,9 @@
 """The process reward model (PRM): heads, data formats, automatic labels, training, scoring and evaluation.
 
 Which way the imports point: prm builds on grpo_mega's infrastructure (process groups, model, data, rewards,
-checkpoints, training and rollout engines) and its run config, and never imports grpo_mega's top; grpo_mega's top
-(the GRPO step's ``stages/process_reward.py``, the trainers, the planner, the CLIs and the quickstart) imports prm.
+checkpoints, training and rollout engines), its run config and run harness (``prm.train``), and never imports
+grpo_mega's trainers or commands; grpo_mega's top (the GRPO step's ``stages/process_reward.py``, the trainers, the
+planner, the CLIs and the quickstart) imports prm.
 So the PRM reuses one engine, one checkpoint format and one rollout engine instead of its own, and
 process-supervised GRPO reads step rewards from a PRM opened the way ``grpo-mega prm`` opens it. The config reads
 only what a PRM is (its examples, rendering and spec, a layer below the config). The layers are declared, and

@@ -50,7 +50,7 @@ def _default_nproc(args) -> int:
 def run_prm_command(args, argv: list[str]) -> int:
     """Run ``grpo-mega prm <command>``: relaunch under torchrun when asked for several processes, else run as
     this rank and print the output path last. Returns the exit status."""
-    from grpo_mega.launcher import relaunch_with_torchrun, under_launcher
+    from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
 
     cfg = None
     if args.prm_command == "train":
@@ -60,7 +60,7 @@ def run_prm_command(args, argv: list[str]) -> int:
         try:
             cfg = load_config(PRMConfig, args.config, args.overrides, validate_prm)
         except ConfigError as error:  # one line with cause=config: the SLURM scripts do not requeue it
-            from grpo_mega.run_failure import report_failure
+            from grpo_mega.run.failure import report_failure
 
             report_failure("grpo-mega prm train", None, error)
             return 2
@@ -75,8 +75,8 @@ def run_prm_command(args, argv: list[str]) -> int:
     if nproc > 1 and not under_launcher():
         relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
     if args.prm_command == "train":
-        from grpo_mega.run_control import EXIT_STOPPED_EARLY, StoppedEarly
-        from grpo_mega.run_reaper import reap_group_when_rank_exits
+        from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
+        from grpo_mega.run.reaper import reap_group_when_rank_exits
         from prm.train import run_prm_train
 
         reap_group_when_rank_exits()  # the rank's helper processes end with it, however it ends
@@ -86,7 +86,7 @@ def run_prm_command(args, argv: list[str]) -> int:
             print(f"grpo-mega prm train: {stopped}", file=sys.stderr)
             return EXIT_STOPPED_EARLY
         except BaseException as error:  # named once in run_dir/failure.json and on stderr, then raised as it was
-            from grpo_mega.run_failure import report_failure
+            from grpo_mega.run.failure import report_failure
 
             report_failure("grpo-mega prm train", cfg.trainer.run_dir, error)
             raise

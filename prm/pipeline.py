@@ -1,7 +1,7 @@
 """The PRM part of the synthetic pipeline, from a policy run to an evaluated PRM: Monte-Carlo labels on the
 policy's own solutions -> PRM training -> evaluation on held-out solutions with planted errors and on reranking
 the policy's samples. Each is a ``grpo-mega prm`` command on 2 processes with its log in the output folder and
-a live line on the terminal (``grpo_mega.command_runner``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
+a live line on the terminal (``grpo_mega.run.commands``); ``grpo-mega quickstart`` runs it between SFT and GRPO,
 ``bench/prm_synthetic.py`` over seeds.
 """
 
@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
+from grpo_mega.run.commands import CONFIG_DIR, CommandProgress, run_command
+from grpo_mega.run.layout import metrics_path
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def run_train_command(model_dir: Path, init_from: Path, labels: Path, prm_dir: P
     return run_command(
         ["prm", "train", "--config", str(CONFIG_DIR / "quickstart_prm.yaml"), "--nproc", str(plan.nproc), *settings],
         log,
-        CommandProgress("PRM training", metrics_path=prm_dir / "metrics.jsonl", total_steps=steps,
+        CommandProgress("PRM training", metrics_path=metrics_path(prm_dir), total_steps=steps,
                         metrics=(("loss", "prm/loss"), ("step acc", "eval/step_accuracy"))),
         show=show,
     )

@@ -5,9 +5,9 @@ the head's good/bad distribution at every step's tag against the step's label (h
 fraction with ``data.labels: soft``), averaged over all steps of the global batch. The training rows are those of
 ``data.train_file`` plus, for iterative RL, a replayed share of earlier label files (``data.replay_files``,
 ``data.replay_fraction``). TP / PP / DP, checkpoints and
-exact resume, metrics and the progress bar are the policy trainer's (``grpo_mega.run_harness``). SIGTERM / SIGUSR1 /
+exact resume, metrics and the progress bar are the policy trainer's (``grpo_mega.harness.lifecycle``). SIGTERM / SIGUSR1 /
 SIGUSR2 (a scheduler's warning before preemption or the time limit) make every rank save the step in flight and
-stop with ``StoppedEarly`` (``grpo_mega.run_control``); the same command resumes from that checkpoint.
+stop with ``StoppedEarly`` (``grpo_mega.run.control``); the same command resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from transformers import AutoConfig
 from grpo_mega.data.prompts import BadRows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale
-from grpo_mega.run_harness import RunHarness
+from grpo_mega.harness.lifecycle import RunHarness
+from grpo_mega.harness.resume import trainer_state
 from prm.config import PRMConfig
 from prm.examples import StepExample
 from prm.metrics import step_classification
@@ -114,7 +115,7 @@ def evaluate_steps(scorer: StepScorer, rendered: list[RenderedExample], targets:
 def run_prm_train(cfg: PRMConfig) -> Path:
     """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises
     ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank) or the time limit
-    came near (``grpo_mega.run_harness``)."""
+    came near (``grpo_mega.harness.lifecycle``)."""
     from prm.engines import build_prm_engine
     from prm.spec import PRMSpec
 
@@ -145,7 +146,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                               distributed_optimizer=cfg.parallel.distributed_optimizer)
     harness.startup.mark("model_build")
-    harness.start(engine, initial_weights=lambda: _load_initial_weights(engine, cfg), bar_metric="prm/loss")
+    harness.start(engine, state=trainer_state("prm"), initial_weights=lambda: _load_initial_weights(engine, cfg),
+                  bar_metric="prm/loss")
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
     for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.

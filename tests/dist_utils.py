@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from grpo_mega.launcher import spawn_local_ranks
+from grpo_mega.run.launcher import spawn_local_ranks
 
 # Spawned interpreters import torch and megatron from scratch (about 5-10 s), so the default is
 # generous; a deadlocked collective still fails the test instead of blocking CI forever.

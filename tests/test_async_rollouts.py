@@ -17,10 +17,10 @@ import torch
 
 from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 from grpo_mega.data.prompts import PromptRecord
-from grpo_mega.metrics import read_metrics
 from grpo_mega.parallel.roles import role_layout
 from grpo_mega.rollout.base import Completion
 from grpo_mega.rollout.bridge import pack_bucket, unpack_bucket
+from grpo_mega.run.metrics import read_metrics
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.rollout_feed import batch_from_state, batch_state, generating_version
 from tiny_task import build_tiny_task, tiny_run_overrides
@@ -231,7 +231,7 @@ def _rows(run_dir):
 
 def reward_failing_from_step_2(prompt: str, completion: str, answer: str, **extra) -> float:
     """digit_reward until the rollout world scores the batch of step 2, then an error (reward.on_error=raise)."""
-    from grpo_mega.run_failure import POSITION
+    from grpo_mega.run.failure import POSITION
 
     if POSITION["step"] == 2:
         raise RuntimeError("the verifier broke")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_mega.batch import response_values_to_tokens, sequences_to_batch
+from grpo_mega.data.batch import response_values_to_tokens, sequences_to_batch
 
 
 def test_rows_are_right_padded_with_masks_on_response_tokens():

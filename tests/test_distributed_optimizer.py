@@ -42,7 +42,7 @@ def _engine(distributed_optimizer):
 def _train_step(engine, step):
     from test_training_checkpoint import _rng_draws, _rows
 
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     batch, policy_shift = _rows(step)
     logprobs, _ = engine.forward_logprobs(batch)
@@ -188,7 +188,7 @@ def test_optimizer_state_that_cannot_be_mapped_is_a_start_up_error_naming_the_se
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from grpo_mega.checkpoint.optimizer_state import _request_across_modes
-    from grpo_mega.checkpoint.training_files import STEP_DIR
+    from grpo_mega.run.layout import STEP_DIR
 
     *_, run_dirs = runs
     for saved_distributed, wanted in ((False, "optimizer.state.param."), (True, "optimizer.state.fp32_param.")):

@@ -40,7 +40,7 @@ def _optim():
 
 
 def _loss_fn():
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     return grpo_loss_fn(GRPOLossSettings(clip_high=0.28, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean"))
 

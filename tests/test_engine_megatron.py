@@ -54,7 +54,7 @@ def _engine(budget):
 
 
 def _grpo_step(engine, ref_dir, out_dir=None):
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     engine.load_model_weights(ref_dir)
     settings = GRPOLossSettings(clip_high=0.28, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean")
@@ -85,7 +85,7 @@ def _one_row_step(ref_dir, row):
     engine.load_model_weights(ref_dir)
     batch = {name: value[row : row + 1] for name, value in _batch().items()}
     logprobs, entropy = engine.forward_logprobs(batch)
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     settings = GRPOLossSettings(clip_high=0.28, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean")
     metrics = engine.train_step(batch, grpo_loss_fn(settings))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed, tiny_qwen2_config
-from grpo_mega.batch import sequences_to_batch
+from grpo_mega.data.batch import sequences_to_batch
 from grpo_mega.engine.shared_prefix import prompt_groups, rank_shared_prefix_micro_batches
 
 VOCAB = 301
@@ -117,7 +117,7 @@ BUDGETS = [1000, 30]
 def _run(share, budget, ref_dir):
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     # adam_eps 1e-4: see tests/test_engine_megatron.py (reduction-order noise in near-zero gradient entries)
     engine = build_policy_engine(tiny_qwen2_config(tied=False), optim=OptimConfig(lr=1e-2, clip_grad=0.5, adam_eps=1e-4),

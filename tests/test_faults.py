@@ -5,7 +5,7 @@ Before: a 2-rank GRPO run whose rank 1 was stopped (SIGSTOP) was still running 1
 collective waited torch's 30 minutes). Now every collective is bounded by ``trainer.collective_timeout_s``: the
 rank waiting for the stopped one raises, writes ``failure.json`` (step, phase, rank, host, cause, exception) and
 torchrun ends the job; the stopped rank, which cannot act on torchrun's SIGTERM (torchrun would wait 30 s), is
-killed by its watcher (``grpo_mega.run_reaper``) as soon as the SIGTERM is pending: the job ends within 2 x the
+killed by its watcher (``grpo_mega.run.reaper``) as soon as the SIGTERM is pending: the job ends within 2 x the
 timeout. The SLURM requeue policy on these causes is tested in test_slurm_faults.py and test_slurm.py; the fault
 bench (bench/faults.py) injects every fault at random moments."""
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_mega.metrics import read_metrics
-from grpo_mega.run_failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
+from grpo_mega.run.failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
+from grpo_mega.run.metrics import read_metrics
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_failures_are_classified_so_a_requeue_policy_can_tell_transient_from_det
 
 
 def test_the_first_rank_to_fail_writes_failure_json_and_the_others_only_print(tmp_path, monkeypatch):
-    monkeypatch.setattr("grpo_mega.run_failure.DEFER_S", 0.0)
+    monkeypatch.setattr("grpo_mega.run.failure.DEFER_S", 0.0)
     set_step(7)
     monkeypatch.setenv("RANK", "1")
     with phase("update"):
@@ -79,7 +79,7 @@ def test_a_rank_that_lost_its_peer_lets_the_root_cause_claim_failure_json(tmp_pa
     failure.json names the peer's own cause."""
     import threading
 
-    monkeypatch.setattr("grpo_mega.run_failure.DEFER_S", 1.0)
+    monkeypatch.setattr("grpo_mega.run.failure.DEFER_S", 1.0)
     waiting = threading.Thread(target=record_failure, args=(tmp_path, RuntimeError("gloo: Timed out waiting 20000ms")))
     waiting.start()
     time.sleep(0.2)  # the waiting rank failed first, by a little
@@ -145,7 +145,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
 
 def test_causes_a_requeue_policy_acts_on():
     from grpo_mega.data.prompts import BadRowError
-    from grpo_mega.run_failure import TRANSIENT_CAUSES, PhaseTimeout
+    from grpo_mega.run.failure import TRANSIENT_CAUSES, PhaseTimeout
 
     full = OSError(errno.ENOSPC, "No space left on device")
     wrapped = RuntimeError("Worker failure")
@@ -179,8 +179,8 @@ def test_an_error_keeps_the_phase_it_left(tmp_path):
 
 WATCHED = """
 import sys, time
-from grpo_mega.run_failure import phase, set_step
-from grpo_mega.run_watchdog import PhaseWatchdog
+from grpo_mega.run.failure import phase, set_step
+from grpo_mega.run.watchdog import PhaseWatchdog
 watchdog = PhaseWatchdog(sys.argv[1], 1.5, command="grpo-mega train", setting="trainer.collective_timeout_s=1.5 s")
 watchdog.install()
 set_step(4)
@@ -194,7 +194,7 @@ print("not reached")
 
 
 def test_a_bounded_phase_that_hangs_ends_the_process_naming_the_phase(tmp_path):
-    from grpo_mega.run_watchdog import EXIT_PHASE_TIMEOUT
+    from grpo_mega.run.watchdog import EXIT_PHASE_TIMEOUT
 
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True, text=True, timeout=60,
@@ -253,7 +253,7 @@ def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_previous_checkpo
 
 REAPED = """
 import os, sys, time
-from grpo_mega.run_reaper import reap_group_when_rank_exits
+from grpo_mega.run.reaper import reap_group_when_rank_exits
 assert reap_group_when_rank_exits() is not None
 helper = os.fork()                       # as megatron's checkpoint writer forks from the rank
 if helper == 0:
@@ -275,7 +275,7 @@ def _alive(pid: int) -> bool:
 def test_a_killed_ranks_helpers_do_not_outlive_it():
     """torchrun signals only the groups of ranks still alive: a SIGKILLed rank's helpers used to live on (and, under
     SLURM, hold the step's output open so the job never ended). The rank's watcher kills them."""
-    from grpo_mega.run_reaper import reap_group_when_rank_exits
+    from grpo_mega.run.reaper import reap_group_when_rank_exits
 
     assert reap_group_when_rank_exits(environ={}) is None  # not a torchrun rank: nothing to do
     rank = subprocess.Popen([sys.executable, "-c", REAPED], stdout=subprocess.PIPE, text=True, cwd=REPO,
@@ -320,7 +320,7 @@ def test_a_stopped_rank_told_to_end_is_killed_at_once():
 SHARES_MEMORY = """
 import sys, time
 from multiprocessing import shared_memory
-from grpo_mega.run_reaper import reap_group_when_rank_exits
+from grpo_mega.run.reaper import reap_group_when_rank_exits
 assert reap_group_when_rank_exits() is not None
 queue = shared_memory.SharedMemory(create=True, size=1 << 20)   # as vLLM's message queue: the tracker knows it
 print(queue.name, flush=True)

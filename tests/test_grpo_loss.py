@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_mega.engine.base import LossScale
-from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
 ROWS, LENGTH = 3, 6
 CAP = 2.0

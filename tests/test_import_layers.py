@@ -24,21 +24,25 @@ MAX_LINES = 450
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it or one of its parent packages;
 # a module may import from its own layer (circles are caught below) and from any layer below it.
+# A run's life is two layers: ``run`` (launching, the run folder's names, the metrics log, stop requests, failure
+# records, the watchdog: plumbing that checkpoint/ and rollout/ use too) sits below the model and the engines, and
+# ``harness`` (the shared life cycle of a training run and resume) above the engines, checkpoints and config, beside
+# the trainers it serves.
 # The direction between the two packages: prm builds on grpo_mega's infrastructure (process groups, model, data,
-# checkpoints, engines) and run config; grpo_mega's trainers, GRPO step and commands sit above prm, because
-# process-supervised GRPO scores steps with a PRM and the planner and CLIs know it. The config reads only the PRM's
-# spec (which layout a path holds), which sits below it and needs nothing above the checkpoint layer.
-# prm.spec, prm.engines and grpo_mega.run_harness arrive with the other parts of issue 31 (model source, run harness).
+# checkpoints, engines) and run config; grpo_mega's harness, trainers, GRPO step and commands sit above prm's library,
+# because process-supervised GRPO scores steps with a PRM and the planner and CLIs know it. The config reads only the
+# PRM's spec (which layout a path holds), which sits below it and needs nothing above the checkpoint layer.
 LAYERS: list[tuple[str, frozenset[str]]] = [
     ("package roots: a docstring and a version, no imports",
      frozenset({"grpo_mega", "prm"})),
-    ("pure code: GRPO math, batch records, metrics files and plots, memory figures, stop signals",
-     frozenset({"grpo_mega.algo", "grpo_mega.batch", "grpo_mega.metrics", "grpo_mega.plots", "grpo_mega.perf",
-                "grpo_mega.run_control", "grpo_mega.run_failure", "grpo_mega.run_watchdog",
-                "grpo_mega.run_reaper", "grpo_mega.library_warnings"})),
-    ("process groups, the launch environment and the torchrun relaunch",
-     frozenset({"grpo_mega.parallel", "grpo_mega.launcher", "grpo_mega.rank_preload"})),
-    ("the Megatron GPT model, datasets and tokenizers, reward functions",
+    ("pure code: the GRPO math, memory figures and start-up clocks",
+     frozenset({"grpo_mega.algo", "grpo_mega.perf"})),
+    ("process groups and the launch environment",
+     frozenset({"grpo_mega.parallel"})),
+    ("a run's life below the engines: launching, the run folder's names, metrics log, stop requests, failure "
+     "records, watchdog, reaper, command runner, library warnings",
+     frozenset({"grpo_mega.run"})),
+    ("the Megatron GPT model, datasets, tokenizers and batch layout, reward functions",
      frozenset({"grpo_mega.model", "grpo_mega.data", "grpo_mega.reward"})),
     ("weights on disk: Hugging Face conversion, converted folders, training checkpoints",
      frozenset({"grpo_mega.checkpoint"})),
@@ -52,14 +56,14 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
      frozenset({"prm.metrics", "prm.data", "prm.synthetic", "prm.heads", "prm.hf_model", "prm.engines",
                 "prm.model", "prm.config", "prm.scoring", "prm.policy", "prm.labeling", "prm.perturb",
                 "prm.evaluate", "prm.best_of_n"})),
-    ("the trainers, their run harness and the GRPO step (its stages read PRM step rewards from the PRM library)",
-     frozenset({"grpo_mega.run_harness", "grpo_mega.stages", "grpo_mega.grpo_loss", "grpo_mega.evaluation",
-                "grpo_mega.trainer", "grpo_mega.rollout_worker", "grpo_mega.sft", "prm.train"})),
+    ("a training run's life above the engines: the run harness and resume (what each trainer's checkpoint holds)",
+     frozenset({"grpo_mega.harness"})),
+    ("the trainers and the GRPO step (its stages read PRM step rewards from the PRM library)",
+     frozenset({"grpo_mega.stages", "grpo_mega.trainer", "grpo_mega.rollout_worker", "grpo_mega.sft",
+                "prm.train"})),
     ("what a user runs: the CLIs, the commands, the pipelines, the memory planner; nothing below imports them",
-     frozenset({"grpo_mega.cli", "grpo_mega.eval_command", "grpo_mega.quickstart", "grpo_mega.quickstart_report",
-                "grpo_mega.quickstart_selection", "grpo_mega.plan",
-                "grpo_mega.command_runner", "prm.cli", "prm.label_command", "prm.eval_command", "prm.pipeline",
-                "prm.iterative"})),
+     frozenset({"grpo_mega.cli", "grpo_mega.eval_command", "grpo_mega.quickstart", "grpo_mega.plan",
+                "prm.cli", "prm.label_command", "prm.eval_command", "prm.pipeline", "prm.iterative"})),
 ]
 
 # Imports that break the rules above (importer, imported), exact module names, each with its reason; an entry whose
@@ -291,3 +295,25 @@ def test_the_walker_sees_lazy_relative_and_package_imports(tmp_path):
     circles = import_circles(imports)
     assert [c.path for c in circles] == [["grpo_mega.low", "prm.high", "grpo_mega.sub", "grpo_mega.low"]]
     assert circles[0].also_in_group == ["grpo_mega.sub.inner"]
+
+
+TOP_LEVEL = {"cli", "trainer", "sft", "rollout_worker", "eval_command"}
+"""The modules at the top of ``grpo_mega/``: the programs a user runs (the command, GRPO, SFT, the rollout world,
+eval). Everything else lives in a package named for its one concern."""
+MAX_TOP_LEVEL = 10
+
+
+def test_the_top_level_holds_the_programs_and_packages_the_rest():
+    top = sorted(path.stem for path in (REPO / "grpo_mega").glob("*.py") if path.stem != "__init__")
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules at the top of grpo_mega/ (at most {MAX_TOP_LEVEL}): {top}"
+    assert set(top) == TOP_LEVEL, (f"the top of grpo_mega/ is {top}, expected the programs {sorted(TOP_LEVEL)}: put "
+                                   "a new module in the package of its concern, or add a new program to TOP_LEVEL")
+
+
+def test_every_package_says_what_it_holds_and_what_it_may_import():
+    silent = []
+    for init in sorted((REPO / "grpo_mega").glob("*/__init__.py")):
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if "may import" not in docstring or len(docstring.split()) < 20:
+            silent.append(str(init.relative_to(REPO)))
+    assert not silent, f"package docstrings that do not say what the package holds and what it may import: {silent}"

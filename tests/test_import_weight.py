@@ -6,8 +6,10 @@ Not checkable here: megatron-core's own ``__init__`` loads torch._dynamo (its fu
 torch.compile at import), wandb when installed and torch.utils.tensorboard for every rank; see bench/startup.py."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +19,13 @@ CASES = {
                                              ["torch", "transformers", "megatron", "numpy", "yaml"]),
     # a training rank (GRPO, SFT, PRM) with the Megatron engine and HF rollouts: vLLM, DeepSpeed and plotting load
     # only when the config asks for them
+    # `grpo-mega quickstart` and the PRM pipeline run grpo-mega's commands as child processes and read their run
+    # folders (the folder's names included): the orchestrator itself never loads torch (issue 50)
+    "the pipelines' orchestrators": (["grpo_mega.quickstart.pipeline", "grpo_mega.quickstart.selection",
+                                      "grpo_mega.run.layout", "grpo_mega.run.commands", "prm.pipeline"],
+                                     ["torch", "transformers", "megatron"]),
     "a training rank": (["grpo_mega.trainer", "grpo_mega.sft", "prm.train", "grpo_mega.rollout",
-                         "grpo_mega.engine", "grpo_mega.metrics"],
+                         "grpo_mega.engine", "grpo_mega.run.metrics"],
                         ["vllm", "deepspeed", "matplotlib", "trl", "pandas", "sklearn"]),
 }
 
@@ -33,3 +40,31 @@ def test_an_entry_path_does_not_load_what_it_does_not_need(case):
     assert result.returncode == 0, result.stderr[-2000:]
     loaded = set(json.loads(result.stdout.splitlines()[-1]))
     assert not loaded & set(absent), f"{case} loads {sorted(loaded & set(absent))}"
+
+
+def _loaded_by(command: list[str], env: dict | None = None) -> set[str]:
+    """The top-level packages a command's Python imported, read from ``-X importtime`` on its stderr."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    names = [line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return {name.split(".")[0] for name in names}
+
+
+def test_the_cli_parser_loads_no_torch():
+    """``grpo-mega train --help`` parses the command line and prints, without torch (issue 50)."""
+    loaded = _loaded_by([sys.executable, "-X", "importtime", "-m", "grpo_mega.cli", "train", "--help"])
+    assert "grpo_mega" in loaded, "the probe saw no import at all"
+    assert not loaded & {"torch", "transformers", "megatron"}, sorted(loaded)
+
+
+def test_launch_local_sh_reads_the_world_size_without_torch(tmp_path):
+    """launch/local.sh's own Python (the world size from the config) before torchrun: no torch (issue 50)."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -X importtime \"$@\"\n")
+    wrapper.chmod(0o755)
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHON": str(wrapper)}
+    loaded = _loaded_by(["bash", str(repo / "launch" / "local.sh"), "--dry-run", "train", "--config",
+                         str(repo / "configs" / "quickstart_grpo.yaml")], env=env)
+    assert "omegaconf" in loaded, "the probe saw no import of the helper"
+    assert "torch" not in loaded, sorted(loaded)

@@ -124,7 +124,7 @@ def test_rendezvous_ports_come_from_outside_the_ephemeral_range_without_touching
     import random
     import socket
 
-    from grpo_mega.launcher import RENDEZVOUS_PORTS, free_port
+    from grpo_mega.run.launcher import RENDEZVOUS_PORTS, free_port
 
     low, _ = (int(value) for value in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
     assert RENDEZVOUS_PORTS.stop <= low

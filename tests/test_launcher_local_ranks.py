@@ -1,11 +1,11 @@
-"""grpo_mega.launcher.spawn_local_ranks: on a CPU build of torch, ranks forked from a fork server that imported
+"""grpo_mega.run.launcher.spawn_local_ranks: on a CPU build of torch, ranks forked from a fork server that imported
 torch, megatron-core and transformers once (spawned on a CUDA build), each still started as the caller is at that
 moment (environment, working directory, threads)."""
 
 import os
 import sys
 
-from grpo_mega.launcher import spawn_local_ranks
+from grpo_mega.run.launcher import spawn_local_ranks
 
 
 def _describe(name: str) -> dict:
@@ -54,7 +54,7 @@ def test_a_one_rank_job_runs_here_and_leaves_the_process_as_it_found_it(monkeypa
     import torch
     import torch.distributed as dist
 
-    from grpo_mega.launcher import run_as_the_only_rank
+    from grpo_mega.run.launcher import run_as_the_only_rank
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -3,7 +3,7 @@ resumed run's log has one row per step."""
 
 import json
 
-from grpo_mega.metrics import MetricsLogger, read_metrics
+from grpo_mega.run.metrics import MetricsLogger, read_metrics
 
 
 def test_resuming_drops_rows_after_the_checkpointed_step(tmp_path):

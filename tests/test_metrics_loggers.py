@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from grpo_mega.config import SFTConfig, load_config, validate_sft
-from grpo_mega.metrics import MetricsLogger, logger_options, read_metrics
+from grpo_mega.run.metrics import MetricsLogger, logger_options, read_metrics
 
 wandb = pytest.importorskip("wandb")
 BLOCK = 32768  # the log's block size; a record header (crc32, length, type) never straddles two blocks

@@ -18,14 +18,12 @@ from grpo_mega.checkpoint.mcore_checkpoint import FORMAT_NAME, FORMAT_VERSION, H
 from grpo_mega.checkpoint.source import resolve_model_source
 from grpo_mega.checkpoint.training import CheckpointManager
 from grpo_mega.checkpoint.training_files import (
-    CHECKPOINTS_DIR,
     DEEPSPEED_METADATA,
     DIST_CHECKPOINT_METADATA,
     FORMAT_NAME as CHECKPOINT_FORMAT,
     FORMAT_VERSION as CHECKPOINT_VERSION,
-    TMP_PREFIX,
-    step_dir_name,
 )
+from grpo_mega.run.layout import CHECKPOINTS_DIR, TMP_PREFIX, step_dir_name
 from prm.spec import PRMChoices, check_layout_is_known, default_spec, spec_with_overrides, trained_spec
 
 

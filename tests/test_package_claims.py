@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Default dependencies used without an import statement of their own in our code, and why.
 USED_INDIRECTLY = {
-    "tensorboard": "torch.utils.tensorboard.SummaryWriter needs it (grpo_mega/metrics.py)",
+    "tensorboard": "torch.utils.tensorboard.SummaryWriter needs it (grpo_mega/run/metrics.py)",
     "psutil": "megatron-core dist_checkpointing's async writer imports it",
     "sentencepiece": "transformers loads sentencepiece tokenizers (Llama-family) with it",
     "protobuf": "sentencepiece tokenizer files are protobuf",

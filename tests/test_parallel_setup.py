@@ -121,7 +121,7 @@ def test_bad_launcher_environments_name_the_variable(environ, message):
 
 
 def test_cuda_device_max_connections_is_set_for_tensor_parallelism_unless_the_user_set_it():
-    from grpo_mega.library_warnings import KNOWN_HARMLESS_WARNINGS
+    from grpo_mega.run.library_warnings import KNOWN_HARMLESS_WARNINGS
     from grpo_mega.parallel.launch_env import megatron_cuda_environment
 
     assert megatron_cuda_environment(2, {}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

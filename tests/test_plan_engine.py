@@ -52,7 +52,7 @@ def _measure_job(cases):
     from transformers import AutoConfig
 
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
     from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
     from grpo_mega.plan.measure import distributed_optimizer_bytes, engine_static_bytes, measure_schedule_peak
 

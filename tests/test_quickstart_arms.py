@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_mega.quickstart import ARMS, _arm_settings
-from grpo_mega.quickstart_report import arm_key, arm_title, flat_figures, learned_prm_arm
+from grpo_mega.quickstart.pipeline import ARMS, _arm_settings
+from grpo_mega.quickstart.report import arm_key, arm_title, flat_figures, learned_prm_arm
 
 
 def test_a_step_reward_arm_is_the_process_arm_with_its_option():
@@ -35,7 +35,7 @@ def test_every_learned_prm_arm_is_set_against_outcome_supervision():
 def test_the_arms_start_from_the_latest_checkpoint_under_the_pass_at_1_ceiling():
     """Checkpoints are measured in step order until one exceeds the ceiling; later ones are never measured (pass@1
     is not monotonic: a dip after the first crossing does not count)."""
-    from grpo_mega.quickstart_selection import pick_below_ceiling
+    from grpo_mega.quickstart.selection import pick_below_ceiling
 
     pass_at_1 = {100: 0.05, 200: 0.06, 300: 0.15, 400: 0.35, 500: 0.18, 600: 0.9}
     measured_steps = []

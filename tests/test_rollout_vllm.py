@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dist_utils import run_distributed
-from grpo_mega.metrics import read_metrics
 from grpo_mega.rollout import SamplingConfig, sync_weights
 from grpo_mega.rollout.hf_engine import HFRolloutEngine
 from grpo_mega.rollout.vllm_engine import vllm_sampling_kwargs
+from grpo_mega.run.metrics import read_metrics
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 if importlib.util.find_spec("vllm") is None and platform.machine() != "x86_64":

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dist_utils import run_distributed, tiny_qwen2_config
-from grpo_mega.batch import sequences_to_batch
 from grpo_mega.config import ConfigError, GRPOConfig, RECOMPUTE_CHOICES, validate_memory_settings
+from grpo_mega.data.batch import sequences_to_batch
 from grpo_mega.model.config_map import RECOMPUTE_SETTINGS
 
 VOCAB = 301
@@ -70,7 +70,7 @@ def _layer_input_lengths(engine, batch):
 def _policy_step(share, sequence_parallel, recompute, ref_dir, tied=False):
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     # adam_eps 1e-4: see tests/test_engine_megatron.py (reduction-order noise in near-zero gradient entries)
     engine = build_policy_engine(tiny_qwen2_config(tied=tied), optim=OptimConfig(lr=1e-2, clip_grad=0.5, adam_eps=1e-4),
@@ -305,7 +305,7 @@ def _activation_peaks():
 
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
     from grpo_mega.parallel import init_distributed
 
     init_distributed(1, 1, seed=3, device="cpu")

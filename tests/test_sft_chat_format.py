@@ -101,7 +101,7 @@ def test_bad_rows_name_the_key_to_set(tokenizer_dir, tmp_path):
 
 
 def _train_on_conversations(model_dir, train, run_dir):
-    from grpo_mega.metrics import read_metrics
+    from grpo_mega.run.metrics import read_metrics
     from grpo_mega.sft import run_sft
 
     cfg = _sft_cfg(model_dir, train, "data.chat_template=true", "data.messages_field=messages",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_mega.metrics import read_metrics
-from grpo_mega.run_control import EXIT_STOPPED_EARLY
+from grpo_mega.run.control import EXIT_STOPPED_EARLY
+from grpo_mega.run.metrics import read_metrics
 from tiny_task import build_tiny_task
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_sft.yaml"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_mega.metrics import read_metrics
+from grpo_mega.run.metrics import read_metrics
 from test_faults import _rank_pid
 from tiny_task import build_tiny_task, tiny_run_overrides
 

@@ -3,7 +3,7 @@ transient fault (a rank killed, a peer lost, a hang) and resumes from its last c
 GRPO_MAX_FAULT_REQUEUES times; it does not requeue on a fault a restart would repeat (a bad config, a corrupt data
 row, a NaN loss, a full disk), so a requeue loop cannot burn an allocation.
 
-The policy is read from the failure line the ranks print (``failed (cause=...)``, ``grpo_mega.run_failure``). It is
+The policy is read from the failure line the ranks print (``failed (cause=...)``, ``grpo_mega.run.failure``). It is
 tested here on logs written by the test (every branch, no cluster), and on a real one-node cluster in
 tests/test_slurm.py (a rank SIGKILLed mid-run, a dataset with a corrupt row; there, so that one pytest worker runs
 every job of that cluster) and a two-node one in tests/test_slurm_two_nodes.py (a node lost)."""

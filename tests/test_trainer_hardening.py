@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from dist_utils import run_distributed
-from grpo_mega.metrics import read_metrics
+from grpo_mega.run.metrics import read_metrics
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo_mega.metrics import read_metrics
-from grpo_mega.run_control import EXIT_STOPPED_EARLY
+from grpo_mega.run.control import EXIT_STOPPED_EARLY
+from grpo_mega.run.metrics import read_metrics
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
@@ -101,7 +101,7 @@ def test_stop_requests_in_one_process():
 
     import torch
 
-    from grpo_mega.run_control import StopRequests, job_end_time
+    from grpo_mega.run.control import StopRequests, job_end_time
 
     cpu = torch.device("cpu")
     assert StopRequests(save_before_seconds=10, end_time=time.time() + 3600).agreed_reason(cpu) is None

@@ -69,7 +69,7 @@ def _rng_draws():
 
 
 def _train_step(engine, step):
-    from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     batch, policy_shift = _rows(step)
     logprobs, _ = engine.forward_logprobs(batch)

@@ -29,7 +29,7 @@ def _stderr(setup: str) -> str:
 
 def test_entry_points_filter_only_the_known_warnings():
     # (tools/_launch.py installs the same filter; test_hf_conversion's tools run checks their stderr)
-    stderr = _stderr("from grpo_mega.library_warnings import quiet_libraries; quiet_libraries()")
+    stderr = _stderr("from grpo_mega.run.library_warnings import quiet_libraries; quiet_libraries()")
     assert "Apex" not in stderr and "Transformer Engine" not in stderr, stderr
     assert "a warning nobody listed" in stderr, stderr
     assert "Apex is not installed" in _stderr("import grpo_mega.cli")  # no filter without an entry point

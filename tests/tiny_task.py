@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_mega.data.synthetic import Difficulty
-from grpo_mega.quickstart import QuickstartPlan, build_data_and_model
+from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model
 
 SMALL_RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2",
              "algorithm.response_length=12", "algorithm.dynamic_sampling=false", "trainer.progress_bar=false",

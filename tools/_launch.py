@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from grpo_mega.launcher import run_as_the_only_rank, spawn_local_ranks, under_launcher
-from grpo_mega.library_warnings import quiet_libraries as quiet_known_warnings
+from grpo_mega.run.launcher import run_as_the_only_rank, spawn_local_ranks, under_launcher
+from grpo_mega.run.library_warnings import quiet_libraries as quiet_known_warnings
 
 # The tools are entry points: the known-harmless library warnings are filtered here (in this process, before the
 # tool imports megatron) and in every rank the tool starts (`_quiet_then_run`).
@@ -22,7 +22,7 @@ quiet_known_warnings()
 
 def _quiet_then_run(fn: Callable, *args: Any) -> Any:
     """A local rank's entry: filters are per process, so installed again here for what the worker warns at run time
-    (the imports ran in the fork server, under the same filters: grpo_mega.rank_preload)."""
+    (the imports ran in the fork server, under the same filters: grpo_mega.run.rank_preload)."""
     quiet_known_warnings()
     return fn(*args)
 

@@ -3,6 +3,9 @@ from PRM scores, and the
 sampler/trainer mismatch (log-prob differences, truncated importance sampling).
 
 Functions of tensors only: no process groups, no model. Every later part (trainer, PRM, engines) calls these.
+
+It may import torch and the standard library only, nothing of grpo_mega or prm: every other package may
+import it.
 """
 
 from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages

@@ -1,5 +1,10 @@
 """Checkpoints: where model weights come from (`source`), HF <-> megatron-core conversion (tables, TP/PP sharding,
-export), model and training checkpoints."""
+export), model and training checkpoints.
+
+It may import ``model`` (the GPT model and its config map), ``parallel`` (process groups) and ``run`` (the run
+folder's names, failure records); the engines, the harness, the trainers and the tools import it, never the
+other way.
+"""
 
 from grpo_mega.checkpoint.hf_compare import compare_logits, mcore_logits
 from grpo_mega.checkpoint.hf_convert import (

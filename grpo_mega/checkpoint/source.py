@@ -26,17 +26,11 @@ from typing import Any
 
 import yaml
 
-from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info
 from grpo_mega.checkpoint.collective import rank0_decides
+from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info
 from grpo_mega.checkpoint.training import CheckpointManager
-from grpo_mega.checkpoint.training_files import (
-    CHECKPOINTS_DIR,
-    COMPLETE_FILE,
-    CONFIG_FILE,
-    DEEPSPEED_METADATA,
-    read_checkpoint_state,
-    weights_format,
-)
+from grpo_mega.checkpoint.training_files import DEEPSPEED_METADATA, read_checkpoint_state, weights_format
+from grpo_mega.run.layout import CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE
 
 CHECKPOINT_KINDS = ("training_checkpoint", "training_run")
 """The kinds that are grpo-mega training checkpoints (a run directory stands for its newest one)."""

@@ -37,28 +37,30 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from grpo_mega.checkpoint.extra_state import load_sharded
-from grpo_mega.checkpoint.write_results import keep_write_results_in_process
 from grpo_mega.checkpoint.collective import is_distributed, is_rank0, rank0_decides
+from grpo_mega.checkpoint.extra_state import load_sharded
 from grpo_mega.checkpoint.optimizer_state import SETTING, load_across_modes
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_mega.checkpoint.training_files import (
-    CHECKPOINTS_DIR,
-    COMPLETE_FILE,
-    CONFIG_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
-    LATEST_FILE,
-    STATE_FILE,
-    STEP_DIR,
-    TMP_PREFIX,
     checkpoint_problem,
     fsync_dir,
     full_disk_error,
     list_files,
     read_checkpoint_state,
-    step_dir_name,
     write_file_atomic,
+)
+from grpo_mega.checkpoint.write_results import keep_write_results_in_process
+from grpo_mega.run.layout import (
+    CHECKPOINTS_DIR,
+    COMPLETE_FILE,
+    CONFIG_FILE,
+    LATEST_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    TMP_PREFIX,
+    step_dir_name,
 )
 
 logger = logging.getLogger(__name__)

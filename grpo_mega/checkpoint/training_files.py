@@ -1,14 +1,7 @@
-"""A training checkpoint folder on disk: its file names, the completeness check, atomic small-file writes.
+"""A training checkpoint folder on disk: the completeness check, atomic small-file writes, what a folder holds.
 
-Layout of a run directory::
-
-  <run_dir>/checkpoints/step_000042/     one complete checkpoint
-      metadata.json, .metadata, *.distcp, common.pt   megatron dist_checkpointing (torch_dist)
-      grpo_mega_checkpoint.json          what this is: step, optimizer steps, the TP/PP/DP it was saved at
-      config.yaml                        the run config
-      complete.json                      written last: the step and every file with its size
-  <run_dir>/checkpoints/latest           name of the newest complete checkpoint (replaced atomically)
-  <run_dir>/checkpoints/.tmp-*           a save in progress, or left by a crash: never loaded
+The folder's layout and its names (``checkpoints/step_N``, ``latest``, ``complete.json``, ...) are
+``grpo_mega.run.layout``'s, which imports no torch, so the light processes read them too.
 
 Completeness is checked against ``complete.json``'s listing of file sizes rather than content hashes:
 hashing a multi-GB model at rank 0 on every save and every resume would cost more than the save, while
@@ -20,31 +13,28 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE as MCORE_MODEL_INFO_FILE
-from grpo_mega.run_failure import NO_SPACE_ERRNOS, exception_chain
+from grpo_mega.run.failure import NO_SPACE_ERRNOS, exception_chain
+from grpo_mega.run.layout import (
+    CHECKPOINTS_DIR,
+    COMPLETE_FILE,
+    CONFIG_FILE,
+    LATEST_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    TMP_PREFIX,
+    step_dir_name,
+)
 
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
-STATE_FILE = "grpo_mega_checkpoint.json"
-CONFIG_FILE = "config.yaml"
-COMPLETE_FILE = "complete.json"
-TMP_PREFIX = ".tmp-"
 FORMAT_NAME = "grpo_mega.training_checkpoint"
 FORMAT_VERSION = 1
 # dist_checkpointing writes this file last on a successful save; without it megatron cannot load at all.
 DIST_CHECKPOINT_METADATA = "metadata.json"
 # The DeepSpeed engine's counterpart (grpo_mega.engine.deepspeed_checkpoint), written after every rank's files.
 DEEPSPEED_METADATA = "deepspeed/grpo_mega_deepspeed.json"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def step_dir_name(step: int) -> str:
-    """Folder name of the checkpoint of ``step``: ``step_000042`` (more digits past 999999)."""
-    return f"step_{step:06d}"
 
 
 def checkpoint_problem(path: str | os.PathLike) -> str | None:

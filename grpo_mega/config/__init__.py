@@ -6,6 +6,9 @@
   value of the wrong type fails at start-up with the key named;
 - ``checks``: checks of the shared sections; ``cross_field``: the checks that span a whole config (:func:`validate`,
   :func:`validate_sft`).
+
+It may import ``algo`` (the names of the GRPO options) and the PRM's spec (``prm.examples``, ``prm.rendering``,
+``prm.spec``: which layout a PRM path holds); the harness, the trainers, the PRM library and the commands import it.
 """
 
 from grpo_mega.config.checks import (

@@ -1,6 +1,6 @@
 """The sections every run config shares (GRPO, SFT, PRM training): the model, the parallel layout, the optimizer,
 the DeepSpeed engine's settings, and the run settings of the trainer section that the run harness
-(``grpo_mega.run_harness``) acts on."""
+(``grpo_mega.harness.lifecycle``) acts on."""
 
 from __future__ import annotations
 

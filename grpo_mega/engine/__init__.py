@@ -1,5 +1,9 @@
 """Training engines behind one interface (:class:`TrainingEngine`), and forward-only engines
-(:class:`ForwardEngine`): Megatron-core today."""
+(:class:`ForwardEngine`): Megatron-core today.
+
+It may import ``model``, ``checkpoint`` and ``parallel``; the stages, the trainers, the PRM library and the planner
+import it.
+"""
 
 from grpo_mega.engine.base import ForwardEngine, LossFn, LossScale, NonFiniteError, TrainingEngine
 from grpo_mega.engine.factory import (

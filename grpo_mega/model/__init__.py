@@ -1,4 +1,8 @@
-"""The policy model: mcore GPTModel from an HF config, pluggable heads, vocab-parallel log-probs."""
+"""The policy model: mcore GPTModel from an HF config, pluggable heads, vocab-parallel log-probs.
+
+It may import ``parallel`` (process groups) and megatron-core; checkpoints, engines, the PRM and the planner import
+it.
+"""
 
 from grpo_mega.model.config_map import GPTConfig, gpt_config_from_hf, padded_vocab_size
 from grpo_mega.model.gpt import HiddenStatesGPTModel, build_gpt_model, transformer_layer_spec

@@ -1,4 +1,7 @@
-"""Process groups, device selection and the CPU (gloo) compatibility layer for megatron-core."""
+"""Process groups, device selection and the CPU (gloo) compatibility layer for megatron-core.
+
+It may import torch and megatron-core, nothing else of grpo_mega; everything that runs in a rank imports it.
+"""
 
 from grpo_mega.parallel.cpu_compat import apply_cpu_compat
 from grpo_mega.parallel.distributed import (

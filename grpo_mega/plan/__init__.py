@@ -5,6 +5,9 @@ generation, prm_scoring, each with its byte items; ``plan.fits``, ``plan.problem
 Modules: ``counts`` (parameters from megatron's model on the meta device), ``static`` (parameters, DDP gradient
 buffers, optimizer state), ``activations``, ``vllm``, ``phases`` (what each phase holds, the verdict),
 ``report`` (table and JSON), ``measure`` (what an engine really allocates, for the checks).
+
+It may import ``checkpoint``, ``config``, ``model``, ``parallel``, ``rollout`` (vLLM's settings) and the PRM library;
+only the CLI imports it.
 """
 
 from grpo_mega.plan.build import plan_config

@@ -2,6 +2,8 @@
 
 A reward function is ``fn(prompt, completion, answer, **extra)`` returning a float, or :class:`StepRewards` (the
 completion's reward plus one reward per reasoning step, each with the character offset where the step ends).
+
+It may import ``data`` (the synthetic task, answer formats); the stages, the PRM and the commands import it.
 """
 
 from grpo_mega.reward.compute import ON_ERROR_CHOICES, RewardError, compute_rewards, score_samples

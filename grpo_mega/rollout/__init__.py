@@ -3,6 +3,9 @@ sync from the trainer to them.
 
 The trainer builds an engine with :func:`build_rollout_engine`, samples with ``engine.generate(prompt_ids,
 SamplingConfig(...))`` and pushes new weights with :func:`sync_weights`.
+
+It may import ``parallel``, ``perf`` and ``run`` (failure records, the watchdog of bounded phases); the stages,
+the trainers, the PRM's policy and the planner import it.
 """
 
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig

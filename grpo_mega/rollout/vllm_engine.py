@@ -72,7 +72,7 @@ from grpo_mega.rollout.vllm_launch import (
 )
 from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
-from grpo_mega.run_failure import phase
+from grpo_mega.run.failure import phase
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,10 @@
 2. :func:`build_training_batch` (``training_batch.py``): advantages (outcome or process supervision) laid out on
    the engine's ``prompt + response`` rows;
 3. :class:`UpdateRunner` (``update.py``): old / reference log-probs, then ppo_epochs x mini-batch updates.
+
+It also holds ``grpo_loss`` (the GRPO loss on one micro-batch, for the engine) and ``evaluation`` (held-out
+accuracy through the rollout engine). It may import ``algo``, ``config``, ``data``, ``engine``, ``parallel``,
+``reward``, ``rollout``, ``run`` and the PRM library (step rewards); the trainers and ``grpo-mega eval`` import it.
 """
 
 from grpo_mega.stages.rollout import RolloutBatch, RolloutStage

@@ -20,7 +20,7 @@ from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.reward import SampleReward, get_reward_function, score_across_ranks
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
-from grpo_mega.run_failure import phase
+from grpo_mega.run.failure import phase
 from grpo_mega.stages.step_tokens import step_end_tokens
 
 

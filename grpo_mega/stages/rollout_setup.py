@@ -8,11 +8,11 @@ import logging
 
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
 from grpo_mega.data.prompts import load_prompt_dataset
-from grpo_mega.evaluation import evaluate
 from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_env
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
+from grpo_mega.stages.evaluation import evaluate
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from grpo_mega.algo import clip_advantages, clip_rewards, outcome_advantages, process_advantages, whiten
-from grpo_mega.batch import response_values_to_tokens, sequences_to_batch
 from grpo_mega.config import AlgorithmConfig
+from grpo_mega.data.batch import response_values_to_tokens, sequences_to_batch
 from grpo_mega.stages.rollout import RolloutBatch
 
 
@@ -57,7 +57,7 @@ def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.T
 
 
 def build_training_batch(batch: RolloutBatch, algorithm: AlgorithmConfig, pad_id: int) -> dict[str, torch.Tensor]:
-    """The engine batch: ``prompt + response`` rows (``grpo_mega.batch``), per-token ``advantages`` and the
+    """The engine batch: ``prompt + response`` rows (``grpo_mega.data.batch``), per-token ``advantages`` and the
     sampler's log-probs ``rollout_logprobs``, all aligned with ``input_ids``."""
     completions = batch.completions
     rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions], pad_id)

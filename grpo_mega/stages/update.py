@@ -9,7 +9,7 @@ from grpo_mega.algo import rollout_logprob_diff
 from grpo_mega.config import AlgorithmConfig
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.engine.batching import slice_rows
-from grpo_mega.grpo_loss import GRPOLossSettings, grpo_loss_fn
+from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
 
 def mini_batch_rows(num_groups: int, group_size: int, groups_per_mini_batch: int, seed: int) -> list[torch.Tensor]:

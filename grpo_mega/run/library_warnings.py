@@ -1,5 +1,5 @@
 """The libraries' console noise that no user can act on, and the filters that keep it off: installed by the entry
-points (``grpo-mega``, ``tools/*``) and by the fork server of local ranks (``grpo_mega.rank_preload``), never at
+points (``grpo-mega``, ``tools/*``) and by the fork server of local ranks (``grpo_mega.run.rank_preload``), never at
 import of the package."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ data + tokenizer -> tiny Qwen2-shaped policy -> SFT -> Monte-Carlo step labels f
 step) from the same SFT checkpoint and seed -> held-out accuracy before / after for each arm, a table, one PNG with
 both arms' curves and ``summary.json``; the last line printed is the path of ``summary.json``. Each part is a
 separate ``grpo-mega`` command on 2 gloo processes (data-parallel, DP=2) with a YAML config from configs/ and
-its log in the run directory; the terminal shows one live line per command (``grpo_mega.command_runner``).
+its log in the run directory; the terminal shows one live line per command (``grpo_mega.run.commands``).
 
 Half of the SFT targets state the answer without working the steps (``direct_answer_fraction``), as in SFT sets
 that mix worked solutions with bare answers: the SFT policy then works the steps on some prompts and guesses on
@@ -20,9 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grpo_mega.data.synthetic import Difficulty
-from grpo_mega.metrics import read_metrics
-from grpo_mega.plots import TRAIN_REWARD_KEY, plot_arms
-from grpo_mega.quickstart_report import (
+from grpo_mega.quickstart.plots import TRAIN_REWARD_KEY, plot_arms
+from grpo_mega.quickstart.report import (
     PRM_COST_STAGES,
     STEP_REWARD_ARM,
     arm_report,
@@ -31,7 +30,9 @@ from grpo_mega.quickstart_report import (
     learned_prm_arm,
     print_table,
 )
-from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
+from grpo_mega.run.commands import CONFIG_DIR, CommandProgress, run_command
+from grpo_mega.run.layout import checkpoint_dir, metrics_path, step_dir_name
+from grpo_mega.run.metrics import read_metrics
 from prm.iterative import RefreshPlan
 from prm.pipeline import PRMPlan
 
@@ -63,7 +64,7 @@ class QuickstartPlan:
     policy_max_pass_at_1: float | None = None
     """Pick the arms' SFT checkpoint by measured pass@1 instead of by step: of the checkpoints every
     ``policy_sft_step`` steps, the latest whose sampled pass@1 on ``selection_prompts`` training prompts is at most
-    this before one first exceeds it (``grpo_mega.quickstart_selection``). None: the checkpoint of ``policy_sft_step``."""
+    this before one first exceeds it (``grpo_mega.quickstart.selection``). None: the checkpoint of ``policy_sft_step``."""
     selection_prompts: int = 200
     selection_samples: int = 2
     """Evaluations at temperature 1 (seeds ``seed + k``) whose mean is a candidate's sampled pass@1."""
@@ -110,7 +111,7 @@ SPARSE = QuickstartPlan(
 )
 """Five-step chains (one wrong step spoils the answer) from a briefly trained policy: the GRPO arms start from the
 SFT checkpoint picked by sampled pass@1 on training prompts (the latest at or under 20 %, of one every 100 steps,
-``grpo_mega.quickstart_selection``), the PRM from the end of the 800-step SFT (it knows the arithmetic better than
+``grpo_mega.quickstart.selection``), the PRM from the end of the 800-step SFT (it knows the arithmetic better than
 the policy, as a PRM built on a stronger model does) with Monte-Carlo labels by that checkpoint's greedy continuation
 of each prefix; the SFT steps after the arms' checkpoint count against the learned-PRM arms' seconds. Measured over
 3 seeds (docs/results.md): per step the learned PRM's arms are ahead of outcome supervision in the mean (score +4.2,
@@ -168,7 +169,7 @@ def _optional(key: str, value) -> list[str]:
 def _training_command(title: str, command: list[str], config: str, run_dir: Path, steps: int | None,
                       metrics: tuple[tuple[str, str], ...], overrides: list[str], log_path: Path) -> float:
     """One training command on 2 processes, its live line following ``run_dir/metrics.jsonl``."""
-    progress = CommandProgress(title=title, metrics_path=run_dir / "metrics.jsonl",
+    progress = CommandProgress(title=title, metrics_path=metrics_path(run_dir),
                                total_steps=steps or _config_steps(config), metrics=metrics)
     argv = [*command, "--config", str(CONFIG_DIR / config), "--nproc", str(NPROC), f"trainer.run_dir={run_dir}",
             "trainer.progress_bar=false", *_optional("trainer.total_steps", steps), *overrides]
@@ -235,12 +236,12 @@ def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str],
             f"GRPO (process, iteration {index + 1})", ["train"], "quickstart_grpo.yaml", arm_dir / name, steps,
             SHOWN["process"], [*grpo, f"model.init_from={policy}", f"process_reward.prm={prm_dir}"],
             arm_dir / f"{name}.log")
-        rows = read_metrics(arm_dir / name / "metrics.jsonl")
+        rows = read_metrics(metrics_path(arm_dir / name))
         # a later iteration's step-0 evaluation is the previous iteration's final policy again
         combined += [{**row, "step": row["step"] + offset, "iteration": index + 1} for row in rows
                      if not (index and row["step"] == 0)]
         policy, offset = arm_dir / name, offset + steps
-    (arm_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in combined))
+    metrics_path(arm_dir).write_text("".join(json.dumps(row) + "\n" for row in combined))
     return seconds
 
 
@@ -255,7 +256,7 @@ def _policy_checkpoint_settings(plan: QuickstartPlan, sft_steps: int) -> list[st
 
 
 def _sft_checkpoint(sft_dir: Path, step: int) -> Path:
-    checkpoint = sft_dir / "checkpoints" / f"step_{step:06d}"
+    checkpoint = checkpoint_dir(sft_dir, step)
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"the SFT run kept no checkpoint of step {step}: {checkpoint}")
     return checkpoint
@@ -264,7 +265,7 @@ def _sft_checkpoint(sft_dir: Path, step: int) -> Path:
 def _select_policy_step(plan: QuickstartPlan, sft_dir: Path, sft_steps: int, task: list[str],
                         train_file: Path) -> tuple[int, dict]:
     """(the SFT step the GRPO arms start from, the record of the selection) by ``plan.policy_max_pass_at_1``."""
-    from grpo_mega.quickstart_selection import measure_pass_at_1, pick_below_ceiling
+    from grpo_mega.quickstart.selection import measure_pass_at_1, pick_below_ceiling
 
     folder = sft_dir.parent / "policy_selection"
     folder.mkdir(parents=True, exist_ok=True)
@@ -273,7 +274,7 @@ def _select_policy_step(plan: QuickstartPlan, sft_dir: Path, sft_steps: int, tas
         return measure_pass_at_1(
             _sft_checkpoint(sft_dir, step), task=task, prompts_file=train_file, prompts=plan.selection_prompts,
             samples=plan.selection_samples, response_length=plan.response_length,
-            out=folder / f"step_{step:06d}.json", nproc=NPROC)
+            out=folder / f"{step_dir_name(step)}.json", nproc=NPROC)
 
     candidates = list(range(plan.policy_sft_step, sft_steps, plan.policy_sft_step))
     step, measured = pick_below_ceiling(candidates, measure, plan.policy_max_pass_at_1)
@@ -291,7 +292,7 @@ def _policy_and_prm_start(sft_dir: Path, policy_step: int | None) -> tuple[Path,
     if policy_step is None:
         return sft_dir, None, 0.0
     policy_dir = _sft_checkpoint(sft_dir, policy_step)
-    times = {row["step"]: row["time"] for row in read_metrics(sft_dir / "metrics.jsonl")}
+    times = {row["step"]: row["time"] for row in read_metrics(metrics_path(sft_dir))}
     return policy_dir, sft_dir, times[max(times)] - times[policy_step]
 
 
@@ -376,7 +377,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     prm_cost = (prm_head_start_seconds + sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES)
                 if prm_summary else 0.0)
     arm_seconds = {arm: _arm_seconds(seconds, arm) for arm in arms}
-    reports = {arm: arm_report(arm_dirs[arm] / "metrics.jsonl", arm_seconds[arm],
+    reports = {arm: arm_report(metrics_path(arm_dirs[arm]), arm_seconds[arm],
                                prm_cost if learned_prm_arm(arm) else 0.0) for arm in arms}
     summary = {
         "regime": plan.name,
@@ -387,7 +388,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         "steps": reports["outcome"]["steps"],
         "wall_seconds": round(time.perf_counter() - started, 1),
         "stage_seconds": {key: round(value, 1) for key, value in seconds.items()},
-        "eval_prompts": int(read_metrics(arm_dirs["outcome"] / "metrics.jsonl")[-1].get("eval/num_prompts", 0)),
+        "eval_prompts": int(read_metrics(metrics_path(arm_dirs["outcome"]))[-1].get("eval/num_prompts", 0)),
         "seed": plan.seed,
         "iterations": plan.iterations,
         "policy_sft_step": policy_step,
@@ -401,7 +402,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             "label_agreement", "value_label_agreement", "step_accuracy", "processbench_f1", "policy_processbench_f1",
             "prm_at_n", "maj_at_n", "pass_at_n")}
     summary["plot"] = str(plot_arms(
-        {arm_title(arm): path / "metrics.jsonl" for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",
+        {arm_title(arm): metrics_path(path) for arm, path in arm_dirs.items()}, run_dir / "reward_accuracy.png",
         title=f"quickstart ({plan.name} regime): GRPO from the same SFT policy, seed {plan.seed}",
         seconds_before={arm_title(arm): prm_cost for arm in arms if learned_prm_arm(arm)}))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -82,7 +82,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-PRELOADED = ["grpo_mega.rank_preload"]
+PRELOADED = ["grpo_mega.run.rank_preload"]
 """Imported once, by the fork server every local rank is forked from (multiprocessing's ``forkserver`` start
 method): torch, megatron-core and transformers, so that a rank starts with them loaded instead of importing them
 again (5-7 s of CPU per rank on the 2-core test machine, where the suite starts hundreds of ranks). Importing them

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The YAML configs shipped with the repository (the quickstart's commands)."""
 
 

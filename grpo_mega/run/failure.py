@@ -12,7 +12,7 @@ overwrite it; a full disk leaves no file rather than an empty one. Each rank sti
     grpo-mega train: rank 1 on node7 failed (cause=peer_lost) at step 12 (update): RuntimeError: ...; run/failure.json
 
 Phases opened with ``bounded=True`` (the weight sync, the vLLM wake / sleep, PRM scoring, the checkpoint save:
-work that no collective timeout bounds) are also watched by the :class:`grpo_mega.run_watchdog.PhaseWatchdog` the
+work that no collective timeout bounds) are also watched by the :class:`grpo_mega.run.watchdog.PhaseWatchdog` the
 run installed, which ends the process with cause ``phase_timeout`` when one runs past its deadline.
 """
 
@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-FAILURE_FILE = "failure.json"
+from grpo_mega.run.layout import FAILURE_FILE
+
 
 POSITION: dict[str, Any] = {"step": None, "phase": "start-up", "signal": None}
 """Where this rank is: the step in flight (None before the first), the phase of it, and the stop signal it received

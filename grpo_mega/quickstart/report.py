@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_mega.metrics import read_metrics
+from grpo_mega.run.metrics import read_metrics
 
 ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""

@@ -13,6 +13,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from grpo_mega.run.layout import TENSORBOARD_DIR, metrics_path
+
 logger = logging.getLogger(__name__)
 
 WANDB_ID_FILE = "wandb_run_id"
@@ -81,7 +83,7 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
+        self.path = metrics_path(run_dir)
         drop_rows_after(self.path, start_step)
         self.file = self.path.open("a", encoding="utf-8")
         if "wandb" in loggers:
@@ -89,7 +91,7 @@ class MetricsLogger:
         if tensorboard and "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
         if progress_bar:
             from tqdm import tqdm
 

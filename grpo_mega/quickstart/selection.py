@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from grpo_mega.command_runner import CONFIG_DIR, CommandProgress, run_command
+from grpo_mega.run.commands import CONFIG_DIR, CommandProgress, run_command
 
 
 def pick_below_ceiling(steps: list[int], measure: Callable[[int], float], ceiling: float) -> tuple[int, dict[int, float]]:

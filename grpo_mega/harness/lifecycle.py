@@ -4,27 +4,27 @@ shutdown, so that each trainer writes only its own step::
 
     harness = RunHarness(cfg)                  # stop signals caught, then distributed state (torchrun / SLURM)
     ...                                        # the trainer's data and engine
-    harness.start(engine, extra_state=...)     # resume, or the trainer's initial weights; config.yaml; metrics log
+    harness.start(engine, state=...)           # resume, or the trainer's initial weights; config.yaml; metrics log
     for step in harness.steps():
         metrics = ...                          # the trainer's step
         harness.end_step(step, metrics)        # agree on a stop, log, save on schedule or when stopping
     harness.finish()                           # close, shut down; StoppedEarly after a stop
 
-Failing: whatever ends a rank is recorded by the command in ``run_dir/failure.json`` (``grpo_mega.run_failure``),
+Failing: whatever ends a rank is recorded by the command in ``run_dir/failure.json`` (``grpo_mega.run.failure``),
 with the step and phase the harness and the trainer mark; every collective is bounded by
 ``trainer.collective_timeout_s``, so a hung or dead peer ends the job too, and so is every bounded phase (the save,
-the weight sync, PRM scoring, the vLLM wake / sleep: ``grpo_mega.run_watchdog``), so a rank hung on its own does.
+the weight sync, PRM scoring, the vLLM wake / sleep: ``grpo_mega.run.watchdog``), so a rank hung on its own does.
 
 Stopping early: a signal (SIGTERM, SIGUSR1, SIGUSR2) on any rank, or ``trainer.save_before_seconds`` left before
 the time limit, makes every rank save the step in flight; :meth:`RunHarness.finish` then raises ``StoppedEarly``,
-which the commands turn into exit status 3 (``grpo_mega.run_control``). The same command resumes exactly: the
-checkpoint holds the engine (model, optimizer, schedule, RNG states) and the trainer's ``extra_state``, and each
-trainer's batches depend only on the seed and the step, or on that state.
+which the commands turn into exit status 3 (``grpo_mega.run.control``). The same command resumes exactly: the
+checkpoint holds the engine (model, optimizer, schedule, RNG states) and the trainer's state (what each trainer's
+holds: ``grpo_mega.harness.resume``), and each trainer's batches depend only on the seed and the step, or on that
+state.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -34,15 +34,15 @@ import torch.distributed as dist
 
 from grpo_mega.checkpoint.training import CheckpointManager
 from grpo_mega.config import save_config
-from grpo_mega.metrics import MetricsLogger, logger_options
+from grpo_mega.harness.resume import TrainerState, restore
+from grpo_mega.harness.resume import save as save_checkpoint
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.perf.startup import StartupClock
-from grpo_mega.run_control import StoppedEarly, StopRequests, run_end_time
-from grpo_mega.run_failure import FAILURE_FILE, POSITION, phase, set_step
-from grpo_mega.run_watchdog import PhaseWatchdog
-
-logger = logging.getLogger(__name__)
-
+from grpo_mega.run.control import StoppedEarly, StopRequests, run_end_time
+from grpo_mega.run.failure import POSITION, phase, set_step
+from grpo_mega.run.layout import CONFIG_FILE, FAILURE_FILE
+from grpo_mega.run.metrics import MetricsLogger, logger_options
+from grpo_mega.run.watchdog import PhaseWatchdog
 
 def on_schedule(step: int, every: int, total_steps: int) -> bool:
     """Whether ``step`` is a multiple of ``every`` (0: never) or the last of ``total_steps``: when to save, evaluate
@@ -81,37 +81,27 @@ class RunHarness:
         self.last_checkpoint: Path | None = None
         self.metrics_log: MetricsLogger | None = None
         self._engine = None
-        self._extra_state: dict[str, Any] = {}
+        self._state: TrainerState | None = None
         self._startup_metrics: dict[str, float] = {}
 
-    def start(self, engine, *, extra_state: dict[str, Any] | None = None,
+    def start(self, engine, *, state: TrainerState,
               initial_weights: Callable[[], Any] | None = None, bar_metric: str = "critic/score/mean") -> int:
-        """Resume ``engine`` and ``extra_state`` from the checkpoint ``trainer.resume`` names, or, with none, call
-        ``initial_weights``; write ``run_dir/config.yaml`` and open the metrics log (its progress bar shows
-        ``bar_metric``). Returns the step to continue after (0 for a new run).
-
-        ``extra_state`` names the trainer's objects with ``state_dict`` / ``load_state_dict`` (e.g. GRPO's prompt
-        order) that every checkpoint holds beside the engine, under those names.
-        """
-        self._engine, self._extra_state = engine, dict(extra_state or {})
-        resume_from = self.checkpoints.find_resume(self.cfg.trainer.resume)
-        if resume_from is not None:
-            loaded = self.checkpoints.load(engine, resume_from, seed=self.cfg.parallel.seed)
-            for name, holder in self._extra_state.items():
-                if name not in (loaded.extra_state or {}):
-                    raise ValueError(
-                        f"{resume_from} holds no {name!r} state (it holds {sorted(loaded.extra_state or {})}): it was "
-                        "saved by a run of another mode (e.g. rollout.mode colocated vs async); continue it with its own "
-                        f"settings, or start a new run from its weights with model.init_from={resume_from}")
-                holder.load_state_dict(loaded.extra_state[name])
-            self.start_step = self.step = loaded.step
-            logger.info("resumed from %s at step %d", resume_from, loaded.step)
+        """Resume ``engine`` and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
+        holds) from the checkpoint ``trainer.resume`` names, or, with none, call ``initial_weights``; write
+        ``run_dir/config.yaml`` and open the metrics log (its progress bar shows ``bar_metric``). Returns the step to
+        continue after (0 for a new run)."""
+        self._engine = engine
+        self._state = state
+        resumed = restore(self.checkpoints, engine, self._state, resume=self.cfg.trainer.resume,
+                          seed=self.cfg.parallel.seed)
+        if resumed is not None:
+            self.start_step = self.step = resumed
         elif initial_weights is not None:
             initial_weights()
         self.startup.mark("load")
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(self.cfg, self.run_dir / "config.yaml")
+            save_config(self.cfg, self.run_dir / CONFIG_FILE)
             failure = self.run_dir / FAILURE_FILE
             if failure.exists():  # an earlier attempt's; kept beside, so that this attempt can name its own cause
                 failure.rename(failure.with_name(f"failure.{int(failure.stat().st_mtime)}.json"))
@@ -152,11 +142,10 @@ class RunHarness:
             self.save(step)
 
     def save(self, step: int) -> Path:
-        """A checkpoint of the engine and the trainer's ``extra_state`` after ``step``, with the run config."""
-        extra_state = {name: holder.state_dict() for name, holder in self._extra_state.items()}
+        """A checkpoint of the engine and the trainer's state after ``step``, with the run config."""
         with phase("save", bounded=True):
-            self.last_checkpoint = self.checkpoints.save(self._engine, step, extra_state=extra_state or None,
-                                                         config=asdict(self.cfg))
+            self.last_checkpoint = save_checkpoint(self.checkpoints, self._engine, self._state, step,
+                                                   config=asdict(self.cfg))
         return self.last_checkpoint
 
     def fail_step(self, step: int, metrics: dict[str, float]) -> None:

@@ -6,7 +6,7 @@ Megatron-LM's exit-signal handler does, so a signal seen by any one rank makes e
 stop; a resumed job continues exactly from there. Under torchrun, only SIGINT / SIGTERM / SIGHUP / SIGQUIT sent to
 torchrun reach the workers, and torchrun kills them about 30 s after forwarding SIGTERM: the step in flight and
 the save must fit in that window. SIGUSR1 / SIGUSR2 have to be sent to the workers themselves (``srun --signal``
-or ``scancel --signal=USR1 --full`` under SLURM). The run harness (``grpo_mega.run_harness``) uses it for GRPO, SFT
+or ``scancel --signal=USR1 --full`` under SLURM). The run harness (``grpo_mega.harness.lifecycle``) uses it for GRPO, SFT
 and PRM training alike.
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from grpo_mega.run_failure import note_signal
+from grpo_mega.run.failure import note_signal
 
 logger = logging.getLogger(__name__)
 

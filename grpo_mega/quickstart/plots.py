@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_mega.metrics import read_metrics
+from grpo_mega.run.metrics import read_metrics
 
 
 TRAIN_REWARD_KEY = "rollout/sampled_score/mean"

@@ -1,5 +1,5 @@
 """A deadline for the phases no collective timeout bounds: the weight sync to the rollout engine, the vLLM wake /
-sleep, PRM scoring, the checkpoint save (``grpo_mega.run_failure.phase(name, bounded=True)``).
+sleep, PRM scoring, the checkpoint save (``grpo_mega.run.failure.phase(name, bounded=True)``).
 
 A collective that waits for a hung peer raises after ``trainer.collective_timeout_s``; a rank hung on its own (a
 vLLM wake-up that never returns, a checkpoint writer stuck on a dead file server, a PRM forward in a deadlock) waits
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpo_mega.run_failure import POSITION, PhaseTimeout, failure_line, record_failure, set_watchdog
+from grpo_mega.run.failure import POSITION, PhaseTimeout, failure_line, record_failure, set_watchdog
 
 EXIT_PHASE_TIMEOUT = 124
 """Exit status of a process the watchdog ended (as timeout(1)'s)."""
@@ -34,7 +34,7 @@ def peer_grace_s(timeout_s: float) -> float:
 
 class PhaseWatchdog:
     """Ends the process when a bounded phase runs past ``timeout_s`` (see the module docstring). ``install()``
-    makes it the one :func:`grpo_mega.run_failure.phase` arms; ``close()`` stops watching."""
+    makes it the one :func:`grpo_mega.run.failure.phase` arms; ``close()`` stops watching."""
 
     def __init__(self, run_dir: str | Path, timeout_s: float, *, command: str = "grpo-mega", setting: str = ""):
         self.run_dir = Path(run_dir)

@@ -1,0 +1,104 @@
+"""Resume in one place: what a training checkpoint holds for each trainer, and saving and restoring it.
+
+Every trainer's checkpoint holds its engine (model, optimizer, learning-rate schedule, RNG states: written and
+checked by ``grpo_mega.checkpoint.training.CheckpointManager``) and the run config; beside them, the trainer's own
+state under fixed names, each an object with ``state_dict`` / ``load_state_dict``:
+
+=============================== ================ ==========================================================
+trainer                          state            what it is
+=============================== ================ ==========================================================
+GRPO, ``rollout.mode: colocated`` ``prompts``        the prompt order and position (``data.prompts.PromptBatches``)
+GRPO, ``rollout.mode: async``     ``rollout_feed``   the weight version and batches in flight
+                                                   (``stages.rollout_feed.RolloutFeed``)
+SFT                              (none)           its batches depend only on the seed and the step
+PRM training                     (none)           the same
+=============================== ================ ==========================================================
+
+``TRAINER_STATE`` is that table; :func:`trainer_state` builds a trainer's state from it (and refuses any other set
+of names), :func:`restore` and :func:`save` are the only readers and writers of it, called by ``RunHarness``. A
+checkpoint whose state names are another trainer's is refused with the trainer that saved it named, before any
+state is loaded into the run's objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from grpo_mega.checkpoint.training import CheckpointManager
+
+logger = logging.getLogger(__name__)
+
+
+class StateHolder(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+TRAINER_STATE: dict[str, tuple[str, ...]] = {
+    "grpo": ("prompts",),
+    "grpo_async": ("rollout_feed",),
+    "sft": (),
+    "prm": (),
+}
+"""Trainer -> the names of the state its checkpoints hold beside the engine."""
+
+TRAINER_TITLES = {"grpo": "GRPO with rollout.mode: colocated", "grpo_async": "GRPO with rollout.mode: async",
+                  "sft": "SFT", "prm": "PRM training"}
+
+
+class TrainerState(NamedTuple):
+    """One trainer's state beside its engine: ``holders`` under the names ``TRAINER_STATE[trainer]``."""
+
+    trainer: str
+    holders: dict[str, StateHolder]
+
+    def state_dicts(self) -> dict[str, Any]:
+        return {name: holder.state_dict() for name, holder in self.holders.items()}
+
+
+def trainer_state(trainer: str, **holders: StateHolder) -> TrainerState:
+    """``trainer``'s state (a key of ``TRAINER_STATE``) from its holders, which must be exactly the table's."""
+    if trainer not in TRAINER_STATE:
+        raise ValueError(f"unknown trainer {trainer!r}: one of {sorted(TRAINER_STATE)}")
+    if sorted(holders) != sorted(TRAINER_STATE[trainer]):
+        raise ValueError(f"{trainer}'s checkpoint state is {list(TRAINER_STATE[trainer])}, given {sorted(holders)}")
+    return TrainerState(trainer, dict(holders))
+
+
+def grpo_state(prompts: StateHolder, feed: StateHolder | None) -> TrainerState:
+    """GRPO's state: the prompt order when colocated, the rollout feed (``feed`` not None) in async mode."""
+    return trainer_state("grpo", prompts=prompts) if feed is None else trainer_state("grpo_async", rollout_feed=feed)
+
+
+def _saver_of(names: set[str]) -> str:
+    """Which trainer saves exactly ``names`` beside its engine, in words."""
+    savers = [TRAINER_TITLES[t] for t, saved in TRAINER_STATE.items() if set(saved) == names]
+    return " or ".join(savers) if savers else "a trainer of another version"
+
+
+def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resume: str, seed: int) -> int | None:
+    """Load the checkpoint ``resume`` names (``trainer.resume``: auto / a path / none) into ``engine`` and
+    ``state``'s holders; returns its step, or None when there is nothing to resume."""
+    resume_from = checkpoints.find_resume(resume)
+    if resume_from is None:
+        return None
+    loaded = checkpoints.load(engine, resume_from, seed=seed)
+    saved = loaded.extra_state or {}
+    for name in state.holders:
+        if name not in saved:
+            raise ValueError(
+                f"{resume_from} holds no {name!r} state (it holds {sorted(saved)}): it was saved by "
+                f"{_saver_of(set(saved))}, this run is {TRAINER_TITLES[state.trainer]}; continue it with its own "
+                f"settings, or start a new run from its weights with model.init_from={resume_from}")
+    for name, holder in state.holders.items():
+        holder.load_state_dict(saved[name])
+    logger.info("resumed from %s at step %d", resume_from, loaded.step)
+    return loaded.step
+
+
+def save(checkpoints: CheckpointManager, engine, state: TrainerState, step: int, *, config: dict) -> Path:
+    """A checkpoint of ``engine`` and ``state`` after ``step``, with the run ``config``."""
+    return checkpoints.save(engine, step, extra_state=state.state_dicts() or None, config=config)
