@@ -36,6 +36,7 @@ from grpo_mega.run.control import StopRequests
 from grpo_mega.run.failure import phase, set_step
 from grpo_mega.run.watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
+from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import generating_version
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
@@ -103,7 +104,8 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     eval_records = eval_prompts(cfg, tokenizer)
     engine = build_rollout_engine_for(cfg, tokenizer)
     stage = RolloutStage(engine, prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
-                         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg))
+                         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
+                         answer_guard=answer_guard_of(cfg))
     link = RolloutLink(split, engine)
     k, total = cfg.rollout.max_staleness, run.total_steps
 

@@ -40,6 +40,7 @@ from grpo_mega.rollout.base import decode_response
 from grpo_mega.run.failure import phase as failure_phase
 from grpo_mega.run.layout import ROLLOUTS_DIR, step_dir_name
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
+from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import RolloutFeed
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
@@ -110,7 +111,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     memory = PhaseMemory(get_device())
     rollout = None if feed is not None else RolloutStage(
         rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
-        decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg))
+        decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
+        answer_guard=answer_guard_of(cfg))
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
 
     def run_eval(step: int) -> dict[str, float]:  # async: the rollout world's evaluation of this step's weights

@@ -9,6 +9,7 @@ import it.
 """
 
 from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages
+from grpo_mega.algo.answer_credit import cut_at_answer
 from grpo_mega.algo.kl import DEFAULT_LOG_RATIO_CLAMP, KL_ESTIMATORS, kl_estimate
 from grpo_mega.algo.losses import LOSS_AGG_MODES, aggregate_loss, policy_loss
 from grpo_mega.algo.rollout_correction import rollout_logprob_diff, truncated_importance_weights
@@ -23,6 +24,7 @@ __all__ = [
     "aggregate_loss",
     "clip_advantages",
     "clip_rewards",
+    "cut_at_answer",
     "group_start_values",
     "kl_estimate",
     "normalize_step_rewards",

@@ -111,13 +111,15 @@ def process_advantages(
     scale_by_std: bool = True,
     eps: float = 1e-6,
     credit: str = "sum",
+    after_last_step: str = "zero",
 ) -> torch.Tensor:
     """Process-supervised GRPO advantages (DeepSeekMath, section 4.1.3): per-token suffix sums.
 
     Step j of completion i ends at response token ``index(j) = step_ends[i, j]`` and has PRM reward
     ``r_i^j``. With ``n_i^j`` from :func:`normalize_step_rewards` (pooled over the group),
-    ``A_{i,t} = sum_{j : index(j) >= t} n_i^j``. Tokens after the last step end, and tokens outside
-    ``response_mask``, get 0. No discount. With ``credit="min"`` (PURE's min-form credit assignment)
+    ``A_{i,t} = sum_{j : index(j) >= t} n_i^j``. Tokens after the last step end get 0, or with
+    ``after_last_step="capped"`` (the answer guard, ``grpo_mega.algo.answer_credit``) ``min(A_{i,last}, 0)``, the
+    advantage of the last step's last token capped at 0; tokens outside ``response_mask`` get 0. No discount. With ``credit="min"`` (PURE's min-form credit assignment)
     ``A_{i,t} = min_{j : index(j) >= t} n_i^j`` instead: a token is credited with the worst step still ahead of it,
     so adding steps cannot raise it.
 
@@ -132,6 +134,8 @@ def process_advantages(
     """
     if credit not in ("sum", "min"):
         raise ValueError(f"credit must be 'sum' or 'min', got {credit!r}")
+    if after_last_step not in ("zero", "capped"):
+        raise ValueError(f"after_last_step must be 'zero' or 'capped', got {after_last_step!r}")
     if step_rewards.shape != step_ends.shape or step_rewards.dim() != 2:
         raise ValueError(
             f"step_rewards {tuple(step_rewards.shape)} and step_ends {tuple(step_ends.shape)} must both be [B, K]"
@@ -155,4 +159,10 @@ def process_advantages(
         ahead = torch.where(covers, normalized.unsqueeze(-1), torch.full_like(normalized.unsqueeze(-1), float("inf")))
         advantages = ahead.amin(dim=1)
         advantages = torch.where(covers.any(dim=1), advantages, torch.zeros_like(advantages))
+    if after_last_step == "capped":
+        last_end = torch.where(valid, step_ends.long(), torch.full_like(step_ends.long(), -1)).amax(dim=1)
+        has_steps = last_end >= 0
+        at_last = advantages.gather(1, last_end.clamp(min=0).unsqueeze(1)).clamp(max=0.0)
+        after = (positions.unsqueeze(0) > last_end.unsqueeze(1)) & has_steps.unsqueeze(1)
+        advantages = torch.where(after, at_last.expand_as(advantages), advantages)
     return advantages * response_mask.to(advantages.dtype)

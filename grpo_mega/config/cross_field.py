@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
 
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
@@ -41,6 +43,7 @@ def validate(cfg: GRPOConfig) -> None:
     check_choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
     check_choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
     check_choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
+    validate_answer_guard(cfg)
     check_choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
     check_choice(cfg.process_reward.on_error, ("raise", "zero"), "process_reward.on_error")
     if cfg.process_reward.layout is not None:
@@ -174,3 +177,16 @@ def validate_sft(cfg: SFTConfig) -> None:
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")
+
+
+def validate_answer_guard(cfg: GRPOConfig) -> None:
+    """``process_reward.answer_pattern`` compiles and ``missing_answer_score`` is finite (the answer guard's)."""
+    settings = cfg.process_reward
+    if settings.answer_pattern is not None:
+        try:
+            re.compile(settings.answer_pattern)
+        except re.error as error:
+            raise ConfigError(f"process_reward.answer_pattern={settings.answer_pattern!r} is not a valid regular "
+                              f"expression: {error}") from None
+    if not math.isfinite(settings.missing_answer_score):
+        raise ConfigError(f"process_reward.missing_answer_score={settings.missing_answer_score} must be finite")

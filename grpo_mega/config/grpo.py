@@ -152,6 +152,15 @@ class ProcessRewardConfig:
     instead of the PRM's scores (0 = off)."""
     few_steps_reward: float = 0.0
     """The step reward of a completion with fewer than ``min_steps`` steps (PRM scores are in [0, 1])."""
+    answer_pattern: Optional[str] = None
+    """Where a completion's first final answer ends, for the answer guard (``algorithm.answer_guard``): a regex whose
+    first match ends the answer. None: the default locator (``grpo_mega.reward.answer_span``), the first of "The
+    answer is ..." / "The final answer is ..." (to the end of its sentence), ``\\boxed{...}`` and GSM8K's
+    ``#### ...`` (to the end of its line)."""
+    missing_answer_score: float = 0.0
+    """The answer guard's final-answer step of a completion that has no final answer, on its last token: its PRM
+    score (``source: prm``: 0 is a certainly wrong answer, then ``step_reward`` applies to it like any step) or its
+    step reward (``source: function``: 0 is the synthetic oracle's reward of a wrong answer)."""
     on_error: str = "raise"
     """A PRM that raises or gives a NaN / Inf step score: ``raise`` stops the step naming the completion and step;
     ``zero`` scores that completion's steps 0 and counts it in ``prm/failures``."""
@@ -195,6 +204,12 @@ class AlgorithmConfig:
     step_credit: str = "sum"
     """Process supervision: ``sum`` (DeepSeekMath: a token's advantage is the sum of its own and later steps'
     normalised rewards) or ``min`` (PURE's min-form credit assignment: their minimum)."""
+    answer_guard: bool = True
+    """Process supervision: nothing after a completion's first final answer earns credit (its steps are cut there
+    and the tokens after it get min(A of the answer's last token, 0)), and a completion without a final answer gets
+    a final-answer step scored as a wrong answer (``process_reward.missing_answer_score``), for every step-reward
+    source and option (``grpo_mega.algo.answer_credit``). False: the credit of earlier releases, which two credit
+    forms gamed (docs/results.md)."""
     whiten_advantages: bool = False
     """After the group normalisation, whiten the advantages over the batch's response tokens (zero mean, unit variance; ROLL)."""
     advantage_clip: Optional[float] = None

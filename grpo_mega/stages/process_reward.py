@@ -4,7 +4,10 @@ After each rollout every completion is split into steps (``grpo_mega.data.step_s
 step ends; a completion without a match is one step ending at its last character, and the final answer sentence is
 a step of its own with the synthetic task's pattern), the PRM scores every step of every completion in one batched
 call on its own forward-only engine, and each step's score becomes its reward, ending at the step's last character
-(the rollout stage maps it to the step's last response token). The guards of ``ProcessRewardConfig`` apply here.
+(the rollout stage maps it to the step's last response token). The guards of ``ProcessRewardConfig`` apply here,
+and the answer guard (``grpo_mega.stages.answer_guard``): only the text through the first final answer is split and
+scored, and a completion without one gets a final-answer step scored ``missing_answer_score`` before ``step_reward``
+turns scores into rewards.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Sequence
 from grpo_mega.algo import group_start_values, step_rewards_from_scores
 from grpo_mega.config import ProcessRewardConfig
 from grpo_mega.data.step_split import default_step_pattern, split_steps, step_char_ends
+from grpo_mega.stages.answer_guard import AnswerGuard
 
 
 def segment_completion(text: str, pattern: str, max_counted_steps: int = 0) -> list[str]:
@@ -62,9 +66,10 @@ class PRMStepRewards:
     """Scores the steps of a rollout's completions with a PRM (``prm.scoring.StepScorer``); collective: every rank
     calls with the same completions and gets the same rewards."""
 
-    def __init__(self, scorer, settings: ProcessRewardConfig) -> None:
+    def __init__(self, scorer, settings: ProcessRewardConfig, answer_guard: AnswerGuard | None = None) -> None:
         self.scorer = scorer
         self.settings = settings
+        self.answer_guard = answer_guard
 
     def __call__(
         self, prompts: Sequence[str], texts: Sequence[str], outcomes: Sequence[float], rows_extra: Sequence[dict]
@@ -72,14 +77,20 @@ class PRMStepRewards:
         """(step rewards, step ends as character offsets, metrics) of every completion."""
         start = time.perf_counter()
         pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
-        steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in texts]
+        guard = self.answer_guard
+        scored_texts = [guard.scored_text(text) for text in texts] if guard is not None else list(texts)
+        steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in scored_texts]
         scores, failed = self._score(prompts, texts, steps)
+        metrics = self._metrics(steps, scores)  # the PRM's own scores, before the guard adds a missing answer's
+        ends = [step_char_ends(row_steps) for row_steps in steps]
+        if guard is not None:
+            guarded = [guard.guard(s, e, text) for s, e, text in zip(scores, ends, texts)]
+            scores, ends = [s for s, _ in guarded], [e for _, e in guarded]
         progress = self.settings.step_reward == "progress"
         starts = group_start_values(prompts, outcomes) if progress else [0.0] * len(texts)  # s_0 of progress only
         rewards = [shape_step_rewards(s, outcome, self.settings, start=start)
                    for s, outcome, start in zip(scores, outcomes, starts)]
-        ends = [step_char_ends(row_steps) for row_steps in steps]
-        metrics = self._metrics(steps, scores, time.perf_counter() - start)
+        metrics["timing_s/prm"] = time.perf_counter() - start
         metrics["prm/failures"] = float(failed)
         return rewards, ends, metrics
 
@@ -106,13 +117,12 @@ class PRMStepRewards:
         return scores, len(bad)
 
     @staticmethod
-    def _metrics(steps: list[list[str]], scores: list[list[float]], seconds: float) -> dict[str, float]:
+    def _metrics(steps: list[list[str]], scores: list[list[float]]) -> dict[str, float]:
         scored = [s for s in scores if s]
         every = [value for s in scored for value in s]
         metrics = {
             "prm/steps_per_completion": sum(len(s) for s in steps) / max(len(steps), 1),
             "prm/no_step_fraction": sum(1 for s in steps if not s) / max(len(steps), 1),
-            "timing_s/prm": seconds,
         }
         if every:
             metrics.update({
@@ -124,7 +134,8 @@ class PRMStepRewards:
 
 
 def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micro_batch: int,
-                           engine_kind: str = "megatron", deepspeed=None) -> PRMStepRewards:
+                           engine_kind: str = "megatron", deepspeed=None,
+                           answer_guard: AnswerGuard | None = None) -> PRMStepRewards:
     """Open ``settings.prm`` on a forward-only engine at the job's parallel layout (after ``init_distributed``):
     the trainer's ``engine`` (``megatron``, or ``deepspeed`` with its ``deepspeed`` settings), reading solutions as
     the PRM was trained to except where ``settings`` choose otherwise (``prm.spec.PRMChoices``)."""
@@ -134,4 +145,4 @@ def build_prm_step_rewards(settings: ProcessRewardConfig, *, max_tokens_per_micr
     _, scorer = open_step_scorer(settings.prm, PRMChoices.of(settings),
                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
                                  deepspeed=deepspeed)
-    return PRMStepRewards(scorer, settings)
+    return PRMStepRewards(scorer, settings, answer_guard)

@@ -18,9 +18,11 @@ from grpo_mega.algo import overlong_penalty
 from grpo_mega.config import AlgorithmConfig, RewardConfig
 from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.reward import SampleReward, get_reward_function, score_across_ranks
+from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
 from grpo_mega.run.failure import phase
+from grpo_mega.stages.answer_guard import AnswerGuard
 from grpo_mega.stages.step_tokens import step_end_tokens
 
 
@@ -95,15 +97,19 @@ class RolloutStage:
     def __init__(
         self, engine: RolloutEngine, prompts: PromptBatches, sampling: SamplingConfig, reward: RewardConfig,
         algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
+        answer_guard: AnswerGuard | None = None,
     ):
         """``step_reward_source``: where process supervision's step rewards come from (e.g.
         ``grpo_mega.stages.process_reward.PRMStepRewards``) called as ``(prompts, texts, outcome scores, rows'
-        extra fields) -> (step rewards, step ends in characters, metrics)``; None: the reward function's own."""
+        extra fields) -> (step rewards, step ends in characters, metrics)``; None: the reward function's own.
+        ``answer_guard``: applied here to the reward function's own step rewards (a step-reward source applies its
+        own), and its answer locator counts the completions without an answer or with text after it."""
         self.engine, self.prompts, self.sampling = engine, prompts, sampling
         self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
         self.reward_fn = get_reward_function(reward.function)
         self.format_fn = get_reward_function(reward.format_function) if reward.format_weight else None
         self.step_reward_source = step_reward_source
+        self.answer_guard = answer_guard
         self._step_metrics: list[dict[str, float]] = []
 
     def run(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -160,6 +166,9 @@ class RolloutStage:
         )
         with phase("reward scoring", bounded=True):
             results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
+        self._step_metrics.append(answer_metrics(columns[1], self.answer_guard))
+        if self.answer_guard is not None and self.step_reward_source is None:
+            results = [self.answer_guard.guard_reward(r, text) for r, text in zip(results, columns[1])]
         if self.step_reward_source is not None:
             with phase("prm scoring", bounded=True):
                 step_rewards, step_ends, step_metrics = self.step_reward_source(
@@ -199,6 +208,19 @@ class RolloutStage:
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends
+
+
+def answer_metrics(texts: Sequence[str], guard: AnswerGuard | None) -> dict[str, float]:
+    """The share of completions with no final answer, and of those with text (other than whitespace) after their
+    first final answer (the answer guard's locator, else the default one)."""
+    locate = guard.answer_end if guard is not None else final_answer_end
+    ends = [locate(text) for text in texts]
+    count = max(len(texts), 1)
+    return {
+        "rollout/no_answer_fraction": sum(end is None for end in ends) / count,
+        "rollout/text_after_answer_fraction": sum(end is not None and bool(text[end:].strip())
+                                                  for text, end in zip(texts, ends)) / count,
+    }
 
 
 def zero_signal_group_fraction(scores: torch.Tensor, group_size: int) -> float:

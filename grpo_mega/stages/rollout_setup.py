@@ -12,6 +12,7 @@ from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_e
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
+from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.evaluation import evaluate
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def step_reward_source(cfg: GRPOConfig):
     from grpo_mega.stages.process_reward import build_prm_step_rewards
 
     return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
-                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed)
+                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed, answer_guard=answer_guard_of(cfg))
 
 
 def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):

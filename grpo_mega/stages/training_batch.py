@@ -2,7 +2,8 @@
 
 Outcome supervision: one group-normalised reward per completion on each of its response tokens. Process
 supervision: the reward function's per-step rewards, normalised over all steps of the group, and each token gets
-the suffix sum of its own and later steps (``grpo_mega.algo.process_advantages``). Shaping (ROLL-style) in this
+the suffix sum of its own and later steps (``grpo_mega.algo.process_advantages``); with ``algorithm.answer_guard``
+the tokens after the last step (the first final answer's end) get min(A of the answer's last token, 0). Shaping (ROLL-style) in this
 order: reward clip -> group normalisation -> whitening -> advantage clip. The math lives in ``grpo_mega.algo``.
 """
 
@@ -40,7 +41,8 @@ def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.T
         if algorithm.reward_clip is not None:
             step_rewards = clip_rewards(step_rewards, algorithm.reward_clip)
         advantages = process_advantages(step_rewards, step_ends, response_mask, G, scale_by_std=algorithm.scale_by_std,
-                                        credit=algorithm.step_credit)
+                                        credit=algorithm.step_credit,
+                                        after_last_step="capped" if algorithm.answer_guard else "zero")
         if algorithm.whiten_advantages:
             advantages = whiten(advantages, response_mask)
     else:
