@@ -105,7 +105,7 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     engine = build_rollout_engine_for(cfg, tokenizer)
     stage = RolloutStage(engine, prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
                          decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
-                         answer_guard=answer_guard_of(cfg))
+                         answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern)
     link = RolloutLink(split, engine)
     k, total = cfg.rollout.max_staleness, run.total_steps
 

@@ -112,7 +112,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     rollout = None if feed is not None else RolloutStage(
         rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
-        answer_guard=answer_guard_of(cfg))
+        answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern)
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
 
     def run_eval(step: int) -> dict[str, float]:  # async: the rollout world's evaluation of this step's weights
@@ -167,6 +167,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         metrics["timing_s/step"] = sum(timer.seconds.values())
         if "perf/num_tokens" in metrics:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
+        if "timing_s/prm" in metrics:  # the PRM's scoring, inside generation's seconds: its share of the step
+            metrics["perf/prm_fraction"] = metrics["timing_s/prm"] / metrics["timing_s/step"]
 
         # 5. evaluation on schedule; then metrics, and a checkpoint on schedule or when a signal or the time limit
         # stops the run early (the harness)
@@ -231,6 +233,7 @@ def _batch_metrics(groups: RolloutBatch, batch: dict[str, torch.Tensor], alg) ->
         "response_length/clip_ratio": float((lengths >= alg.response_length).float().mean()),
         "perf/num_tokens": float(batch["attention_mask"].sum()),
         "perf/num_response_tokens": float(batch["loss_mask"].sum()),
+        "train/groups": float(len(groups)),
     }
     if groups.step_rewards is not None:
         counts = [len(s) for s in groups.step_rewards]

@@ -245,7 +245,8 @@ def test_useless_right_steps_before_the_answer_do_not_raise_delta_credit(row, sc
 
 def test_the_rollout_counts_missing_answers_and_text_after_the_answer():
     texts = [GROUP[0], GROUP[0] + " The answer is 36.", "Step 1: 7 + 5 = 12.", GROUP[1] + "\n"]
-    assert answer_metrics(texts, None) == {"rollout/no_answer_fraction": 0.25,
-                                           "rollout/text_after_answer_fraction": 0.25}
+    assert answer_metrics(texts, None, SYNTHETIC_STEP_PATTERN) == {
+        "rollout/no_answer_fraction": 0.25, "rollout/text_after_answer_fraction": 0.25,
+        "rollout/pieces_per_completion": (3 + 4 + 1 + 3) / 4}
     custom = AnswerGuard(answer_pattern=r"Step 1: [^.]*\.")
-    assert answer_metrics(texts, custom)["rollout/text_after_answer_fraction"] == 0.75
+    assert answer_metrics(texts, custom, SYNTHETIC_STEP_PATTERN)["rollout/text_after_answer_fraction"] == 0.75

@@ -4,10 +4,12 @@ that option, bear the PRM's cost, and are reported beside it against outcome sup
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from grpo_mega.quickstart.pipeline import ARMS, _arm_settings
-from grpo_mega.quickstart.report import arm_key, arm_title, flat_figures, learned_prm_arm
+from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures, learned_prm_arm
 
 
 def test_a_step_reward_arm_is_the_process_arm_with_its_option():
@@ -52,3 +54,24 @@ def test_the_arms_start_from_the_latest_checkpoint_under_the_pass_at_1_ceiling()
     for steps, ceiling in (([], 0.2), ([200, 100], 0.2), ([100], 1.5)):
         with pytest.raises(ValueError):
             pick_below_ceiling(steps, pass_at_1.get, ceiling)
+
+
+def test_an_arm_reports_where_its_seconds_went_and_what_it_trained_on(tmp_path):
+    """Issue 47's cost split and behaviour figures, summed / read from the arm's metrics log."""
+    rows = [{"step": 0, "time": 1.0, "eval/accuracy": 0.2},
+            {"step": 1, "time": 5.0, "timing_s/step": 4.0, "timing_s/prm": 0.5, "timing_s/old_logprob": 0.2,
+             "timing_s/ref": 0.1, "timing_s/update": 1.0, "train/groups": 8, "perf/num_response_tokens": 300,
+             "rollout/zero_signal_group_fraction": 0.5, "rollout/kept_group_fraction": 1.0,
+             "rollout/pieces_per_completion": 6.0, "rollout/text_after_answer_fraction": 0.0},
+            {"step": 2, "time": 9.0, "timing_s/step": 4.0, "timing_s/prm": 0.5, "timing_s/update": 1.2,
+             "train/groups": 8, "perf/num_response_tokens": 340, "rollout/zero_signal_group_fraction": 0.25,
+             "rollout/kept_group_fraction": 1.0, "rollout/pieces_per_completion": 8.5,
+             "rollout/text_after_answer_fraction": 0.75, "eval/accuracy": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = arm_report(tmp_path / "metrics.jsonl", grpo_seconds=10.0, seconds_before=30.0)
+    assert report["prm_scoring_seconds"] == 1.0 and report["step_seconds"] == 8.0
+    assert report["prm_scoring_share"] == 0.125 and report["update_seconds"] == 2.5
+    assert report["trained_groups"] == 16 and report["trained_response_tokens"] == 640
+    assert (report["pieces_per_completion_start"], report["pieces_per_completion_end"]) == (6.0, 8.5)
+    assert report["text_after_answer_fraction_end"] == 0.75 and report["no_answer_fraction_end"] is None
+    assert report["seconds"] == 40.0 and report["gain"] == pytest.approx(0.2)

@@ -58,7 +58,48 @@ def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 
         "curve": [[row["step"], round(row["time"] + seconds_before, 1), row["eval/accuracy"]] for row in evals],
         "seconds": round(seconds_before + grpo_seconds, 1),
         "prm_seconds": round(seconds_before, 1),
+        **cost_split(rows),
+        **behaviour(rows),
     }
+
+
+def _total(rows: list[dict], *keys: str) -> float:
+    return float(sum(row.get(key, 0.0) for row in rows for key in keys))
+
+
+def cost_split(rows: list[dict]) -> dict:
+    """Where a GRPO arm's seconds went, summed over its steps: the PRM's scoring (``timing_s/prm``), the update
+    (old and reference log-probs, the optimizer steps), the whole steps; and what it trained on: the groups and
+    response tokens of its updates (process supervision keeps every group, outcome supervision's dynamic sampling
+    drops the zero-signal ones, so equal steps are not equal data)."""
+    steps = [row for row in rows if "timing_s/step" in row]
+    step_seconds = _total(steps, "timing_s/step")
+    prm_seconds = _total(steps, "timing_s/prm")
+    return {
+        "prm_scoring_seconds": round(prm_seconds, 1),
+        "update_seconds": round(_total(steps, "timing_s/old_logprob", "timing_s/ref", "timing_s/update"), 1),
+        "step_seconds": round(step_seconds, 1),
+        "prm_scoring_share": round(prm_seconds / step_seconds, 4) if step_seconds else None,
+        "trained_groups": int(_total(steps, "train/groups")),
+        "trained_response_tokens": int(_total(steps, "perf/num_response_tokens")),
+    }
+
+
+BEHAVIOUR = {"response_length": "response_length/mean", "pieces_per_completion": "rollout/pieces_per_completion",
+             "clip_ratio": "rollout/sampled_response_length/clip_ratio",
+             "text_after_answer_fraction": "rollout/text_after_answer_fraction",
+             "no_answer_fraction": "rollout/no_answer_fraction"}
+"""What a gamed credit form changes in the completions (issue 47), each at an arm's first and last step."""
+
+
+def behaviour(rows: list[dict]) -> dict:
+    """``<figure>_start`` / ``<figure>_end`` of each of ``BEHAVIOUR``, from the first and last steps that log it."""
+    figures = {}
+    for name, key in BEHAVIOUR.items():
+        logged = [row[key] for row in rows if key in row and row["step"] > 0]
+        figures[f"{name}_start"] = logged[0] if logged else None
+        figures[f"{name}_end"] = logged[-1] if logged else None
+    return figures
 
 
 def flat_figures(arms: dict[str, dict]) -> dict:

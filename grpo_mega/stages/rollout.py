@@ -17,6 +17,7 @@ import torch
 from grpo_mega.algo import overlong_penalty
 from grpo_mega.config import AlgorithmConfig, RewardConfig
 from grpo_mega.data.prompts import PromptBatches, PromptRecord
+from grpo_mega.data.step_split import default_step_pattern, split_steps
 from grpo_mega.reward import SampleReward, get_reward_function, score_across_ranks
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
@@ -97,19 +98,21 @@ class RolloutStage:
     def __init__(
         self, engine: RolloutEngine, prompts: PromptBatches, sampling: SamplingConfig, reward: RewardConfig,
         algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
-        answer_guard: AnswerGuard | None = None,
+        answer_guard: AnswerGuard | None = None, step_pattern: str | None = None,
     ):
         """``step_reward_source``: where process supervision's step rewards come from (e.g.
         ``grpo_mega.stages.process_reward.PRMStepRewards``) called as ``(prompts, texts, outcome scores, rows'
         extra fields) -> (step rewards, step ends in characters, metrics)``; None: the reward function's own.
         ``answer_guard``: applied here to the reward function's own step rewards (a step-reward source applies its
-        own), and its answer locator counts the completions without an answer or with text after it."""
+        own), and its answer locator counts the completions without an answer or with text after it.
+        ``step_pattern``: the steps counted in ``rollout/pieces_per_completion`` (None: the default of the rows)."""
         self.engine, self.prompts, self.sampling = engine, prompts, sampling
         self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
         self.reward_fn = get_reward_function(reward.function)
         self.format_fn = get_reward_function(reward.format_function) if reward.format_weight else None
         self.step_reward_source = step_reward_source
         self.answer_guard = answer_guard
+        self.step_pattern = step_pattern
         self._step_metrics: list[dict[str, float]] = []
 
     def run(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -166,7 +169,8 @@ class RolloutStage:
         )
         with phase("reward scoring", bounded=True):
             results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
-        self._step_metrics.append(answer_metrics(columns[1], self.answer_guard))
+        pattern = self.step_pattern or default_step_pattern(columns[3])
+        self._step_metrics.append(answer_metrics(columns[1], self.answer_guard, pattern))
         if self.answer_guard is not None and self.step_reward_source is None:
             results = [self.answer_guard.guard_reward(r, text) for r, text in zip(results, columns[1])]
         if self.step_reward_source is not None:
@@ -210,13 +214,15 @@ class RolloutStage:
         return step_rewards, step_ends
 
 
-def answer_metrics(texts: Sequence[str], guard: AnswerGuard | None) -> dict[str, float]:
+def answer_metrics(texts: Sequence[str], guard: AnswerGuard | None, step_pattern: str) -> dict[str, float]:
     """The share of completions with no final answer, and of those with text (other than whitespace) after their
-    first final answer (the answer guard's locator, else the default one)."""
+    first final answer (the answer guard's locator, else the default one), and the mean number of pieces
+    (``step_pattern``'s steps, the text after the answer included) per completion: what padding would raise."""
     locate = guard.answer_end if guard is not None else final_answer_end
     ends = [locate(text) for text in texts]
     count = max(len(texts), 1)
     return {
+        "rollout/pieces_per_completion": sum(len(split_steps(text, step_pattern)) for text in texts) / count,
         "rollout/no_answer_fraction": sum(end is None for end in ends) / count,
         "rollout/text_after_answer_fraction": sum(end is not None and bool(text[end:].strip())
                                                   for text, end in zip(texts, ends)) / count,

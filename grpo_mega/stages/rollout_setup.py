@@ -60,7 +60,8 @@ def step_reward_source(cfg: GRPOConfig):
     from grpo_mega.stages.process_reward import build_prm_step_rewards
 
     return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
-                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed, answer_guard=answer_guard_of(cfg))
+                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
+                                  answer_guard=answer_guard_of(cfg))
 
 
 def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):

@@ -3,8 +3,9 @@
 Outcome supervision: one group-normalised reward per completion on each of its response tokens. Process
 supervision: the reward function's per-step rewards, normalised over all steps of the group, and each token gets
 the suffix sum of its own and later steps (``grpo_mega.algo.process_advantages``); with ``algorithm.answer_guard``
-the tokens after the last step (the first final answer's end) get min(A of the answer's last token, 0). Shaping (ROLL-style) in this
-order: reward clip -> group normalisation -> whitening -> advantage clip. The math lives in ``grpo_mega.algo``.
+the tokens after the last step (the first final answer's end) get min(A of the answer's last token, 0). Shaping
+(ROLL-style) in this order: reward clip -> group normalisation -> whitening -> advantage clip. The math lives in
+``grpo_mega.algo``.
 """
 
 from __future__ import annotations
