@@ -8,9 +8,12 @@ Each seed runs the whole pipeline of ``grpo-mega quickstart`` (same data; the se
 training, and GRPO) plus the oracle arm, in ``OUT/seed<N>``. Prints one row per seed with the mean, the standard
 deviation and the range, each arm's gain over SFT and its share of zero-signal groups, the Monte-Carlo labels'
 agreement with the step checker's truth and with the truth by value, then for every arm the seed-by-seed difference
-arm - outcome at equal steps and at equal seconds (``bench.seed_curves``: a learned PRM's labels and training
-counted) with its mean, standard deviation and standard error; plots every arm's mean curve by step and by seconds
-(docs/img/pipeline_seeds_<regime>.png) and writes bench/results/pipeline_seeds_<regime>.json (path printed last).
+arm - outcome at equal steps, at equal seconds (``bench.seed_curves``: a learned PRM's labels and training counted,
+and set aside: a PRM serves many runs), and at equal data (the groups the updates trained on) with its mean,
+standard deviation and standard error; each arm's cost split (PRM scoring share of its steps, groups trained) and
+behaviour (pieces per completion, length-cap share, text after the answer, at its first and last step); plots every
+arm's mean curve by step and by seconds (next to the result: bench/results/pipeline_seeds_<regime>.png; ``--plot``
+to put it elsewhere, e.g. docs/img/) and writes bench/results/pipeline_seeds_<regime>.json (path printed last).
 ``--step-rewards`` adds a learned-PRM arm per ``process_reward.step_reward`` option named (the process arm's
 settings with that option, the same PRM, SFT checkpoint, seed and steps).
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.seed_curves import equal_seconds, plot_seed_curves  # noqa: E402
+from bench.seed_curves import equal_groups, equal_seconds, plot_seed_curves  # noqa: E402
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
 from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
@@ -66,7 +69,7 @@ def main() -> int:
     parser.add_argument("--result", type=Path, default=None,
                         help="default: bench/results/pipeline_seeds_<regime>.json")
     parser.add_argument("--plot", type=Path, default=None,
-                        help="every arm's mean curve by step and by seconds; default: docs/img/pipeline_seeds_<regime>.png")
+                        help="every arm's mean curve by step and by seconds; default: the result's path with .png")
     parser.add_argument("--fast", action="store_true", help="the shortened plan of the end-to-end test")
     parser.add_argument("--step-rewards", nargs="*", default=[], choices=[k for k in STEP_REWARDS if k != "score"],
                         help="more learned-PRM arms, one per process_reward.step_reward option")
@@ -89,7 +92,11 @@ def main() -> int:
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
     for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards), "oracle"]:
-        for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds")):
+        for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds"),
+                             ("_equal_seconds_set_aside", "equal seconds, the PRM's one-off cost set aside"),
+                             ("_equal_groups", "equal data (groups trained)")):
+            if f"{key}_minus_os{suffix}" not in results[0]:
+                continue
             differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
                 [r[f"{key}_minus_os{suffix}"] for r in results])
             print(f"{key} - outcome, held-out accuracy at {when}, per seed: "
@@ -99,7 +106,8 @@ def main() -> int:
             columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_zero_signal", f"{key}_minus_os",
                         f"{key}_minus_os_equal_seconds"]
     columns.append("oracle_minus_os_equal_seconds")
-    plot = args.plot or ROOT / "docs" / "img" / f"pipeline_seeds_{args.regime}.png"
+    extra["arm_figures"] = arm_figures(results)
+    plot = args.plot or result.with_suffix(".png")
     extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in results[0]["arms"]}, plot,
                                          f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
     report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
@@ -117,9 +125,37 @@ def with_comparisons(summary: dict) -> dict:
         row["oracle_minus_os"] = arms["oracle"]["accuracy"] - arms["outcome"]["accuracy"]
     for arm, report in arms.items():
         if arm != "outcome":
-            row[f"{arm_key(arm)}_equal_seconds"] = compared = equal_seconds(report, arms["outcome"])
-            row[f"{arm_key(arm)}_minus_os_equal_seconds"] = compared["minus_os"]
+            key = arm_key(arm)
+            row[f"{key}_equal_seconds"] = compared = equal_seconds(report, arms["outcome"])
+            row[f"{key}_minus_os_equal_seconds"] = compared["minus_os"]
+            if report.get("prm_seconds"):
+                aside = equal_seconds(report, arms["outcome"], set_aside=report["prm_seconds"])
+                row[f"{key}_minus_os_equal_seconds_set_aside"] = aside["minus_os"]
+            if "groups_curve" in report and "groups_curve" in arms["outcome"]:
+                row[f"{key}_minus_os_equal_groups"] = equal_groups(report, arms["outcome"])["minus_os"]
     return row
+
+
+FIGURES = ("prm_scoring_share", "trained_groups", "pieces_per_completion_start", "pieces_per_completion_end",
+           "clip_ratio_end", "text_after_answer_fraction_end", "no_answer_fraction_end")
+
+
+def arm_figures(results: list[dict]) -> dict:
+    """Per arm, each of ``FIGURES`` over the seeds (a summary from before issue 47 lacks them: None), printed as a
+    table; and how many runs amortise a learned PRM's one-off cost (its seconds over the outcome arm's)."""
+    figures = {}
+    for arm in results[0]["arms"]:
+        reports = [run["arms"][arm] for run in results]
+        figures[arm] = {name: [report.get(name) for report in reports] for name in FIGURES}
+        if reports[0].get("prm_seconds"):
+            figures[arm]["prm_cost_in_outcome_runs"] = [
+                report["prm_seconds"] / run["arms"]["outcome"]["seconds"] for report, run in zip(reports, results)]
+    print(f"{'arm':34}" + "".join(f"{name[:13]:>14}" for name in FIGURES))
+    for arm, values in figures.items():
+        means = [[v for v in values[name] if v is not None] for name in FIGURES]
+        print(f"{arm_title(arm)[:33]:34}" + "".join(f"{statistics.fmean(v):>14.3f}" if v else f"{'n/a':>14}"
+                                                    for v in means))
+    return figures
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ Each arm's ``curve`` in a quickstart summary is ``[[step, seconds, held-out accu
 from the start of its GRPO command plus, for a learned-PRM arm, what its PRM cost before that (labels, training, the
 SFT steps its checkpoint took). At equal seconds two arms are compared at the smaller of their last evaluations'
 seconds: each at its latest evaluation within that budget, or at its start accuracy when the budget ended before its
-first evaluation (a learned-PRM arm whose PRM took longer than the whole outcome arm has not trained yet).
+first evaluation (a learned-PRM arm whose PRM took longer than the whole outcome arm has not trained yet). A PRM is
+trained once and serves many runs, so the comparison is also made with its one-off cost set aside
+(``set_aside``: the arm's ``prm_seconds``). At equal data the arms are compared the same way on the groups their
+updates trained on (``groups_curve``: ``[[step, groups trained so far, accuracy], ...]``): process supervision
+trains on every group while outcome supervision's dynamic sampling drops the zero-signal ones.
 """
 
 from __future__ import annotations
@@ -22,12 +26,25 @@ def accuracy_at_seconds(curve: Sequence[Sequence[float]], seconds: float) -> flo
     return (reached[-1] if reached else curve[0])[2]
 
 
-def equal_seconds(arm: dict, outcome: dict) -> dict:
+def _at_equal_budget(curve: Sequence[Sequence[float]], outcome_curve: Sequence[Sequence[float]], unit: str) -> dict:
+    """Two curves whose second column is the budget (seconds, groups), each at the smaller of their last points."""
+    budget = min(curve[-1][1], outcome_curve[-1][1])
+    accuracy, os_accuracy = accuracy_at_seconds(curve, budget), accuracy_at_seconds(outcome_curve, budget)
+    return {unit: budget, "accuracy": accuracy, "os_accuracy": os_accuracy, "minus_os": accuracy - os_accuracy}
+
+
+def equal_seconds(arm: dict, outcome: dict, *, set_aside: float = 0.0) -> dict:
     """``arm`` (a quickstart arm report) against the outcome arm's report at the smaller of their last evaluations'
-    seconds: {seconds, accuracy, os_accuracy, minus_os}."""
-    budget = min(arm["curve"][-1][1], outcome["curve"][-1][1])
-    accuracy, os_accuracy = accuracy_at_seconds(arm["curve"], budget), accuracy_at_seconds(outcome["curve"], budget)
-    return {"seconds": budget, "accuracy": accuracy, "os_accuracy": os_accuracy, "minus_os": accuracy - os_accuracy}
+    seconds, ``set_aside`` seconds taken off the arm's (its PRM's one-off cost): {seconds, accuracy, os_accuracy,
+    minus_os}."""
+    curve = [[step, seconds - set_aside, accuracy] for step, seconds, accuracy in arm["curve"]]
+    return _at_equal_budget(curve, outcome["curve"], "seconds")
+
+
+def equal_groups(arm: dict, outcome: dict) -> dict:
+    """``arm`` against the outcome arm at the smaller of the numbers of groups their updates trained on: {groups,
+    accuracy, os_accuracy, minus_os}."""
+    return _at_equal_budget(arm["groups_curve"], outcome["groups_curve"], "groups")
 
 
 def mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float, float, float, float, float]]:

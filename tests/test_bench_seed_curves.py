@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.seed_curves import accuracy_at_seconds, equal_seconds, gain_curve, mean_curve, plot_seed_curves
+from bench.seed_curves import (accuracy_at_seconds, equal_groups, equal_seconds, gain_curve, mean_curve,
+                               plot_seed_curves)
 
 
 def _arm(curve):
@@ -24,6 +25,18 @@ def test_an_arm_at_equal_seconds_is_at_its_latest_evaluation_within_the_budget()
     assert accuracy_at_seconds(outcome["curve"], 49.9) == 0.20
     with pytest.raises(ValueError):
         accuracy_at_seconds([], 1.0)
+    # with the PRM's one-off cost (280 s) set aside the same arm has trained: at 100 s it is at its step-20 point
+    compared = equal_seconds(costly, outcome, set_aside=280.0)
+    assert compared == {"seconds": 100.0, "accuracy": 0.50, "os_accuracy": 0.25, "minus_os": pytest.approx(0.25)}
+
+
+def test_arms_at_equal_data_are_compared_on_the_groups_they_trained_on():
+    """Outcome supervision with dynamic sampling trained on 40 groups in 20 steps, process supervision on 64 in 20:
+    at equal data the process arm is at its latest evaluation within 40 groups (step 10, 32 groups)."""
+    outcome = {"groups_curve": [[0, 0.0, 0.20], [10, 18.0, 0.24], [20, 40.0, 0.30]]}
+    process = {"groups_curve": [[0, 0.0, 0.20], [10, 32.0, 0.28], [20, 64.0, 0.36]]}
+    assert equal_groups(process, outcome) == {"groups": 40.0, "accuracy": 0.28, "os_accuracy": 0.30,
+                                              "minus_os": pytest.approx(-0.02)}
 
 
 def test_mean_curves_over_seeds_keep_the_steps_every_seed_evaluated(tmp_path):
@@ -33,3 +46,28 @@ def test_mean_curves_over_seeds_keep_the_steps_every_seed_evaluated(tmp_path):
     runs = [{"arms": {"outcome": {"curve": curve}, "process": {"curve": curve}}} for curve in curves]
     png = plot_seed_curves(runs, {"outcome": "outcome", "process": "learned PRM"}, tmp_path / "seeds.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_a_seed_is_compared_at_equal_steps_seconds_and_data_with_its_cost_and_behaviour(capsys):
+    """bench/pipeline_seeds.py's per-seed comparisons and per-arm figures (issue 47) from two seeds' summaries."""
+    from bench.pipeline_seeds import arm_figures, with_comparisons
+
+    def summary(outcome_end, process_end):
+        outcome = {"curve": [[0, 2.0, 0.2], [10, 60.0, outcome_end]], "accuracy": outcome_end, "seconds": 60.0,
+                   "groups_curve": [[0, 0.0, 0.2], [10, 40.0, outcome_end]], "prm_seconds": 0.0,
+                   "prm_scoring_share": None, "trained_groups": 40, "pieces_per_completion_start": 6.0,
+                   "pieces_per_completion_end": 6.1}
+        process = {"curve": [[0, 122.0, 0.2], [5, 150.0, 0.33], [10, 200.0, process_end]], "accuracy": process_end,
+                   "seconds": 200.0, "groups_curve": [[0, 0.0, 0.2], [5, 32.0, 0.33], [10, 80.0, process_end]],
+                   "prm_seconds": 120.0, "prm_scoring_share": 0.12, "trained_groups": 80,
+                   "pieces_per_completion_start": 6.0, "pieces_per_completion_end": 6.0}
+        return {"arms": {"outcome": outcome, "process": process}, "run_dir": "/nonexistent"}
+
+    rows = [with_comparisons(summary(0.30, 0.36)), with_comparisons(summary(0.25, 0.24))]
+    assert rows[0]["ps_minus_os_equal_seconds"] == pytest.approx(-0.1)  # at 60 s the PRM arm has not trained
+    assert rows[0]["ps_minus_os_equal_seconds_set_aside"] == pytest.approx(0.03)  # 30 s of GRPO: its step 5
+    assert rows[0]["ps_minus_os_equal_groups"] == pytest.approx(0.03)  # 32 of 40 groups: its step 5 again
+    figures = arm_figures(rows)
+    assert figures["process"]["prm_cost_in_outcome_runs"] == [2.0, 2.0]
+    assert figures["process"]["trained_groups"] == [80, 80] and figures["outcome"]["prm_scoring_share"] == [None, None]
+    assert "process supervision (learned PRM)" in capsys.readouterr().out

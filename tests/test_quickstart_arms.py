@@ -34,10 +34,10 @@ def test_every_learned_prm_arm_is_set_against_outcome_supervision():
     assert "oracle_minus_os" not in figures
 
 
-def test_the_arms_start_from_the_latest_checkpoint_under_the_pass_at_1_ceiling():
+def test_the_arms_start_from_the_checkpoint_closest_to_the_pass_at_1_ceiling():
     """Checkpoints are measured in step order until one exceeds the ceiling; later ones are never measured (pass@1
-    is not monotonic: a dip after the first crossing does not count)."""
-    from grpo_mega.quickstart.selection import pick_below_ceiling
+    is not monotonic: a dip after the first crossing does not count); of those measured, the closest is chosen."""
+    from grpo_mega.quickstart.selection import pick_closest_to_ceiling as pick
 
     pass_at_1 = {100: 0.05, 200: 0.06, 300: 0.15, 400: 0.35, 500: 0.18, 600: 0.9}
     measured_steps = []
@@ -46,14 +46,16 @@ def test_the_arms_start_from_the_latest_checkpoint_under_the_pass_at_1_ceiling()
         measured_steps.append(step)
         return pass_at_1[step]
 
-    step, measured = pick_below_ceiling(list(pass_at_1), measure, 0.20)
+    step, measured = pick(list(pass_at_1), measure, 0.20)
     assert step == 300 and measured_steps == [100, 200, 300, 400] and measured == {k: pass_at_1[k] for k in measured_steps}
-    assert pick_below_ceiling([200, 300, 400], pass_at_1.get, 0.15)[0] == 300  # at the ceiling counts as under it
-    assert pick_below_ceiling([400, 600], pass_at_1.get, 0.20) == (400, {400: 0.35})  # none under: the first
-    assert pick_below_ceiling([100, 200, 300], pass_at_1.get, 1.0)[0] == 300  # none over: the last
+    assert pick(list(pass_at_1), pass_at_1.get, 0.30)[0] == 400  # 0.35 is closer to 0.30 than 0.15
+    assert pick([200, 300, 400], pass_at_1.get, 0.15)[0] == 300  # at the ceiling
+    assert pick([400, 600], pass_at_1.get, 0.20) == (400, {400: 0.35})  # none under: the first
+    assert pick([100, 200, 300], pass_at_1.get, 1.0)[0] == 300  # none over: the closest, the last
+    assert pick([100, 200, 300], {100: 0.125, 200: 0.375, 300: 0.9}.get, 0.25)[0] == 100  # a tie: the one under
     for steps, ceiling in (([], 0.2), ([200, 100], 0.2), ([100], 1.5)):
         with pytest.raises(ValueError):
-            pick_below_ceiling(steps, pass_at_1.get, ceiling)
+            pick(steps, pass_at_1.get, ceiling)
 
 
 def test_an_arm_reports_where_its_seconds_went_and_what_it_trained_on(tmp_path):
@@ -75,3 +77,4 @@ def test_an_arm_reports_where_its_seconds_went_and_what_it_trained_on(tmp_path):
     assert (report["pieces_per_completion_start"], report["pieces_per_completion_end"]) == (6.0, 8.5)
     assert report["text_after_answer_fraction_end"] == 0.75 and report["no_answer_fraction_end"] is None
     assert report["seconds"] == 40.0 and report["gain"] == pytest.approx(0.2)
+    assert report["groups_curve"] == [[0, 0.0, 0.2], [2, 16.0, 0.4]]

@@ -63,8 +63,9 @@ class QuickstartPlan:
     both start from the end of SFT. With ``policy_max_pass_at_1`` it is the interval of the candidate checkpoints."""
     policy_max_pass_at_1: float | None = None
     """Pick the arms' SFT checkpoint by measured pass@1 instead of by step: of the checkpoints every
-    ``policy_sft_step`` steps, the latest whose sampled pass@1 on ``selection_prompts`` training prompts is at most
-    this before one first exceeds it (``grpo_mega.quickstart.selection``). None: the checkpoint of ``policy_sft_step``."""
+    ``policy_sft_step`` steps, measured in order until one's sampled pass@1 on ``selection_prompts`` training
+    prompts exceeds this, the one closest to it (``grpo_mega.quickstart.selection``). None: the checkpoint of
+    ``policy_sft_step``."""
     selection_prompts: int = 200
     selection_samples: int = 2
     """Evaluations at temperature 1 (seeds ``seed + k``) whose mean is a candidate's sampled pass@1."""
@@ -100,7 +101,7 @@ SPARSE = QuickstartPlan(
     name="sparse",
     difficulty=Difficulty(min_steps=5, max_steps=5, max_value=20),
     direct_answer_fraction=0.0,
-    policy_sft_step=100,
+    policy_sft_step=50,
     policy_max_pass_at_1=0.20,
     grpo_steps=60,
     eval_every=10,
@@ -110,8 +111,8 @@ SPARSE = QuickstartPlan(
                 max_new_tokens=96),
 )
 """Five-step chains (one wrong step spoils the answer) from a briefly trained policy: the GRPO arms start from the
-SFT checkpoint picked by sampled pass@1 on training prompts (the latest at or under 20 %, of one every 100 steps,
-``grpo_mega.quickstart.selection``), the PRM from the end of the 800-step SFT (it knows the arithmetic better than
+SFT checkpoint picked by sampled pass@1 on training prompts (the closest to 20 %, of one every 50 steps, measured
+until one exceeds it: ``grpo_mega.quickstart.selection``), the PRM from the end of the 800-step SFT (it knows the arithmetic better than
 the policy, as a PRM built on a stronger model does) with Monte-Carlo labels by that checkpoint's greedy continuation
 of each prefix; the SFT steps after the arms' checkpoint count against the learned-PRM arms' seconds. Measured over
 3 seeds (docs/results.md): per step the learned PRM's arms are ahead of outcome supervision in the mean (score +4.2,
@@ -265,7 +266,7 @@ def _sft_checkpoint(sft_dir: Path, step: int) -> Path:
 def _select_policy_step(plan: QuickstartPlan, sft_dir: Path, sft_steps: int, task: list[str],
                         train_file: Path) -> tuple[int, dict]:
     """(the SFT step the GRPO arms start from, the record of the selection) by ``plan.policy_max_pass_at_1``."""
-    from grpo_mega.quickstart.selection import measure_pass_at_1, pick_below_ceiling
+    from grpo_mega.quickstart.selection import measure_pass_at_1, pick_closest_to_ceiling
 
     folder = sft_dir.parent / "policy_selection"
     folder.mkdir(parents=True, exist_ok=True)
@@ -277,7 +278,7 @@ def _select_policy_step(plan: QuickstartPlan, sft_dir: Path, sft_steps: int, tas
             out=folder / f"{step_dir_name(step)}.json", nproc=NPROC)
 
     candidates = list(range(plan.policy_sft_step, sft_steps, plan.policy_sft_step))
-    step, measured = pick_below_ceiling(candidates, measure, plan.policy_max_pass_at_1)
+    step, measured = pick_closest_to_ceiling(candidates, measure, plan.policy_max_pass_at_1)
     print(f"    sampled pass@1 on {plan.selection_prompts} training prompts: "
           f"{', '.join(f'step {k}: {v:.3f}' for k, v in measured.items())} -> the arms start from step {step}",
           flush=True)

@@ -56,11 +56,22 @@ def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 
         "kept_group_fraction": _mean([row["rollout/kept_group_fraction"] for row in steps
                                       if "rollout/kept_group_fraction" in row]),
         "curve": [[row["step"], round(row["time"] + seconds_before, 1), row["eval/accuracy"]] for row in evals],
+        "groups_curve": groups_curve(rows),
         "seconds": round(seconds_before + grpo_seconds, 1),
         "prm_seconds": round(seconds_before, 1),
         **cost_split(rows),
         **behaviour(rows),
     }
+
+
+def groups_curve(rows: list[dict]) -> list[list[float]]:
+    """``[[step, groups trained so far, held-out accuracy], ...]`` at every evaluation (``train/groups``)."""
+    curve, trained = [], 0.0
+    for row in rows:
+        trained += row.get("train/groups", 0.0)
+        if "eval/accuracy" in row:
+            curve.append([row["step"], trained, row["eval/accuracy"]])
+    return curve
 
 
 def _total(rows: list[dict], *keys: str) -> float:

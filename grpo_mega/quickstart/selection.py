@@ -6,9 +6,9 @@ the seed (sampled pass@1 at SFT step 500 of three seeds: 13.5 %, 56 %, 14.8 %). 
 ``policy_sft_step`` steps, and ``grpo-mega eval`` measures each one's sampled pass@1 (temperature 1, the rollouts'
 temperature) on prompts of the TRAINING file, the prompts GRPO will sample groups from: how often a group's
 completions are right is what decides how sparse the outcome reward is, and no held-out prompt takes part in the
-choice. The checkpoints are measured in step order until one is above the ceiling; the arms start from the one
-before it (the latest at or under the ceiling before pass@1 first exceeds it), or from the first checkpoint when
-even that one is above.
+choice. The checkpoints are measured in step order until one is above the ceiling; the arms start from the measured
+one whose pass@1 is closest to the ceiling (issue 47: seeds that start 8 - 32 % apart answer different questions;
+a finer interval and the closest checkpoint bring their starts together), decided before any GRPO step runs.
 """
 
 from __future__ import annotations
@@ -20,20 +20,21 @@ from typing import Callable
 from grpo_mega.run.commands import CONFIG_DIR, CommandProgress, run_command
 
 
-def pick_below_ceiling(steps: list[int], measure: Callable[[int], float], ceiling: float) -> tuple[int, dict[int, float]]:
+def pick_closest_to_ceiling(steps: list[int], measure: Callable[[int], float],
+                            ceiling: float) -> tuple[int, dict[int, float]]:
     """(the chosen step, the pass@1 measured per step): ``steps`` in increasing order are measured until one is
-    above ``ceiling``; the latest measured at or under it is chosen (the first step when none is)."""
+    above ``ceiling``; of those measured, the one whose pass@1 is closest to ``ceiling`` is chosen (on a tie the one
+    at or under it, then the later)."""
     if not steps or sorted(steps) != list(steps) or len(set(steps)) != len(steps):
-        raise ValueError(f"pick_below_ceiling: steps must be increasing and non-empty, got {steps}")
+        raise ValueError(f"pick_closest_to_ceiling: steps must be increasing and non-empty, got {steps}")
     if not 0.0 <= ceiling <= 1.0:
-        raise ValueError(f"pick_below_ceiling: the pass@1 ceiling must be in [0, 1], got {ceiling}")
+        raise ValueError(f"pick_closest_to_ceiling: the pass@1 ceiling must be in [0, 1], got {ceiling}")
     measured: dict[int, float] = {}
-    chosen = steps[0]
     for step in steps:
         measured[step] = measure(step)
         if measured[step] > ceiling:
             break
-        chosen = step
+    chosen = min(measured, key=lambda step: (abs(measured[step] - ceiling), measured[step] > ceiling, -step))
     return chosen, measured
 
 
