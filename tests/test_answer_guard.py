@@ -24,6 +24,7 @@ from grpo_mega.reward.types import SampleReward
 from grpo_mega.stages.answer_guard import AnswerGuard
 from grpo_mega.stages.process_reward import PRMStepRewards
 from grpo_mega.stages.rollout import answer_metrics
+from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
 
 KINDS = ("score", "progress", "delta", "clip")
 CREDITS = ("sum", "min")
@@ -106,19 +107,20 @@ class ArithmeticPRM:
         return scores
 
 
+EOS = 0
+
+
+def _decode(ids):
+    return "".join(chr(i) for i in ids if i != EOS)
+
+
 def _token_steps(rewards, char_ends, texts):
-    """Character ends -> token ends (a token per character, the end-of-sequence token after the text), with the
-    rollout stage's rule for two steps in one token (the later one's reward)."""
+    """Character ends -> token ends as the rollout stage maps them (a token per character, the end-of-sequence
+    token after the text), one step per token."""
     rows_rewards, rows_ends = [], []
     for row_rewards, row_ends, text in zip(rewards, char_ends, texts):
-        kept_rewards, kept_ends = [], []
-        for reward, end in zip(row_rewards, row_ends):
-            token = min(end, len(text) + 1) - 1
-            if kept_ends and kept_ends[-1] == token:
-                kept_rewards[-1] = reward
-            else:
-                kept_rewards.append(reward)
-                kept_ends.append(token)
+        ids = [ord(c) for c in text] + [EOS]
+        kept_rewards, kept_ends = one_step_per_token(row_rewards, step_end_tokens(_decode, ids, row_ends))
         rows_rewards.append(kept_rewards)
         rows_ends.append(kept_ends)
     width = max(max(len(r) for r in rows_rewards), 1)

@@ -24,7 +24,7 @@ from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, de
 from grpo_mega.rollout.distributed import generate_across_ranks
 from grpo_mega.run.failure import phase
 from grpo_mega.stages.answer_guard import AnswerGuard
-from grpo_mega.stages.step_tokens import step_end_tokens
+from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
 
 
 @dataclass
@@ -203,12 +203,7 @@ class RolloutStage:
             rewards, ends = [], []
             if result.step_rewards and completion.response_ids:
                 token_ends = step_end_tokens(self.decode, completion.response_ids, result.step_ends)
-                for reward, end in zip(result.step_rewards, token_ends):
-                    if ends and ends[-1] == end:  # two steps end in one token: the later step's reward counts
-                        rewards[-1] = reward
-                    else:
-                        rewards.append(reward)
-                        ends.append(end)
+                rewards, ends = one_step_per_token(result.step_rewards, token_ends)
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends

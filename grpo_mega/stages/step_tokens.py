@@ -1,4 +1,5 @@
-"""Map a step's end in the completion text (a character offset) to the index of its last response token."""
+"""Map a step's end in the completion text (a character offset) to the index of its last response token, and keep
+one step per token."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def step_end_tokens(decode: Callable[[list[int]], str], response_ids: Sequence[i
         ends.append(lo)
         low = lo
     return ends
+
+
+def one_step_per_token(rewards: Sequence[float], token_ends: Sequence[int]) -> tuple[list[float], list[int]]:
+    """Step rewards on their end tokens, one step per token: when two steps end in one token (a short step inside a
+    long token, or the answer guard's missing-answer step on the last token of a completion cut at the length cap),
+    the later step's reward counts."""
+    kept_rewards: list[float] = []
+    kept_ends: list[int] = []
+    for reward, end in zip(rewards, token_ends):
+        if kept_ends and kept_ends[-1] == end:
+            kept_rewards[-1] = reward
+        else:
+            kept_rewards.append(reward)
+            kept_ends.append(end)
+    return kept_rewards, kept_ends
