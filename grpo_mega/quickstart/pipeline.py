@@ -336,8 +336,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
                                        run_dir / "sft.log")
     policy_step, selection = plan.policy_sft_step, {}
     if selects:
-        announce(f"the arms' SFT checkpoint: the latest with sampled pass@1 <= {plan.policy_max_pass_at_1:g} on "
-                 f"training prompts, logs: {run_dir / 'policy_selection'}/")
+        announce(f"the arms' SFT checkpoint: sampled pass@1 on training prompts closest to "
+                 f"{plan.policy_max_pass_at_1:g}, logs: {run_dir / 'policy_selection'}/")
         begin = time.perf_counter()
         policy_step, selection = _select_policy_step(plan, sft_dir, sft_steps, task, train_file)
         seconds["policy_selection"] = time.perf_counter() - begin
