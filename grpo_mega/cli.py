@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
 from grpo_mega.run.library_warnings import quiet_libraries
@@ -82,28 +83,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_training(args) -> int:
-    if args.nproc > 1 and not under_launcher() and not args.print_config:
-        return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
-    # After the relaunch: grpo_mega.config imports torch (through grpo_mega.algo), which this process, about to
-    # become torchrun, would import for nothing.
-    from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, load_config, validate, validate_sft
-
-    try:
-        if args.command == "sft":
-            cfg = load_config(SFTConfig, args.config, args.overrides, validate_sft)
-        else:
-            cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
-    except ConfigError as error:  # one line with cause=config: the SLURM scripts do not requeue it
+def _config_error(command: str, error: Exception) -> int:
+    """A config mistake: one line and exit status 2. Under a launcher the rank's failure line (with cause=config:
+    the SLURM scripts do not requeue it); in the command's own process, before any rank started, the error alone."""
+    if under_launcher():
         from grpo_mega.run.failure import report_failure
 
-        report_failure(f"grpo-mega {args.command}", None, error)
-        return 2
-    if args.print_config:
-        from grpo_mega.config import config_yaml
+        report_failure(f"grpo-mega {command}", None, error)
+    else:
+        print(f"grpo-mega {command}: error: {error}", file=sys.stderr)
+    return 2
 
+
+def _run_training(args) -> int:
+    # grpo_mega.config imports torch (through grpo_mega.algo): imported here, when the command needs the config,
+    # never at the CLI's import (`grpo-mega --help` stays light)
+    from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, validate, validate_sft
+    from grpo_mega.config.preflight import launch_rank, load_checked, start_attempt
+
+    schema, validator = (SFTConfig, validate_sft) if args.command == "sft" else (GRPOConfig, validate)
+    if args.print_config:
+        from grpo_mega.config import config_yaml, load_config
+
+        try:
+            cfg = load_config(schema, args.config, args.overrides, validator)
+        except ConfigError as error:
+            return _config_error(args.command, error)
         print(config_yaml(cfg), end="")
         return 0
+    launched = under_launcher()
+    try:  # every check before a rank starts: the config against the job's size, its paths, the run folder
+        cfg = load_checked(schema, validator, args.config, args.overrides, world_size=None if launched else args.nproc)
+        verdict = start_attempt(cfg, act=launch_rank() == 0)
+    except ConfigError as error:
+        return _config_error(args.command, error)
+    if verdict.moved_to is not None:
+        print(f"grpo-mega {args.command}: trainer.overwrite=true: moved the earlier run aside to {verdict.moved_to}",
+              file=sys.stderr)
+    if verdict.complete:
+        if launch_rank() == 0:
+            print(f"grpo-mega {args.command}: {verdict.message}", file=sys.stderr)
+        if not launched:  # the ranks of a job go on together: they resume at the last step and end
+            return 0
+    if args.nproc > 1 and not launched:
+        return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
     from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
     from grpo_mega.run.reaper import reap_group_when_rank_exits
 
@@ -130,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    problem = _bad_count(args)
+    if problem:
+        name = "prm " + args.prm_command if args.command == "prm" else args.command
+        print(f"grpo-mega {name}: error: {problem}", file=sys.stderr)
+        return 2
     if args.command == "prm":
         from prm.cli import run_prm_command
 
@@ -139,10 +167,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grpo-mega prm {args.prm_command}: {error}", file=sys.stderr)
             return 2
     if args.command == "quickstart":
-        from grpo_mega.quickstart.pipeline import run_quickstart
+        try:
+            from grpo_mega.quickstart.pipeline import run_quickstart
 
-        return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
-                              oracle=not args.no_oracle, iterations=args.iterations)
+            return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
+                                  oracle=not args.no_oracle, iterations=args.iterations)
+        except KeyboardInterrupt:  # the child command's own line says where it stopped; no traceback here
+            print(f"grpo-mega quickstart: interrupted; {args.run_dir} keeps what finished (the same command "
+                  "continues)", file=sys.stderr)
+            return 130
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "eval":
@@ -150,18 +183,40 @@ def main(argv: list[str] | None = None) -> int:
     return _run_training(args)
 
 
-def _run_eval(args, argv: list[str]) -> int:
-    if args.nproc > 1 and not under_launcher():
-        return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
-    from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+COUNTS = {"nproc": "--nproc", "samples": "--samples", "iterations": "--iterations", "gpus_per_node": "--gpus-per-node",
+          "gpu_memory_gib": "--gpu-memory-gib", "nodes": "--nodes"}
+"""Counts on the command line that must be positive when given (0 is no default: it is refused)."""
 
-    try:
-        cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
+
+def _bad_count(args) -> str | None:
+    """Why a count option of ``args`` is unusable (0 or negative), or None."""
+    for name, flag in COUNTS.items():
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            return f"{flag} {value:g} must be > 0" if isinstance(value, float) else f"{flag} {value} must be >= 1"
+    return None
+
+
+def _run_eval(args, argv: list[str]) -> int:
+    from grpo_mega.config import ConfigError, GRPOConfig, validate
+    from grpo_mega.config.preflight import load_checked
+
+    launched = under_launcher()
+    try:  # the evaluation splits prompts over its processes at parallel.tensor (no pipeline): checked here
+        cfg = load_checked(GRPOConfig, validate, args.config, args.overrides, world_size=0)
+        if not launched and args.nproc % cfg.parallel.tensor:
+            raise ConfigError(f"parallel.tensor={cfg.parallel.tensor} does not divide --nproc {args.nproc}: start a "
+                              f"multiple of {cfg.parallel.tensor} processes or set parallel.tensor=1")
         if not cfg.data.eval_file:
             raise ConfigError("grpo-mega eval needs data.eval_file (the held-out prompts)")
+        if not Path(args.policy).exists():
+            raise ConfigError(f"--policy {args.policy}: no such folder (an HF folder, a converted megatron folder, "
+                              "a grpo-mega checkpoint or run directory)")
     except ConfigError as error:
         print(f"grpo-mega eval: error: {error}", file=sys.stderr)
         return 2
+    if args.nproc > 1 and not launched:
+        return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
     from grpo_mega.eval_command import run_eval_command
 
     try:
@@ -172,6 +227,7 @@ def _run_eval(args, argv: list[str]) -> int:
 
 
 def _run_plan(args) -> int:
+    import functools
     import json
 
     from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
@@ -180,11 +236,13 @@ def _run_plan(args) -> int:
     from grpo_mega.plan.settings import documented_hardware, parse_assume
 
     try:
-        cfg = load_config(GRPOConfig, args.config, args.overrides, validate)
+        cfg = load_config(GRPOConfig, args.config, args.overrides, functools.partial(validate, world_size=0))
         documented = documented_hardware(args.config)
-        gpus = args.gpus_per_node or (documented.gpus_per_node if documented else None)
-        memory = args.gpu_memory_gib or (documented.gpu_memory_gib if documented else None)
-        nodes = args.nodes or (documented.nodes if documented else 1)
+        gpus = args.gpus_per_node if args.gpus_per_node is not None else (
+            documented.gpus_per_node if documented else None)
+        memory = args.gpu_memory_gib if args.gpu_memory_gib is not None else (
+            documented.gpu_memory_gib if documented else None)
+        nodes = args.nodes if args.nodes is not None else (documented.nodes if documented else 1)
         if gpus is None or memory is None:
             raise ConfigError(f"{args.config} documents no '# hardware: 1 node x 8 GPUs x 79.6 GiB' line: "
                               "pass --gpus-per-node and --gpu-memory-gib")

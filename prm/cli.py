@@ -54,22 +54,40 @@ def run_prm_command(args, argv: list[str]) -> int:
 
     cfg = None
     if args.prm_command == "train":
-        from grpo_mega.config import ConfigError, load_config
+        from grpo_mega.config import ConfigError, launched_world_size, load_config, validate_world_size
+        from grpo_mega.config.preflight import check_paths, launch_rank, start_attempt
         from prm.config import PRMConfig, validate_prm
 
-        try:
+        launched = under_launcher()
+        try:  # every check before a rank starts: the config against the job's size, its paths, the run folder
             cfg = load_config(PRMConfig, args.config, args.overrides, validate_prm)
-        except ConfigError as error:  # one line with cause=config: the SLURM scripts do not requeue it
-            from grpo_mega.run.failure import report_failure
+            if not args.print_config:
+                nproc = args.nproc or cfg.parallel.tensor * cfg.parallel.pipeline
+                validate_world_size(cfg.parallel, launched_world_size() if launched else nproc)
+                check_paths(cfg)
+                verdict = start_attempt(cfg, act=launch_rank() == 0)
+        except ConfigError as error:  # one line (with cause=config under a launcher: SLURM does not requeue it)
+            if launched:
+                from grpo_mega.run.failure import report_failure
 
-            report_failure("grpo-mega prm train", None, error)
+                report_failure("grpo-mega prm train", None, error)
+            else:
+                print(f"grpo-mega prm train: error: {error}", file=sys.stderr)
             return 2
         if args.print_config:
             from grpo_mega.config import config_yaml
 
             print(config_yaml(cfg), end="")
             return 0
-        nproc = args.nproc or cfg.parallel.tensor * cfg.parallel.pipeline
+        if verdict.moved_to is not None:
+            print(f"grpo-mega prm train: trainer.overwrite=true: moved the earlier run aside to {verdict.moved_to}",
+                  file=sys.stderr)
+        if verdict.complete:
+            if launch_rank() == 0:
+                print(f"grpo-mega prm train: {verdict.message}", file=sys.stderr)
+            if not launched:
+                print(verdict.checkpoint, flush=True)  # the output path, as a run that trains prints it last
+                return 0
     else:
         nproc = args.nproc or _default_nproc(args)
     if nproc > 1 and not under_launcher():

@@ -54,12 +54,20 @@ def test_step_score_weight_scales_the_prm_scores_but_not_the_outcome():
     assert shape_step_rewards([0.8, 0.4], 1.0, ProcessRewardConfig(step_score_weight=0.0)) == [0.0, 0.0]
 
 
-def test_prm_shaping_options_are_rejected_where_no_prm_scores_the_steps():
-    base = ["model.hf_config=x", "data.train_file=y", "algorithm.supervision=process"]
-    for option in ("outcome_on_last_step=true", "step_score_weight=0.5", "max_counted_steps=4", "min_steps=2"):
-        with pytest.raises(ConfigError, match=f"process_reward.{option.split('=')[0]} .*source=prm"):
-            load_config(GRPOConfig, None, [*base, "process_reward.source=function", f"process_reward.{option}"],
-                        validate)
+def test_prm_shaping_options_are_ignored_with_a_warning_where_no_prm_scores_the_steps(caplog):
+    """Issue 51: a PRM config switched to outcome supervision or to the step function (``process_reward.source=
+    function``) keeps running: the options that shape a PRM's scores are reset, with one warning naming them."""
+    base = ["model.hf_config=x", "data.train_file=y", "algorithm.supervision=process",
+            "reward.function=synthetic_steps"]
+    for option, default in (("outcome_on_last_step=true", False), ("step_score_weight=0.5", 1.0),
+                            ("max_counted_steps=4", 0), ("min_steps=2", 0), ("step_reward=progress", "score")):
+        key = option.split("=")[0]
+        caplog.clear()
+        cfg = load_config(GRPOConfig, None, [*base, "process_reward.source=function", f"process_reward.{option}"],
+                          validate)
+        assert getattr(cfg.process_reward, key) == default
+        assert [record.levelname for record in caplog.records] == ["WARNING"]
+        assert f"ignoring process_reward.{key}=" in caplog.text and "uses no PRM" in caplog.text
     with pytest.raises(ConfigError, match="step_score_weight=-1.0 must be >= 0"):
         load_config(GRPOConfig, None, [*base, "process_reward.source=prm", "process_reward.prm=p",
                                        "process_reward.step_score_weight=-1"], validate)

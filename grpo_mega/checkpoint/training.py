@@ -52,13 +52,13 @@ from grpo_mega.checkpoint.training_files import (
     write_file_atomic,
 )
 from grpo_mega.checkpoint.write_results import keep_write_results_in_process
+from grpo_mega.run.checkpoints import newest_complete, step_dirs
 from grpo_mega.run.layout import (
     CHECKPOINTS_DIR,
     COMPLETE_FILE,
     CONFIG_FILE,
     LATEST_FILE,
     STATE_FILE,
-    STEP_DIR,
     TMP_PREFIX,
     step_dir_name,
 )
@@ -170,14 +170,7 @@ class CheckpointManager:
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Every ``step_N`` folder (complete or not) as (N, path), newest step first."""
-        if not self.checkpoints_dir.is_dir():
-            return []
-        found = [
-            (int(match.group(1)), entry)
-            for entry in self.checkpoints_dir.iterdir()
-            if entry.is_dir() and (match := STEP_DIR.match(entry.name))
-        ]
-        return sorted(found, reverse=True)
+        return step_dirs(self.run_dir)
 
     # ------------------------------------------------------------------------- save
     def save(self, engine, step: int, extra_state: dict | None = None, config: dict | None = None) -> Path:
@@ -327,27 +320,7 @@ class CheckpointManager:
     def newest_complete(self) -> Path | None:
         """The checkpoint ``latest`` names if complete, else the newest complete ``step_N``; in this process only
         (``find_resume`` is the collective one). Each skipped folder is logged with the reason."""
-        latest_target = None
-        latest = self.checkpoints_dir / LATEST_FILE
-        if latest.is_file():
-            name = latest.read_text().strip()
-            if STEP_DIR.match(name):
-                latest_target = self.checkpoints_dir / name
-                problem = checkpoint_problem(latest_target)
-                if problem is None:
-                    return latest_target
-                logger.warning("%s names %s, which cannot be loaded: %s; looking for an older one",
-                               latest, name, problem)
-            else:
-                logger.warning("%s holds %r, not a checkpoint folder name; ignoring it", latest, name)
-        for _, path in self.step_dirs():
-            if path == latest_target:
-                continue
-            problem = checkpoint_problem(path)
-            if problem is None:
-                return path
-            logger.warning("skipping checkpoint %s: %s", path, problem)
-        return None
+        return newest_complete(self.run_dir, warn=logger.warning)
 
     def load(self, engine, path: str | os.PathLike, *, seed: int) -> LoadedCheckpoint:
         """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP); collective.

@@ -1,11 +1,8 @@
-"""A training checkpoint folder on disk: the completeness check, atomic small-file writes, what a folder holds.
+"""A training checkpoint folder on disk: atomic small-file writes, what a folder holds, its state file.
 
 The folder's layout and its names (``checkpoints/step_N``, ``latest``, ``complete.json``, ...) are
-``grpo_mega.run.layout``'s, which imports no torch, so the light processes read them too.
-
-Completeness is checked against ``complete.json``'s listing of file sizes rather than content hashes:
-hashing a multi-GB model at rank 0 on every save and every resume would cost more than the save, while
-sizes catch what crashes and full disks do (missing and truncated files).
+``grpo_mega.run.layout``'s and the completeness check (:func:`checkpoint_problem`) is ``grpo_mega.run.checkpoints``',
+which import no torch, so the light processes read them too.
 """
 
 from __future__ import annotations
@@ -17,65 +14,22 @@ import shutil
 from pathlib import Path
 
 from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE as MCORE_MODEL_INFO_FILE
+from grpo_mega.run.checkpoints import (  # noqa: F401  (their home; imported here by the checkpoint layer's users)
+    DEEPSPEED_METADATA,
+    DIST_CHECKPOINT_METADATA,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    checkpoint_problem,
+)
 from grpo_mega.run.failure import NO_SPACE_ERRNOS, exception_chain
 from grpo_mega.run.layout import (
     CHECKPOINTS_DIR,
     COMPLETE_FILE,
-    CONFIG_FILE,
     LATEST_FILE,
     STATE_FILE,
-    STEP_DIR,
     TMP_PREFIX,
     step_dir_name,
 )
-
-FORMAT_NAME = "grpo_mega.training_checkpoint"
-FORMAT_VERSION = 1
-# dist_checkpointing writes this file last on a successful save; without it megatron cannot load at all.
-DIST_CHECKPOINT_METADATA = "metadata.json"
-# The DeepSpeed engine's counterpart (grpo_mega.engine.deepspeed_checkpoint), written after every rank's files.
-DEEPSPEED_METADATA = "deepspeed/grpo_mega_deepspeed.json"
-
-
-def checkpoint_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a complete, loadable training checkpoint; None when it is.
-
-    Complete means: not a staging folder (``.tmp-*``); ``complete.json`` exists, parses, names this format
-    and (for a ``step_N`` folder) step N; every file it lists exists with its recorded size.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        return f"{path} is not a directory"
-    if path.name.startswith(TMP_PREFIX):
-        return f"{path.name} is the staging folder of a save that was not published"
-    marker = path / COMPLETE_FILE
-    if not marker.is_file():
-        return f"{COMPLETE_FILE} is missing (the save did not finish)"
-    try:
-        complete = json.loads(marker.read_text())
-        files = {str(name): int(size) for name, size in complete["files"].items()}
-        step = int(complete["step"])
-        kind = (complete["format"], complete["version"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        return f"{COMPLETE_FILE} is unreadable ({type(error).__name__}: {error})"
-    if kind != (FORMAT_NAME, FORMAT_VERSION):
-        return f"{COMPLETE_FILE} names format {kind}, expected {(FORMAT_NAME, FORMAT_VERSION)}"
-    named = STEP_DIR.match(path.name)
-    if named and int(named.group(1)) != step:
-        return f"{COMPLETE_FILE} records step {step}, but the folder is named {path.name}"
-    for required in (STATE_FILE, CONFIG_FILE):
-        if required not in files:
-            return f"{COMPLETE_FILE} does not list {required}"
-    if DIST_CHECKPOINT_METADATA not in files and DEEPSPEED_METADATA not in files:
-        return f"{COMPLETE_FILE} lists neither {DIST_CHECKPOINT_METADATA} nor {DEEPSPEED_METADATA}"
-    for name, size in sorted(files.items()):
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        actual = file.stat().st_size
-        if actual != size:
-            return f"{name} has {actual} bytes, {COMPLETE_FILE} recorded {size} (truncated or overwritten)"
-    return None
 
 
 def read_checkpoint_state(path: str | os.PathLike) -> dict:

@@ -5,6 +5,8 @@ inside one section."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from grpo_mega.config.loading import ConfigError
@@ -44,9 +46,11 @@ def validate_trainer_common(trainer) -> None:
     for key in ("total_steps",):
         if getattr(trainer, key) < 1:
             raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 1")
-    for key in ("save_every", "keep_last"):
-        if getattr(trainer, key) < 0:
-            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be >= 0")
+    if trainer.save_every < 0:
+        raise ConfigError(f"trainer.save_every={trainer.save_every} must be >= 0")
+    if trainer.keep_last < 1:
+        raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be >= 1: a run keeps at least the checkpoint "
+                          "it resumes from (trainer.save_every=0 saves only at the end)")
     for key in ("save_before_seconds", "time_limit_seconds"):
         if getattr(trainer, key) < 0:
             raise ConfigError(f"trainer.{key} must be >= 0")
@@ -72,6 +76,29 @@ def validate_parallel(parallel: ParallelConfig) -> None:
     for key in ("tensor", "pipeline", "max_tokens_per_micro_batch"):
         if getattr(parallel, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
+
+
+def launched_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """The job's process count as its launcher tells it, read as ``grpo_mega.parallel.read_launch_env`` does
+    (torchrun's ``WORLD_SIZE``, else srun's ``SLURM_NTASKS`` under ``SLURM_PROCID``) without importing torch; 0
+    outside a launcher (not known yet)."""
+    environ = os.environ if environ is None else environ
+    name = "WORLD_SIZE" if "RANK" in environ or "WORLD_SIZE" in environ else (
+        "SLURM_NTASKS" if "SLURM_PROCID" in environ else None)
+    raw = environ.get(name, "") if name else ""
+    return int(raw) if raw.isdigit() else 0
+
+
+def validate_world_size(parallel: ParallelConfig, world_size: int) -> None:
+    """The job's ``world_size`` processes (0: not known yet) hold whole model replicas: parallel.tensor x
+    parallel.pipeline divides it."""
+    replica = parallel.tensor * parallel.pipeline
+    if not world_size or world_size % replica == 0:
+        return
+    raise ConfigError(
+        f"parallel.tensor={parallel.tensor} x parallel.pipeline={parallel.pipeline} = {replica} processes per model "
+        f"replica does not divide the job's {world_size} processes: start a multiple of {replica} (--nproc "
+        f"{replica}) or set parallel.tensor x parallel.pipeline to a divisor of {world_size}")
 
 
 def validate_engine(cfg) -> None:

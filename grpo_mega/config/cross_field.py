@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -12,18 +13,28 @@ from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
 from grpo_mega.config.checks import (
     check_choice,
     check_context_length,
+    launched_world_size,
     validate_engine,
     validate_optim,
     validate_parallel,
     validate_trainer_common,
+    validate_world_size,
 )
 from grpo_mega.config.grpo import PROCESS_REWARD_SOURCES, STEP_CREDITS, GRPOConfig
 from grpo_mega.config.loading import ConfigError
 from grpo_mega.config.sft import SFTConfig
 
+logger = logging.getLogger(__name__)
 
-def validate(cfg: GRPOConfig) -> None:
-    """Cross-field checks that typed fields cannot express."""
+PRM_SHAPING_DEFAULTS = {"outcome_on_last_step": False, "step_score_weight": 1.0, "max_counted_steps": 0,
+                        "min_steps": 0, "step_reward": "score"}
+"""``process_reward`` options that shape a PRM's step scores, with their defaults: they mean nothing without a PRM
+(``process_reward.source=function``), where they are reset to these with a warning."""
+
+
+def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
+    """Cross-field checks that typed fields cannot express. ``world_size``: the processes of the job (the CLI's
+    ``--nproc`` before it starts them; None: the launcher's, read from the environment; 0: not known)."""
     alg = cfg.algorithm
     validate_engine(cfg)
     validate_optim(cfg.optim)
@@ -35,10 +46,13 @@ def validate(cfg: GRPOConfig) -> None:
     if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
                           "deepspeed.offload_optimizer")
-    world_size = int(os.environ.get("WORLD_SIZE", "0"))  # torchrun's; 0 outside a launcher
+    world_size = launched_world_size() if world_size is None else world_size
     validate_rollout_layout(cfg, world_size)
     validate_rollout_mode(cfg, world_size)
+    if cfg.rollout.mode != "async":
+        validate_world_size(cfg.parallel, world_size)
     check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
+    validate_prompt_fields(cfg)
     check_choice(cfg.reward.on_error, ("zero", "raise"), "reward.on_error")
     check_choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
     check_choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
@@ -70,12 +84,8 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError(f"process_reward.clip_eta={cfg.process_reward.clip_eta} must be in [0, 1] (PRM scores are)")
     if not cfg.process_reward.step_score_weight >= 0:
         raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
-    prm_only = {"outcome_on_last_step": False, "step_score_weight": 1.0, "max_counted_steps": 0, "min_steps": 0,
-                "step_reward": "score"}
-    changed = [key for key, default in prm_only.items() if getattr(cfg.process_reward, key) != default]
-    if changed and cfg.process_reward.source != "prm":
-        raise ConfigError(f"process_reward.{changed[0]} shapes a PRM's step scores and applies only to "
-                          f"process_reward.source=prm (source is {cfg.process_reward.source!r})")
+    ignore_prm_shaping_without_prm(cfg)
+    validate_reward_functions(cfg)
     if alg.rollout_is_cap <= 0:
         raise ConfigError(f"algorithm.rollout_is_cap={alg.rollout_is_cap} must be > 0")
     if alg.kl_log_ratio_clamp <= 0:
@@ -92,11 +102,12 @@ def validate(cfg: GRPOConfig) -> None:
                           "algorithm.dynamic_sampling=true")
     if alg.dual_clip_loss is not None and alg.dual_clip_loss <= 1:
         raise ConfigError(f"algorithm.dual_clip_loss={alg.dual_clip_loss} must be > 1")
-    if alg.overlong_buffer >= alg.response_length:
-        raise ConfigError("algorithm.overlong_buffer must be smaller than algorithm.response_length")
     for key in ("response_length", "rollout_batch_size", "ppo_epochs"):
         if getattr(alg, key) < 1:
-            raise ConfigError(f"algorithm.{key} must be >= 1")
+            raise ConfigError(f"algorithm.{key}={getattr(alg, key)} must be >= 1")
+    if alg.overlong_buffer >= alg.response_length:
+        raise ConfigError(f"algorithm.overlong_buffer={alg.overlong_buffer} must be smaller than "
+                          f"algorithm.response_length={alg.response_length}")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for sampling")
     if not 0 < cfg.rollout.top_p <= 1:
@@ -108,6 +119,69 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
     check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
                           "data.prompt_length + algorithm.response_length")
+
+
+def ignore_prm_shaping_without_prm(cfg: GRPOConfig) -> None:
+    """Without a PRM (``process_reward.source=function``) the options that shape a PRM's scores apply to nothing:
+    reset them to their defaults with a one-line warning, so that switching a PRM config to outcome supervision or
+    to the task's step function (``algorithm.supervision=outcome process_reward.source=function``) is one switch."""
+    if cfg.process_reward.source == "prm":
+        return
+    changed = [key for key, default in PRM_SHAPING_DEFAULTS.items() if getattr(cfg.process_reward, key) != default]
+    if not changed:
+        return
+    settings = ", ".join(f"process_reward.{key}={getattr(cfg.process_reward, key)}" for key in changed)
+    for key in changed:
+        setattr(cfg.process_reward, key, PRM_SHAPING_DEFAULTS[key])
+    if _speaks():
+        logger.warning("ignoring %s: it shapes a PRM's step scores and process_reward.source=%s uses no PRM",
+                       settings, cfg.process_reward.source)
+
+
+def _speaks() -> bool:
+    """Whether this process prints the config's warnings: the command's own process or rank 0 of a job."""
+    import os
+
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def validate_reward_functions(cfg: GRPOConfig) -> None:
+    """``reward.function`` (and ``reward.format_function`` when weighted) name a known reward; with process
+    supervision from the reward function (``process_reward.source=function``), one that returns step rewards
+    (its return annotation: a ``float`` gives one score per completion)."""
+    from grpo_mega.reward.registry import REWARD_FUNCTIONS
+
+    named = [("reward.function", cfg.reward.function)]
+    if cfg.reward.format_weight:
+        named.append(("reward.format_function", cfg.reward.format_function))
+    for key, spec in named:
+        if ":" not in spec and spec not in REWARD_FUNCTIONS:
+            raise ConfigError(f"{key}={spec!r} is no registered reward: use one of {sorted(REWARD_FUNCTIONS)} or "
+                              "'package.module:function'")
+    if cfg.algorithm.supervision != "process" or cfg.process_reward.source != "function":
+        return
+    from grpo_mega.reward.registry import get_reward_function
+
+    try:
+        function = get_reward_function(cfg.reward.function)
+    except (ImportError, AttributeError, TypeError, ValueError) as error:
+        raise ConfigError(f"reward.function: {error}") from None
+    returns = getattr(function, "__annotations__", {}).get("return")
+    if getattr(returns, "__name__", returns) in ("float", "int", "bool"):
+        raise ConfigError(
+            f"algorithm.supervision=process with process_reward.source=function takes its step rewards from "
+            f"reward.function, but reward.function={cfg.reward.function!r} returns one score per completion "
+            f"({returns}): set reward.function=synthetic_steps (the synthetic task's step checker) or a function "
+            "returning StepRewards, or process_reward.source=prm with process_reward.prm=PATH, or "
+            "algorithm.supervision=outcome")
+
+
+def validate_prompt_fields(cfg: GRPOConfig) -> None:
+    """``data.messages_field`` (conversation rows) needs the chat template, as SFT's does."""
+    if cfg.data.messages_field is not None and not cfg.data.chat_template:
+        raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
+                          "template can render: set data.chat_template=true (or data.messages_field=null for "
+                          "prompt rows)")
 
 
 def validate_rollout_layout(cfg: GRPOConfig, world_size: int) -> None:
@@ -162,12 +236,13 @@ def validate_rollout_mode(cfg: GRPOConfig, world_size: int) -> None:
                 f"{cfg.parallel.tensor * cfg.parallel.pipeline}")
 
 
-def validate_sft(cfg: SFTConfig) -> None:
-    """Cross-field checks of an SFT config."""
+def validate_sft(cfg: SFTConfig, world_size: int | None = None) -> None:
+    """Cross-field checks of an SFT config (``world_size`` as for :func:`validate`)."""
     validate_engine(cfg)
     validate_optim(cfg.optim)
     validate_trainer_common(cfg.trainer)
     validate_parallel(cfg.parallel)
+    validate_world_size(cfg.parallel, launched_world_size() if world_size is None else world_size)
     check_choice(cfg.data.on_bad_row, ("skip", "error"), "data.on_bad_row")
     if cfg.data.messages_field is not None and not cfg.data.chat_template:
         raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "

@@ -16,11 +16,16 @@ class DataConfig:
     eval_file: Optional[str] = None
     """Held-out prompts evaluated on schedule and at the end."""
     prompt_field: str = "prompt"
-    """Field of a row holding the prompt text."""
+    """Field of a row holding the prompt text (rows of plain prompts; see ``messages_field`` for conversations)."""
+    messages_field: Optional[str] = None
+    """Conversation rows (TRL's conversational prompts, as SFT's ``data.messages_field``): the field holding a
+    ``[{role, content}, ...]`` list of system / user turns ending with a user turn, rendered with the tokenizer's
+    chat template and its generation prompt; the reward function gets the last user turn as its ``prompt``. Needs
+    ``chat_template: true``. None: ``prompt_field`` holds the prompt text."""
     answer_field: str = "answer"
     """Field of a row holding the reference answer the reward function checks."""
     chat_template: bool = False
-    """Wrap prompts with the tokenizer's chat template."""
+    """Wrap prompts with the tokenizer's chat template (its generation prompt included)."""
     prompt_length: int = 256
     """Longest prompt in tokens; longer rows are reported and handled per ``on_bad_row``."""
     on_bad_row: str = "skip"

@@ -1,14 +1,15 @@
 """Loading a run config: the schema's defaults, a YAML file and ``key=value`` overrides merged by OmegaConf, which
 checks them against the dataclasses, so an unknown key or a value of the wrong type fails at start-up with the key
-named; then the schema's own checks (``validator``)."""
+named (and, for a near miss, the key meant); then the schema's own checks (``validator``)."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -18,22 +19,30 @@ class ConfigError(ValueError):
 def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:
     """Merge ``schema`` defaults, the YAML file and ``key=value`` overrides; return the typed config object.
 
-    Raises ConfigError naming the file and key for unknown keys, wrong types and missing required values.
+    Raises ConfigError naming the file and key for unknown keys (with the nearest known key), wrong types, missing
+    required values, a YAML syntax error (``file:line:column``) and an override without ``=``.
     """
+    overrides = list(overrides)
+    check_overrides(overrides)
     base = OmegaConf.structured(schema)
-    source = "defaults"
+    source, typed = "defaults", []
     try:
         if path is not None:
             source = str(path)
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            base = OmegaConf.merge(base, OmegaConf.load(path))
+            loaded = read_yaml(path)
+            typed = _leaf_keys(loaded)
+            base = OmegaConf.merge(base, loaded)
         source = "command-line overrides"
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        typed = [item.split("=", 1)[0].strip() for item in overrides]
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"required config keys not set: {', '.join(missing)}")
         cfg = OmegaConf.to_object(merged)
+    except ConfigKeyError as error:
+        key = str(getattr(error, "full_key", None) or "")
+        raise ConfigError(f"{source}: unknown config key {_typed_key(key, typed)!r}"
+                          f"{did_you_mean(_typed_key(key, typed), schema)}") from None
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
         reason = str(error).splitlines()[0]
@@ -41,6 +50,58 @@ def load_config(schema: type, path: str | Path | None, overrides: list[str] = ()
     if validator is not None:
         validator(cfg)
     return cfg
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Every override is ``key=value`` (OmegaConf would set a bare ``key`` to null without a word)."""
+    for item in overrides:
+        key, equals, _ = item.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value: write {item}=VALUE "
+                              f"({item}=null to unset it)" if not equals else f"override {item!r} names no key")
+
+
+def read_yaml(path: str | Path):
+    """The YAML file ``path`` as an OmegaConf node; ConfigError for a missing file, or a syntax error named by
+    ``file:line:column`` in one line."""
+    import yaml
+
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+
+
+def _leaf_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys of every leaf (and section) of an OmegaConf mapping."""
+    keys = []
+    if OmegaConf.is_dict(node):
+        for name in node.keys():
+            dotted = f"{prefix}{name}"
+            keys.append(dotted)
+            child = node._get_node(name)
+            if OmegaConf.is_dict(child):
+                keys += _leaf_keys(child, dotted + ".")
+    return keys
+
+
+def _typed_key(key: str, typed: list[str]) -> str:
+    """The key as the user wrote it: OmegaConf names only the first unknown part (``trainerx`` of
+    ``trainerx.total_steps``)."""
+    longer = [name for name in typed if name == key or name.startswith(key + ".")]
+    return max(longer, key=len) if longer else key
+
+
+def did_you_mean(key: str, schema: type) -> str:
+    """``": did you mean trainer.total_steps?"`` for the schema key nearest ``key``, or ``""``."""
+    known = _leaf_keys(OmegaConf.structured(schema))
+    match = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f": did you mean {match[0]}?" if match else ""
 
 
 def config_yaml(cfg: Any) -> str:

@@ -122,7 +122,17 @@ class RunConfig:
     keep_last: int = 2
     """Checkpoints kept in ``run_dir/checkpoints`` (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
-    """``auto`` (newest complete checkpoint in run_dir, if any), ``none``, or a checkpoint folder."""
+    """``auto`` (newest complete checkpoint in run_dir, if any; a run already at ``total_steps`` says so and exits
+    0), ``none`` (a new run: refused when run_dir holds an earlier one, see ``overwrite``), or a checkpoint
+    folder."""
+    overwrite: bool = False
+    """With ``resume: none``: move an earlier run in run_dir (its config, metrics, checkpoints) aside to
+    ``<run_dir>.old-<time>`` and start afresh; nothing is deleted. False refuses to start in a folder that holds
+    another run."""
+    resume_with_changes: bool = False
+    """Resume a run whose settings that change what is trained differ from its checkpoint's (the model, the data,
+    ``reward``, ``process_reward``, ``algorithm.supervision`` / ``step_credit``, KL); False refuses, naming the keys.
+    The learning rate, ``total_steps``, the layout and the other settings may change either way."""
     progress_bar: bool = True
     """Show a progress bar with the latest metrics on rank 0 (off in logs and CI)."""
     tensorboard: bool = True

@@ -1,8 +1,10 @@
 """Prompt datasets for GRPO: rows from jsonl or parquet files, formatted, tokenized, checked; resumable batches.
 
-A row needs a prompt field and (unless ``answer_field`` is None) an answer field; every other field is kept in
-``PromptRecord.extra`` for reward functions. Prompts are formatted with the tokenizer's chat template when it has
-one (and ``use_chat_template`` is on), otherwise with a plain format string such as ``"Q: {prompt} A:"``.
+A row needs a prompt field, or a messages field holding a conversation (TRL's conversational prompts:
+``[{role, content}, ...]`` of system / user turns ending with a user turn), and (unless ``answer_field`` is None) an
+answer field; every other field is kept in ``PromptRecord.extra`` for reward functions. Prompts are formatted with
+the tokenizer's chat template and its generation prompt when it has one (and ``use_chat_template`` is on), otherwise
+with a plain format string such as ``"Q: {prompt} A:"``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from grpo_mega.data.chat import ChatFormat, user_turn
+from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages, user_turn
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class PromptRecord:
     answer: str | None
     """Gold answer as text (numbers are converted with str()); None when the dataset has no answer field."""
     raw_prompt: str
-    """The prompt field as stored in the file."""
+    """The prompt field as stored in the file (a conversation's last user turn)."""
     source: str
     """Where the row came from, ``file:line`` (jsonl) or ``file:row N`` (parquet)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -101,9 +103,10 @@ class PromptFormatter:
         self.prompt_format = prompt_format
         self.uses_chat_template = self.format.uses_chat_template
 
-    def __call__(self, raw_prompt: str) -> tuple[str, list[int]]:
-        """(formatted text, token ids). A chat template writes its own special tokens, so none are added then."""
-        return self.format.render_prompt(user_turn(raw_prompt))
+    def __call__(self, raw_prompt: str | list[dict]) -> tuple[str, list[int]]:
+        """(formatted text, token ids) of a prompt text or a conversation ending with a user turn. A chat template
+        writes its own special tokens, so none are added then."""
+        return self.format.render_prompt(user_turn(raw_prompt) if isinstance(raw_prompt, str) else raw_prompt)
 
 
 class BadRows:
@@ -140,11 +143,42 @@ def check_row(row: Any, prompt_field: str, answer_field: str | None, *, answer_k
     fields, so the fix is one override away."""
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
+    conversations = [name for name, value in row.items() if _looks_like_conversation(value)]
+    read_as_chat = (f"; to read its conversation set data.messages_field={conversations[0]} data.chat_template=true"
+                    if conversations else "")
     if prompt_field not in row:
         return (f"missing prompt field {prompt_field!r}; set data.prompt_field to the field that holds the prompt "
-                f"(this row has {sorted(row)})")
+                f"text (this row has {sorted(row)}){read_as_chat}")
     if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
-        return f"prompt field {prompt_field!r} must be a non-empty string, got {row[prompt_field]!r:.60}"
+        return (f"prompt field {prompt_field!r} must be a non-empty string, got {row[prompt_field]!r:.60}"
+                f"{read_as_chat}")
+    return check_answer(row, answer_field, answer_key=answer_key, answer_kind=answer_kind)
+
+
+def check_conversation_row(row: Any, messages_field: str, answer_field: str | None) -> str | None:
+    """Why a conversation row is unusable (no ``messages_field`` list of system / user turns ending with a user
+    turn, no scalar answer), or None; a missing field's message names the options that would read the row."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if messages_field not in row:
+        texts = [name for name, value in row.items() if isinstance(value, str) and name != answer_field]
+        plain = f", or data.messages_field=null data.prompt_field={texts[0]} for a prompt text" if texts else ""
+        return (f"missing messages field {messages_field!r}; set data.messages_field to the field that holds the "
+                f"conversation{plain} (this row has {sorted(row)})")
+    try:
+        check_messages(row[messages_field], final_role="user")
+    except ChatFormatError as error:
+        return f"{messages_field}: {error} (a prompt conversation ends with the user's turn)"
+    return check_answer(row, answer_field)
+
+
+def _looks_like_conversation(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def check_answer(row: dict, answer_field: str | None, *, answer_key: str = "data.answer_field",
+                 answer_kind: str = "answer") -> str | None:
+    """Why ``row``'s answer field is unusable (missing, not a string or number), or None."""
     if answer_field is not None:
         if answer_field not in row:
             return (f"missing {answer_kind} field {answer_field!r}; set {answer_key} to the field that holds the "
@@ -164,11 +198,13 @@ def load_prompt_dataset(
     on_bad_row: str = "skip",
     use_chat_template: bool = True,
     prompt_format: str = "{prompt}",
+    messages_field: str | None = None,
 ) -> PromptDataset:
-    """Read, format and tokenize prompt rows from jsonl/parquet files.
+    """Read, format and tokenize prompt rows from jsonl/parquet files: the text of ``prompt_field``, or with
+    ``messages_field`` the conversation it holds (system / user turns ending with a user turn).
 
-    A row is bad when it is not valid JSON, not an object, lacks the prompt or answer field, or its formatted
-    prompt is longer than ``prompt_length`` tokens. With ``on_bad_row='error'`` the first bad row raises
+    A row is bad when it is not valid JSON, not an object, lacks the prompt (or messages) or answer field, or its
+    formatted prompt is longer than ``prompt_length`` tokens. With ``on_bad_row='error'`` the first bad row raises
     BadRowError naming ``file:line``; with ``'skip'`` it is left out, logged, and listed in ``skipped``.
     """
     bad_rows = BadRows(on_bad_row)
@@ -178,20 +214,26 @@ def load_prompt_dataset(
     if not paths:
         raise ValueError("load_prompt_dataset: no files given")
     formatter = PromptFormatter(tokenizer, use_chat_template, prompt_format)
+    if messages_field is not None and not formatter.uses_chat_template:
+        raise ValueError(f"messages_field={messages_field!r}: conversations are rendered with the tokenizer's chat "
+                         "template, and the tokenizer has none (or the chat template is off)")
+    source_field = prompt_field if messages_field is None else messages_field
     records: list[PromptRecord] = []
     for path in paths:
         for location, row, error in read_rows(path):
-            error = error or check_row(row, prompt_field, answer_field)
+            error = error or (check_row(row, prompt_field, answer_field) if messages_field is None
+                              else check_conversation_row(row, messages_field, answer_field))
             if error is None:
-                text, ids = formatter(row[prompt_field])
+                text, ids = formatter(row[source_field])
                 if len(ids) > prompt_length:
                     error = f"prompt has {len(ids)} tokens, more than prompt_length={prompt_length}"
             if error is not None:
                 bad_rows.reject(location, error)
                 continue
             answer = None if answer_field is None else str(row[answer_field])
-            extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-            records.append(PromptRecord(text, ids, answer, row[prompt_field], location, extra))
+            extra = {k: v for k, v in row.items() if k not in (source_field, answer_field)}
+            raw = row[source_field] if messages_field is None else row[source_field][-1]["content"]
+            records.append(PromptRecord(text, ids, answer, raw, location, extra))
     bad_rows.finish(len(records), ", ".join(map(str, paths)))
     return PromptDataset(records=records, skipped=bad_rows.skipped)
 

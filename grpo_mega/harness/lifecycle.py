@@ -39,8 +39,9 @@ from grpo_mega.harness.resume import save as save_checkpoint
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.perf.startup import StartupClock
 from grpo_mega.run.control import StoppedEarly, StopRequests, run_end_time
-from grpo_mega.run.failure import POSITION, phase, set_step
-from grpo_mega.run.layout import CONFIG_FILE, FAILURE_FILE
+from grpo_mega.run.failure import POSITION, phase, set_aside_failure, set_step
+from grpo_mega.run.folder import check_run_folder
+from grpo_mega.run.layout import CONFIG_FILE
 from grpo_mega.run.metrics import MetricsLogger, logger_options
 from grpo_mega.run.watchdog import PhaseWatchdog
 
@@ -92,6 +93,8 @@ class RunHarness:
         continue after (0 for a new run)."""
         self._engine = engine
         self._state = state
+        if self.is_rank0:  # the command checked it before any rank started; a run started otherwise is checked here
+            check_run_folder(asdict(self.cfg))
         resumed = restore(self.checkpoints, engine, self._state, resume=self.cfg.trainer.resume,
                           seed=self.cfg.parallel.seed)
         if resumed is not None:
@@ -102,9 +105,7 @@ class RunHarness:
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
-            failure = self.run_dir / FAILURE_FILE
-            if failure.exists():  # an earlier attempt's; kept beside, so that this attempt can name its own cause
-                failure.rename(failure.with_name(f"failure.{int(failure.stat().st_mtime)}.json"))
+            set_aside_failure(self.run_dir)  # an earlier attempt's; kept beside, so this one can name its own cause
         self.metrics_log = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.start_step, active=self.is_rank0,
             progress_bar=self.cfg.trainer.progress_bar, bar_metric=bar_metric, **logger_options(self.cfg),

@@ -134,7 +134,7 @@ def classify(error: BaseException) -> str:
         return "phase_timeout"
     if "NonFiniteError" in names:
         return "non_finite"
-    if "ConfigError" in names:
+    if names & {"ConfigError", "RunFolderError"}:
         return "config"
     if "BadRowError" in names:
         return "data"
@@ -211,6 +211,20 @@ def failure_line(command: str, record: dict, path: Path | None) -> str:
     written = f"; {path}" if path is not None else ""
     return (f"{command}: rank {record['rank']} on {record['host']} failed (cause={record['cause']}) {where} "
             f"({record['phase']}): {record['exception'].splitlines()[0][:300]}{written}")
+
+
+def set_aside_failure(run_dir: str | Path) -> Path | None:
+    """Rename an earlier attempt's ``run_dir/failure.json`` to ``failure.<its mtime>.json`` when a new attempt
+    starts, so that the file names this attempt's cause or none; returns the new name (None: there was none)."""
+    failure = Path(run_dir) / FAILURE_FILE
+    if not failure.exists():
+        return None
+    kept = failure.with_name(f"failure.{int(failure.stat().st_mtime)}.json")
+    try:
+        failure.rename(kept)
+    except FileNotFoundError:  # another process of the job moved it first
+        return None
+    return kept
 
 
 def report_failure(command: str, run_dir: str | Path | None, error: BaseException) -> dict:

@@ -44,6 +44,7 @@ def load_prompts(cfg: GRPOConfig, tokenizer, path: str):
     return load_prompt_dataset(
         path, tokenizer, prompt_length=cfg.data.prompt_length, prompt_field=cfg.data.prompt_field,
         answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row, use_chat_template=cfg.data.chat_template,
+        messages_field=cfg.data.messages_field,
     ).records
 
 

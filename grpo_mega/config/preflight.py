@@ -1,0 +1,76 @@
+"""What a command checks in its own process before it starts any rank (``grpo-mega train``, ``sft``, ``eval``,
+``prm train``): the config loaded and validated against the job's process count, the paths it names, and the run
+folder (``grpo_mega.run.folder``: never two runs mixed in one). A mistake is one :class:`ConfigError` naming the key;
+the commands print it as one line and exit 2 before torchrun starts anything. Under a launcher (torchrun, srun)
+every rank checks the same before it builds anything, so a job started without the CLI's own check is refused too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from grpo_mega.config.loading import ConfigError, load_config
+from grpo_mega.run.failure import set_aside_failure
+from grpo_mega.run.folder import RunFolderError, RunFolderVerdict, check_run_folder
+
+
+def load_checked(schema: type, validator: Callable, path: str, overrides: list[str], *,
+                 world_size: int | None) -> Any:
+    """The config of ``path`` and ``overrides``, validated (``validator(cfg, world_size=...)``) for a job of
+    ``world_size`` processes (None: the launcher's; 0: not known) and with its paths checked."""
+    cfg = load_config(schema, path, overrides, functools.partial(validator, world_size=world_size))
+    check_paths(cfg)
+    return cfg
+
+
+def check_paths(cfg: Any) -> None:
+    """The folders and files a run reads exist: ``model.hf_config`` (with its config.json), ``model.tokenizer``,
+    ``model.init_from``, ``data.train_file`` / ``data.eval_file``, a PRM's ``process_reward.prm``."""
+    model = cfg.model
+    hf_config = Path(model.hf_config)
+    if not hf_config.is_dir():
+        raise ConfigError(f"model.hf_config={model.hf_config}: no such folder (the Hugging Face folder holding the "
+                          "model's config.json)")
+    if not (hf_config / "config.json").is_file():
+        raise ConfigError(f"model.hf_config={model.hf_config} holds no config.json (the Hugging Face config of the "
+                          "architecture)")
+    if model.tokenizer is not None and not Path(model.tokenizer).is_dir():
+        raise ConfigError(f"model.tokenizer={model.tokenizer}: no such folder (null: the tokenizer of "
+                          "model.hf_config)")
+    if model.init_from is not None and not Path(model.init_from).exists():
+        raise ConfigError(f"model.init_from={model.init_from}: no such folder (an HF folder, a converted megatron "
+                          "folder, a grpo-mega checkpoint or run directory; null: random weights)")
+    for key in ("train_file", "eval_file"):
+        value = getattr(cfg.data, key, None)
+        if value is not None and not Path(value).is_file():
+            raise ConfigError(f"data.{key}={value}: no such file")
+    process_reward = getattr(cfg, "process_reward", None)
+    if process_reward is not None and process_reward.source == "prm" and not Path(process_reward.prm).exists():
+        raise ConfigError(f"process_reward.prm={process_reward.prm}: no such folder (a grpo-mega PRM checkpoint or run "
+                          "directory, or a Hugging Face PRM folder)")
+
+
+def start_attempt(cfg: Any, *, act: bool = True) -> RunFolderVerdict:
+    """Before a training command starts its ranks: the run folder guard (``grpo_mega.run.folder``; with ``act``
+    an earlier run that ``trainer.overwrite`` replaces is moved aside), then, with ``act``, an earlier attempt's
+    failure.json set aside so that the folder names this attempt's cause or none. ConfigError for a folder that
+    holds another run."""
+    try:
+        verdict = check_run_folder(asdict(cfg), act=act)
+    except RunFolderError as error:
+        raise ConfigError(str(error)) from None
+    if act and not verdict.complete:
+        set_aside_failure(cfg.trainer.run_dir)
+    return verdict
+
+
+def launch_rank() -> int:
+    """This process's rank in a job its launcher started (torchrun's RANK, srun's SLURM_PROCID); 0 otherwise."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0

@@ -1,0 +1,173 @@
+"""The run folder guard: a run folder (``trainer.run_dir``) holds one run, never two mixed.
+
+Checked in the command's own process before any rank starts (and again on rank 0 when the run starts, by the run
+harness), from the resolved config as a plain dict (its ``trainer`` section: ``run_dir``, ``resume``,
+``total_steps``, ``overwrite``, ``resume_with_changes``):
+
+- a folder that holds an earlier run (``config.yaml``, ``metrics.jsonl`` or a checkpoint) is refused with
+  ``trainer.resume=none`` unless ``trainer.overwrite=true``, which moves it aside whole to
+  ``<run_dir>.old-<time>`` (nothing is deleted);
+- ``trainer.resume=auto`` (the default) continues the same run: one whose config differs in a setting that changes
+  what is trained (:data:`IDENTITY_KEYS`: the model, the data, the rewards and process supervision, KL) is refused
+  naming the keys unless ``trainer.resume_with_changes=true``; the learning rate, the step count, the layout and
+  the rest may change;
+- a run whose newest checkpoint is at ``trainer.total_steps`` is complete: :func:`check_run_folder` says so
+  (:class:`RunFolderVerdict`) and the command exits 0 without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_mega.run.checkpoints import newest_complete, step_dirs
+from grpo_mega.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE
+
+IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "data.", "reward.",
+                 "process_reward.", "prm.", "algorithm.supervision", "algorithm.step_credit", "algorithm.use_kl_loss",
+                 "algorithm.kl_loss_coef", "algorithm.kl_estimator")
+"""The settings that change what a run trains (a dotted key, or a section with its dot): a resumed run keeps them."""
+FREE_KEYS = ("data.eval_file", "data.max_eval_prompts", "data.on_bad_row")
+"""Settings under :data:`IDENTITY_KEYS` that only evaluate or report, which a resumed run may change."""
+
+
+class RunFolderError(ValueError):
+    """The run folder holds another run (or this run with other settings); the message names the fix."""
+
+
+@dataclass(frozen=True)
+class RunFolderVerdict:
+    """What the guard found: ``complete`` (``checkpoint`` is at ``trainer.total_steps``: nothing to do, said in
+    ``message``), ``moved_to`` (where ``trainer.overwrite`` moved the earlier run)."""
+
+    complete: bool = False
+    message: str = ""
+    moved_to: Path | None = None
+    checkpoint: Path | None = None
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What of an earlier run ``run_dir`` holds: its config, metrics log, checkpoints (empty: none)."""
+    found = [name for name in (CONFIG_FILE, METRICS_FILE) if (run_dir / name).is_file()]
+    steps = step_dirs(run_dir)
+    if steps:
+        found.append(f"{CHECKPOINTS_DIR}/{steps[0][1].name}")
+    return found
+
+
+def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVerdict:
+    """Check ``trainer.run_dir`` against ``config`` (the resolved run config as a dict) as the module docstring
+    says; with ``act``, move an earlier run aside when ``trainer.overwrite`` asks. Raises RunFolderError."""
+    trainer = config["trainer"]
+    run_dir, resume = Path(trainer["run_dir"]), str(trainer["resume"])
+    overwrite, allow_changes = bool(trainer.get("overwrite")), bool(trainer.get("resume_with_changes"))
+    found = earlier_run(run_dir)
+    inside = resume not in ("auto", "none") and _inside(Path(resume), run_dir)
+    if overwrite and resume != "none":
+        raise RunFolderError(f"trainer.overwrite=true starts the run afresh, moving trainer.run_dir={run_dir} aside: "
+                             f"set trainer.resume=none with it (trainer.resume={resume} continues a run)")
+    if not found:
+        return RunFolderVerdict()
+    if resume == "none" or (resume != "auto" and not inside):
+        if not overwrite:
+            raise RunFolderError(
+                f"trainer.run_dir={run_dir} holds an earlier run ({', '.join(found)}) and trainer.resume={resume} "
+                f"would mix a new run into it: set trainer.overwrite=true (with trainer.resume=none) to move it aside "
+                f"to {run_dir}.old-<time>, trainer.resume=auto to continue it, or another trainer.run_dir")
+        return RunFolderVerdict(moved_to=move_aside(run_dir) if act else None)
+    checkpoint = Path(resume) if inside else newest_complete(run_dir)
+    previous = _saved_config(checkpoint / CONFIG_FILE if checkpoint is not None else run_dir / CONFIG_FILE)
+    changed = [] if previous is None else changed_identity(previous, config, run_dir)
+    if changed and not allow_changes:
+        shown = "; ".join(f"{key}: {_show(old)} -> {_show(new)}" for key, old, new in changed[:4])
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise RunFolderError(
+            f"trainer.run_dir={run_dir} holds a run trained with other settings ({shown}{more}): resuming it "
+            f"would change what it trains; set trainer.resume_with_changes=true to continue it so, or "
+            f"trainer.resume=none trainer.overwrite=true to move it aside and start again, or another trainer.run_dir")
+    step = _step_of(checkpoint)
+    if step is not None and step >= int(trainer["total_steps"]):
+        return RunFolderVerdict(complete=True, checkpoint=checkpoint, message=(
+            f"{run_dir} is complete: its checkpoint {checkpoint.name} is at trainer.total_steps="
+            f"{trainer['total_steps']}; nothing to do (raise trainer.total_steps to train on)"))
+    return RunFolderVerdict()
+
+
+def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple[str, Any, Any]]:
+    """(key, previous value, current value) of every :data:`IDENTITY_KEYS` setting that differs. An unset
+    ``model.tokenizer`` is ``model.hf_config``'s; a previous value that is a path inside ``run_dir`` was derived by
+    the run itself (a PRM's config written beside its checkpoints) and is not compared."""
+    old, new = _flatten(previous), _flatten(current)
+    for flat in (old, new):
+        if flat.get("model.tokenizer") is None:
+            flat["model.tokenizer"] = flat.get("model.hf_config")
+    keys = sorted(key for key in set(old) | set(new)
+                  if any(key == name or (name.endswith(".") and key.startswith(name)) for name in IDENTITY_KEYS)
+                  and key not in FREE_KEYS
+                  and not (isinstance(old.get(key), str) and "/" in old[key] and _inside(Path(old[key]), run_dir)))
+    return [(key, old.get(key), new.get(key)) for key in keys if not _same(old.get(key), new.get(key))]
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename ``run_dir`` to ``<run_dir>.old-<YYYYmmdd-HHMMSS>`` (a free name); returns it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    index = 1
+    while target.exists():
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{index}")
+        index += 1
+    os.rename(run_dir, target)
+    return target
+
+
+def _saved_config(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _step_of(checkpoint: Path | None) -> int | None:
+    if checkpoint is None:
+        return None
+    name = checkpoint.name
+    return int(name.split("_", 1)[1]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal, or two spellings of one existing path (relative and absolute)."""
+    if old == new:
+        return True
+    if isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new):
+        return os.path.samefile(old, new)
+    return False
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,145 @@
+"""Issue 51, the first hour: every config mistake is caught in the command's own process before torchrun or srun
+starts anything, as one line on stderr naming the key (and the fix where there is one), exit status 2. Each case
+is the exact command a user types, run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+GRPO = str(REPO / "configs" / "quickstart_grpo.yaml")
+SFT = str(REPO / "configs" / "quickstart_sft.yaml")
+PRM = str(REPO / "configs" / "quickstart_prm.yaml")
+
+
+def grpo_mega(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=environment, cwd=cwd or REPO)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> str:
+    """Exit status 2, stderr at most 3 lines (here: one), naming every string of ``named``, no traceback."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert 1 <= len(lines) <= 3 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    for text in named:
+        assert text in result.stderr, (text, result.stderr)
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict[str, str]:
+    """A model folder (its config.json) and a prompt file: what the checks before the launch read."""
+    root = tmp_path_factory.mktemp("task")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 512}))
+    (root / "train.jsonl").write_text(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n")
+    return {"model": str(root / "model"), "train": str(root / "train.jsonl"), "root": str(root)}
+
+
+def paths(task, run_dir: Path) -> list[str]:
+    return [f"model.hf_config={task['model']}", f"data.train_file={task['train']}", f"trainer.run_dir={run_dir}"]
+
+
+def test_a_misspelt_key_with_nproc_2_is_refused_before_torchrun_starts_with_the_key_meant(task, tmp_path):
+    start = time.perf_counter()
+    result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), "trainer.totl_steps=3")
+    seconds = time.perf_counter() - start
+    assert_one_line_error(result, "trainer.totl_steps", "did you mean trainer.total_steps?")
+    assert "torch.distributed" not in result.stderr and "[rank" not in result.stderr
+    assert seconds < 10, seconds  # no rank started (before: ~40 lines of torchrun after both ranks loaded)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, named, not_named", [
+    (["parallel.tensor=3"], ["parallel.tensor=3", "2 processes", "--nproc 3"], []),
+    (["trainer.keep_last=0"], ["trainer.keep_last=0"], []),
+    (["algorithm.response_length=0"], ["algorithm.response_length=0"], ["overlong_buffer"]),
+    (["model.tokenizer"], ["'model.tokenizer' is not key=value", "model.tokenizer=null"], []),
+    (["algorithm.supervision=process", "reward.function=math_verify"],
+     ["reward.function='math_verify' returns one score per completion", "reward.function=synthetic_steps"], []),
+    (["reward.function=math_verfy"], ["reward.function='math_verfy'"], []),
+])
+def test_config_mistakes_are_one_line_before_any_rank(task, tmp_path, overrides, named, not_named):
+    result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), *overrides)
+    stderr = assert_one_line_error(result, *named)
+    assert not any(text in stderr for text in not_named), stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_hf_config_folder_is_named_as_that_key(task, tmp_path):
+    result = grpo_mega("train", "--config", GRPO, f"model.hf_config={tmp_path / 'nowhere'}",
+                       f"data.train_file={task['train']}", f"trainer.run_dir={tmp_path / 'run'}")
+    stderr = assert_one_line_error(result, f"model.hf_config={tmp_path / 'nowhere'}: no such folder")
+    assert "tokenizer" not in stderr
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_a_process_count_below_1_is_refused(count):
+    assert_one_line_error(grpo_mega("train", "--config", GRPO, "--nproc", count), f"--nproc {count} must be >= 1")
+
+
+def test_srun_s_task_count_is_the_world_size_a_rank_checks(task, tmp_path):
+    """Under srun (SLURM_PROCID, SLURM_NTASKS; no torchrun variables) a rank checks the layout against the job's
+    tasks: its failure line names the key, with cause=config (the SLURM scripts do not requeue it)."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    result = grpo_mega("train", "--config", GRPO, *paths(task, tmp_path / "run"), "parallel.tensor=3", env=slurm)
+    assert_one_line_error(result, "failed (cause=config)", "parallel.tensor=3", "job's 2 processes")
+
+
+def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  total_steps: 3\n   bad: [1\n")
+    for command in (["train"], ["plan"], ["prm", "train"]):
+        result = grpo_mega(*command, "--config", str(bad))
+        assert_one_line_error(result, f"{bad}:3:7: YAML syntax error")
+
+
+@pytest.mark.parametrize("command, config", [(["sft"], SFT), (["eval", "--policy", "x"], GRPO)])
+def test_sft_and_eval_check_before_the_launch_too(task, tmp_path, command, config):
+    result = grpo_mega(*command, "--config", config, "--nproc", "2", *paths(task, tmp_path / "run"),
+                       "trainer.totl_steps=3")
+    assert_one_line_error(result, "trainer.totl_steps", "did you mean trainer.total_steps?")
+
+
+def test_prm_train_checks_its_layout_against_the_process_count(task, tmp_path):
+    result = grpo_mega("prm", "train", "--config", PRM, "--nproc", "2", *paths(task, tmp_path / "run"),
+                       "parallel.tensor=3")
+    assert_one_line_error(result, "parallel.tensor=3", "2 processes")
+
+
+@pytest.mark.parametrize("flag", ["--gpus-per-node", "--gpu-memory-gib", "--nodes"])
+def test_plan_refuses_a_zero_count_instead_of_the_header_s(flag):
+    config = str(REPO / "configs" / "qwen2.5-math-7b_grpo.yaml")
+    assert_one_line_error(grpo_mega("plan", "--config", config, flag, "0"), f"{flag} 0 must be")
+
+
+def test_quickstart_refuses_zero_iterations_in_one_line(tmp_path):
+    result = grpo_mega("quickstart", "--iterations", "0", "--run-dir", str(tmp_path / "qs"))
+    assert_one_line_error(result, "--iterations 0 must be >= 1")
+    assert not (tmp_path / "qs").exists()
+
+
+def test_ctrl_c_on_quickstart_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the quickstart and the command it runs."""
+    child = subprocess.Popen([sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--run-dir",
+                              str(tmp_path / "qs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "qs" / "sft.log").exists() and time.monotonic() < deadline:  # in its first command
+        time.sleep(0.5)
+    time.sleep(3)
+    os.killpg(child.pid, signal.SIGINT)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines() == [f"grpo-mega quickstart: interrupted; {tmp_path / 'qs'} keeps what "
+                                           "finished (the same command continues)"], stderr[-3000:]
