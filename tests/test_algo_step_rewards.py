@@ -127,5 +127,6 @@ def test_the_config_checks_the_option():
         load_config(GRPOConfig, None, [*prm, "process_reward.step_reward=sum"], validate)
     with pytest.raises(ConfigError, match="clip_eta=1.5 must be in"):
         load_config(GRPOConfig, None, [*prm, "process_reward.clip_eta=1.5"], validate)
-    with pytest.raises(ConfigError, match="process_reward.step_reward .*source=prm"):
-        load_config(GRPOConfig, None, [*base, "process_reward.step_reward=progress"], validate)
+    # without a PRM the option means nothing: reset with a warning (issue 51), not refused
+    steps = [*base, "reward.function=synthetic_steps", "process_reward.step_reward=progress"]
+    assert load_config(GRPOConfig, None, steps, validate).process_reward.step_reward == "score"

@@ -185,8 +185,7 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
     while not any(r["step"] == 5 for r in _rows(killed)):
         assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:] if job.stderr else ""
         time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
+    _kill_whole_job(job, killed)
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_000004"
     resumed = _run(_command(task, killed, 2, *settings))
     assert "resumed from" in resumed.stderr
@@ -222,6 +221,32 @@ def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_ex
     assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
     for step in range(1, 7):
         assert _trained(stopped, step) == _trained(whole, step)
+
+
+def _kill_whole_job(job, run_dir):
+    """SIGKILL a job as SLURM does, every process of it: the launcher's group, and the ranks, which torchrun starts
+    in process groups of their own (they would otherwise go on to the next save before they notice, on a loaded
+    machine: the resumed run then found the run complete); returns once none is left."""
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + 60
+    while True:
+        ranks = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and str(run_dir) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    ranks.append(int(entry.name))
+            except OSError:
+                continue
+        if not ranks:
+            return
+        assert time.monotonic() < deadline, f"processes of {run_dir} outlived SIGKILL: {ranks}"
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
 
 
 def _rows(run_dir):
