@@ -99,7 +99,7 @@ def _run_training(args) -> int:
     # grpo_mega.config imports torch (through grpo_mega.algo): imported here, when the command needs the config,
     # never at the CLI's import (`grpo-mega --help` stays light)
     from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, validate, validate_sft
-    from grpo_mega.config.preflight import launch_rank, load_checked, start_attempt
+    from grpo_mega.config.preflight import announce_verdict, launch_rank, load_checked, start_attempt
 
     schema, validator = (SFTConfig, validate_sft) if args.command == "sft" else (GRPOConfig, validate)
     if args.print_config:
@@ -117,12 +117,8 @@ def _run_training(args) -> int:
         verdict = start_attempt(cfg, act=launch_rank() == 0)
     except ConfigError as error:
         return _config_error(args.command, error)
-    if verdict.moved_to is not None:
-        print(f"grpo-mega {args.command}: trainer.overwrite=true: moved the earlier run aside to {verdict.moved_to}",
-              file=sys.stderr)
+    announce_verdict(f"grpo-mega {args.command}", verdict)
     if verdict.complete:
-        if launch_rank() == 0:
-            print(f"grpo-mega {args.command}: {verdict.message}", file=sys.stderr)
         if not launched:  # the ranks of a job go on together: they resume at the last step and end
             return 0
     if args.nproc > 1 and not launched:

@@ -55,7 +55,7 @@ def run_prm_command(args, argv: list[str]) -> int:
     cfg = None
     if args.prm_command == "train":
         from grpo_mega.config import ConfigError, launched_world_size, load_config, validate_world_size
-        from grpo_mega.config.preflight import check_paths, launch_rank, start_attempt
+        from grpo_mega.config.preflight import announce_verdict, check_paths, launch_rank, start_attempt
         from prm.config import PRMConfig, validate_prm
 
         launched = under_launcher()
@@ -79,12 +79,8 @@ def run_prm_command(args, argv: list[str]) -> int:
 
             print(config_yaml(cfg), end="")
             return 0
-        if verdict.moved_to is not None:
-            print(f"grpo-mega prm train: trainer.overwrite=true: moved the earlier run aside to {verdict.moved_to}",
-                  file=sys.stderr)
+        announce_verdict("grpo-mega prm train", verdict)
         if verdict.complete:
-            if launch_rank() == 0:
-                print(f"grpo-mega prm train: {verdict.message}", file=sys.stderr)
             if not launched:
                 print(verdict.checkpoint, flush=True)  # the output path, as a run that trains prints it last
                 return 0

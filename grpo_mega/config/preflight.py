@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -66,6 +67,15 @@ def start_attempt(cfg: Any, *, act: bool = True) -> RunFolderVerdict:
     if act and not verdict.complete:
         set_aside_failure(cfg.trainer.run_dir)
     return verdict
+
+
+def announce_verdict(command: str, verdict: RunFolderVerdict) -> None:
+    """Say on stderr what the run folder guard did (an earlier run moved aside) or found (the run is complete: once,
+    from rank 0 of a job)."""
+    if verdict.moved_to is not None:
+        print(f"{command}: trainer.overwrite=true: moved the earlier run aside to {verdict.moved_to}", file=sys.stderr)
+    if verdict.complete and launch_rank() == 0:
+        print(f"{command}: {verdict.message}", file=sys.stderr)
 
 
 def launch_rank() -> int:
