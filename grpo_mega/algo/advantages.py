@@ -119,7 +119,8 @@ def process_advantages(
     ``r_i^j``. With ``n_i^j`` from :func:`normalize_step_rewards` (pooled over the group),
     ``A_{i,t} = sum_{j : index(j) >= t} n_i^j``. Tokens after the last step end get 0, or with
     ``after_last_step="capped"`` (the answer guard, ``grpo_mega.algo.answer_credit``) ``min(A_{i,last}, 0)``, the
-    advantage of the last step's last token capped at 0; tokens outside ``response_mask`` get 0. No discount. With ``credit="min"`` (PURE's min-form credit assignment)
+    advantage of the last step's last token capped at 0; tokens outside ``response_mask`` get 0. No discount.
+    With ``credit="min"`` (PURE's min-form credit assignment)
     ``A_{i,t} = min_{j : index(j) >= t} n_i^j`` instead: a token is credited with the worst step still ahead of it,
     so adding steps cannot raise it.
 

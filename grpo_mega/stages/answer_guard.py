@@ -23,17 +23,13 @@ class AnswerGuard:
     def answer_end(self, text: str) -> int | None:
         return final_answer_end(text, self.answer_pattern)
 
-    def scored_text(self, text: str) -> str:
-        """What of ``text`` is split into steps and scored: the text through its first final answer, or all of it
-        when it has none."""
-        end = self.answer_end(text)
-        return text if end is None else text[:end]
-
-    def guard(self, values: Sequence[float], ends: Sequence[int], text: str) -> tuple[list[float], list[int]]:
-        """``text``'s step ``values`` and character ``ends`` cut at its final answer; with none, a missing-answer
-        step of ``missing_answer_score`` after the text (its end one past the text, so that it lands on the token
-        after the text: the end-of-sequence token of a finished completion)."""
-        return cut_at_answer(values, ends, self.answer_end(text), missing_value=self.missing_answer_score,
+    def guard(self, values: Sequence[float], ends: Sequence[int], text: str,
+              answer_end: int | None) -> tuple[list[float], list[int]]:
+        """``text``'s step ``values`` and character ``ends`` cut at its final answer's end ``answer_end``
+        (:meth:`answer_end`); with none, a missing-answer step of ``missing_answer_score`` after the text (its end
+        one past the text, so that it lands on the token after the text: the end-of-sequence token of a finished
+        completion)."""
+        return cut_at_answer(values, ends, answer_end, missing_value=self.missing_answer_score,
                              missing_end=len(text) + 1)
 
     def guard_reward(self, result: SampleReward, text: str) -> SampleReward:
@@ -41,7 +37,7 @@ class AnswerGuard:
         without step rewards unchanged."""
         if result.failed or result.step_rewards is None:
             return result
-        rewards, ends = self.guard(result.step_rewards, result.step_ends, text)
+        rewards, ends = self.guard(result.step_rewards, result.step_ends, text, self.answer_end(text))
         return dataclasses.replace(result, step_rewards=rewards, step_ends=ends)
 
 

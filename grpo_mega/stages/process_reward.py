@@ -78,13 +78,15 @@ class PRMStepRewards:
         start = time.perf_counter()
         pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
         guard = self.answer_guard
-        scored_texts = [guard.scored_text(text) for text in texts] if guard is not None else list(texts)
+        # the text through the first final answer is split and scored (all of it without an answer or a guard)
+        answer_ends = [guard.answer_end(text) for text in texts] if guard is not None else [None] * len(texts)
+        scored_texts = [text if end is None else text[:end] for text, end in zip(texts, answer_ends)]
         steps = [segment_completion(text, pattern, self.settings.max_counted_steps) for text in scored_texts]
         scores, failed = self._score(prompts, texts, steps)
         metrics = self._metrics(steps, scores)  # the PRM's own scores, before the guard adds a missing answer's
         ends = [step_char_ends(row_steps) for row_steps in steps]
         if guard is not None:
-            guarded = [guard.guard(s, e, text) for s, e, text in zip(scores, ends, texts)]
+            guarded = [guard.guard(s, e, text, end) for s, e, text, end in zip(scores, ends, texts, answer_ends)]
             scores, ends = [s for s, _ in guarded], [e for _, e in guarded]
         progress = self.settings.step_reward == "progress"
         starts = group_start_values(prompts, outcomes) if progress else [0.0] * len(texts)  # s_0 of progress only
