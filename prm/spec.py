@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURE
+from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURES, is_prm_classifier
 from grpo_mega.checkpoint.source import ModelSource, resolve_model_source
 from prm.rendering import RenderSettings
 
@@ -40,7 +40,7 @@ LM_TOKENS_STEP_TAG = " ки"
 """Math-Shepherd's step tag."""
 NO_STEP_TAG = ""
 """The likelihood layout's tag: none, the steps are read as written."""
-_CAUSAL_LM_BY_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_CAUSAL_LM_BY_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -113,15 +113,16 @@ def config_field(hf_config: Any, name: str) -> Any:
 
 def detect_layout(hf_config: Any) -> str:
     """The PRM layout of an HF config (object or config.json dict), from its ``architectures``:
-    Qwen2ForProcessRewardModel -> ``classifier``, a ``*ForCausalLM`` -> ``lm_tokens``; ValueError otherwise."""
+    Qwen2ForProcessRewardModel (or Qwen3ForProcessRewardModel) -> ``classifier``, a ``*ForCausalLM`` ->
+    ``lm_tokens``; ValueError otherwise."""
     architectures = list(config_field(hf_config, "architectures") or [])
-    if PRM_CLASSIFIER_ARCHITECTURE in architectures:
+    if is_prm_classifier(architectures):
         return "classifier"
     if any(name.endswith("ForCausalLM") for name in architectures):
         return "lm_tokens"
     raise ValueError(
         f"cannot tell the PRM layout from the HF config's architectures {architectures}: expected "
-        f"{PRM_CLASSIFIER_ARCHITECTURE} (classifier) or a *ForCausalLM (lm_tokens)"
+        f"one of {sorted(PRM_CLASSIFIER_ARCHITECTURES.values())} (classifier) or a *ForCausalLM (lm_tokens)"
     )
 
 
@@ -178,8 +179,9 @@ def prm_hf_config_from_policy(policy_hf_dir: str | os.PathLike, out_dir: str | o
     """Write the HF folder (config.json and the tokenizer files, no weights) of a ``layout`` PRM made from the
     policy in ``policy_hf_dir``; returns ``out_dir``.
 
-    ``classifier``: the policy's config with ``architectures: ["Qwen2ForProcessRewardModel"]`` and
-    ``tie_word_embeddings: false`` (the PRM has no LM head to tie); a Qwen2 policy only. ``lm_tokens`` and
+    ``classifier``: the policy's config with ``architectures: ["Qwen2ForProcessRewardModel"]`` (a Qwen3 policy:
+    ``Qwen3ForProcessRewardModel``) and ``tie_word_embeddings: false`` (the PRM has no LM head to tie); a Qwen2 or
+    Qwen3 policy only. ``lm_tokens`` and
     ``likelihood``: the policy's config as it is (``architectures`` filled in from the model type when the policy's has none).
     """
     from grpo_mega.checkpoint.hf_io import copy_side_files
@@ -192,10 +194,10 @@ def prm_hf_config_from_policy(policy_hf_dir: str | os.PathLike, out_dir: str | o
     config = json.loads(config_path.read_text())
     model_type = config.get("model_type")
     if layout == "classifier":
-        if model_type != "qwen2":
-            raise ValueError(f"{config_path}: the classifier layout ({PRM_CLASSIFIER_ARCHITECTURE}) needs a qwen2 "
-                             f"policy, model_type is {model_type!r}")
-        config.update(architectures=[PRM_CLASSIFIER_ARCHITECTURE], tie_word_embeddings=False)
+        if model_type not in PRM_CLASSIFIER_ARCHITECTURES:
+            raise ValueError(f"{config_path}: the classifier layout needs a policy of model_type "
+                             f"{' or '.join(sorted(PRM_CLASSIFIER_ARCHITECTURES))}, model_type is {model_type!r}")
+        config.update(architectures=[PRM_CLASSIFIER_ARCHITECTURES[model_type]], tie_word_embeddings=False)
     elif not config.get("architectures"):
         if model_type not in _CAUSAL_LM_BY_MODEL_TYPE:
             raise ValueError(f"{config_path}: model_type {model_type!r} is not one of "

@@ -196,7 +196,7 @@ def _training_job(tmp: str) -> dict:
 
     def engine(te_like: bool):
         # The spec a machine with Transformer Engine would pick, swapped in where build_gpt_model asks for it.
-        gpt.transformer_layer_spec = (lambda: _spec(NormWithExtraState)) if te_like else local_spec
+        gpt.transformer_layer_spec = (lambda config: _spec(NormWithExtraState)) if te_like else local_spec
         try:
             return build_policy_engine(tiny_qwen2_config(tied=False, num_layers=LAYERS), optim=OptimConfig(lr=1e-3),
                                        total_steps=2, max_tokens_per_micro_batch=40)

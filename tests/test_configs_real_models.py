@@ -23,6 +23,7 @@ REAL_MODEL_CONFIGS = {
     "qwen2.5-math-1.5b_grpo.yaml": ("qwen2.5-math-1.5b", 1.54e9),
     "qwen2.5-math-7b_grpo.yaml": ("qwen2.5-math-7b", 7.6e9),
     "llama-3.1-8b_grpo.yaml": ("llama-3.1-8b", 8.0e9),
+    "qwen3-8b_grpo.yaml": ("qwen3-8b", 8.2e9),
     "qwen2.5-math-7b_grpo_prm.yaml": ("qwen2.5-math-7b", 7.6e9),
     "qwen2.5-math-7b_grpo_async.yaml": ("qwen2.5-math-7b", 7.6e9),
     "qwen2.5-math-7b_grpo_prm_async.yaml": ("qwen2.5-math-7b", 7.6e9),
@@ -43,6 +44,9 @@ EXPECTED_ARCHITECTURE = {
     "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6),
 }
 
 REQUIRED_PATHS = [
@@ -73,13 +77,15 @@ def _rope_theta(hf) -> float:
 
 
 def parameter_count(hf) -> int:
-    """Parameters of a Qwen2 / Llama model from its HF config: embedding, per layer (GQA attention, q/k/v bias
-    for qwen2, SwiGLU MLP of 3 matrices, 2 RMSNorms), final norm and the LM head unless tied."""
+    """Parameters of a Qwen2 / Llama / Qwen3 model from its HF config: embedding, per layer (GQA attention, q/k/v
+    bias for qwen2, q/k norms for qwen3, SwiGLU MLP of 3 matrices, 2 RMSNorms), final norm and the LM head unless
+    tied."""
     h, layers = hf.hidden_size, hf.num_hidden_layers
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if hf.model_type == "qwen2" else 0)
+    attention += 2 * head_dim if hf.model_type == "qwen3" else 0
     mlp = 3 * h * hf.intermediate_size
     per_layer = attention + mlp + 2 * h
     embedding = hf.vocab_size * h
@@ -143,7 +149,9 @@ def test_megatron_config_accepts_layout(name):
     if hf.model_type == "llama":
         assert gpt.rope_scaling_factor == 8.0 and gpt.rotary_base == 500000.0
     else:
-        assert gpt.rope_scaling_factor is None and gpt.rotary_base == 10000.0
+        rotary_base = {"qwen2": 10000.0, "qwen3": 1000000.0}[hf.model_type]
+        assert gpt.rope_scaling_factor is None and gpt.rotary_base == rotary_base
+    assert gpt.transformer.qk_layernorm == (hf.model_type == "qwen3")
 
 
 @pytest.mark.parametrize("folder", sorted(EXPECTED_ARCHITECTURE))
@@ -152,13 +160,13 @@ def test_hf_config_matches_published_architecture(folder):
     for key, value in EXPECTED_ARCHITECTURE[folder].items():
         assert getattr(hf, key) == value, f"{folder}: {key}={getattr(hf, key)!r}, expected {value!r}"
     assert hf.hidden_act == "silu"
-    assert _rope_theta(hf) == (500000.0 if hf.model_type == "llama" else 10000.0)
-    if hf.model_type == "qwen2":
+    assert _rope_theta(hf) == {"llama": 500000.0, "qwen2": 10000.0, "qwen3": 1000000.0}[hf.model_type]
+    if hf.model_type in ("qwen2", "qwen3"):
         assert not getattr(hf, "use_sliding_window", False)
 
 
 @pytest.mark.parametrize("folder, expected", [
-    ("qwen2.5-math-1.5b", 1.54e9), ("qwen2.5-math-7b", 7.6e9), ("llama-3.1-8b", 8.0e9),
+    ("qwen2.5-math-1.5b", 1.54e9), ("qwen2.5-math-7b", 7.6e9), ("llama-3.1-8b", 8.0e9), ("qwen3-8b", 8.2e9),
 ])
 def test_parameter_count_matches_published_size(folder, expected):
     count = parameter_count(_hf_config(folder))

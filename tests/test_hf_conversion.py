@@ -1,7 +1,8 @@
 """HF <-> megatron-core conversion: layouts, TP/PP sharding, logits against transformers, tools.
 
-Models are random Qwen2 / Llama models built locally by transformers: multi-head and GQA with 2 and
-4 query heads per key/value head, tied and untied embeddings, vocabularies that need padding. All
+Models are random Qwen2 / Llama / Qwen3 models built locally by transformers: multi-head and GQA with 2 and
+4 query heads per key/value head, tied and untied embeddings, vocabularies that need padding, Qwen3's q/k norms
+with a head_dim that is not hidden / heads. All
 weights (norms included) are perturbed, so a swapped or mis-sliced tensor changes the logits.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from grpo_mega.checkpoint import (
     HFWeights,
@@ -44,13 +45,19 @@ CONFIGS = {
     "llama_gqa4_tied_bias": lambda: LlamaConfig(vocab_size=257, num_attention_heads=8,
                                                 num_key_value_heads=2, tie_word_embeddings=True,
                                                 attention_bias=True, **SMALL),
+    # Qwen3: q/k RMSNorm on every head, head_dim 32 with hidden 64 and 4 heads (q_size 128 > hidden), tied.
+    "qwen3_gqa2_tied_qknorm": lambda: Qwen3Config(vocab_size=301, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=32, tie_word_embeddings=True, **SMALL),
+    # Qwen3, GQA ratio 4, untied.
+    "qwen3_gqa4_untied_qknorm": lambda: Qwen3Config(vocab_size=257, num_attention_heads=8, num_key_value_heads=2,
+                                                    head_dim=16, tie_word_embeddings=False, **SMALL),
 }
 # Only in the process-free tests: megatron models built by grpo_mega.model have no o_proj / MLP bias.
 TABLE_ONLY = {
     "llama_mlp_bias": lambda: LlamaConfig(vocab_size=257, num_attention_heads=4, num_key_value_heads=2,
                                           attention_bias=True, mlp_bias=True, **SMALL),
 }
-MODEL_CONFIGS = ("qwen2_mha_untied", "qwen2_gqa2_tied", "llama_gqa4_untied")
+MODEL_CONFIGS = ("qwen2_mha_untied", "qwen2_gqa2_tied", "llama_gqa4_untied", "qwen3_gqa2_tied_qknorm")
 
 
 def random_hf_model(config, seed: int = 0):

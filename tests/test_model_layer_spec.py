@@ -48,3 +48,18 @@ def test_local_spec_on_cpu_uses_torch_fused_attention(fresh_choice):
 
     spec = gpt.transformer_layer_spec()
     assert spec.submodules.self_attention.submodules.core_attention is SDPADotProductAttention
+
+
+def test_local_spec_has_rms_q_k_norms_only_for_a_model_that_has_them(fresh_choice):
+    from megatron.core.transformer.identity_op import IdentityOp
+    from transformers import Qwen2Config, Qwen3Config
+
+    from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.model.norm import RMSNorm
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    qwen3 = gpt.transformer_layer_spec(gpt_config_from_hf(Qwen3Config(**shape)).transformer)
+    qwen2 = gpt.transformer_layer_spec(gpt_config_from_hf(Qwen2Config(**shape)).transformer)
+    for name in ("q_layernorm", "k_layernorm"):
+        assert getattr(qwen3.submodules.self_attention.submodules, name) is RMSNorm
+        assert getattr(qwen2.submodules.self_attention.submodules, name) is IdentityOp

@@ -90,3 +90,22 @@ def test_tools_round_trip_of_the_classifier_is_bit_identical(classifier, tmp_pat
     assert config["architectures"] == ["Qwen2ForProcessRewardModel"]
     assert config == json.loads((folder / "config.json").read_text())
     assert (back / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_qwen3_classifier_round_trips_with_its_q_k_norms(tp, pp):
+    from transformers import Qwen3Config, Qwen3Model
+
+    from grpo_mega.checkpoint.hf_layouts import QWEN3_PRM_CLASSIFIER
+
+    config = Qwen3Config(**SHAPE, head_dim=24, tie_word_embeddings=False, architectures=["Qwen3ForProcessRewardModel"])
+    assert architecture_for(config) is QWEN3_PRM_CLASSIFIER
+    torch.manual_seed(0)
+    state = {f"model.{name}": torch.randn(t.shape) for name, t in Qwen3Model(config).state_dict().items()}
+    state.update({"score.0.weight": torch.randn(64, 64), "score.0.bias": torch.randn(64),
+                  "score.2.weight": torch.randn(2, 64), "score.2.bias": torch.randn(2)})
+    assert "model.layers.0.self_attn.q_norm.weight" in state
+    shards = {(t, p): hf_to_mcore_shards(state, config, t, tp, p, pp) for t in range(tp) for p in range(pp)}
+    assert any("self_attention.k_layernorm.weight" in name for shard in shards.values() for name in shard)
+    back = mcore_shards_to_hf(shards, config, tp, pp)
+    assert set(back) == set(state) and all(torch.equal(back[name], t) for name, t in state.items())

@@ -238,6 +238,12 @@ def test_prm_hf_config_from_policy(tmp_path):
     lm_dir = prm_hf_config_from_policy(policy, tmp_path / "lm", "lm_tokens")
     assert json.loads((lm_dir / "config.json").read_text()) == original
 
+    qwen3 = tmp_path / "qwen3"  # a Qwen3 policy makes a Qwen3 classifier
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    written = json.loads((prm_hf_config_from_policy(qwen3, tmp_path / "q3", "classifier") / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3ForProcessRewardModel"] and detect_layout(written) == "classifier"
+
     # A policy config written without architectures (as Qwen2Config().save_pretrained does) gets them.
     bare = tmp_path / "bare"
     Qwen2Config(**SHAPE).save_pretrained(bare)
@@ -246,7 +252,7 @@ def test_prm_hf_config_from_policy(tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"llama/config.json: the classifier layout .* needs a qwen2 policy"):
+    with pytest.raises(ValueError, match=r"llama/config.json: the classifier layout needs .* qwen2 or qwen3"):
         prm_hf_config_from_policy(llama, tmp_path / "x", "classifier")
     with pytest.raises(ValueError, match="PRM layout must be one of"):
         prm_hf_config_from_policy(policy, tmp_path / "y", "value_head")

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import grpo_mega.rollout.engine_choice as engine_choice
 from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
@@ -53,7 +53,9 @@ def test_auto_on_the_cpu_follows_the_measured_threshold(monkeypatch):
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=1, head_dim=32, vocab_size=256, attention_bias=True, mlp_bias=True,
                 tie_word_embeddings=True),
-], ids=["qwen2-gqa-tied", "qwen2-mha-untied", "llama-gqa", "llama-head-dim-bias"])
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False),
+], ids=["qwen2-gqa-tied", "qwen2-mha-untied", "llama-gqa", "llama-head-dim-bias", "qwen3-qk-norm-head-dim"])
 def test_parameter_count_from_the_config_equals_the_models(config):
     model = AutoModelForCausalLM.from_config(config)
     assert parameters_from_hf_config(config.to_dict()) == sum(p.numel() for p in model.parameters())

@@ -45,18 +45,15 @@ def _checkpoint_tensors(folder: Path) -> dict:
     return tensors
 
 
-@pytest.mark.slow
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
-    import torch
-
-    common = ("trainer.total_steps=4", "trainer.save_every=2", "trainer.dump_rollouts=true",
-              "optim.decay_style=cosine", "trainer.keep_last=3")
-    straight = subprocess.run(_cli(task, tmp_path / "straight", *common), capture_output=True, text=True, timeout=600)
+def straight_and_killed_runs(task, root: Path, *common: str) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """An uninterrupted 4-step run (``root/straight``) and one killed mid step 3 after its step-2 save, then resumed
+    (``root/interrupted``); returns the two run folders and the resumed command's result."""
+    straight = subprocess.run(_cli(task, root / "straight", *common), capture_output=True, text=True, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    interrupted = tmp_path / "interrupted"
+    interrupted = root / "interrupted"
     latest = interrupted / "checkpoints" / "latest"
-    with open(tmp_path / "first.log", "w") as log:
+    with open(root / "first.log", "w") as log:
         job = subprocess.Popen(_cli(task, interrupted, *common), stdout=log, stderr=log, start_new_session=True)
         while job.poll() is None and not (latest.exists() and latest.read_text().strip() == "step_000002"):
             time.sleep(0.05)
@@ -64,31 +61,50 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
         for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
             process.kill()
         job.wait()
-    assert latest.read_text().strip() == "step_000002", (tmp_path / "first.log").read_text()[-3000:]
+    assert latest.read_text().strip() == "step_000002", (root / "first.log").read_text()[-3000:]
     resumed = subprocess.run(_cli(task, interrupted, *common), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
+    return root / "straight", interrupted, resumed
 
-    for step in range(1, 5):  # the same completions and rewards at every step
+
+def assert_runs_equal(straight: Path, interrupted: Path, steps: int) -> dict:
+    """The same completions, rewards, per-step figures and final weights in both run folders; returns the final
+    checkpoint's tensors."""
+    import torch
+
+    for step in range(1, steps + 1):  # the same completions and rewards at every step
         name = f"rollouts/step_{step:06d}.jsonl"
-        assert (tmp_path / "straight" / name).read_text() == (interrupted / name).read_text(), name
-    expected, got = read_metrics(tmp_path / "straight" / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
+        assert (straight / name).read_text() == (interrupted / name).read_text(), name
+    expected, got = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
     for name in ("actor/lr", "actor/grad_norm", "actor/pg_loss", "critic/score/mean"):
         assert [row[name] for row in got] == pytest.approx([row[name] for row in expected], rel=1e-6, abs=1e-9), name
+    final_a = _checkpoint_tensors(straight / "checkpoints" / f"step_{steps:06d}")
+    final_b = _checkpoint_tensors(interrupted / "checkpoints" / f"step_{steps:06d}")
+    assert final_a.keys() == final_b.keys() and "embedding.word_embeddings.weight" in final_a
+    for key in final_a:
+        assert torch.equal(final_a[key], final_b[key]), key
+    return final_a
+
+
+KILL_RUN = ("trainer.total_steps=4", "trainer.save_every=2", "trainer.dump_rollouts=true", "optim.decay_style=cosine",
+            "trainer.keep_last=3")
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
+    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *KILL_RUN)
+    assert_runs_equal(straight, interrupted, 4)
     # Each process's first step says where its start-up went (grpo_mega.perf.startup): from the command's start
     # (torchrun and the rank's process before it: launch), the rank's imports, ..., to the step.
     phases = {"launch", "imports", "distributed", "data", "model_build", "load", "rollout_engine", "other", "total"}
+    expected, got = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
     for rows, firsts in ((expected, {1}), (got, {1, 3})):  # the resumed process's first step is 3
         startup = [{k.split("/")[1]: v for k, v in row.items() if k.startswith("startup_s/")} for row in rows]
         assert [bool(s) for s in startup] == [row["step"] in firsts for row in rows]
         for first in filter(None, startup):
             assert set(first) == phases and first["launch"] > 0.5 and first["imports"] > 0.5, first
             assert first["total"] == pytest.approx(sum(v for k, v in first.items() if k != "total"))
-    final_a = _checkpoint_tensors(tmp_path / "straight" / "checkpoints" / "step_000004")
-    final_b = _checkpoint_tensors(interrupted / "checkpoints" / "step_000004")
-    assert final_a.keys() == final_b.keys() and "embedding.word_embeddings.weight" in final_a
-    for key in final_a:
-        assert torch.equal(final_a[key], final_b[key]), key
 
 
 def rank_dependent_flaky_reward(prompt, completion, answer, **extra):

@@ -13,10 +13,11 @@ these architectures are all merged ones (qkv_grouped, gate_up).
 Megatron names are those of the local layer spec; with Transformer Engine's spec the two pre-norms
 are fused into the next linear and carry other names (`model_tensor_name`).
 
-A table is chosen by `model_type`, except for process reward models named by `architectures`:
-Qwen2ForProcessRewardModel (Qwen2.5-Math-PRM) is a Qwen2 backbone without lm_head plus a step
+A table is chosen by `model_type` (qwen2, llama, qwen3), except for process reward models named by
+`architectures`: Qwen2ForProcessRewardModel (Qwen2.5-Math-PRM) is a Qwen2 backbone without lm_head plus a step
 classifier `score.0` (Linear H->H) / `score.2` (Linear H->2), held by the megatron model as its
-head `head.score.*`, replicated over TP ranks, on the last pipeline stage.
+head `head.score.*`, replicated over TP ranks, on the last pipeline stage; Qwen3ForProcessRewardModel is the
+same on a Qwen3 backbone.
 """
 
 from __future__ import annotations
@@ -142,29 +143,58 @@ LLAMA = ArchitectureTable("llama", (
     *_FINAL,
 ))
 
-ARCHITECTURES: dict[str, ArchitectureTable] = {table.model_type: table for table in (QWEN2, LLAMA)}
+# Qwen3: Llama's rows (no biases) and an RMSNorm over head_dim on every query and key head (q_norm / k_norm,
+# megatron's q_layernorm / k_layernorm: one [head_dim] weight shared by all heads, so every TP rank holds it whole).
+QWEN3 = ArchitectureTable("qwen3", (
+    _EMBEDDING,
+    *_LAYER_WEIGHTS,
+    WeightMapping(_LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_norm.weight",), (("head_dim",),),
+                  REPLICATED, "layer"),
+    WeightMapping(_LAYER + "self_attention.k_layernorm.weight", (_ATTN + "k_norm.weight",), (("head_dim",),),
+                  REPLICATED, "layer"),
+    *_FINAL,
+))
+
+ARCHITECTURES: dict[str, ArchitectureTable] = {table.model_type: table for table in (QWEN2, LLAMA, QWEN3)}
 
 PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
+"""Qwen2.5-Math-PRM's architecture name."""
+PRM_CLASSIFIER_ARCHITECTURES: dict[str, str] = {"qwen2": PRM_CLASSIFIER_ARCHITECTURE,
+                                                "qwen3": "Qwen3ForProcessRewardModel"}
+"""model_type -> the `architectures` name of a classifier PRM on that backbone. Qwen published the Qwen2 one
+(Qwen2.5-Math-PRM); a Qwen3 backbone with the same step classifier is named the same way."""
 
-# Qwen2.5-Math-PRM: the Qwen2 rows without the LM head, then the step classifier (replicated: every TP
-# rank holds the whole head and computes it on the same hidden states).
-QWEN2_PRM_CLASSIFIER = ArchitectureTable(
-    "qwen2",
-    (
-        *(m for m in QWEN2.mappings if m.mcore != "output_layer.weight"),
-        WeightMapping("head.score.0.weight", ("score.0.weight",), ((_H, _H),), REPLICATED, "last"),
-        WeightMapping("head.score.0.bias", ("score.0.bias",), ((_H,),), REPLICATED, "last"),
-        WeightMapping("head.score.2.weight", ("score.2.weight",), (("score_classes", _H),), REPLICATED,
-                      "last"),
-        WeightMapping("head.score.2.bias", ("score.2.bias",), (("score_classes",),), REPLICATED, "last"),
-    ),
-    architecture=PRM_CLASSIFIER_ARCHITECTURE,
-    model_prefixes=("embedding.", "decoder.", "head."),
-    lm_output=False,
-)
+
+def _prm_classifier(backbone: ArchitectureTable) -> ArchitectureTable:
+    """A backbone's rows without the LM head, then Qwen2.5-Math-PRM's step classifier (replicated: every TP rank
+    holds the whole head and computes it on the same hidden states)."""
+    return ArchitectureTable(
+        backbone.model_type,
+        (
+            *(m for m in backbone.mappings if m.mcore != "output_layer.weight"),
+            WeightMapping("head.score.0.weight", ("score.0.weight",), ((_H, _H),), REPLICATED, "last"),
+            WeightMapping("head.score.0.bias", ("score.0.bias",), ((_H,),), REPLICATED, "last"),
+            WeightMapping("head.score.2.weight", ("score.2.weight",), (("score_classes", _H),), REPLICATED,
+                          "last"),
+            WeightMapping("head.score.2.bias", ("score.2.bias",), (("score_classes",),), REPLICATED, "last"),
+        ),
+        architecture=PRM_CLASSIFIER_ARCHITECTURES[backbone.model_type],
+        model_prefixes=("embedding.", "decoder.", "head."),
+        lm_output=False,
+    )
+
+
+QWEN2_PRM_CLASSIFIER = _prm_classifier(QWEN2)
+QWEN3_PRM_CLASSIFIER = _prm_classifier(QWEN3)
 
 # HF `architectures` entries that select a table of their own; model_type must match the table's.
-ARCHITECTURES_BY_NAME: dict[str, ArchitectureTable] = {PRM_CLASSIFIER_ARCHITECTURE: QWEN2_PRM_CLASSIFIER}
+ARCHITECTURES_BY_NAME: dict[str, ArchitectureTable] = {
+    table.architecture: table for table in (QWEN2_PRM_CLASSIFIER, QWEN3_PRM_CLASSIFIER)}
+
+
+def is_prm_classifier(architectures: Sequence[str] | None) -> bool:
+    """Whether a config's `architectures` names a classifier PRM (`PRM_CLASSIFIER_ARCHITECTURES`)."""
+    return any(name in PRM_CLASSIFIER_ARCHITECTURES.values() for name in architectures or ())
 
 # Transformer Engine's layer spec fuses each pre-norm into the linear that follows it; the local spec
 # keeps separate norm modules. Same tensor, two names (megatron's own sharded_state_dict_keys_map

@@ -1,8 +1,9 @@
-"""Hugging Face config (Qwen2, Llama) -> megatron-core TransformerConfig and GPTModel arguments.
+"""Hugging Face config (Qwen2, Llama, Qwen3) -> megatron-core TransformerConfig and GPTModel arguments.
 
 One table, `HF_TO_MCORE_FIELDS`, maps the HF fields that carry over by value; `FAMILY_SETTINGS` are
-the choices shared by both families (RMSNorm, SwiGLU, no linear biases, RoPE, no dropout);
-`QKV_BIAS_BY_MODEL_TYPE` is the one place they differ. RoPE (base and llama3 scaling) is read from
+the choices shared by every family (RMSNorm, SwiGLU, no linear biases, RoPE, no dropout);
+`FAMILIES` says where they differ: q/k/v biases (Qwen2) and RMSNorm on every query and key head before RoPE
+(Qwen3: megatron's `qk_layernorm`, its head_dim independent of hidden_size / heads). RoPE (base and llama3 scaling) is read from
 `config.rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (transformers 4).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +46,23 @@ FAMILY_SETTINGS: dict[str, Any] = dict(
     attention_dropout=0.0,
 )
 
-# model_type -> whether q/k/v projections carry a bias.
-QKV_BIAS_BY_MODEL_TYPE: dict[str, Callable[[Any], bool]] = {
-    "qwen2": lambda hf: True,
-    "llama": lambda hf: False,  # attention_bias=True also biases o_proj, which _check_supported rejects
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets one HF model_type apart from `FAMILY_SETTINGS`."""
+
+    qkv_bias: bool
+    """q/k/v projections carry a bias (Qwen2 always; Llama's and Qwen3's attention_bias=True would also bias
+    o_proj, which `_check_supported` rejects)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on every query and key head, before RoPE (megatron's `qk_layernorm`)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family(qkv_bias=True),
+    "llama": Family(qkv_bias=False),
+    "qwen3": Family(qkv_bias=False, qk_norm=True),
 }
 
 # parallel.recompute -> megatron's activation-recompute fields. "selective" is megatron's selective recompute with
@@ -76,7 +90,7 @@ class GPTConfig:
     transformer: TransformerConfig
     """Per-layer architecture, parallel sizes and dtypes."""
     model_type: str
-    """HF model_type: 'qwen2' or 'llama'."""
+    """HF model_type: a key of `FAMILIES`."""
     vocab_size: int
     """Tokenizer vocabulary size from the HF config (rows that mean a token)."""
     padded_vocab_size: int
@@ -133,22 +147,25 @@ def _rope_settings(hf: Any) -> tuple[float, float | None]:
 
 def _check_supported(hf: Any) -> None:
     model_type = getattr(hf, "model_type", None)
-    if model_type not in QKV_BIAS_BY_MODEL_TYPE:
+    if model_type not in FAMILIES:
         raise ValueError(
             f"model_type={model_type!r} is not supported; supported: "
-            f"{sorted(QKV_BIAS_BY_MODEL_TYPE)}"
+            f"{sorted(FAMILIES)}"
         )
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (SwiGLU needs 'silu')")
-    if model_type == "llama" and getattr(hf, "attention_bias", False):
+    if not FAMILIES[model_type].qkv_bias and getattr(hf, "attention_bias", False):
         raise ValueError(
-            "llama attention_bias=True is not supported: HF then biases o_proj too, and megatron-core can "
+            f"{model_type} attention_bias=True is not supported: HF then biases o_proj too, and megatron-core can "
             "bias the output projection only together with the MLP (add_bias_linear)"
         )
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported (megatron add_bias_linear=False)")
     if getattr(hf, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported (full attention only)")
+    windowed = sorted({kind for kind in getattr(hf, "layer_types", None) or () if kind != "full_attention"})
+    if windowed:
+        raise ValueError(f"layer_types {windowed} are not supported (full attention only)")
 
 
 def _as_hf_config(hf_config: Any) -> Any:
@@ -172,7 +189,7 @@ def gpt_config_from_hf(
     recompute: str = "none",
     overrides: Mapping[str, Any] | None = None,
 ) -> GPTConfig:
-    """Translate an HF Qwen2/Llama config (PretrainedConfig or config.json dict) for megatron-core.
+    """Translate an HF Qwen2 / Llama / Qwen3 config (PretrainedConfig or config.json dict) for megatron-core.
 
     dtype defaults to bf16 with CUDA and fp32 on the CPU (params_dtype, pipeline_dtype and the bf16
     flag follow it); weights are initialised on the CPU when there is no CUDA. `overrides` sets
@@ -207,7 +224,8 @@ def gpt_config_from_hf(
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     fields.update(
         FAMILY_SETTINGS,
-        add_qkv_bias=QKV_BIAS_BY_MODEL_TYPE[hf.model_type](hf),
+        add_qkv_bias=FAMILIES[hf.model_type].qkv_bias,
+        qk_layernorm=FAMILIES[hf.model_type].qk_norm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         params_dtype=dtype,

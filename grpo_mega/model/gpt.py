@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from grpo_mega.model.attention import PackedRows, SDPADotProductAttention, use_sdpa_core_attention
 from grpo_mega.model.config_map import GPTConfig
@@ -231,16 +232,18 @@ def _use_transformer_engine(device_type: str) -> bool:
     return False
 
 
-def transformer_layer_spec() -> ModuleSpec:
+def transformer_layer_spec(config: TransformerConfig | None = None) -> ModuleSpec:
     """Transformer Engine layers on a GPU when megatron-core can load TE (`transformer_engine_unavailable`), else
     megatron-core's own layers with torch's fused attention as their core attention (`grpo_mega.model.attention`)
     and norms that support sequence parallelism (`grpo_mega.model.norm`). Checkpoints load into either
-    (`HiddenStatesGPTModel`)."""
+    (`HiddenStatesGPTModel`). ``config`` (the model's) says whether the attention has q/k norms
+    (``qk_layernorm``: Qwen3); None: it has not."""
+    qk_layernorm = bool(config is not None and config.qk_layernorm)
     if _use_transformer_engine(get_device().type):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     use_sdpa_core_attention(spec)
     use_rms_norm(spec)
     return spec
@@ -259,14 +262,14 @@ def build_gpt_model(
     pre_process (embedding) and post_process (final norm, output layer) default to whether this rank
     is the first / last pipeline stage. `lm_output=False` leaves out the output layer (the model of
     an HF checkpoint without lm_head, e.g. a classifier PRM) and unties the embeddings. `layer_spec`
-    None: `transformer_layer_spec()`. Parameters are on the current device (CPU without CUDA).
+    None: `transformer_layer_spec(config.transformer)`. Parameters are on the current device (CPU without CUDA).
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     if layer_spec is None:
-        layer_spec = transformer_layer_spec()
+        layer_spec = transformer_layer_spec(config.transformer)
     if getattr(layer_spec.submodules, "input_layernorm", None) is RMSNorm:  # a layer spec of megatron's local layers:
         layer_spec = local_block_spec(config.transformer, layer_spec)  # the block spec, with the final norm to match
     model = HiddenStatesGPTModel(

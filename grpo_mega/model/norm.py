@@ -11,6 +11,7 @@ with it load the same checkpoints. Transformer Engine's norm (`TENorm`) marks it
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -34,13 +35,19 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def use_rms_norm(layer_spec: ModuleSpec) -> None:
-    """Point a local transformer-layer spec's input and pre-MLP norms at `RMSNorm` (in place)."""
+    """Point a local transformer-layer spec's input and pre-MLP norms, and its q/k norms where it has them (Qwen3),
+    at `RMSNorm` (in place). megatron sums the q/k norms' gradients over the TP group by their names
+    (``finalize_model_grads``: each TP rank's heads give a part of them), with or without sequence parallelism."""
     layer = layer_spec.submodules
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        if getattr(layer, name) is not WrappedTorchNorm:
-            raise ValueError(f"expected megatron's WrappedTorchNorm as {name} in the layer spec, found "
-                             f"{getattr(layer, name)}")
-        setattr(layer, name, RMSNorm)
+    attention = layer.self_attention.submodules
+    norms = [(layer, "input_layernorm"), (layer, "pre_mlp_layernorm")]
+    norms += [(attention, name) for name in ("q_layernorm", "k_layernorm")
+              if getattr(attention, name, None) not in (None, IdentityOp)]
+    for holder, name in norms:
+        norm = getattr(holder, name)
+        if norm is not WrappedTorchNorm:
+            raise ValueError(f"expected megatron's WrappedTorchNorm as {name} in the layer spec, found {norm}")
+        setattr(holder, name, RMSNorm)
 
 
 def local_block_spec(config: TransformerConfig, layer_spec: ModuleSpec) -> TransformerBlockSubmodules:

@@ -12,6 +12,7 @@ from grpo_mega.plan.activations import (
 )
 from grpo_mega.plan.counts import ModelRequest, count_stage_params
 from grpo_mega.plan.phases import CUDA_CONTEXT_BYTES, NCCL_BYTES, Phase, Plan, SaveHost
+from grpo_mega.checkpoint.hf_layouts import is_prm_classifier
 from grpo_mega.plan.settings import (
     Hardware, data_parallel_size, memory_settings, rollout_ranks, rollout_tensor_parallel,
 )
@@ -19,7 +20,6 @@ from grpo_mega.plan.static import checkpoint_save_bytes, forward_only_bytes, tra
 from grpo_mega.plan.vllm import plan_vllm
 from grpo_mega.rollout.vllm_settings import resolve_batch_limits
 
-PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
 
 
 def read_hf_config(folder: str | Path, key: str) -> dict:
@@ -75,7 +75,7 @@ def _prm_request(cfg, dtype: str, tp: int, pp: int) -> tuple[ModelRequest | None
     if hf is None:
         return None, (f"PRM unknown: {cfg.process_reward.prm} holds no config.json (nor a grpo-mega checkpoint's); "
                       "its weights and activations are not counted (process_reward.prm)")
-    classifier = PRM_CLASSIFIER_ARCHITECTURE in (hf.get("architectures") or [])
+    classifier = is_prm_classifier(hf.get("architectures"))
     return ModelRequest(hf, tp, pp, dtype, lm_output=not classifier,
                         head="classifier" if classifier else "none"), None
 

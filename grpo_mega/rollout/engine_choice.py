@@ -65,8 +65,9 @@ def choose_rollout_engine(requested: str, *, device_type: str, has_vllm: bool,
 
 
 def parameters_from_hf_config(config: dict) -> int | None:
-    """A decoder-only transformer's parameter count from its Hugging Face ``config.json`` (Llama / Qwen2 / Mistral
-    shapes: embeddings, GQA attention with Qwen2's q/k/v biases or Llama's optional ones, a gated MLP, RMS norms); None when a field it needs
+    """A decoder-only transformer's parameter count from its Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 /
+    Mistral shapes: embeddings, GQA attention with Qwen2's q/k/v biases or Llama's optional ones, Qwen3's q/k norms,
+    a gated MLP, RMS norms); None when a field it needs
     is missing. Exact for those shapes; used only to place the policy against :data:`CPU_VLLM_MIN_PARAMETERS`."""
     try:
         hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
@@ -82,6 +83,8 @@ def parameters_from_hf_config(config: dict) -> int | None:
         attention += q + 2 * kv
     elif config.get("attention_bias"):  # Llama / Mistral: q/k/v and output biases
         attention += q + 2 * kv + hidden
+    if config.get("model_type") == "qwen3":  # an RMSNorm weight over head_dim for the queries and one for the keys
+        attention += 2 * head_dim
     mlp = 3 * hidden * ffn + (2 * ffn + hidden if config.get("mlp_bias") else 0)
     per_layer = attention + mlp + 2 * hidden
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
