@@ -9,7 +9,9 @@
 - `mcore_shards_to_hf`: the same inverse without processes, from the state dicts of all ranks.
 
 All layouts and names come from the tables in `grpo_mega.checkpoint.hf_layouts`: causal LMs (Qwen2,
-Llama) and the classifier PRM (Qwen2ForProcessRewardModel, whose head is part of its table).
+Llama, Qwen3, Qwen3-MoE) and the classifier PRM (Qwen2ForProcessRewardModel, whose head is part of its table).
+An MoE model's experts are split over the expert-parallel (EP) ranks, each expert whole: its rows are read by
+the rank's EP rank instead of its TP rank, and gathered over the EP group on export.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from grpo_mega.parallel.layout import validate_model_split
 
 # Non-persistent buffers some older HF checkpoints still carry; recomputed from the config.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _layout_rank(row: StageRow, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(rank, size) a row's layout splits over: an expert is whole on its rank, everything else splits over TP."""
+    return (0, 1) if row.per_expert else (tp_rank, tp_size)
 
 
 def _all_rows(hf_config: Any, dims: ModelDims, pp_size: int) -> list[StageRow]:
@@ -108,6 +115,8 @@ def iter_mcore_shards(
     padded_vocab_size: int | None = None,
     layers: Sequence[int] | None = None,
     exclude_prefixes: tuple[str, ...] = (),
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`hf_to_mcore_shards` one tensor at a time: (megatron name, shard), reading HF tensors lazily.
 
@@ -126,12 +135,12 @@ def iter_mcore_shards(
     if layers is None:
         layers = stage_layers(dims.num_layers, pp_rank, pp_size)
     rows = stage_rows(architecture_for(hf_config), hf_config, dims, layers,
-                      pp_rank == 0, pp_rank == pp_size - 1)
+                      pp_rank == 0, pp_rank == pp_size - 1, ep_rank, ep_size)
     for row in rows:
         if row.mcore.startswith(exclude_prefixes):  # startswith(()) is False
             continue
         tensors = [_fetch(hf_state_dict, name, shape, dims) for name, shape in zip(row.hf, row.shapes)]
-        yield row.mcore, row.layout.to_mcore(tensors, dims, tp_rank, tp_size)
+        yield row.mcore, row.layout.to_mcore(tensors, dims, *_layout_rank(row, tp_rank, tp_size))
 
 
 def hf_to_mcore_shards(
@@ -144,8 +153,11 @@ def hf_to_mcore_shards(
     *,
     padded_vocab_size: int | None = None,
     layers: Sequence[int] | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The megatron-core state dict (GPTModel names, local spec) of TP rank `tp_rank`, PP stage `pp_rank`.
+    """The megatron-core state dict (GPTModel names, local spec) of TP rank `tp_rank`, PP stage `pp_rank` (and, for
+    an MoE model, expert-parallel rank `ep_rank` of `ep_size`: the experts it holds).
 
     `hf_state_dict` maps HF names to tensors; a lazy mapping (`HFWeights`) reads only this stage's
     tensors. `padded_vocab_size` defaults to `grpo_mega.model.config_map.padded_vocab_size`; `layers`
@@ -155,36 +167,51 @@ def hf_to_mcore_shards(
     shape the config contradicts (names the tensor and both shapes).
     """
     return dict(iter_mcore_shards(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
-                                  padded_vocab_size=padded_vocab_size, layers=layers))
+                                  padded_vocab_size=padded_vocab_size, layers=layers, ep_rank=ep_rank,
+                                  ep_size=ep_size))
 
 
 def mcore_shards_to_hf(
-    shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
+    shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]],
     hf_config: Any,
     tp_size: int,
     pp_size: int,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Full HF tensors from the megatron state dicts of every rank, keyed (tp_rank, pp_rank).
+    """Full HF tensors from the megatron state dicts of every rank, keyed (tp_rank, pp_rank), or (tp_rank,
+    pp_rank, ep_rank) for an MoE model split over `ep_size` expert-parallel ranks.
 
     The inverse of `hf_to_mcore_shards` over all ranks (layers split evenly over stages). Raises
     ValueError naming the rank and tensor when a shard is missing.
     """
     dims = read_model_dims(hf_config, hf_config.vocab_size)  # to_hf does not need the padding
     table = architecture_for(hf_config)
+    by_rank = {(key[0], key[1], key[2] if len(key) > 2 else 0): state for key, state in shards.items()}
+
+    def shard(tp_rank: int | None, pp_rank: int, ep_rank: int | None, name: str) -> torch.Tensor:
+        # None: a rank coordinate the row does not depend on (experts: TP; the rest: EP), any rank that has it
+        if tp_rank is None:
+            tp_rank = min((t for t, p, e in by_rank if (p, e) == (pp_rank, ep_rank)), default=0)
+        if ep_rank is None:
+            ep_rank = min((e for t, p, e in by_rank if (t, p) == (tp_rank, pp_rank)), default=0)
+        rank_state = by_rank.get((tp_rank, pp_rank, ep_rank))
+        if rank_state is None or name not in rank_state:
+            raise ValueError(f"megatron shard {name!r} of tp_rank={tp_rank}, pp_rank={pp_rank}"
+                             f"{f', ep_rank={ep_rank}' if ep_size > 1 else ''} is missing")
+        return rank_state[name]
+
     full: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp_size):
         layers = stage_layers(dims.num_layers, pp_rank, pp_size)
-        for row in stage_rows(table, hf_config, dims, layers, pp_rank == 0, pp_rank == pp_size - 1):
+        for row in stage_rows(table, hf_config, dims, layers, pp_rank == 0, pp_rank == pp_size - 1, 0, ep_size):
             if not row.exported:
                 continue
-            parts = []
-            for tp_rank in range(tp_size if row.layout.split else 1):
-                rank_state = shards.get((tp_rank, pp_rank))
-                if rank_state is None or row.mcore not in rank_state:
-                    raise ValueError(
-                        f"megatron shard {row.mcore!r} of tp_rank={tp_rank}, pp_rank={pp_rank} is missing"
-                    )
-                parts.append(rank_state[row.mcore])
+            if row.per_expert:
+                for ep_rank, names in enumerate(row.hf_by_ep_rank):
+                    full.update(zip(names, row.layout.to_hf([shard(None, pp_rank, ep_rank, row.mcore)], dims)))
+                continue
+            parts = [shard(tp_rank, pp_rank, None, row.mcore)
+                     for tp_rank in range(tp_size if row.layout.split else 1)]
             full.update(zip(row.hf, row.layout.to_hf(parts, dims)))
     return full
 
@@ -225,12 +252,16 @@ def _model_rows(
 ) -> tuple[ModelDims, list[StageRow], dict[str, torch.Tensor]]:
     """The stage's rows under the model's own tensor names, and those tensors; ValueError unless they match
     one to one. Rows and model tensors under `exclude_prefixes` (whole top-level modules) are left out."""
+    from megatron.core import parallel_state
+
     table = architecture_for(hf_config)
     dims = read_model_dims(hf_config, gpt.vocab_size)
     tensors = _model_tensors(gpt, _covered_prefixes(table, exclude_prefixes))
     rows = [
         dataclasses.replace(row, mcore=model_tensor_name(row.mcore, tensors))
-        for row in stage_rows(table, hf_config, dims, _model_layers(gpt), gpt.pre_process, gpt.post_process)
+        for row in stage_rows(table, hf_config, dims, _model_layers(gpt), gpt.pre_process, gpt.post_process,
+                              parallel_state.get_expert_model_parallel_rank(),
+                              parallel_state.get_expert_model_parallel_world_size())
         if not row.mcore.startswith(exclude_prefixes)
     ]
     missing = sorted(row.mcore for row in rows if row.mcore not in tensors)
@@ -273,6 +304,8 @@ def load_hf_weights(
         padded_vocab_size=gpt.vocab_size,
         layers=_model_layers(gpt),
         exclude_prefixes=exclude,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
     )
     with torch.no_grad():
         # One shard at a time: peak memory is the model plus one tensor, not two models.
@@ -295,12 +328,29 @@ def _gather_tp(tensor: torch.Tensor, row: StageRow, group, tp_size: int) -> list
     return parts
 
 
+def _full_tensors(row: StageRow, tensor: torch.Tensor, dims: ModelDims,
+                  groups) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of a row on this stage: a split row gathered over the TP group; an expert's row
+    gathered over the expert-parallel group, one expert of each EP rank (`row.hf_by_ep_rank` order)."""
+    tp_group, tp_size, ep_group, ep_size = groups
+    if not row.per_expert:
+        yield from zip(row.hf, row.layout.to_hf(_gather_tp(tensor, row, tp_group, tp_size), dims))
+        return
+    parts = [tensor.detach()]
+    if ep_size > 1:
+        parts = [torch.empty_like(tensor) for _ in range(ep_size)]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=ep_group)
+    for names, part in zip(row.hf_by_ep_rank, parts):
+        yield from zip(names, row.layout.to_hf([part], dims))
+
+
 def export_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every HF weight, in HF order; collective over all ranks.
 
     Every rank of the job must iterate to the end, in step: each tensor costs one all-gather over the
     TP group (for split layouts) and, with PP > 1, one broadcast over the PP group from the stage that
-    owns it. Every rank receives every tensor, on the model's device and in the model's dtype, as a
+    owns it; an MoE model's experts cost one all-gather over the expert-parallel group per local expert and
+    weight. Every rank receives every tensor, on the model's device and in the model's dtype, as a
     new tensor (never a view of a parameter). The iterator keeps nothing it has yielded, so peak extra
     memory is one table row's tensors (at most q, k, v and their merged parameter).
     """
@@ -309,16 +359,17 @@ def export_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[
     gpt = _unwrap(model)
     dims, rows, tensors = _model_rows(gpt, hf_config)
     rows = [row for row in rows if row.exported]
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    groups = (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_world_size(),
+              parallel_state.get_expert_model_parallel_group(),
+              parallel_state.get_expert_model_parallel_world_size())
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
     device = next(iter(tensors.values())).device
 
     # What each stage will send: (name, shape, dtype) in order, so receivers can allocate.
-    manifest = [(name, shape, tensors[row.mcore].dtype)
-                for row in rows for name, shape in zip(row.hf, row.shapes)]
+    manifest = [(name, shape, tensors[row.mcore].dtype) for row in rows
+                for names in (row.hf_by_ep_rank or (row.hf,)) for name, shape in zip(names, row.shapes)]
     manifests: list[Any] = [manifest] if pp_size == 1 else [None] * pp_size
     if pp_size > 1:
         dist.all_gather_object(manifests, manifest, group=pp_group)
@@ -326,12 +377,12 @@ def export_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[
     for stage, stage_manifest in enumerate(manifests):
         source = dist.get_global_rank(pp_group, stage) if pp_size > 1 else None
         if stage == my_stage:
+            expected = {name: shape for name, shape, _ in manifest}
             for row in rows:
-                parts = _gather_tp(tensors[row.mcore], row, tp_group, tp_size)
-                for name, shape, full in zip(row.hf, row.shapes, row.layout.to_hf(parts, dims)):
-                    if tuple(full.shape) != shape:
+                for name, full in _full_tensors(row, tensors[row.mcore], dims, groups):
+                    if tuple(full.shape) != expected[name]:
                         raise ValueError(
-                            f"exported {name!r} has shape {tuple(full.shape)}, the config implies {shape}"
+                            f"exported {name!r} has shape {tuple(full.shape)}, the config implies {expected[name]}"
                         )
                     if pp_size > 1:
                         dist.broadcast(full, src=source, group=pp_group)

@@ -58,6 +58,9 @@ class WeightMapping:
     tied_to: str | None = None
     """With tie_word_embeddings the HF checkpoint has no tensor of its own for this row: a megatron
     copy on a stage without the embedding is built from this HF tensor, and export skips the row."""
+    per_expert: bool = False
+    """One row per expert of an MoE layer: "{expert}" is the index local to the expert-parallel rank in the
+    megatron name, the global expert in HF names. The expert is whole on its rank (no TP split)."""
 
 
 # The GPTModel's own modules. Other submodules of a policy stage are heads (the engine's `head`,
@@ -155,7 +158,25 @@ QWEN3 = ArchitectureTable("qwen3", (
     *_FINAL,
 ))
 
-ARCHITECTURES: dict[str, ArchitectureTable] = {table.model_type: table for table in (QWEN2, LLAMA, QWEN3)}
+# Qwen3-MoE: Qwen3's attention; every layer's MLP is a router (mlp.gate, [experts, hidden], replicated) and experts
+# held by megatron's SequentialMLP, each expert's gate/up merged into its linear_fc1 (a TP split of 1: [gate; up]).
+_EXPERT = _LAYER + "mlp.experts.local_experts.{expert}."
+_HF_EXPERT = _MLP + "experts.{expert}."
+_MOE_F = "moe_ffn_hidden_size"
+QWEN3_MOE = ArchitectureTable("qwen3_moe", (
+    _EMBEDDING,
+    *(m for m in QWEN3.mappings if m.stage == "layer" and ".mlp." not in m.mcore),
+    WeightMapping(_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), (("num_experts", _H),), REPLICATED,
+                  "layer"),
+    WeightMapping(_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
+                  ((_MOE_F, _H), (_MOE_F, _H)), GATE_UP, "layer", per_expert=True),
+    WeightMapping(_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",), ((_H, _MOE_F),), ROW, "layer",
+                  per_expert=True),
+    *_FINAL,
+))
+
+ARCHITECTURES: dict[str, ArchitectureTable] = {
+    table.model_type: table for table in (QWEN2, LLAMA, QWEN3, QWEN3_MOE)}
 
 PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
 """Qwen2.5-Math-PRM's architecture name."""
@@ -254,6 +275,14 @@ class StageRow:
     layout: Layout
     exported: bool
     """False for the tied output-layer copy: its HF tensor is the embedding, exported by stage 0."""
+    hf_by_ep_rank: tuple[tuple[str, ...], ...] = ()
+    """An expert's row: the HF names of the expert at this local index on each expert-parallel rank (`hf` is this
+    rank's); empty for every other row."""
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether the row is one expert's (whole on its expert-parallel rank, never split over TP)."""
+        return bool(self.hf_by_ep_rank)
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
@@ -277,14 +306,23 @@ def stage_rows(
     global_layers: Sequence[int],
     is_first: bool,
     is_last: bool,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> list[StageRow]:
     """The rows of one pipeline stage in HF order (embedding, layers, final norm, LM head).
 
     `global_layers[i]` is the global index of the stage's local layer i. Rows whose `only_if` config
     flag is false are left out; with tied embeddings the output layer exists only on a last stage that
-    is not also the first (megatron keeps a copy there) and is sourced from the embedding.
+    is not also the first (megatron keeps a copy there) and is sourced from the embedding. An MoE layer's
+    experts are split over `ep_size` expert-parallel ranks in contiguous blocks (megatron's placement): rank r
+    holds experts [r * E / ep_size, (r + 1) * E / ep_size).
     """
     rows: list[StageRow] = []
+    if dims.num_experts and dims.num_experts % ep_size:
+        raise ValueError(f"expert_parallel={ep_size} does not divide num_experts={dims.num_experts}")
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"expert rank {ep_rank} is outside expert_parallel={ep_size}")
+    local_experts = dims.num_experts // ep_size
 
     def add(mapping: WeightMapping, local: int | None = None, global_layer: int | None = None):
         hf_names = mapping.hf
@@ -293,13 +331,17 @@ def stage_rows(
             if is_first:
                 return  # megatron reuses the embedding parameter itself: no separate tensor
             hf_names, exported = (mapping.tied_to,), False
-        rows.append(StageRow(
-            mcore=mapping.mcore.format(layer=local),
-            hf=tuple(name.format(layer=global_layer) for name in hf_names),
-            shapes=tuple(tuple(getattr(dims, d) for d in shape) for shape in mapping.shapes),
-            layout=mapping.layout,
-            exported=exported,
-        ))
+        shapes = tuple(tuple(getattr(dims, d) for d in shape) for shape in mapping.shapes)
+        if not mapping.per_expert:
+            rows.append(StageRow(mapping.mcore.format(layer=local),
+                                 tuple(name.format(layer=global_layer) for name in hf_names), shapes,
+                                 mapping.layout, exported))
+            return
+        for expert in range(local_experts):
+            by_rank = tuple(tuple(name.format(layer=global_layer, expert=rank * local_experts + expert)
+                                  for name in hf_names) for rank in range(ep_size))
+            rows.append(StageRow(mapping.mcore.format(layer=local, expert=expert), by_rank[ep_rank], shapes,
+                                 mapping.layout, exported, hf_by_ep_rank=by_rank))
 
     active = [m for m in table.mappings if m.only_if is None or getattr(hf_config, m.only_if, False)]
     if is_first:

@@ -44,6 +44,10 @@ class ModelDims:
     """Rows of the megatron embedding and output layer: vocab_size rounded up so TP splits it evenly."""
     tie_word_embeddings: bool
     """The LM head reuses the input embedding (no lm_head.weight / output_layer.weight of its own)."""
+    num_experts: int = 0
+    """Experts of each MoE layer (num_experts of a Qwen3-MoE config); 0 for a dense model."""
+    moe_ffn_hidden_size: int = 0
+    """moe_intermediate_size: the hidden width of one expert's MLP."""
 
     @property
     def score_classes(self) -> int:
@@ -98,6 +102,8 @@ def read_model_dims(hf_config: Any, padded_vocab_size: int) -> ModelDims:
         vocab_size=hf_config.vocab_size,
         padded_vocab_size=padded_vocab_size,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        num_experts=int(getattr(hf_config, "num_experts", None) or 0),
+        moe_ffn_hidden_size=int(getattr(hf_config, "moe_intermediate_size", None) or 0),
     )
 
 

@@ -39,6 +39,7 @@ def stage_provider(
         dtype=dtype,
         sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp),
         recompute=recompute,
+        ep=mpu.get_expert_model_parallel_world_size(),
     )
 
     def provider(pre_process: bool, post_process: bool) -> torch.nn.Module:

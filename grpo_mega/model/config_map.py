@@ -3,7 +3,8 @@
 One table, `HF_TO_MCORE_FIELDS`, maps the HF fields that carry over by value; `FAMILY_SETTINGS` are
 the choices shared by every family (RMSNorm, SwiGLU, no linear biases, RoPE, no dropout);
 `FAMILIES` says where they differ: q/k/v biases (Qwen2) and RMSNorm on every query and key head before RoPE
-(Qwen3: megatron's `qk_layernorm`, its head_dim independent of hidden_size / heads). RoPE (base and llama3 scaling) is read from
+(Qwen3: megatron's `qk_layernorm`, its head_dim independent of hidden_size / heads), and mixture-of-experts MLPs
+(Qwen3-MoE: `grpo_mega.model.moe_config`). RoPE (base and llama3 scaling) is read from
 `config.rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (transformers 4).
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from grpo_mega.model.moe_config import moe_fields
 from grpo_mega.parallel.distributed import get_device
 from grpo_mega.parallel.layout import validate_model_split
 
@@ -57,12 +59,15 @@ class Family:
     o_proj, which `_check_supported` rejects)."""
     qk_norm: bool = False
     """RMSNorm over head_dim on every query and key head, before RoPE (megatron's `qk_layernorm`)."""
+    moe: bool = False
+    """Mixture-of-experts MLPs (`grpo_mega.model.moe_config`)."""
 
 
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True),
     "llama": Family(qkv_bias=False),
     "qwen3": Family(qkv_bias=False, qk_norm=True),
+    "qwen3_moe": Family(qkv_bias=False, qk_norm=True, moe=True),
 }
 
 # parallel.recompute -> megatron's activation-recompute fields. "selective" is megatron's selective recompute with
@@ -187,6 +192,9 @@ def gpt_config_from_hf(
     dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    ep: int = 1,
+    moe_token_dispatcher: str = "auto",
+    moe_aux_loss_coeff: float | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> GPTConfig:
     """Translate an HF Qwen2 / Llama / Qwen3 config (PretrainedConfig or config.json dict) for megatron-core.
@@ -199,10 +207,15 @@ def gpt_config_from_hf(
 
     `sequence_parallel` (needs tp > 1) splits the sequence dimension of the activations outside the TP regions
     over the TP ranks (megatron's sequence parallelism); `recompute` is a key of `RECOMPUTE_SETTINGS`
-    (``parallel.recompute``).
+    (``parallel.recompute``). A mixture-of-experts model (Qwen3-MoE) splits its experts over ``ep`` ranks
+    (``parallel.expert``) and takes ``moe_token_dispatcher`` / ``moe_aux_loss_coeff``
+    (`grpo_mega.model.moe_config.moe_fields`); ``ep`` > 1 for a dense model is an error.
     """
     hf = _as_hf_config(hf_config)
     _check_supported(hf)
+    family = FAMILIES[hf.model_type]
+    if ep != 1 and not family.moe:
+        raise ValueError(f"parallel.expert={ep}: a {hf.model_type} model has no experts to split (use 1)")
     fields: dict[str, Any] = {}
     for hf_name, mcore_name, required in HF_TO_MCORE_FIELDS:
         value = getattr(hf, hf_name, None)
@@ -224,8 +237,8 @@ def gpt_config_from_hf(
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     fields.update(
         FAMILY_SETTINGS,
-        add_qkv_bias=FAMILIES[hf.model_type].qkv_bias,
-        qk_layernorm=FAMILIES[hf.model_type].qk_norm,
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         params_dtype=dtype,
@@ -239,6 +252,8 @@ def gpt_config_from_hf(
     if recompute not in RECOMPUTE_SETTINGS:
         raise ValueError(f"recompute={recompute!r}: expected one of {tuple(RECOMPUTE_SETTINGS)}")
     fields.update(RECOMPUTE_SETTINGS[recompute])
+    if family.moe:
+        fields.update(moe_fields(hf, ep=ep, dispatcher=moe_token_dispatcher, aux_loss_coeff=moe_aux_loss_coeff))
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     for name in overrides or {}:
         if name not in known:

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from grpo_mega.model.attention import PackedRows, SDPADotProductAttention, use_sdpa_core_attention
 from grpo_mega.model.config_map import GPTConfig
+from grpo_mega.model.moe_config import fill_in_missing_te_gemm
 from grpo_mega.model.norm import RMSNorm, local_block_spec, use_rms_norm
 from grpo_mega.parallel.distributed import get_device
 
@@ -237,13 +238,17 @@ def transformer_layer_spec(config: TransformerConfig | None = None) -> ModuleSpe
     megatron-core's own layers with torch's fused attention as their core attention (`grpo_mega.model.attention`)
     and norms that support sequence parallelism (`grpo_mega.model.norm`). Checkpoints load into either
     (`HiddenStatesGPTModel`). ``config`` (the model's) says whether the attention has q/k norms
-    (``qk_layernorm``: Qwen3); None: it has not."""
+    (``qk_layernorm``: Qwen3) and the MLP is megatron's MoE layer (``num_moe_experts``: Qwen3-MoE; its experts a
+    ``SequentialMLP`` in both specs, `grpo_mega.model.moe_config`); None: a dense model without q/k norms."""
     qk_layernorm = bool(config is not None and config.qk_layernorm)
+    num_experts = config.num_moe_experts if config is not None else None
     if _use_transformer_engine(get_device().type):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                         qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=qk_layernorm)
     use_sdpa_core_attention(spec)
     use_rms_norm(spec)
     return spec
@@ -268,6 +273,8 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    if config.transformer.num_moe_experts:
+        fill_in_missing_te_gemm()
     if layer_spec is None:
         layer_spec = transformer_layer_spec(config.transformer)
     if getattr(layer_spec.submodules, "input_layernorm", None) is RMSNorm:  # a layer spec of megatron's local layers:

@@ -76,6 +76,12 @@ _TORCH_VIEW_MODULES: dict[str, str] = {
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": (
         "write-failure and plan-reuse flags all-reduced from current_device() / 'cuda'"
     ),
+    "megatron.core.transformer.moe.router": (
+        "MoE router: its weight moved to current_device() at each forward, the aux-loss buffers on it"
+    ),
+    "megatron.core.transformer.moe.moe_utils": (
+        "MoE aux-loss tracker: per-layer loss values allocated with device='cuda'"
+    ),
 }
 
 # (module, dotted attribute) -> which tensor method it calls on a CPU tensor.

@@ -105,8 +105,10 @@ def init_distributed(
     device: str = "auto",
     backend: str | None = None,
     timeout_s: float = 1800.0,
+    ep: int = 1,
 ) -> ParallelLayout:
-    """Initialise torch.distributed and megatron parallel_state for a TP x PP (x DP) layout.
+    """Initialise torch.distributed and megatron parallel_state for a TP x PP (x DP) layout, with the experts of a
+    mixture-of-experts model split over ``ep`` ranks (``parallel.expert``).
 
     Reads the launcher environment (`grpo_mega.parallel.launch_env`), binds this process to its
     device (``device``: ``auto``, ``cpu`` or ``cuda``, see `resolve_device`), creates the global
@@ -125,7 +127,7 @@ def init_distributed(
     if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
         raise ValueError("init_distributed was already called; call destroy_distributed first")
     env = read_launch_env()
-    layout = layout_for_world(tp, pp, env.world_size)
+    layout = layout_for_world(tp, pp, env.world_size, ep=ep)
     os.environ.update(megatron_cuda_environment(tp, os.environ))  # before CUDA creates this process's context
     os.environ.update(nccl_fault_environment(os.environ))  # read when the NCCL process groups are created
     cuda_available = torch.cuda.is_available()
@@ -156,12 +158,12 @@ def init_distributed(
         timeout=timedelta(seconds=timeout_s),
         **rendezvous,
     )
-    init_model_parallel(tp, pp, seed=seed, timeout_s=timeout_s)
+    init_model_parallel(tp, pp, seed=seed, timeout_s=timeout_s, ep=ep)
     return layout
 
 
 def init_model_parallel(
-    tp: int, pp: int, *, seed: int, timeout_s: float = 1800.0
+    tp: int, pp: int, *, seed: int, timeout_s: float = 1800.0, ep: int = 1
 ) -> ParallelLayout:
     """Create megatron's TP/PP/DP groups over the running torch.distributed world, and seed.
 
@@ -173,10 +175,13 @@ def init_model_parallel(
         raise ValueError("torch.distributed is not initialised: call init_distributed first")
     if parallel_state.model_parallel_is_initialized():
         raise ValueError("megatron model parallel is already initialised: destroy_model_parallel")
-    layout = layout_for_world(tp, pp, dist.get_world_size())
+    layout = layout_for_world(tp, pp, dist.get_world_size(), ep=ep)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        # experts whole on each expert-parallel rank (grpo_mega.model.moe_config)
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=timeout_s / 60,  # megatron: timedelta(minutes=...), fractions kept
         # Kept even with gloo as the main backend: get_megatron_optimizer asks for gloo DP groups.
         create_gloo_process_groups=True,

@@ -19,6 +19,9 @@ class ParallelLayout:
     """Pipeline parallel size: the layers are split into this many consecutive stages."""
     dp: int
     """Data parallel size: this many model replicas see different micro-batches."""
+    ep: int = 1
+    """Expert parallel size (mixture-of-experts models): each MoE layer's experts are split over this many of the
+    tp * dp ranks of a pipeline stage, each expert whole on one rank; 1 for a dense model."""
 
     @property
     def world_size(self) -> int:
@@ -31,21 +34,27 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def layout_for_world(tp: int, pp: int, world_size: int) -> ParallelLayout:
+def layout_for_world(tp: int, pp: int, world_size: int, *, ep: int = 1) -> ParallelLayout:
     """Return the layout with dp = world_size / (tp * pp).
 
-    Raises ValueError naming the setting when a size is not positive or when world_size is not a
-    multiple of tp * pp.
+    Raises ValueError naming the setting when a size is not positive, when world_size is not a
+    multiple of tp * pp, or when the expert-parallel size ``ep`` does not divide a stage's tp * dp ranks (megatron
+    places the experts of a stage over those ranks, each expert whole).
     """
     _check_positive("tensor_parallel", tp)
     _check_positive("pipeline_parallel", pp)
+    _check_positive("expert_parallel", ep)
     _check_positive("world_size", world_size)
     if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world_size {world_size} is not a multiple of tp*pp={tp * pp} "
             f"(tensor_parallel={tp}, pipeline_parallel={pp})"
         )
-    return ParallelLayout(tp=tp, pp=pp, dp=world_size // (tp * pp))
+    per_stage = world_size // pp
+    if per_stage % ep != 0:
+        raise ValueError(f"expert_parallel={ep} does not divide the {per_stage} ranks of a pipeline stage "
+                         f"(world_size {world_size} / pipeline_parallel={pp})")
+    return ParallelLayout(tp=tp, pp=pp, dp=world_size // (tp * pp), ep=ep)
 
 
 def validate_model_split(
