@@ -1,0 +1,143 @@
+"""Qwen3-MoE: the config map (router, load-balancing loss, experts split over expert-parallel ranks), HF -> megatron
+-> HF bit-exact at TP / PP / EP and their products, and logits against transformers' Qwen3-MoE within 1e-4 (fp32) at
+DP=2, TP=2, EP=2, PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back to HF bit-exact."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_utils import run_distributed
+
+SHAPE = dict(vocab_size=301, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=True, max_position_embeddings=128, router_aux_loss_coef=0.001)
+
+
+def moe_config(**changes):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{**SHAPE, "tie_word_embeddings": False, **changes})
+
+
+def write_moe_model(folder, seed: int = 0, **changes):
+    """A transformers Qwen3-MoE with every weight random (norms 1 + N(0, 0.1^2), the rest N(0, 0.1^2); the router
+    N(0, 1), so that routing depends on the token), saved as a checkpoint is published: one tensor per expert."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(**changes)).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 1.0 if name.endswith("mlp.gate.weight") else 0.1)
+            if "norm" in name:
+                param.add_(1.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_the_router_and_its_loss_map_to_megatrons():
+    from grpo_mega.model import gpt_config_from_hf
+
+    transformer = gpt_config_from_hf(moe_config(), ep=2).transformer
+    assert (transformer.num_moe_experts, transformer.moe_router_topk, transformer.moe_ffn_hidden_size) == (8, 2, 32)
+    # norm_topk_prob: softmax over the top-k logits, i.e. the top-k probabilities renormalised
+    assert transformer.moe_router_score_function == "softmax" and not transformer.moe_router_pre_softmax
+    assert transformer.moe_router_dtype == "fp32" and transformer.moe_aux_loss_coeff == 0.001
+    assert transformer.expert_model_parallel_size == 2 and transformer.expert_tensor_parallel_size == 1
+    assert transformer.qk_layernorm and not transformer.add_qkv_bias and not transformer.moe_grouped_gemm
+    assert transformer.moe_token_dispatcher_type == "allgather"  # megatron's default
+    assert gpt_config_from_hf(moe_config(norm_topk_prob=False)).transformer.moe_router_pre_softmax
+    assert gpt_config_from_hf(moe_config(), moe_aux_loss_coeff=0.0).transformer.moe_aux_loss_coeff == 0.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    (dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\] is not supported"),
+    (dict(attention_bias=True), "qwen3_moe attention_bias=True is not supported"),
+])
+def test_moe_settings_megatron_cannot_run_are_named(change, message):
+    from grpo_mega.model import gpt_config_from_hf
+
+    with pytest.raises(ValueError, match=message):
+        gpt_config_from_hf(moe_config(**change))
+
+
+def test_expert_parallel_sizes_that_do_not_fit_are_named():
+    from transformers import Qwen3Config
+
+    from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.parallel.layout import layout_for_world
+
+    with pytest.raises(ValueError, match="parallel.expert=3 must divide num_experts=8"):
+        gpt_config_from_hf(moe_config(), ep=3)
+    with pytest.raises(ValueError, match="parallel.expert=2: a qwen3 model has no experts"):
+        gpt_config_from_hf(Qwen3Config(**{k: v for k, v in SHAPE.items() if "expert" not in k and "moe" not in k
+                                          and k not in ("norm_topk_prob", "router_aux_loss_coef")}), ep=2)
+    with pytest.raises(ValueError, match="expert_parallel=4 does not divide the 2 ranks of a pipeline stage"):
+        layout_for_world(1, 2, 4, ep=4)
+    assert layout_for_world(2, 1, 2, ep=2).ep == 2
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return write_moe_model(tmp_path_factory.mktemp("qwen3_moe") / "hf")
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4), (2, 1, 8)])
+def test_round_trip_is_bit_identical_at_every_expert_split(moe_dir, tp, pp, ep):
+    from grpo_mega.checkpoint import hf_to_mcore_shards, mcore_shards_to_hf
+
+    config, state = moe_config(), load_file(str(moe_dir / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in state  # the published per-expert layout
+    shards = {(t, p, e): hf_to_mcore_shards(state, config, t, tp, p, pp, ep_rank=e, ep_size=ep)
+              for t in range(tp) for p in range(pp) for e in range(ep)}
+    first = shards[(0, 0, ep - 1)]
+    local = sorted({name.split("local_experts.")[1].split(".")[0] for name in first if "local_experts" in name})
+    assert local == [str(i) for i in range(8 // ep)]  # each EP rank holds its block of experts, indexed locally
+    merged = first["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    expert = 8 // ep * (ep - 1)  # the first expert of the last EP rank: [gate; up] whole, not split over TP
+    assert torch.equal(merged, torch.cat([state[f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"],
+                                          state[f"model.layers.0.mlp.experts.{expert}.up_proj.weight"]]))
+    back = mcore_shards_to_hf(shards, config, tp, pp, ep)
+    assert set(back) == set(state) and all(torch.equal(back[name], t) for name, t in state.items())
+    with pytest.raises(ValueError, match="ep_rank=1 is missing"):
+        mcore_shards_to_hf({key: value for key, value in shards.items() if key[2] != 1}, config, tp, pp, ep)
+
+
+# (tp, pp, ep) on 2 processes; DP = 2 / (tp * pp)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2)]
+
+
+def _logits_and_export(hf_dir: str) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_mega.checkpoint import HFWeights, export_hf_weights, load_hf_weights, mcore_logits
+    from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+
+    init_distributed(1, 1, seed=0, device="cpu")
+    config, weights = AutoConfig.from_pretrained(hf_dir), HFWeights(hf_dir)
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(ids).logits
+    results = {}
+    for tp, pp, ep in LAYOUTS:
+        destroy_model_parallel()
+        init_model_parallel(tp, pp, seed=0, ep=ep)
+        model = build_gpt_model(gpt_config_from_hf(config, tp=tp, pp=pp, ep=ep,
+                                                   overrides={"perform_initialization": False}))
+        load_hf_weights(model, weights, config)
+        exported = {name: torch.equal(tensor, weights[name]) for name, tensor in export_hf_weights(model, config)}
+        results[(tp, pp, ep)] = {"max_diff": (mcore_logits(model, ids) - expected).abs().max().item(),
+                                 "logit_scale": expected.abs().max().item(), "exported": exported,
+                                 "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
+    return {"results": results, "hf_names": sorted(weights)}
+
+
+def test_logits_match_transformers_and_export_is_bit_identical_at_tp_ep_pp(moe_dir):
+    for rank in run_distributed(_logits_and_export, 2, str(moe_dir)):
+        for (tp, pp, ep), result in rank["results"].items():
+            assert result["logit_scale"] > 2.0, (tp, pp, ep)  # logits of a size where 1e-4 means something
+            assert result["max_diff"] < 1e-4, (tp, pp, ep, result["max_diff"])
+            assert sorted(result["exported"]) == rank["hf_names"] and all(result["exported"].values()), (tp, pp, ep)
+            assert result["local_experts"] == 8 // ep
