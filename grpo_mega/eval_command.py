@@ -49,7 +49,7 @@ def run_eval_command(cfg, policy: str, *, samples: int, out: str | None) -> int:
     from grpo_mega.parallel import destroy_distributed, init_distributed
 
     init_distributed(cfg.parallel.tensor, 1, seed=cfg.parallel.seed, device=cfg.parallel.device,
-                     timeout_s=cfg.trainer.collective_timeout_s)
+                     timeout_s=cfg.trainer.collective_timeout_s, ep=cfg.parallel.expert)
     try:
         report = evaluate_policy(cfg, policy, samples=samples)
         rank = dist.get_rank()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig
 
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.config import SFTConfig, SFTDataConfig
@@ -25,6 +24,7 @@ from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
+from grpo_mega.model.config_map import load_model_hf_config
 from grpo_mega.harness.lifecycle import RunHarness
 from grpo_mega.harness.resume import trainer_state
 
@@ -109,7 +109,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     prompts, responses = load_sft_examples(cfg, tokenizer)
     harness.startup.mark("data")
     engine = build_policy_engine(
-        AutoConfig.from_pretrained(cfg.model.hf_config),
+        load_model_hf_config(cfg.model),
         optim=cfg.optim,
         total_steps=cfg.trainer.total_steps,
         max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.checkpoint.source import resolve_model_source
@@ -32,6 +31,7 @@ from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.harness.lifecycle import RunHarness
 from grpo_mega.harness.resume import grpo_state
+from grpo_mega.model.config_map import load_model_hf_config
 from grpo_mega.parallel import get_device
 from grpo_mega.parallel.roles import ROLLOUT, split_roles
 from grpo_mega.perf.memory import PhaseMemory
@@ -186,7 +186,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
 def _build_engines(cfg: GRPOConfig):
     """The policy (trained) and, with the KL loss, the reference (forward-only), with their initial weights still
     to load (``model.init_from``, in :func:`train`)."""
-    hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
+    hf_config = load_model_hf_config(cfg.model)
     shared = dict(
         max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
         logprob_chunk_size=cfg.model.logprob_chunk_size, temperature=cfg.rollout.temperature,

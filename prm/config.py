@@ -17,6 +17,7 @@ from grpo_mega.config import (
     check_choice,
     check_context_length,
     validate_engine,
+    validate_experts,
     validate_optim,
     validate_parallel,
     validate_trainer_common,
@@ -128,6 +129,7 @@ def validate_prm(cfg: PRMConfig) -> None:
     if cfg.prm.system_prompt is not None and not cfg.prm.chat_template:
         raise ConfigError("prm.system_prompt is the chat template's system turn: set prm.chat_template=true too "
                           "(or prm.system_prompt=null)")
+    validate_experts(cfg.model, cfg.parallel)
     check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     _validate_replay(cfg.data)
     if cfg.prm.layout == "likelihood":

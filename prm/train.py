@@ -27,6 +27,7 @@ from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale
 from grpo_mega.harness.lifecycle import RunHarness
 from grpo_mega.harness.resume import trainer_state
+from grpo_mega.model.config_map import load_model_hf_config
 from prm.config import PRMConfig
 from prm.examples import StepExample
 from prm.metrics import step_classification
@@ -123,7 +124,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     cfg.model.tokenizer = cfg.model.tokenizer or cfg.model.hf_config
     cfg.model.hf_config = str(_prm_hf_config(cfg, harness.run_dir))
-    hf_config = AutoConfig.from_pretrained(cfg.model.hf_config)
+    hf_config = load_model_hf_config(cfg.model)
     spec = PRMSpec(layout=cfg.prm.layout, step_tag=cfg.prm.step_tag, good_token=cfg.prm.good_token,
                    bad_token=cfg.prm.bad_token)
     # Data first: a bad file fails in seconds, before the model is built.

@@ -1,6 +1,6 @@
 """Qwen3-MoE: the config map (router, load-balancing loss, experts split over expert-parallel ranks), HF -> megatron
 -> HF bit-exact at TP / PP / EP and their products, and logits against transformers' Qwen3-MoE within 1e-4 (fp32) at
-DP=2, TP=2, EP=2, PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back to HF bit-exact."""
+DP=2, PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back to HF bit-exact."""
 
 import pytest
 import torch
@@ -70,11 +70,15 @@ def test_expert_parallel_sizes_that_do_not_fit_are_named():
 
     with pytest.raises(ValueError, match="parallel.expert=3 must divide num_experts=8"):
         gpt_config_from_hf(moe_config(), ep=3)
+    with pytest.raises(ValueError, match="at parallel.tensor=2 needs parallel.expert=2"):
+        gpt_config_from_hf(moe_config(), tp=2, ep=1)
     with pytest.raises(ValueError, match="parallel.expert=2: a qwen3 model has no experts"):
         gpt_config_from_hf(Qwen3Config(**{k: v for k, v in SHAPE.items() if "expert" not in k and "moe" not in k
                                           and k not in ("norm_topk_prob", "router_aux_loss_coef")}), ep=2)
     with pytest.raises(ValueError, match="expert_parallel=4 does not divide the 2 ranks of a pipeline stage"):
         layout_for_world(1, 2, 4, ep=4)
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide tensor_parallel=1"):
+        layout_for_world(1, 1, 2, ep=2)  # EP over data-parallel replicas: not yet
     assert layout_for_world(2, 1, 2, ep=2).ep == 2
 
 
@@ -105,7 +109,7 @@ def test_round_trip_is_bit_identical_at_every_expert_split(moe_dir, tp, pp, ep):
 
 
 # (tp, pp, ep) on 2 processes; DP = 2 / (tp * pp)
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2)]
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 1, 2)]
 
 
 def _logits_and_export(hf_dir: str) -> dict:
@@ -141,3 +145,93 @@ def test_logits_match_transformers_and_export_is_bit_identical_at_tp_ep_pp(moe_d
             assert result["max_diff"] < 1e-4, (tp, pp, ep, result["max_diff"])
             assert sorted(result["exported"]) == rank["hf_names"] and all(result["exported"].values()), (tp, pp, ep)
             assert result["local_experts"] == 8 // ep
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([12, 7, 9, 5])
+    input_ids = torch.randint(0, 301, (4, 12), generator=generator)
+    attention_mask = (torch.arange(12) < lengths[:, None]).long()
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+                advantages=torch.randn(4, 1, generator=generator).expand(4, 12).contiguous(),
+                old_logprobs=-torch.rand(4, 12, generator=generator) * 6 - 2)
+
+
+# (tp, pp, ep); DP = 2 / (tp * pp). DP=2 is the reference.
+STEP_LAYOUTS = {"dp2": (1, 1, 1), "tp2_ep2": (2, 1, 2), "pp2": (1, 2, 1)}
+
+
+def _layout_steps(hf_dir: str, ref_dir: str) -> dict:
+    from transformers import AutoConfig
+
+    from grpo_mega.checkpoint import HFWeights
+    from grpo_mega.config import OptimConfig
+    from grpo_mega.engine import build_policy_engine
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
+
+    init_distributed(1, 1, seed=7, device="cpu")
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, adam_eps=1e-4)  # eps: see test_engine_megatron
+    settings = GRPOLossSettings(clip_high=0.28, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean")
+
+    def step(tp, pp, ep, coeff, save_to=None):
+        destroy_model_parallel()
+        init_model_parallel(tp, pp, seed=7, ep=ep)
+        config = AutoConfig.from_pretrained(hf_dir)
+        config.router_aux_loss_coef = coeff
+        policy = build_policy_engine(config, optim=optim, total_steps=2, max_tokens_per_micro_batch=24)
+        policy.load_hf_weights(HFWeights(hf_dir))
+        metrics = policy.train_step(_batch(), grpo_loss_fn(settings))
+        policy.save_model_weights(save_to or f"{ref_dir}_unused")
+        return metrics
+
+    # the load-balancing loss is a per-micro-batch quantity: off, the step does not depend on how rows are split
+    out = {name: step(*layout, 0.0, f"{ref_dir}_{name}") for name, layout in STEP_LAYOUTS.items()}
+    out["aux"] = step(2, 1, 2, 0.1, f"{ref_dir}_aux")
+    destroy_model_parallel()
+    init_model_parallel(1, 1, seed=7)
+    policy = build_policy_engine(AutoConfig.from_pretrained(hf_dir), optim=optim, total_steps=2,
+                                 max_tokens_per_micro_batch=24)
+    policy.load_hf_weights(HFWeights(hf_dir))
+    out["params"] = {"start": {k: p.detach().clone() for k, p in policy.stage.named_parameters()}}
+    for name in (*STEP_LAYOUTS, "aux"):
+        policy.load_model_weights(f"{ref_dir}_{name}")
+        out["params"][name] = {k: p.detach().clone() for k, p in policy.stage.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_steps(moe_dir, tmp_path_factory):
+    return run_distributed(_layout_steps, 2, str(moe_dir), str(tmp_path_factory.mktemp("steps") / "w"))[0]
+
+
+def test_one_grpo_step_is_the_same_at_dp2_tp2xep2_and_pp2(layout_steps):
+    reference, params = layout_steps["dp2"], layout_steps["params"]
+    for name in STEP_LAYOUTS:
+        assert layout_steps[name]["loss"] == pytest.approx(reference["loss"], abs=1e-6), name
+        assert layout_steps[name]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), name
+        for key, value in params[name].items():
+            torch.testing.assert_close(value, params["dp2"][key], atol=1e-5, rtol=0, msg=f"{name}: {key}")
+    experts = [key for key in params["start"] if "local_experts" in key]
+    assert len(experts) == 4 * 8 * 2  # every expert of every layer, gathered at TP=1 / EP=1
+    moved = [key for key in experts if (params["dp2"][key] - params["start"][key]).abs().max() > 1e-3]
+    assert len(moved) > len(experts) // 2  # the tokens reached most experts, and their updates are compared above
+
+
+def test_the_step_reports_each_layers_load_balancing_loss_and_expert_load(layout_steps):
+    aux, plain = layout_steps["aux"], layout_steps["tp2_ep2"]
+    for layer in range(4):
+        # E * sum_e f_e P_e: 1 when routing is even, up to E / k; and the busiest expert over the mean
+        assert 1.0 <= aux[f"moe/load_balancing_loss/layer_{layer}"] <= 8 / 2
+        assert 1.0 <= aux[f"moe/expert_load_max_over_mean/layer_{layer}"] <= 8 / 2
+        # the routing of one step does not depend on the loss's weight; only its gradient does
+        name = f"moe/expert_load_max_over_mean/layer_{layer}"
+        assert aux[name] == plain[name]
+    assert aux["moe/expert_load_max_over_mean"] == max(aux[f"moe/expert_load_max_over_mean/layer_{i}"]
+                                                       for i in range(4))
+    assert "moe/load_balancing_loss" not in plain  # coefficient 0: megatron does not compute it
+    params = layout_steps["params"]
+    router = "decoder.layers.0.mlp.router.weight"
+    assert (params["aux"][router] - params["tp2_ep2"][router]).abs().max() > 1e-6  # the loss reached the router

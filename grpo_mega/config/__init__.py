@@ -20,6 +20,7 @@ from grpo_mega.config.checks import (
     check_context_length,
     launched_world_size,
     validate_engine,
+    validate_experts,
     validate_memory_settings,
     validate_optim,
     validate_parallel,
@@ -57,7 +58,7 @@ __all__ = [
     "RECOMPUTE_CHOICES", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTDataConfig",
     "SFTTrainerConfig", "STEP_CREDITS", "TrainerConfig", "check_choice", "check_context_length", "config_yaml",
     "launched_world_size", "load_config",
-    "save_config", "validate", "validate_engine", "validate_memory_settings", "validate_optim", "validate_parallel",
+    "save_config", "validate", "validate_engine", "validate_experts", "validate_memory_settings", "validate_optim", "validate_parallel",
     "validate_rollout_layout",
     "validate_rollout_mode", "validate_sft", "validate_trainer_common", "validate_world_size",
 ]

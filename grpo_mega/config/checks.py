@@ -73,7 +73,7 @@ def validate_trainer_common(trainer) -> None:
 def validate_parallel(parallel: ParallelConfig) -> None:
     """Layout sizes and the device."""
     check_choice(parallel.device, DEVICE_CHOICES, "parallel.device")
-    for key in ("tensor", "pipeline", "max_tokens_per_micro_batch"):
+    for key in ("tensor", "pipeline", "expert", "max_tokens_per_micro_batch"):
         if getattr(parallel, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
 
@@ -93,6 +93,11 @@ def validate_world_size(parallel: ParallelConfig, world_size: int) -> None:
     """The job's ``world_size`` processes (0: not known yet) hold whole model replicas: parallel.tensor x
     parallel.pipeline divides it."""
     replica = parallel.tensor * parallel.pipeline
+    if world_size and world_size % replica == 0 and (world_size // parallel.pipeline) % parallel.expert:
+        raise ConfigError(
+            f"parallel.expert={parallel.expert} does not divide the {world_size // parallel.pipeline} processes of a "
+            f"pipeline stage (the job's {world_size} / parallel.pipeline={parallel.pipeline}): the experts are split "
+            f"over a stage's ranks")
     if not world_size or world_size % replica == 0:
         return
     raise ConfigError(
@@ -134,6 +139,35 @@ def validate_memory_settings(cfg) -> None:
     if cfg.engine == "deepspeed" and parallel.recompute != "none":
         raise ConfigError(f"parallel.recompute={parallel.recompute!r} is a megatron-core feature; engine=deepspeed "
                           f"does not recompute activations: set parallel.recompute=none or engine=megatron")
+
+
+def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """``parallel.expert`` and ``model.moe_aux_loss_coeff`` against the model's config.json (when the folder is
+    there): a mixture-of-experts model, whose number of experts ``parallel.expert`` divides."""
+    config_file = Path(model.hf_config) / "config.json"
+    try:
+        hf = json.loads(config_file.read_text()) if config_file.is_file() else None
+    except (OSError, ValueError):
+        hf = None
+    if model.moe_aux_loss_coeff is not None and model.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} must be >= 0 (null: the HF config's)")
+    if hf is None:
+        return
+    experts = hf.get("num_experts") if hf.get("model_type") == "qwen3_moe" else None
+    if not experts:
+        for key, value, default in (("parallel.expert", parallel.expert, 1),
+                                    ("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, None)):
+            if value != default:
+                raise ConfigError(f"{key}={value} is for mixture-of-experts models, and {config_file} is a "
+                                  f"{hf.get('model_type')!r} model without experts: remove it")
+        return
+    if parallel.tensor > 1 and parallel.expert != parallel.tensor or parallel.tensor % parallel.expert:
+        raise ConfigError(f"parallel.expert={parallel.expert} with parallel.tensor={parallel.tensor}: a mixture-of-experts "
+                          f"model's experts are split over the ranks of its tensor-parallel group, so parallel.expert "
+                          f"must equal parallel.tensor (EP across data-parallel replicas is not supported yet)")
+    if experts % parallel.expert:
+        raise ConfigError(f"parallel.expert={parallel.expert} does not divide the model's num_experts={experts} "
+                          f"({config_file})")
 
 
 def check_context_length(model: ModelConfig, length: int, what: str) -> None:

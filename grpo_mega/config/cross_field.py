@@ -15,6 +15,7 @@ from grpo_mega.config.checks import (
     check_context_length,
     launched_world_size,
     validate_engine,
+    validate_experts,
     validate_optim,
     validate_parallel,
     validate_trainer_common,
@@ -117,6 +118,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"rollout.{key}={getattr(cfg.rollout, key)} must be >= 1 (or null: vLLM's default)")
     if cfg.data.prompt_length < 1:
         raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
+    validate_experts(cfg.model, cfg.parallel)
     check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
                           "data.prompt_length + algorithm.response_length")
 
@@ -248,6 +250,7 @@ def validate_sft(cfg: SFTConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
                           "template can render: set data.chat_template=true (or data.messages_field=null for "
                           "prompt/response rows)")
+    validate_experts(cfg.model, cfg.parallel)
     check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:

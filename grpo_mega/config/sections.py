@@ -15,7 +15,8 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 @dataclass
 class ModelConfig:
     hf_config: str = "???"
-    """Folder holding the Hugging Face config.json of the architecture (Qwen2 or Llama family)."""
+    """Folder holding the Hugging Face config.json of the architecture (model_type qwen2, llama, qwen3 or
+    qwen3_moe)."""
     tokenizer: Optional[str] = None
     """Tokenizer folder (HF format); defaults to ``hf_config``."""
     init_from: Optional[str] = None
@@ -27,6 +28,10 @@ class ModelConfig:
     """Compute each chunk's logits in fp32 before the softmax (bf16 models: rounding the logits to bf16 adds
     sampler/trainer log-prob mismatch). No effect on fp32 models. On a GPU these products of upcast bf16 values
     run as TF32 on tensor cores, which is exact for them (``grpo_mega.model.tf32``)."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """Mixture-of-experts models (Qwen3-MoE): the weight of megatron's load-balancing loss (``aux_loss``, per MoE
+    layer) in the trained models' loss; null takes the HF config's ``router_aux_loss_coef`` (0.001 for
+    Qwen3-30B-A3B), 0 turns it off. Set on a dense model it is an error."""
 
 
 @dataclass
@@ -35,6 +40,13 @@ class ParallelConfig:
     """Tensor-parallel size."""
     pipeline: int = 1
     """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
+    expert: int = 1
+    """Expert-parallel size of a mixture-of-experts model (Qwen3-MoE): each MoE layer's experts are split over
+    this many ranks of a tensor-parallel group, each expert whole on its rank (megatron's
+    ``expert_model_parallel_size`` with ``expert_tensor_parallel_size`` 1): attention is split over ``tensor`` ranks,
+    the experts over the same ranks: ``expert`` must equal ``tensor`` (EP across data-parallel replicas needs their
+    micro-batches aligned, not built yet) and divide the number of experts; 1 for a dense model. Used by the GRPO,
+    SFT and PRM trainers and ``grpo-mega eval``."""
     sequence_parallel: Optional[bool] = None
     """Megatron sequence parallelism: between the TP regions (norms, residual adds, dropout) each TP rank holds
     1/tensor of the sequence instead of all of it, and TP's all-reduces become reduce-scatter / all-gather pairs.

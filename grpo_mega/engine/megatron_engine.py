@@ -39,6 +39,7 @@ from grpo_mega.engine.lr_schedule import (
 )
 from grpo_mega.engine.offload import StorageOffload, device_bytes, megatron_grad_buffers, megatron_optimizer_state
 from grpo_mega.engine.megatron_base import MegatronStageEngine, StageModelProvider, layer_tokens
+from grpo_mega.engine.moe_metrics import RouterLoadProbe
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
     global_loss_scale,
@@ -120,6 +121,8 @@ class MegatronEngine(MegatronStageEngine):
         self.scheduler = build_lr_schedule(self.optimizer, optim, total_steps)
         self.steps_done = 0
         self._offload = StorageOffload()
+        # mixture-of-experts models: each step also reports its routing (grpo_mega.engine.moe_metrics)
+        self.router_probe = RouterLoadProbe(module, self.config) if self.config.num_moe_experts else None
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
@@ -155,6 +158,8 @@ class MegatronEngine(MegatronStageEngine):
             records, device=self.device, contributes=self.post_process,
             groups=(mpu.get_data_parallel_group(), mpu.get_pipeline_model_parallel_group()),
         )
+        if self.router_probe is not None:
+            metrics.update(self.router_probe.step_metrics(len(micro_batches), self.device))
         lr = self.current_lr
         grad_norm = self._apply_update(metrics.get("loss", 0.0))
         self.steps_done += 1

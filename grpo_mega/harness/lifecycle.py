@@ -68,7 +68,7 @@ class RunHarness:
         self.stop_requests = StopRequests(save_before_seconds=run.save_before_seconds,
                                           end_time=run_end_time(run.time_limit_seconds)).install()
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device,
-                         timeout_s=run.collective_timeout_s)
+                         timeout_s=run.collective_timeout_s, ep=cfg.parallel.expert)
         self.startup.mark("distributed")
         self.run_dir = Path(run.run_dir)
         self.watchdog = PhaseWatchdog(self.run_dir, run.collective_timeout_s, command=command,

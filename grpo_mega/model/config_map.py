@@ -193,7 +193,6 @@ def gpt_config_from_hf(
     sequence_parallel: bool = False,
     recompute: str = "none",
     ep: int = 1,
-    moe_token_dispatcher: str = "auto",
     moe_aux_loss_coeff: float | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> GPTConfig:
@@ -208,14 +207,18 @@ def gpt_config_from_hf(
     `sequence_parallel` (needs tp > 1) splits the sequence dimension of the activations outside the TP regions
     over the TP ranks (megatron's sequence parallelism); `recompute` is a key of `RECOMPUTE_SETTINGS`
     (``parallel.recompute``). A mixture-of-experts model (Qwen3-MoE) splits its experts over ``ep`` ranks
-    (``parallel.expert``) and takes ``moe_token_dispatcher`` / ``moe_aux_loss_coeff``
-    (`grpo_mega.model.moe_config.moe_fields`); ``ep`` > 1 for a dense model is an error.
+    (``parallel.expert``) and weighs its load-balancing loss by ``moe_aux_loss_coeff`` (None: the HF config's
+    ``router_aux_loss_coef``; `grpo_mega.model.moe_config.moe_fields`); ``ep`` > 1 for a dense model is an error.
     """
     hf = _as_hf_config(hf_config)
     _check_supported(hf)
     family = FAMILIES[hf.model_type]
     if ep != 1 and not family.moe:
         raise ValueError(f"parallel.expert={ep}: a {hf.model_type} model has no experts to split (use 1)")
+    if family.moe and tp > 1 and ep != tp:
+        raise ValueError(f"a {hf.model_type} model at parallel.tensor={tp} needs parallel.expert={tp}: its experts, whole "
+                         f"on each rank, are split over the ranks of the tensor-parallel group (with fewer expert "
+                         f"ranks the experts' gradients do not match a TP=1 step's)")
     fields: dict[str, Any] = {}
     for hf_name, mcore_name, required in HF_TO_MCORE_FIELDS:
         value = getattr(hf, hf_name, None)
@@ -253,7 +256,7 @@ def gpt_config_from_hf(
         raise ValueError(f"recompute={recompute!r}: expected one of {tuple(RECOMPUTE_SETTINGS)}")
     fields.update(RECOMPUTE_SETTINGS[recompute])
     if family.moe:
-        fields.update(moe_fields(hf, ep=ep, dispatcher=moe_token_dispatcher, aux_loss_coeff=moe_aux_loss_coeff))
+        fields.update(moe_fields(hf, ep=ep, aux_loss_coeff=moe_aux_loss_coeff))
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     for name in overrides or {}:
         if name not in known:
@@ -270,3 +273,19 @@ def gpt_config_from_hf(
         rope_scaling_factor=rope_scaling_factor,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
     )
+
+
+def load_model_hf_config(model_cfg: Any) -> Any:
+    """The transformers config of a run's model (``model.hf_config``), with ``model.moe_aux_loss_coeff`` in place of
+    a mixture-of-experts config's ``router_aux_loss_coef`` when it is set (the run config's choice of the
+    load-balancing loss weight; the folder's config.json, which exports copy, is left as it is)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_cfg.hf_config)
+    coeff = getattr(model_cfg, "moe_aux_loss_coeff", None)
+    if coeff is not None:
+        if not FAMILIES.get(hf.model_type, Family(qkv_bias=False)).moe:
+            raise ValueError(f"model.moe_aux_loss_coeff={coeff}: {model_cfg.hf_config} is a {hf.model_type} model "
+                             f"without experts")
+        hf.router_aux_loss_coef = float(coeff)
+    return hf

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3-MoE config -> megatron-core's MoE fields (`moe_fields`), and the dispatcher choice.
+"""Hugging Face Qwen3-MoE config -> megatron-core's MoE fields (`moe_fields`).
 
 Qwen3-MoE's router (transformers' ``Qwen3MoeTopKRouter``): softmax over all experts in fp32, the top-k, and with
 ``norm_topk_prob`` the top-k probabilities renormalised to sum to 1; no shared expert, no expert bias, every layer
@@ -25,10 +25,9 @@ from typing import Any
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 
-DISPATCHERS = ("auto", "allgather", "alltoall")
-"""``parallel.moe_token_dispatcher``: ``auto`` is megatron's default, ``allgather`` (megatron-core's
-``TransformerConfig.moe_token_dispatcher_type``; gloo has every collective it uses), on the CPU and on GPUs;
-``alltoall`` exchanges only the routed tokens between expert-parallel ranks (megatron's advice for EP > 1 on GPUs)."""
+# The token dispatcher is megatron's default (``TransformerConfig.moe_token_dispatcher_type``: ``allgather``) on the
+# CPU and on GPUs: gloo has every collective it uses (all_gather_into_tensor, reduce_scatter_tensor), while
+# ``alltoall`` creates a CUDA stream at construction and cannot run on the CPU.
 
 
 def check_moe_supported(hf: Any) -> None:
@@ -44,14 +43,11 @@ def check_moe_supported(hf: Any) -> None:
         raise ValueError(f"num_experts_per_tok={hf.num_experts_per_tok} exceeds num_experts={hf.num_experts}")
 
 
-def moe_fields(hf: Any, *, ep: int = 1, dispatcher: str = "auto", aux_loss_coeff: float | None = None
-               ) -> dict[str, Any]:
+def moe_fields(hf: Any, *, ep: int = 1, aux_loss_coeff: float | None = None) -> dict[str, Any]:
     """megatron TransformerConfig fields of a Qwen3-MoE HF config at expert-parallel size ``ep``."""
     check_moe_supported(hf)
     if ep < 1 or hf.num_experts % ep:
         raise ValueError(f"parallel.expert={ep} must divide num_experts={hf.num_experts}")
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"parallel.moe_token_dispatcher={dispatcher!r}: expected one of {DISPATCHERS}")
     if aux_loss_coeff is not None and aux_loss_coeff < 0:
         raise ValueError(f"model.moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
     fields = dict(
@@ -68,8 +64,6 @@ def moe_fields(hf: Any, *, ep: int = 1, dispatcher: str = "auto", aux_loss_coeff
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
     )
-    if dispatcher != "auto":
-        fields["moe_token_dispatcher_type"] = dispatcher
     return fields
 
 
