@@ -24,6 +24,7 @@ REAL_MODEL_CONFIGS = {
     "qwen2.5-math-7b_grpo.yaml": ("qwen2.5-math-7b", 7.6e9),
     "llama-3.1-8b_grpo.yaml": ("llama-3.1-8b", 8.0e9),
     "qwen3-8b_grpo.yaml": ("qwen3-8b", 8.2e9),
+    "qwen3-30b-a3b_grpo_2node.yaml": ("qwen3-30b-a3b", 30.5e9),
     "qwen2.5-math-7b_grpo_prm.yaml": ("qwen2.5-math-7b", 7.6e9),
     "qwen2.5-math-7b_grpo_async.yaml": ("qwen2.5-math-7b", 7.6e9),
     "qwen2.5-math-7b_grpo_prm_async.yaml": ("qwen2.5-math-7b", 7.6e9),
@@ -47,6 +48,11 @@ EXPECTED_ARCHITECTURE = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                          vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+                          rms_norm_eps=1e-6),
 }
 
 REQUIRED_PATHS = [
@@ -85,8 +91,10 @@ def parameter_count(hf) -> int:
     head_dim = getattr(hf, "head_dim", None) or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if hf.model_type == "qwen2" else 0)
-    attention += 2 * head_dim if hf.model_type == "qwen3" else 0
+    attention += 2 * head_dim if hf.model_type in ("qwen3", "qwen3_moe") else 0
     mlp = 3 * h * hf.intermediate_size
+    if hf.model_type == "qwen3_moe":  # every layer: a router and the experts instead of one MLP
+        mlp = hf.num_experts * (h + 3 * h * hf.moe_intermediate_size)
     per_layer = attention + mlp + 2 * h
     embedding = hf.vocab_size * h
     head = 0 if hf.tie_word_embeddings else hf.vocab_size * h
@@ -143,15 +151,15 @@ def test_megatron_config_accepts_layout(name):
     cfg = _load(name)
     folder = REAL_MODEL_CONFIGS[name][0]
     hf = _hf_config(folder)
-    gpt = gpt_config_from_hf(hf, tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
+    gpt = gpt_config_from_hf(hf, tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, ep=cfg.parallel.expert)
     assert gpt.model_type == hf.model_type and gpt.tie_word_embeddings == hf.tie_word_embeddings
     assert gpt.padded_vocab_size % cfg.parallel.tensor == 0 and gpt.padded_vocab_size >= hf.vocab_size
     if hf.model_type == "llama":
         assert gpt.rope_scaling_factor == 8.0 and gpt.rotary_base == 500000.0
     else:
-        rotary_base = {"qwen2": 10000.0, "qwen3": 1000000.0}[hf.model_type]
+        rotary_base = {"qwen2": 10000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0}[hf.model_type]
         assert gpt.rope_scaling_factor is None and gpt.rotary_base == rotary_base
-    assert gpt.transformer.qk_layernorm == (hf.model_type == "qwen3")
+    assert gpt.transformer.qk_layernorm == hf.model_type.startswith("qwen3")
 
 
 @pytest.mark.parametrize("folder", sorted(EXPECTED_ARCHITECTURE))
@@ -160,13 +168,15 @@ def test_hf_config_matches_published_architecture(folder):
     for key, value in EXPECTED_ARCHITECTURE[folder].items():
         assert getattr(hf, key) == value, f"{folder}: {key}={getattr(hf, key)!r}, expected {value!r}"
     assert hf.hidden_act == "silu"
-    assert _rope_theta(hf) == {"llama": 500000.0, "qwen2": 10000.0, "qwen3": 1000000.0}[hf.model_type]
-    if hf.model_type in ("qwen2", "qwen3"):
+    assert _rope_theta(hf) == {"llama": 500000.0, "qwen2": 10000.0, "qwen3": 1000000.0,
+                               "qwen3_moe": 1000000.0}[hf.model_type]
+    if hf.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         assert not getattr(hf, "use_sliding_window", False)
 
 
 @pytest.mark.parametrize("folder, expected", [
     ("qwen2.5-math-1.5b", 1.54e9), ("qwen2.5-math-7b", 7.6e9), ("llama-3.1-8b", 8.0e9), ("qwen3-8b", 8.2e9),
+    ("qwen3-30b-a3b", 30.5e9),
 ])
 def test_parameter_count_matches_published_size(folder, expected):
     count = parameter_count(_hf_config(folder))

@@ -11,7 +11,8 @@ from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 
 REAL_CONFIGS = ["qwen2.5-math-1.5b_grpo", "qwen2.5-math-7b_grpo", "qwen2.5-math-7b_grpo_prm",
                 "qwen2.5-math-7b_grpo_2node", "llama-3.1-8b_grpo", "llama-3.1-8b_grpo_2node",
-                "qwen2.5-math-7b_grpo_async", "qwen2.5-math-7b_grpo_prm_async"]
+                "qwen2.5-math-7b_grpo_async", "qwen2.5-math-7b_grpo_prm_async", "qwen3-8b_grpo",
+                "qwen3-30b-a3b_grpo_2node"]
 # The PRM config points at a downloaded folder; plan it with the architecture shipped in configs/models.
 PRM_ARCHITECTURE = "process_reward.prm=configs/models/qwen2.5-math-prm-7b"
 

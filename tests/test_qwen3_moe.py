@@ -235,3 +235,19 @@ def test_the_step_reports_each_layers_load_balancing_loss_and_expert_load(layout
     params = layout_steps["params"]
     router = "decoder.layers.0.mlp.router.weight"
     assert (params["aux"][router] - params["tp2_ep2"][router]).abs().max() > 1e-6  # the loss reached the router
+
+
+@pytest.mark.slow
+def test_grpo_on_qwen3_moe_at_tp2_ep2_resumes_exactly_after_a_kill(tmp_path_factory, tmp_path):
+    from test_trainer_hardening import KILL_RUN, assert_runs_equal, straight_and_killed_runs
+    from tiny_task import build_tiny_qwen3_task
+
+    from grpo_mega.run.metrics import read_metrics
+
+    task = build_tiny_qwen3_task(tmp_path_factory.mktemp("moe_task"), moe=True)
+    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *KILL_RUN, "parallel.expert=2")
+    final = assert_runs_equal(straight, interrupted, 4)
+    assert any(".mlp.experts." in key for key in final)  # it trained the experts (megatron's sharded names)
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert all(row["moe/expert_load_max_over_mean"] >= 1.0 for row in rows)
+    assert all(row["moe/load_balancing_loss"] >= 1.0 for row in rows)  # the HF config's coefficient, 0.001

@@ -50,19 +50,25 @@ def build_padded_model(root: Path, extra_rows: int, *, seed: int = 0, initialize
 
 
 
-def build_tiny_qwen3_task(root: Path) -> tuple[Path, Path]:
-    """The tiny task with a Qwen3 policy of the quickstart's widths: q/k norms, head_dim 48 (not hidden / heads)."""
+def build_tiny_qwen3_task(root: Path, *, moe: bool = False) -> tuple[Path, Path]:
+    """The tiny task with a Qwen3 policy of the quickstart's widths: q/k norms, head_dim 48 (not hidden / heads);
+    ``moe``: a Qwen3-MoE one (8 experts of width 64, top-2, renormalised)."""
     import shutil
 
-    from transformers import AutoConfig, Qwen3Config
+    from transformers import AutoConfig, Qwen3Config, Qwen3MoeConfig
 
     model_dir, train_file = build_tiny_task(root)
     qwen2 = AutoConfig.from_pretrained(model_dir).to_dict()
     shape = {key: qwen2[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                          "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
                                          "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")}
-    qwen3_dir = root / "qwen3_model"
+    qwen3_dir = root / ("qwen3_moe_model" if moe else "qwen3_model")
     shutil.copytree(model_dir, qwen3_dir)
     (qwen3_dir / "config.json").unlink()
-    Qwen3Config(**shape, head_dim=48, rope_theta=10000.0, architectures=["Qwen3ForCausalLM"]).save_pretrained(qwen3_dir)
+    if moe:
+        config = Qwen3MoeConfig(**shape, head_dim=48, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=64, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+    else:
+        config = Qwen3Config(**shape, head_dim=48, rope_theta=10000.0, architectures=["Qwen3ForCausalLM"])
+    config.save_pretrained(qwen3_dir)
     return qwen3_dir, train_file

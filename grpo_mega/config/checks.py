@@ -153,7 +153,7 @@ def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} must be >= 0 (null: the HF config's)")
     if hf is None:
         return
-    experts = hf.get("num_experts") if hf.get("model_type") == "qwen3_moe" else None
+    experts = (hf.get("num_experts") or hf.get("num_local_experts")) if hf.get("model_type") == "qwen3_moe" else None
     if not experts:
         for key, value, default in (("parallel.expert", parallel.expert, 1),
                                     ("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, None)):

@@ -20,6 +20,12 @@ saved q / k / output (they are re-run); ``full`` recompute keeps only each layer
 parallelism) plus one layer's activations while it is re-run. Fused attention keeps no S x S matrix; its
 log-sum-exp (fp32, one value per head and token) is small and counted.
 
+A mixture-of-experts layer (Qwen3-MoE, megatron's MoE layer with the allgather dispatcher, experts whole on the
+TP ranks, EP = TP) keeps instead of the dense MLP: the router's fp32 logits and probabilities (2 E fp32 per token of
+this rank), the tokens gathered from the TP group (h per token of the micro-batch), and for each of the top-k expert
+assignments that land on this rank's experts (k / t of them per token on average, x `EXPERT_LOAD_IMBALANCE` for the
+busiest rank) the permuted input (h), the expert's SwiGLU (5 f_moe) and its weighted output (h).
+
 Around the layers: the embedding output, the final norm's input and output (kept by the LM head), and in the
 backward pass transients: the largest weight's gradient before megatron adds it to the fp32 gradient buffer (the
 word embedding, V/t x h), and two activation-gradient buffers of the largest layer width. With pipeline
@@ -30,6 +36,11 @@ buffers (``model.logprob_chunk_size`` x V/t, fp32) are counted apart (``logprob_
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+EXPERT_LOAD_IMBALANCE = 1.5
+"""Tokens on the busiest expert-parallel rank over the mean, assumed for MoE activations (the load-balancing loss
+keeps trained routers near 1; ``moe/expert_load_max_over_mean`` in the step metrics is the measured figure per
+expert)."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +55,24 @@ class Shapes:
     layers: int
     vocab: int
     """Padded vocabulary (rows of the embedding / output matrix over all TP ranks)."""
+    experts: int = 0
+    """Experts per MoE layer (0: a dense model)."""
+    topk: int = 0
+    """Experts each token is routed to."""
+    expert_intermediate: int = 0
+    """One expert's MLP width (moe_intermediate_size)."""
 
     @classmethod
     def from_hf(cls, hf: dict, padded_vocab: int) -> Shapes:
         heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        moe = hf.get("model_type") == "qwen3_moe"
         return cls(hidden=int(hf["hidden_size"]), heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
                    head_dim=head_dim, intermediate=int(hf["intermediate_size"]), layers=int(hf["num_hidden_layers"]),
-                   vocab=padded_vocab)
+                   vocab=padded_vocab,
+                   experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
+                   topk=int(hf.get("num_experts_per_tok") or 0) if moe else 0,
+                   expert_intermediate=int(hf.get("moe_intermediate_size") or 0) if moe else 0)
 
 
 def layer_elements_per_token(s: Shapes, tp: int, sequence_parallel: bool, recompute: str) -> float:
@@ -62,6 +83,11 @@ def layer_elements_per_token(s: Shapes, tp: int, sequence_parallel: bool, recomp
     if recompute == "selective":
         attention = (q + 2 * kv) / tp  # the QKV output is kept; attention re-runs from it
     mlp = 5 * f / tp
+    if s.experts:
+        local_tokens = 1 / (tp if sequence_parallel else 1)
+        router = 2 * s.experts * 2 * local_tokens  # fp32 logits and probabilities, in bf16 elements
+        assignments = s.topk / tp * EXPERT_LOAD_IMBALANCE
+        mlp = router + h + assignments * (2 * h + 5 * s.expert_intermediate)
     return replicated + attention + mlp
 
 

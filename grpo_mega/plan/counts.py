@@ -65,6 +65,12 @@ class ModelRequest:
     """Parameters of the head on the last stage: ``none`` (LM head, likelihood / label-token PRM) or
     ``classifier`` (Qwen2.5-Math-PRM's score head, ``prm.heads.ClassifierHead``)."""
 
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size: a mixture-of-experts model splits its experts over its TP ranks (grpo-mega's rule,
+        ``parallel.expert`` = ``parallel.tensor``; vLLM shards them over its TP ranks too), a dense model has none."""
+        return self.tp if self.hf_config.get("model_type") == "qwen3_moe" else 1
+
 
 class _MetaStaysMeta(TorchFunctionMode):
     """``Tensor.cuda()`` of a meta tensor returns it: megatron moves the last stage's copy of tied embeddings to the
@@ -90,9 +96,10 @@ def _build_stage_params(request: ModelRequest, pp_rank: int) -> list[ParamInfo]:
     # megatron's default rank order puts TP innermost and PP outermost: rank = pp_rank * tp (DP = 1 here).
     dist.init_process_group("fake", store=FakeStore(), rank=pp_rank * request.tp, world_size=request.tp * request.pp)
     try:
-        parallel_state.initialize_model_parallel(request.tp, request.pp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(request.tp, request.pp, create_gloo_process_groups=False,
+                                                 expert_model_parallel_size=request.ep, expert_tensor_parallel_size=1)
         gpt_config = gpt_config_from_hf(
-            request.hf_config, tp=request.tp, pp=request.pp, dtype=dtype,
+            request.hf_config, tp=request.tp, pp=request.pp, dtype=dtype, ep=request.ep,
             overrides={"perform_initialization": False, "use_cpu_initialization": True})
         with torch.device("meta"), _MetaStaysMeta():
             model = build_gpt_model(gpt_config, lm_output=request.lm_output)

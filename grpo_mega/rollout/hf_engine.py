@@ -42,7 +42,7 @@ from grpo_mega.rollout.base import (
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.kv_cache import preallocated_cache
 from grpo_mega.rollout.stopping import cut_response
-from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
+from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
 
 
 class PastTokenizerMask(LogitsProcessor):
@@ -141,7 +141,7 @@ class HFRolloutEngine:
         # keep_vars=True: the Parameter objects themselves, so copying into them updates the model in place.
         rows = model.get_input_embeddings().num_embeddings
         self._masks = [PastTokenizerMask(len(self.tokenizer))] if len(self.tokenizer) < rows else []
-        self._weights = WeightUpdateTracker(model.state_dict(keep_vars=True))
+        self._weights = WeightUpdateTracker(checkpoint_state_dict(model.state_dict(keep_vars=True)))
         self._weights_ready = weights_ready
         self.weight_version = 0
         """Complete weight updates received so far."""

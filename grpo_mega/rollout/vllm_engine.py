@@ -71,7 +71,7 @@ from grpo_mega.rollout.vllm_launch import (
     remove_stale_cpu_shm,
 )
 from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits
-from grpo_mega.rollout.weight_tracking import WeightUpdateTracker
+from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
 from grpo_mega.run.failure import phase
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def _reference_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)))
-    return model.state_dict(keep_vars=True)
+    return checkpoint_state_dict(model.state_dict(keep_vars=True))
 
 
 def _embedding_rows(reference: dict[str, torch.Tensor]) -> int | None:

@@ -9,7 +9,35 @@ leave stale weights behind unnoticed.
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+# transformers 5 holds an MoE layer's experts packed (Qwen3-MoE: ``mlp.experts.gate_up_proj`` [E, 2 * I, H], gate rows
+# first, and ``mlp.experts.down_proj`` [E, H, I]) while checkpoints, grpo-mega's export and vLLM name one tensor per
+# expert (``mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj``).
+_PACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<packed>gate_up_proj|down_proj)$")
+
+
+def checkpoint_state_dict(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers model's ``state_dict(keep_vars=True)`` under checkpoint names: each packed expert parameter
+    (``_PACKED_EXPERTS``) replaced by one view per expert and projection, so that copying a checkpoint-named tensor
+    into its entry writes that expert's rows of the packed parameter in place. Other entries are kept as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model_state.items():
+        match = _PACKED_EXPERTS.match(name)
+        if match is None or tensor.dim() != 3:
+            out[name] = tensor
+            continue
+        prefix = match["prefix"]
+        for expert in range(tensor.shape[0]):
+            if match["packed"] == "down_proj":
+                out[f"{prefix}.{expert}.down_proj.weight"] = tensor[expert]
+                continue
+            gate, up = tensor[expert].chunk(2, dim=0)
+            out[f"{prefix}.{expert}.gate_proj.weight"] = gate
+            out[f"{prefix}.{expert}.up_proj.weight"] = up
+    return out
 
 
 class WeightUpdateTracker:
