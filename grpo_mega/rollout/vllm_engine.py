@@ -405,6 +405,7 @@ class VLLMRolloutEngine:
             free_cached_memory()
             with phase("vllm wake (weights)", bounded=True, alone=True):
                 self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("grpo_begin_weight_sync")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Check names and shapes, cast to the engine dtype, and load the tensors into the vLLM worker."""

@@ -46,10 +46,60 @@ def keep_cpu_weights() -> Iterator[None]:
 
     # linear.py and vocab_parallel_embedding.py import the function from the module at call time.
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    experts_cls = _cpu_moe_experts_class()
+    original_moe = experts_cls.process_weights_after_loading
+    experts_cls.process_weights_after_loading = _keeping_plain_moe_weights(original_moe)
     try:
         yield
     finally:
         layer_utils.dispatch_cpu_unquantized_gemm = original
+        experts_cls.process_weights_after_loading = original_moe
+
+
+# vLLM's CPU MoE experts (0.32, ``CPUUnquantizedExperts.process_weights_after_loading``) replace an MoE layer's
+# ``w13_weight`` / ``w2_weight`` by padded, prepacked copies for their grouped GEMM once, when the engine is built; a
+# later ``load_weights`` would write checkpoint-layout rows into the packed tensors. So while the engine is built the
+# plain parameters (with their weight loaders) are kept on the layer (``_PLAIN_MOE``); a sync puts them back before
+# loading (``restore_plain_moe_weights``) and prepacks again after it (``prepack_moe_weights``).
+_PLAIN_MOE = "_grpo_mega_plain_moe_weights"
+
+
+def _cpu_moe_experts_class():
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return CPUUnquantizedExperts
+
+
+def _keeping_plain_moe_weights(process):
+    def process_keeping_plain(self, layer: torch.nn.Module) -> None:
+        setattr(layer, _PLAIN_MOE, (layer.w13_weight, layer.w2_weight))
+        process(self, layer)
+        if getattr(self, "_use_zentorch", False):  # zentorch kept the plain weights: nothing to restore
+            delattr(layer, _PLAIN_MOE)
+
+    return process_keeping_plain
+
+
+def _packed_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if hasattr(module, _PLAIN_MOE)]
+
+
+def restore_plain_moe_weights(model: torch.nn.Module) -> int:
+    """Put the plain expert weights back as the MoE layers' parameters, for ``load_weights``; returns how many
+    layers."""
+    layers = _packed_moe_layers(model)
+    for layer in layers:
+        layer.w13_weight, layer.w2_weight = getattr(layer, _PLAIN_MOE)
+    return len(layers)
+
+
+def prepack_moe_weights(model: torch.nn.Module) -> int:
+    """Pad and prepack the loaded plain expert weights for vLLM's CPU grouped GEMM (keeping the plain ones again);
+    returns how many layers."""
+    layers = _packed_moe_layers(model)
+    for layer in layers:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return len(layers)
 
 
 def repack_cpu_weights(model: torch.nn.Module) -> int:
@@ -88,10 +138,17 @@ class VLLMWeightReceiver:
             self.model_runner.model.load_weights(on_device)
         return len(named_tensors)
 
+    def grpo_begin_weight_sync(self) -> int:
+        """Before the first bucket: on CPU, the MoE layers' plain expert weights back in place of their packed copies
+        (returns how many layers; 0 on other platforms, whose kernels read the parameters as loaded)."""
+        return restore_plain_moe_weights(self.model_runner.model) if _on_cpu() else 0
+
     def grpo_finish_weight_sync(self) -> int:
-        """After the last bucket: on CPU, pack the new weights for the GEMM kernels (returns the number of layers
-        repacked; 0 on other platforms)."""
-        return repack_cpu_weights(self.model_runner.model) if _on_cpu() else 0
+        """After the last bucket: on CPU, pack the new weights for the GEMM kernels, MoE experts included (returns
+        the number of layers repacked; 0 on other platforms)."""
+        if not _on_cpu():
+            return 0
+        return repack_cpu_weights(self.model_runner.model) + prepack_moe_weights(self.model_runner.model)
 
 
 SAMPLED_VOCAB_KEY = "grpo_mega_sampled_vocab_size"
