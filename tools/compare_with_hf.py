@@ -75,6 +75,7 @@ def preflight(args: argparse.Namespace) -> torch.Tensor:
     from grpo_mega.checkpoint import read_checkpoint_info
     from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR
     from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.model.config_map import tools_expert_parallel
 
     hf_config, _ = read_checkpoint_info(args.ckpt)
     if not (args.hf / "config.json").is_file():
@@ -84,7 +85,8 @@ def preflight(args: argparse.Namespace) -> torch.Tensor:
         if getattr(original, field) != getattr(hf_config, field):
             raise ValueError(f"--hf and --ckpt differ in {field}: {getattr(original, field)} vs "
                              f"{getattr(hf_config, field)}")
-    gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32)
+    gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32,
+                       ep=tools_expert_parallel(hf_config, args.tp))
     return input_ids(args, args.ckpt / HF_FILES_DIR, hf_config.vocab_size)
 
 
@@ -95,11 +97,13 @@ def compare(hf_dir: Path, ckpt: Path, tp: int, pp: int, ids: torch.Tensor, atol:
 
     from grpo_mega.checkpoint import load_mcore_checkpoint, mcore_logits, read_checkpoint_info
     from grpo_mega.model import build_gpt_model, gpt_config_from_hf
+    from grpo_mega.model.config_map import tools_expert_parallel
     from grpo_mega.parallel import init_distributed
 
-    init_distributed(tp, pp, seed=0)
     hf_config, _ = read_checkpoint_info(ckpt)
-    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=torch.float32,
+    ep = tools_expert_parallel(hf_config, tp)
+    init_distributed(tp, pp, seed=0, ep=ep)
+    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=torch.float32, ep=ep,
                                     overrides={"perform_initialization": False})
     model = build_gpt_model(gpt_config)
     load_mcore_checkpoint(model, ckpt)

@@ -71,6 +71,7 @@ def preflight(args: argparse.Namespace):
     from grpo_mega.checkpoint import HFWeights, architecture_for, check_hf_weights
     from grpo_mega.checkpoint.hf_transforms import read_model_dims
     from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.model.config_map import tools_expert_parallel
 
     if not (args.hf / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: no config.json")
@@ -78,7 +79,8 @@ def preflight(args: argparse.Namespace):
         raise ValueError(f"--out {args.out} is not empty; choose a new folder")
     hf_config = AutoConfig.from_pretrained(args.hf)
     architecture_for(hf_config)
-    gpt_config = gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32)
+    gpt_config = gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32,
+                                    ep=tools_expert_parallel(hf_config, args.tp))
     check_hf_weights(HFWeights(args.hf), hf_config,
                      read_model_dims(hf_config, gpt_config.padded_vocab_size))
     return hf_config
@@ -90,14 +92,16 @@ def convert(hf_dir: Path, out_dir: Path, tp: int, pp: int, dtype: torch.dtype) -
 
     from grpo_mega.checkpoint import HFWeights, load_hf_weights, save_mcore_checkpoint
     from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.model.config_map import tools_expert_parallel
     from grpo_mega.parallel import init_distributed
     from prm.engines import build_conversion_stage
 
     start = time.perf_counter()
-    init_distributed(tp, pp, seed=0)
     hf_config = AutoConfig.from_pretrained(hf_dir)
+    ep = tools_expert_parallel(hf_config, tp)
+    init_distributed(tp, pp, seed=0, ep=ep)
     # Every parameter is overwritten from the HF files: skip megatron's random initialisation.
-    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=dtype,
+    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=dtype, ep=ep,
                                     overrides={"perform_initialization": False})
     model = build_conversion_stage(hf_config, gpt_config)
     load_hf_weights(model, HFWeights(hf_dir), hf_config)

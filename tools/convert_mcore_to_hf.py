@@ -65,6 +65,7 @@ def preflight(args: argparse.Namespace) -> object:
     """Check the inputs without starting processes; return the HF config."""
     from grpo_mega.checkpoint import architecture_for
     from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.model.config_map import tools_expert_parallel
 
     if args.out.exists() and any(args.out.iterdir()):
         raise ValueError(f"--out {args.out} is not empty; choose a new folder")
@@ -72,7 +73,8 @@ def preflight(args: argparse.Namespace) -> object:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     hf_config, _, _, _ = read_source(args.ckpt)
     architecture_for(hf_config)
-    gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32)
+    gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32,
+                       ep=tools_expert_parallel(hf_config, args.tp))
     return hf_config
 
 
@@ -83,17 +85,19 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
     from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files, export_hf_weights, load_mcore_checkpoint
     from grpo_mega.checkpoint.weights_only import load_model_state
     from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.model.config_map import tools_expert_parallel
     from grpo_mega.parallel import init_distributed
     from prm.engines import build_conversion_stage
 
     start = time.perf_counter()
-    init_distributed(tp, pp, seed=0)
     hf_config, side_files, stored_name, is_training = read_source(ckpt)
+    ep = tools_expert_parallel(hf_config, tp)
+    init_distributed(tp, pp, seed=0, ep=ep)
     stored = getattr(torch, stored_name)
     # The model is built in the stored dtype (float32 for anything else) so loading is exact.
     build_dtype = stored if stored in (torch.float32, torch.bfloat16) else torch.float32
     out_dtype = stored if dtype_name == "auto" else DTYPES[dtype_name]
-    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=build_dtype,
+    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=build_dtype, ep=ep,
                                     overrides={"perform_initialization": False})
     model = build_conversion_stage(hf_config, gpt_config)
     if is_training:

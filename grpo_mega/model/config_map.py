@@ -275,6 +275,12 @@ def gpt_config_from_hf(
     )
 
 
+def tools_expert_parallel(hf_config: Any, tp: int) -> int:
+    """The expert-parallel size a conversion or comparison tool runs a model at: a mixture-of-experts model's
+    experts over its TP ranks (``parallel.expert`` = ``parallel.tensor``), 1 for a dense model."""
+    return tp if FAMILIES.get(getattr(hf_config, "model_type", None), Family(qkv_bias=False)).moe else 1
+
+
 def load_model_hf_config(model_cfg: Any) -> Any:
     """The transformers config of a run's model (``model.hf_config``), with ``model.moe_aux_loss_coeff`` in place of
     a mixture-of-experts config's ``router_aux_loss_coef`` when it is set (the run config's choice of the
