@@ -155,3 +155,65 @@ def test_vllm_rollouts_of_qwen3_follow_a_weight_sync_like_the_hf_engine(tmp_path
     assert len({tuple(c.response_ids) for c in ours}) == 2
     for a, b in zip(ours, reference):
         assert torch.allclose(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4)
+
+
+def _write_qwen3_classifier_prm(folder):
+    """A Qwen3 backbone (q/k norms, head_dim 24) with Qwen2.5-Math-PRM's step classifier, random weights, saved as a
+    Qwen3ForProcessRewardModel folder with the PRM tests' tokenizer."""
+    from safetensors.torch import save_file
+    from test_prm_model import SHAPE, _perturb, save_tokenizer
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(**SHAPE, head_dim=24, tie_word_embeddings=False, architectures=["Qwen3ForProcessRewardModel"])
+    backbone = _perturb(Qwen3Model(config), 0)
+    score = _perturb(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)), 1)
+    tensors = {f"model.{name}": t for name, t in backbone.state_dict().items()}
+    tensors.update({f"score.{name}": t * 3 for name, t in score.state_dict().items()})
+    folder.mkdir(parents=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
+    config.save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder, backbone, score
+
+
+def _classifier_scores(folder: str) -> dict:
+    from test_prm_model import SPECIAL, batch, tag_scores
+
+    from grpo_mega.parallel import destroy_model_parallel, init_distributed, init_model_parallel
+    from prm.model import open_prm
+
+    init_distributed(1, 1, seed=0, device="cpu")
+    out = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        destroy_model_parallel()
+        init_model_parallel(tp, pp, seed=0)
+        loaded = open_prm(folder, max_tokens_per_micro_batch=30)
+        outputs = loaded.engine.forward(batch(SPECIAL.index("<extra_0>")))
+        out[(tp, pp)] = {"layout": loaded.spec.layout, "scores": tag_scores(outputs["good_logprob"])}
+    return out
+
+
+def test_a_qwen3_classifier_prm_scores_steps_like_its_torch_reference_at_tp2_and_pp2(tmp_path):
+    from test_prm_model import LENGTHS, SPECIAL, TAG_POSITIONS, batch
+
+    folder, backbone, score = _write_qwen3_classifier_prm(tmp_path / "prm")
+    ids = batch(SPECIAL.index("<extra_0>"))["input_ids"]
+    head = _scaled_head(score)
+    expected = []
+    with torch.no_grad():  # the Qwen3 backbone's last hidden states through score.*, softmax[good], row by row
+        for row, positions in enumerate(TAG_POSITIONS):
+            probs = torch.softmax(head(backbone(ids[row:row + 1, :LENGTHS[row]]).last_hidden_state)[0], dim=-1)
+            expected.append([float(probs[p, 1]) for p in positions])
+    flat = [s for row in expected for s in row]
+    assert max(flat) - min(flat) > 0.2  # spread out: a wrong position or class would show
+    for (tp, pp), result in run_distributed(_classifier_scores, 2, str(folder))[0].items():
+        assert result["layout"] == "classifier"
+        diff = max(abs(a - b) for got, want in zip(result["scores"], expected) for a, b in zip(got, want))
+        assert diff < 1e-4, (tp, pp, diff)
+
+
+def _scaled_head(score):
+    """score.* as saved (every tensor x 3, to spread the scores)."""
+    scaled = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    scaled.load_state_dict({name: t * 3 for name, t in score.state_dict().items()})
+    return scaled
