@@ -59,3 +59,28 @@ def test_slice_rows_cuts_only_per_token_fields():
     assert out["input_ids"].tolist() == [[8, 9, 10], [0, 1, 2]]
     assert out["step_ends"].tolist() == [[1, -1], [0, 1]]
     assert out["reward"].tolist() == [3.0, 1.0]
+
+
+@pytest.mark.parametrize("dp_size, rows", [(2, 7), (4, 9), (3, 2)])
+def test_aligned_micro_batches_have_one_shape_per_index_on_every_rank_and_each_row_once(dp_size, rows):
+    from grpo_mega.engine.batching import PADDING_ROW, aligned_rank_micro_batches
+
+    generator = torch.Generator().manual_seed(rows)
+    lengths = torch.randint(3, 20, (rows,), generator=generator)
+    batch = {"input_ids": torch.randint(0, 50, (rows, 20), generator=generator),
+             "attention_mask": (torch.arange(20) < lengths[:, None]).long(),
+             "loss_mask": (torch.arange(20) < lengths[:, None]).long(), "advantages": torch.randn(rows, 1)}
+    ranks = [aligned_rank_micro_batches(batch, 24, rank, dp_size)[0] for rank in range(dp_size)]
+    assert len({len(micro_batches) for micro_batches in ranks}) == 1  # lockstep: as many on every rank
+    for index in range(len(ranks[0])):  # one shape per index: the dispatcher gathers equal token counts
+        assert len({tuple(micros[index]["input_ids"].shape) for micros in ranks}) == 1
+    seen = []
+    for micro_batches in ranks:
+        for micro in micro_batches:
+            padding = micro["row_index"] == PADDING_ROW
+            assert micro["loss_mask"][padding].sum() == 0  # padding rows add nothing to any loss
+            for row, index in zip(micro["input_ids"][~padding], micro["row_index"][~padding].tolist()):
+                assert torch.equal(row, batch["input_ids"][index, : row.shape[0]])
+                seen.append(index)
+    assert sorted(seen) == list(range(rows))  # every real row exactly once
+    assert batch["loss_mask"].sum() == lengths.sum()  # the batch itself untouched

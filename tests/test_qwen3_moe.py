@@ -1,6 +1,6 @@
 """Qwen3-MoE: the config map (router, load-balancing loss, experts split over expert-parallel ranks), HF -> megatron
 -> HF bit-exact at TP / PP / EP and their products, and logits against transformers' Qwen3-MoE within 1e-4 (fp32) at
-DP=2, PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back to HF bit-exact."""
+DP=2, EP=2 (over the two data-parallel replicas), PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back to HF bit-exact."""
 
 import pytest
 import torch
@@ -70,16 +70,16 @@ def test_expert_parallel_sizes_that_do_not_fit_are_named():
 
     with pytest.raises(ValueError, match="parallel.expert=3 must divide num_experts=8"):
         gpt_config_from_hf(moe_config(), ep=3)
-    with pytest.raises(ValueError, match="at parallel.tensor=2 needs parallel.expert=2"):
+    with pytest.raises(ValueError, match="at parallel.tensor=2 needs parallel.expert to be a multiple of 2"):
         gpt_config_from_hf(moe_config(), tp=2, ep=1)
     with pytest.raises(ValueError, match="parallel.expert=2: a qwen3 model has no experts"):
         gpt_config_from_hf(Qwen3Config(**{k: v for k, v in SHAPE.items() if "expert" not in k and "moe" not in k
                                           and k not in ("norm_topk_prob", "router_aux_loss_coef")}), ep=2)
     with pytest.raises(ValueError, match="expert_parallel=4 does not divide the 2 ranks of a pipeline stage"):
         layout_for_world(1, 2, 4, ep=4)
-    with pytest.raises(ValueError, match="expert_parallel=2 must divide tensor_parallel=1"):
-        layout_for_world(1, 1, 2, ep=2)  # EP over data-parallel replicas: not yet
-    assert layout_for_world(2, 1, 2, ep=2).ep == 2
+    with pytest.raises(ValueError, match="expert_parallel=2 must be a multiple of tensor_parallel=4"):
+        layout_for_world(4, 1, 8, ep=2)
+    assert layout_for_world(2, 1, 2, ep=2).ep == 2 and layout_for_world(1, 1, 2, ep=2).ep == 2
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_round_trip_is_bit_identical_at_every_expert_split(moe_dir, tp, pp, ep):
 
 
 # (tp, pp, ep) on 2 processes; DP = 2 / (tp * pp)
-LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 1, 2)]
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2)]
 
 
 def _logits_and_export(hf_dir: str) -> dict:
@@ -160,7 +160,7 @@ def _batch():
 
 
 # (tp, pp, ep); DP = 2 / (tp * pp). DP=2 is the reference.
-STEP_LAYOUTS = {"dp2": (1, 1, 1), "tp2_ep2": (2, 1, 2), "pp2": (1, 2, 1)}
+STEP_LAYOUTS = {"dp2": (1, 1, 1), "dp2_ep2": (1, 1, 2), "tp2_ep2": (2, 1, 2), "pp2": (1, 2, 1)}
 
 
 def _layout_steps(hf_dir: str, ref_dir: str) -> dict:
@@ -207,7 +207,7 @@ def layout_steps(moe_dir, tmp_path_factory):
     return run_distributed(_layout_steps, 2, str(moe_dir), str(tmp_path_factory.mktemp("steps") / "w"))[0]
 
 
-def test_one_grpo_step_is_the_same_at_dp2_tp2xep2_and_pp2(layout_steps):
+def test_one_grpo_step_is_the_same_at_dp2_with_and_without_ep2_tp2xep2_and_pp2(layout_steps):
     reference, params = layout_steps["dp2"], layout_steps["params"]
     for name in STEP_LAYOUTS:
         assert layout_steps[name]["loss"] == pytest.approx(reference["loss"], abs=1e-6), name

@@ -161,10 +161,10 @@ def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
                 raise ConfigError(f"{key}={value} is for mixture-of-experts models, and {config_file} is a "
                                   f"{hf.get('model_type')!r} model without experts: remove it")
         return
-    if parallel.tensor > 1 and parallel.expert != parallel.tensor or parallel.tensor % parallel.expert:
+    if parallel.expert % parallel.tensor:
         raise ConfigError(f"parallel.expert={parallel.expert} with parallel.tensor={parallel.tensor}: a mixture-of-experts "
-                          f"model's experts are split over the ranks of its tensor-parallel group, so parallel.expert "
-                          f"must equal parallel.tensor (EP across data-parallel replicas is not supported yet)")
+                          f"model's experts are split over whole tensor-parallel groups, so parallel.expert must be a "
+                          f"multiple of parallel.tensor ({parallel.tensor}, {2 * parallel.tensor}, ...)")
     if experts % parallel.expert:
         raise ConfigError(f"parallel.expert={parallel.expert} does not divide the model's num_experts={experts} "
                           f"({config_file})")

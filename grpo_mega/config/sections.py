@@ -42,11 +42,12 @@ class ParallelConfig:
     """Pipeline-parallel size; data parallel is world_size / (tensor * pipeline)."""
     expert: int = 1
     """Expert-parallel size of a mixture-of-experts model (Qwen3-MoE): each MoE layer's experts are split over
-    this many ranks of a tensor-parallel group, each expert whole on its rank (megatron's
-    ``expert_model_parallel_size`` with ``expert_tensor_parallel_size`` 1): attention is split over ``tensor`` ranks,
-    the experts over the same ranks: ``expert`` must equal ``tensor`` (EP across data-parallel replicas needs their
-    micro-batches aligned, not built yet) and divide the number of experts; 1 for a dense model. Used by the GRPO,
-    SFT and PRM trainers and ``grpo-mega eval``."""
+    this many ranks of a pipeline stage, each expert whole on its rank (megatron's ``expert_model_parallel_size``
+    with ``expert_tensor_parallel_size`` 1). A multiple of ``tensor`` (the experts follow whole tensor-parallel
+    groups; ``expert`` = ``tensor`` keeps them inside one) that divides the number of experts and world_size /
+    pipeline; above ``tensor`` it spans data-parallel replicas, which then run micro-batches of one shape in lockstep
+    (row micro-batches, no shared-prompt packing). 1 for a dense model. Used by the GRPO, SFT and PRM trainers and
+    ``grpo-mega eval``."""
     sequence_parallel: Optional[bool] = None
     """Megatron sequence parallelism: between the TP regions (norms, residual adds, dropout) each TP rank holds
     1/tensor of the sequence instead of all of it, and TP's all-reduces become reduce-scatter / all-gather pairs.

@@ -122,3 +122,46 @@ def rank_micro_batches(
         micro["row_index"] = own_rows[rows]
         micro_batches.append(micro)
     return micro_batches, plan.padding_fraction
+
+
+def aligned_rank_micro_batches(
+    batch: dict[str, torch.Tensor], max_tokens_per_micro_batch: int, dp_rank: int, dp_size: int
+) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """:func:`rank_micro_batches` made the same shape on every data-parallel rank: each rank runs as many
+    micro-batches as the rank with the most, and micro-batch i has the same rows x padded length everywhere (the
+    largest of the ranks' i-th), filled with padding rows (``loss_mask`` 0, ``row_index`` PADDING_ROW).
+
+    For a mixture-of-experts model whose experts are spread over data-parallel replicas (``parallel.expert`` >
+    ``parallel.tensor``): megatron's token dispatcher gathers every expert-parallel rank's tokens of a micro-batch
+    (equal sizes) in every MoE layer, so those ranks must step through micro-batches in lockstep. Every rank plans
+    every rank's share from the same batch, so no communication is needed. A micro-batch may exceed the token budget
+    by the difference between the ranks' shapes."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    if lengths.numel() == 0:
+        raise ValueError("the batch has no rows: an engine step needs at least one row")
+    plans = []
+    for rank in range(dp_size):
+        own = shard_rows_for_data_parallel(lengths, rank, dp_size)
+        plans.append((own, plan_micro_batches(lengths[own], max_tokens_per_micro_batch) if own.numel() else None))
+    count = max(len(plan.rows) if plan else 1 for _, plan in plans)
+
+    def shape(plan: MicroBatchPlan | None, index: int) -> tuple[int, int]:
+        if plan is None or index >= len(plan.rows):
+            return 1, 1
+        return len(plan.rows[index]), plan.lengths[index]
+
+    own, plan = plans[dp_rank]
+    filler = int(torch.argmin(lengths))
+    micro_batches, padded = [], 0
+    for index in range(count):
+        rows, length = (max(dim) for dim in zip(*(shape(p, index) for _, p in plans)))
+        mine = own[plan.rows[index]] if plan is not None and index < len(plan.rows) else own[:0]
+        fill = torch.full((rows - len(mine),), filler, dtype=torch.long)
+        micro = slice_rows(batch, torch.cat([mine, fill]), length)
+        if len(fill) and "loss_mask" in micro:  # slice_rows made new tensors: the batch is not touched
+            micro["loss_mask"][len(mine):] = 0
+        micro["row_index"] = torch.cat([mine, torch.full((len(fill),), PADDING_ROW, dtype=torch.long)])
+        micro_batches.append(micro)
+        padded += rows * length
+    real = int(lengths[own].sum()) if own.numel() else 0
+    return micro_batches, 1.0 - real / max(padded, 1)

@@ -17,7 +17,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from grpo_mega.engine.batching import is_padding, rank_micro_batches
+from grpo_mega.engine.batching import PADDING_ROW, aligned_rank_micro_batches, is_padding, rank_micro_batches
 from grpo_mega.engine.shared_prefix import is_packed, rank_shared_prefix_micro_batches
 from grpo_mega.model.attention import PackedRows
 from grpo_mega.parallel import get_device
@@ -75,6 +75,13 @@ class MegatronStageEngine:
         self.share_prompt_prefix = share_prompt_prefix and module.supports_packed_rows()
         if share_prompt_prefix and not self.share_prompt_prefix:
             logger.info("share_prompt_prefix: off (these layers attend row by row: Transformer Engine, dropout, ...)")
+        # experts spread over data-parallel replicas: those replicas run micro-batches of one shape in lockstep
+        # (grpo_mega.engine.batching.aligned_rank_micro_batches), row by row (packed sequences differ in length)
+        self.aligned_micro_batches = bool(module.config.num_moe_experts) and (
+            mpu.get_expert_model_parallel_world_size() > mpu.get_tensor_model_parallel_world_size())
+        if self.aligned_micro_batches and self.share_prompt_prefix:
+            self.share_prompt_prefix = False
+            logger.info("share_prompt_prefix: off (experts spread over data-parallel ranks: aligned row micro-batches)")
         self.config = module.config
         # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
         self.config.variable_seq_lengths = True
@@ -82,7 +89,7 @@ class MegatronStageEngine:
 
     # ----------------------------------------------------------------- micro-batches of this rank
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        split = rank_micro_batches
+        split = aligned_rank_micro_batches if self.aligned_micro_batches else rank_micro_batches
         if self.share_prompt_prefix and "prompt_lengths" in batch:
             split = rank_shared_prefix_micro_batches
         micro_batches, self.last_padding_fraction = split(
@@ -140,9 +147,10 @@ class MegatronStageEngine:
             def collect(hidden):
                 if not is_padding(micro):
                     head_out = self._head(hidden, micro)
+                    real = micro["row_index"] != PADDING_ROW  # aligned micro-batches carry padding rows
                     for name in self.output_names:
                         value = head_out[name].float()
-                        outputs[name][micro["row_index"], : value.shape[1]] = value
+                        outputs[name][micro["row_index"][real], : value.shape[1]] = value[real]
                 return torch.zeros((), device=self.device), {}
 
             return collect

@@ -215,10 +215,10 @@ def gpt_config_from_hf(
     family = FAMILIES[hf.model_type]
     if ep != 1 and not family.moe:
         raise ValueError(f"parallel.expert={ep}: a {hf.model_type} model has no experts to split (use 1)")
-    if family.moe and tp > 1 and ep != tp:
-        raise ValueError(f"a {hf.model_type} model at parallel.tensor={tp} needs parallel.expert={tp}: its experts, whole "
-                         f"on each rank, are split over the ranks of the tensor-parallel group (with fewer expert "
-                         f"ranks the experts' gradients do not match a TP=1 step's)")
+    if family.moe and ep % tp != 0:
+        raise ValueError(f"a {hf.model_type} model at parallel.tensor={tp} needs parallel.expert to be a multiple of "
+                         f"{tp} (got {ep}): its experts, whole on each rank, are split over whole tensor-parallel groups "
+                         f"(with fewer expert ranks than TP ranks the experts' gradients do not match a TP=1 step's)")
     fields: dict[str, Any] = {}
     for hf_name, mcore_name, required in HF_TO_MCORE_FIELDS:
         value = getattr(hf, hf_name, None)

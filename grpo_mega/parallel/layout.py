@@ -38,8 +38,8 @@ def layout_for_world(tp: int, pp: int, world_size: int, *, ep: int = 1) -> Paral
     """Return the layout with dp = world_size / (tp * pp).
 
     Raises ValueError naming the setting when a size is not positive, when world_size is not a
-    multiple of tp * pp, or when the expert-parallel size ``ep`` does not divide ``tp``: the experts of a stage are
-    split over ranks of one tensor-parallel group (each expert whole), which run the same micro-batches.
+    multiple of tp * pp, or when the expert-parallel size ``ep`` does not divide a stage's ranks or is not a
+    multiple of ``tp`` (the experts of a stage are split over whole tensor-parallel groups, each expert whole).
     """
     _check_positive("tensor_parallel", tp)
     _check_positive("pipeline_parallel", pp)
@@ -54,11 +54,11 @@ def layout_for_world(tp: int, pp: int, world_size: int, *, ep: int = 1) -> Paral
     if per_stage % ep != 0:
         raise ValueError(f"expert_parallel={ep} does not divide the {per_stage} ranks of a pipeline stage "
                          f"(world_size {world_size} / pipeline_parallel={pp})")
-    if tp % ep != 0:
+    if ep > 1 and ep % tp != 0:
         raise ValueError(
-            f"expert_parallel={ep} must divide tensor_parallel={tp}: the experts are split over ranks that run the same "
-            f"micro-batches (megatron's token dispatcher gathers every rank's tokens of a micro-batch, so ranks with "
-            f"different micro-batches, i.e. data-parallel replicas, would need them aligned in count and size)")
+            f"expert_parallel={ep} must be a multiple of tensor_parallel={tp}: the experts are split over whole "
+            f"tensor-parallel groups (with fewer expert ranks than TP ranks the experts' gradients do not match a "
+            f"TP=1 step's)")
     return ParallelLayout(tp=tp, pp=pp, dp=world_size // (tp * pp), ep=ep)
 
 

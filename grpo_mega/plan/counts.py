@@ -67,8 +67,10 @@ class ModelRequest:
 
     @property
     def ep(self) -> int:
-        """Expert-parallel size: a mixture-of-experts model splits its experts over its TP ranks (grpo-mega's rule,
-        ``parallel.expert`` = ``parallel.tensor``; vLLM shards them over its TP ranks too), a dense model has none."""
+        """Expert-parallel size the stage is built at: a mixture-of-experts model's experts over its TP ranks (vLLM
+        shards them over its TP ranks too), a dense model has none. A policy at ``parallel.expert`` > ``tensor`` holds
+        fewer experts a rank with the same optimizer state per rank (its experts' state is sharded over fewer
+        data-parallel ranks), so planning it at EP = TP is an upper bound."""
         return self.tp if self.hf_config.get("model_type") == "qwen3_moe" else 1
 
 
