@@ -99,17 +99,14 @@ def _run_training(args) -> int:
     # grpo_mega.config imports torch (through grpo_mega.algo): imported here, when the command needs the config,
     # never at the CLI's import (`grpo-mega --help` stays light)
     from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, validate, validate_sft
-    from grpo_mega.config.preflight import announce_verdict, launch_rank, load_checked, start_attempt
+    from grpo_mega.config.preflight import announce_verdict, launch_rank, load_checked, print_config, start_attempt
 
     schema, validator = (SFTConfig, validate_sft) if args.command == "sft" else (GRPOConfig, validate)
-    if args.print_config:
-        from grpo_mega.config import config_yaml, load_config
-
+    if args.print_config:  # required keys not set are marked, not refused
         try:
-            cfg = load_config(schema, args.config, args.overrides, validator)
+            print_config(f"grpo-mega {args.command}", schema, validator, args.config, args.overrides)
         except ConfigError as error:
             return _config_error(args.command, error)
-        print(config_yaml(cfg), end="")
         return 0
     launched = under_launcher()
     try:  # every check before a rank starts: the config against the job's size, its paths, the run folder
