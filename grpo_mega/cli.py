@@ -226,7 +226,7 @@ def _run_plan(args) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
     from grpo_mega.plan import plan_config
     from grpo_mega.plan.report import format_table, to_dict
-    from grpo_mega.plan.settings import documented_hardware, parse_assume
+    from grpo_mega.plan.settings import documented_hardware, documented_prm_shape, parse_assume
 
     try:
         cfg = load_config(GRPOConfig, args.config, args.overrides, functools.partial(validate, world_size=0))
@@ -240,7 +240,8 @@ def _run_plan(args) -> int:
             raise ConfigError(f"{args.config} documents no '# hardware: 1 node x 8 GPUs x 79.6 GiB' line: "
                               "pass --gpus-per-node and --gpu-memory-gib")
         plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes, gpu_name=args.gpu_name,
-                           assume=parse_assume(args.assume), config_name=args.config)
+                           assume=parse_assume(args.assume), config_name=args.config,
+                           prm_shape=documented_prm_shape(args.config))
     except (ConfigError, ValueError) as error:
         print(f"grpo-mega plan: {error}", file=sys.stderr)
         return 2
