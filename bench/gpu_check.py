@@ -276,19 +276,29 @@ def heldout_prompt_ids(task: dict) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def parse_arguments(argv=None) -> argparse.Namespace:
+    """The command line, with ``--work`` and ``--out`` made absolute: the stages hand them to commands that run in
+    the checkout's root, wherever this script was started from."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--size", choices=sorted(SHAPES), default=None,
                         help="policy shape (default: qwen2.5-0.5b on cuda, tiny on the CPU)")
-    parser.add_argument("--work", type=Path, default=Path("runs/gpu_check"), help="folder for the runs (emptied)")
+    parser.add_argument("--work", type=Path, default=Path("runs/gpu_check"),
+                        help="folder for the runs (emptied), relative to the current folder")
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: <work>/gpu_check.json)")
     parser.add_argument("--grpo-steps", type=int, default=3, help="GRPO steps; the last one after a resume (>= 2)")
     parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: 60 on cuda, 6 on the CPU)")
     args = parser.parse_args(argv)
     if args.grpo_steps < 2:
         parser.error("--grpo-steps must be >= 2 (one run, then a resumed one)")
+    args.work = args.work.resolve()
+    args.out = args.out.resolve() if args.out is not None else None
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
     import shutil
 
     import torch

@@ -68,7 +68,8 @@ def main() -> None:
     command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(ROOT / "configs/quickstart_grpo.yaml"),
                "--nproc", "2", f"model.hf_config={model_dir}", f"data.train_file={train_file}",
                f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.steps}", "trainer.progress_bar=false",
-               "trainer.resume=none", *init,
+               # a rerun starts afresh, the earlier run moved aside to <run_dir>.old-<time> (the run-folder guard)
+               "trainer.resume=none", "trainer.overwrite=true", *init,
                *args.overrides]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["step"] > 1 and "timing_s/gen" in row]

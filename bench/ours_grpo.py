@@ -50,7 +50,8 @@ def run_ours(model_dir: Path, prompt_file: Path, run_dir: Path, *, num_prompts: 
         "--nproc", str(nproc), f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}",
         f"model.hf_config={model_dir}", f"model.init_from={model_dir}", f"data.train_file={prompt_file}",
         f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
-        "trainer.resume=none", "trainer.eval_every=0", "trainer.save_every=0",
+        # a rerun starts afresh, the earlier run moved aside to <run_dir>.old-<time> (the run-folder guard)
+        "trainer.resume=none", "trainer.overwrite=true", "trainer.eval_every=0", "trainer.save_every=0",
         f"algorithm.rollout_batch_size={num_prompts}", f"algorithm.num_return_sequences_in_group={group}",
         f"algorithm.response_length={max_new}", "algorithm.dynamic_sampling=false", "algorithm.ppo_epochs=1",
         "algorithm.loss_agg_mode=token-mean", "rollout.temperature=1.0", f"rollout.generation_batch_size={num_prompts}",

@@ -99,17 +99,14 @@ def _run_training(args) -> int:
     # grpo_mega.config imports torch (through grpo_mega.algo): imported here, when the command needs the config,
     # never at the CLI's import (`grpo-mega --help` stays light)
     from grpo_mega.config import ConfigError, GRPOConfig, SFTConfig, validate, validate_sft
-    from grpo_mega.config.preflight import announce_verdict, launch_rank, load_checked, start_attempt
+    from grpo_mega.config.preflight import announce_verdict, launch_rank, load_checked, print_config, start_attempt
 
     schema, validator = (SFTConfig, validate_sft) if args.command == "sft" else (GRPOConfig, validate)
-    if args.print_config:
-        from grpo_mega.config import config_yaml, load_config
-
+    if args.print_config:  # required keys not set are marked, not refused
         try:
-            cfg = load_config(schema, args.config, args.overrides, validator)
+            print_config(f"grpo-mega {args.command}", schema, validator, args.config, args.overrides)
         except ConfigError as error:
             return _config_error(args.command, error)
-        print(config_yaml(cfg), end="")
         return 0
     launched = under_launcher()
     try:  # every check before a rank starts: the config against the job's size, its paths, the run folder
@@ -229,7 +226,7 @@ def _run_plan(args) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
     from grpo_mega.plan import plan_config
     from grpo_mega.plan.report import format_table, to_dict
-    from grpo_mega.plan.settings import documented_hardware, parse_assume
+    from grpo_mega.plan.settings import documented_hardware, documented_prm_shape, parse_assume
 
     try:
         cfg = load_config(GRPOConfig, args.config, args.overrides, functools.partial(validate, world_size=0))
@@ -243,7 +240,8 @@ def _run_plan(args) -> int:
             raise ConfigError(f"{args.config} documents no '# hardware: 1 node x 8 GPUs x 79.6 GiB' line: "
                               "pass --gpus-per-node and --gpu-memory-gib")
         plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes, gpu_name=args.gpu_name,
-                           assume=parse_assume(args.assume), config_name=args.config)
+                           assume=parse_assume(args.assume), config_name=args.config,
+                           prm_shape=documented_prm_shape(args.config))
     except (ConfigError, ValueError) as error:
         print(f"grpo-mega plan: {error}", file=sys.stderr)
         return 2

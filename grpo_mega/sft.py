@@ -123,7 +123,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     )
     harness.startup.mark("model_build")
     initial_weights = (lambda: load_initial_weights(engine, cfg.model.init_from)) if cfg.model.init_from else None
-    harness.start(engine, state=trainer_state("sft"), initial_weights=initial_weights, bar_metric="sft/nll")
+    harness.start(engine, state=trainer_state("sft"), initial_weights=initial_weights, shown={"nll": "sft/nll"})
     for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(prompts), cfg.trainer.batch_size)

@@ -48,6 +48,10 @@ from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_roll
 
 logger = logging.getLogger(__name__)
 
+GRPO_SHOWN = {"score": "critic/score/mean", "reward": "critic/rewards/mean", "accuracy": "eval/accuracy"}
+"""The figures of the progress bar, the step lines and the summary: the trained batch's mean verifier score and
+mean reward, and the held-out accuracy on evaluation steps."""
+
 
 class Timer:
     """Wall-clock seconds per phase of a step, reported as ``timing_s/<phase>``."""
@@ -97,7 +101,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
     start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
                                initial_weights=lambda: load_initial_weights(policy, source),
-                               bar_metric="critic/score/mean")
+                               shown=GRPO_SHOWN)
     if reference is not None:
         load_initial_weights(reference, source)
     offload = cfg.parallel.offload_during_rollout

@@ -55,17 +55,20 @@ def run_prm_command(args, argv: list[str]) -> int:
     cfg = None
     if args.prm_command == "train":
         from grpo_mega.config import ConfigError, launched_world_size, load_config, validate_world_size
-        from grpo_mega.config.preflight import announce_verdict, check_paths, launch_rank, start_attempt
+        from grpo_mega.config.preflight import (announce_verdict, check_paths, launch_rank, print_config,
+                                                start_attempt)
         from prm.config import PRMConfig, validate_prm
 
         launched = under_launcher()
         try:  # every check before a rank starts: the config against the job's size, its paths, the run folder
+            if args.print_config:  # required keys not set are marked, not refused
+                print_config("grpo-mega prm train", PRMConfig, validate_prm, args.config, args.overrides)
+                return 0
             cfg = load_config(PRMConfig, args.config, args.overrides, validate_prm)
-            if not args.print_config:
-                nproc = args.nproc or cfg.parallel.tensor * cfg.parallel.pipeline
-                validate_world_size(cfg.parallel, launched_world_size() if launched else nproc)
-                check_paths(cfg)
-                verdict = start_attempt(cfg, act=launch_rank() == 0)
+            nproc = args.nproc or cfg.parallel.tensor * cfg.parallel.pipeline
+            validate_world_size(cfg.parallel, launched_world_size() if launched else nproc)
+            check_paths(cfg)
+            verdict = start_attempt(cfg, act=launch_rank() == 0)
         except ConfigError as error:  # one line (with cause=config under a launcher: SLURM does not requeue it)
             if launched:
                 from grpo_mega.run.failure import report_failure
@@ -74,11 +77,6 @@ def run_prm_command(args, argv: list[str]) -> int:
             else:
                 print(f"grpo-mega prm train: error: {error}", file=sys.stderr)
             return 2
-        if args.print_config:
-            from grpo_mega.config import config_yaml
-
-            print(config_yaml(cfg), end="")
-            return 0
         announce_verdict("grpo-mega prm train", verdict)
         if verdict.complete:
             if not launched:

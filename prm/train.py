@@ -148,7 +148,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               distributed_optimizer=cfg.parallel.distributed_optimizer)
     harness.startup.mark("model_build")
     harness.start(engine, state=trainer_state("prm"), initial_weights=lambda: _load_initial_weights(engine, cfg),
-                  bar_metric="prm/loss")
+                  shown={"loss": "prm/loss", "step accuracy": "eval/step_accuracy"})
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)
     for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.

@@ -30,6 +30,7 @@ SLOW_FILES = {
     "test_engine_deepspeed.py": 69,
     "test_gpu_install.py": 54,
     "test_sequence_parallel.py": 42,
+    "test_train_console.py": 40,
     "test_prm_replay.py": 32,
     "test_distributed_optimizer.py": 30,
     "test_plan_engine.py": 25,

@@ -5,10 +5,12 @@ would use without starting anything."""
 
 from __future__ import annotations
 
+import html
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -17,14 +19,46 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 import config_reference  # noqa: E402
+import mkdocs_readme  # noqa: E402
 
 
-def test_the_site_builds_strictly(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The docs site, built as ``mkdocs build --strict`` builds it."""
+    site_dir = tmp_path_factory.mktemp("docs") / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "site" / "reference" / "grpo" / "index.html").is_file()
+    return site_dir
+
+
+def test_the_site_builds_strictly(site):
+    assert (site / "reference" / "grpo" / "index.html").is_file()
+
+
+def test_the_site_s_front_page_is_the_readme_with_its_links_rewritten(site):
+    """docs/index.md is no copy of the README (which drifted): the hook mkdocs.yml names gives the front page the
+    README's text when the site is built, with its links into docs/ made the site's."""
+    readme = (REPO / "README.md").read_text()
+    page = mkdocs_readme.site_front_page(readme)
+    assert "](docs/" not in page and "](quickstart.md)" in page and "](img/pipeline_seeds_sparse.png)" in page
+    changed = [(old, new) for old, new in zip(readme.splitlines(), page.splitlines()) if old != new]
+    assert len(page.splitlines()) == len(readme.splitlines()) and changed  # only the lines with links into docs/
+    assert all(new == old.replace("](docs/", "](") for old, new in changed)
+    stub = (REPO / "docs" / "index.md").read_text()
+    front = SimpleNamespace(file=SimpleNamespace(src_uri="index.md"))
+    other = SimpleNamespace(file=SimpleNamespace(src_uri="training.md"))
+    assert mkdocs_readme.on_page_markdown(stub, front, None, None) == page
+    assert mkdocs_readme.on_page_markdown("# Training", other, None, None) == "# Training"
+    assert len(stub.splitlines()) <= 5  # a pointer to the README, not a second copy
+
+    built = (site / "index.html").read_text()
+    prose = re.sub(r"^```.*?^```", "", readme, flags=re.MULTILINE | re.DOTALL)  # not the commands' comments
+    for heading in re.findall(r"^#{1,3} (.+)$", prose, re.MULTILINE):  # every section of the README, as rendered
+        assert f">{html.escape(heading.replace('`', ''), quote=False)}<" in re.sub(r"</?code>", "", built), heading
+    assert 'href="quickstart/"' in built and 'src="img/pipeline_seeds_sparse.png"' in built
+    assert 'href="docs/' not in built
 
 
 def test_the_checked_in_config_reference_is_current():

@@ -117,6 +117,26 @@ def test_prm_train_checks_its_layout_against_the_process_count(task, tmp_path):
     assert_one_line_error(result, "parallel.tensor=3", "2 processes")
 
 
+@pytest.mark.parametrize("command, config", [(["train"], GRPO), (["sft"], SFT), (["prm", "train"], PRM)])
+def test_print_config_marks_the_required_keys_not_set_instead_of_refusing(tmp_path, command, config):
+    import yaml
+
+    result = grpo_mega(*command, "--config", config, "--print-config", f"trainer.run_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "  hf_config: ???  # required, not set\n" in result.stdout
+    assert "  train_file: ???  # required, not set\n" in result.stdout
+    assert result.stdout.count("# required, not set") == 2
+    printed = yaml.safe_load(result.stdout)  # still the YAML of the config
+    assert printed["model"]["hf_config"] == "???" and printed["trainer"]["run_dir"] == str(tmp_path / "run")
+    assert result.stderr.strip().splitlines() == [
+        f"grpo-mega {' '.join(command)}: required keys not set (marked in the config above): data.train_file, "
+        "model.hf_config"]
+    assert not (tmp_path / "run").exists()
+    # the other mistakes are still refused
+    assert_one_line_error(grpo_mega(*command, "--config", config, "--print-config", "trainer.totl_steps=3"),
+                          "did you mean trainer.total_steps?")
+
+
 @pytest.mark.parametrize("flag", ["--gpus-per-node", "--gpu-memory-gib", "--nodes"])
 def test_plan_refuses_a_zero_count_instead_of_the_header_s(flag):
     config = str(REPO / "configs" / "qwen2.5-math-7b_grpo.yaml")

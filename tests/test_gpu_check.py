@@ -93,6 +93,19 @@ def test_memory_outside_the_band_fails_naming_the_phase():
         check_memory_band(None, 9.0, "generation")
 
 
+def test_relative_work_and_report_paths_name_folders_of_the_current_folder(tmp_path, monkeypatch):
+    """The stages run their commands in the checkout's root: a relative --work handed on as it was typed named a
+    folder there (the sft stage failed with 'tokenizer folder runs/gpu_check/model does not exist' when the check
+    was started from any other folder)."""
+    monkeypatch.chdir(tmp_path)
+    here = Path.cwd()
+    args = gpu_check.parse_arguments(["--device", "cpu", "--work", "w/runs", "--out", "report.json"])
+    assert (args.work, args.out) == (here / "w" / "runs", here / "report.json")
+    default = gpu_check.parse_arguments(["--device", "cpu"])
+    assert (default.work, default.out) == (here / "runs" / "gpu_check", None)
+    assert gpu_check.parse_arguments(["--work", str(REPO / "x")]).work == REPO / "x"
+
+
 def test_a_failed_stage_is_reported_and_the_next_still_runs(tmp_path):
     report = gpu_check.Report(tmp_path / "report.json", {})
 

@@ -148,17 +148,54 @@ def test_cli_exits_non_zero_naming_the_phase_when_the_config_does_not_fit(capsys
     assert "does not divide" in capsys.readouterr().err
 
 
-def test_prm_without_a_config_json_is_reported_unknown(capsys):
+def test_prm_without_a_config_json_is_reported_unknown(capsys, tmp_path):
     from grpo_mega.cli import main
 
-    args = ["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", "process_reward.prm=/nonexistent/prm"]
+    args = ["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", f"process_reward.prm={tmp_path}"]
     code = main(args)
     out = capsys.readouterr().out
     assert "unknown" in out.split("PRM weights")[1].splitlines()[0]
     # what was not counted is named, and the verdict is no FITS: exit 1 unless the user accepts it
     assert code == 1 and "NOT COUNTED: PRM unknown" in out and "UNKNOWN:" in out and "FITS:" not in out
+    assert f"process_reward.prm={tmp_path}: holds no config.json" in out
     assert main([*args, "--accept-unknown"]) == 0
     assert "FITS:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-math-7b_grpo_prm", "qwen2.5-math-7b_grpo_prm_async"])
+def test_a_shipped_prm_config_plans_with_the_prm_shape_its_header_names(capsys, name):
+    """Its process_reward.prm is a placeholder for the downloaded PRM; the header's '# plan-prm:' folder (shipped
+    in configs/models) gives the PRM's shape until then, and a note says so."""
+    from grpo_mega.cli import main
+
+    assert main(["plan", "--config", f"configs/{name}.yaml", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    with_shape = _plan(name)  # process_reward.prm=configs/models/qwen2.5-math-prm-7b given
+    assert report["fits"] and report["unknown"] == [] and report["prm"] == with_shape.prm > 0
+    assert ("PRM: process_reward.prm=checkpoints/Qwen2.5-Math-PRM-7B is not here; planned with the shape the config's "
+            "header names (configs/models/qwen2.5-math-prm-7b)") in report["notes"]
+    assert not any(note.startswith("PRM:") for note in with_shape.notes)  # a PRM that is there is planned as it is
+
+
+def test_a_missing_prm_folder_without_a_shape_is_named_as_missing(capsys, tmp_path):
+    config = tmp_path / "prm.yaml"
+    config.write_text("\n".join(line for line in open("configs/qwen2.5-math-7b_grpo_prm.yaml").read().splitlines()
+                                if not line.startswith("# plan-prm:")))
+    from grpo_mega.cli import main
+
+    assert main(["plan", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "NOT COUNTED: PRM unknown: process_reward.prm=checkpoints/Qwen2.5-Math-PRM-7B: no such folder" in out
+
+
+def test_documented_prm_shape_line(tmp_path):
+    from grpo_mega.plan.settings import documented_prm_shape
+
+    path = tmp_path / "c.yaml"
+    path.write_text("# hardware: 1 node x 8 GPUs x 79.6 GiB\n# plan-prm: configs/models/x-prm  (its shape)\na: 1\n")
+    assert documented_prm_shape(path) == "configs/models/x-prm"
+    path.write_text("a: 1  # plan-prm: elsewhere\n")
+    assert documented_prm_shape(path) is None
 
 
 def test_the_plan_assumes_the_vllm_settings_the_engine_passes(capsys):

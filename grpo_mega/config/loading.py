@@ -22,6 +22,23 @@ def load_config(schema: type, path: str | Path | None, overrides: list[str] = ()
     Raises ConfigError naming the file and key for unknown keys (with the nearest known key), wrong types, missing
     required values, a YAML syntax error (``file:line:column``) and an override without ``=``.
     """
+    merged = merge_config(schema, path, overrides)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"required config keys not set: {', '.join(missing)}")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"command-line overrides: bad config key {getattr(error, 'full_key', None)!r}: "
+                          f"{str(error).splitlines()[0]}") from None
+    if validator is not None:
+        validator(cfg)
+    return cfg
+
+
+def merge_config(schema: type, path: str | Path | None, overrides: list[str] = ()):
+    """``schema``'s defaults, the YAML file and the overrides merged (an OmegaConf node; required keys not set are
+    ``???`` in it); ConfigError as :func:`load_config`'s for what cannot be merged."""
     overrides = list(overrides)
     check_overrides(overrides)
     base = OmegaConf.structured(schema)
@@ -34,11 +51,7 @@ def load_config(schema: type, path: str | Path | None, overrides: list[str] = ()
             base = OmegaConf.merge(base, loaded)
         source = "command-line overrides"
         typed = [item.split("=", 1)[0].strip() for item in overrides]
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigError(f"required config keys not set: {', '.join(missing)}")
-        cfg = OmegaConf.to_object(merged)
+        return OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
     except ConfigKeyError as error:
         key = str(getattr(error, "full_key", None) or "")
         raise ConfigError(f"{source}: unknown config key {_typed_key(key, typed)!r}"
@@ -47,9 +60,38 @@ def load_config(schema: type, path: str | Path | None, overrides: list[str] = ()
         key = getattr(error, "full_key", None)
         reason = str(error).splitlines()[0]
         raise ConfigError(f"{source}: bad config key {key!r}: {reason}") from None
-    if validator is not None:
-        validator(cfg)
-    return cfg
+
+
+REQUIRED_NOT_SET = "  # required, not set"
+"""What ``--print-config`` writes after a required key that is not set (its value printed as ``???``)."""
+
+
+def printable_config(schema: type, path: str | Path | None, overrides: list[str] = (),
+                     validator=None) -> tuple[str, list[str]]:
+    """What ``--print-config`` prints: (the resolved config as YAML, the required keys not set, sorted). A config
+    whose required keys are not set yet is shown, not refused: each of them printed as ``???`` followed by
+    :data:`REQUIRED_NOT_SET`; the checks that need every value (``validator``) run on a complete config only.
+    ConfigError for what :func:`load_config` refuses otherwise (unknown keys, wrong types, YAML errors)."""
+    merged = merge_config(schema, path, overrides)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if not missing:
+        return config_yaml(load_config(schema, path, overrides, validator)), []
+    return mark_required_not_set(OmegaConf.to_yaml(merged), missing), missing
+
+
+def mark_required_not_set(text: str, keys: list[str]) -> str:
+    """``text`` (block YAML as OmegaConf writes it, two spaces per level) with :data:`REQUIRED_NOT_SET` after the
+    line of each dotted key of ``keys`` whose value is ``???``."""
+    wanted, path, lines = set(keys), [], []
+    for line in text.splitlines():
+        name, colon, value = line.strip().partition(":")
+        if colon and not line.lstrip().startswith(("-", "#")):
+            depth = (len(line) - len(line.lstrip())) // 2
+            path[depth:] = [name]
+            if value.strip() == "???" and ".".join(path) in wanted:
+                line += REQUIRED_NOT_SET
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def check_overrides(overrides: list[str]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from grpo_mega.config.loading import ConfigError, load_config
+from grpo_mega.config.loading import ConfigError, load_config, printable_config
 from grpo_mega.run.failure import set_aside_failure
 from grpo_mega.run.folder import RunFolderError, RunFolderVerdict, check_run_folder
 
@@ -26,6 +26,17 @@ def load_checked(schema: type, validator: Callable, path: str, overrides: list[s
     cfg = load_config(schema, path, overrides, functools.partial(validator, world_size=world_size))
     check_paths(cfg)
     return cfg
+
+
+def print_config(command: str, schema: type, validator: Callable, path: str, overrides: list[str]) -> None:
+    """``--print-config``: the resolved config on stdout, checked by ``validator`` (not the paths, nor the run
+    folder); required keys not set yet are marked in it (``???  # required, not set``) and named in one line on
+    stderr instead of refused. ConfigError for anything else a run would refuse."""
+    text, missing = printable_config(schema, path, overrides, validator)
+    print(text, end="")
+    if missing:
+        print(f"{command}: required keys not set (marked in the config above): {', '.join(missing)}",
+              file=sys.stderr)
 
 
 def check_paths(cfg: Any) -> None:

@@ -147,7 +147,9 @@ class RunConfig:
     ``reward``, ``process_reward``, ``algorithm.supervision`` / ``step_credit``, KL); False refuses, naming the keys.
     The learning rate, ``total_steps``, the layout and the other settings may change either way."""
     progress_bar: bool = True
-    """Show a progress bar with the latest metrics on rank 0 (off in logs and CI)."""
+    """Show a progress bar with the latest metrics on rank 0; false (logs, CI): one line per step instead (the step,
+    its figures, e.g. GRPO's score, reward and held-out accuracy when evaluated, and its seconds). Either way the
+    run ends with one summary line."""
     tensorboard: bool = True
     """False leaves TensorBoard out even when ``loggers`` lists it (the older spelling, kept working)."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])

@@ -25,7 +25,8 @@ state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ class RunHarness:
 
     def __init__(self, cfg: Any, *, command: str = "grpo-mega"):
         self.cfg = cfg
+        self.command = command
         run = cfg.trainer
         self.startup = StartupClock()
         """Start-up seconds by phase; trainers mark theirs (``startup.mark``), logged in the first step's row."""
@@ -86,11 +88,12 @@ class RunHarness:
         self._startup_metrics: dict[str, float] = {}
 
     def start(self, engine, *, state: TrainerState,
-              initial_weights: Callable[[], Any] | None = None, bar_metric: str = "critic/score/mean") -> int:
+              initial_weights: Callable[[], Any] | None = None, shown: Mapping[str, str] | None = None) -> int:
         """Resume ``engine`` and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
         holds) from the checkpoint ``trainer.resume`` names, or, with none, call ``initial_weights``; write
-        ``run_dir/config.yaml`` and open the metrics log (its progress bar shows ``bar_metric``). Returns the step to
-        continue after (0 for a new run)."""
+        ``run_dir/config.yaml`` and open the metrics log (its progress bar or step lines, and the summary line at the
+        end, show the ``shown`` figures: label -> metric name). Returns the step to continue after (0 for a new
+        run)."""
         self._engine = engine
         self._state = state
         if self.is_rank0:  # the command checked it before any rank started; a run started otherwise is checked here
@@ -108,7 +111,7 @@ class RunHarness:
             set_aside_failure(self.run_dir)  # an earlier attempt's; kept beside, so this one can name its own cause
         self.metrics_log = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.start_step, active=self.is_rank0,
-            progress_bar=self.cfg.trainer.progress_bar, bar_metric=bar_metric, **logger_options(self.cfg),
+            progress_bar=self.cfg.trainer.progress_bar, shown=shown, **logger_options(self.cfg),
         )
         return self.start_step
 
@@ -158,13 +161,19 @@ class RunHarness:
     def finish(self, *, before_shutdown: Callable[[], None] | None = None) -> Path | None:
         """Close the metrics log, restore the signal handlers, call ``before_shutdown`` (e.g. closing a rollout
         engine that holds process groups) and tear down the distributed state. Raises ``StoppedEarly`` when the run
-        stopped early; else returns the newest checkpoint (the last step's)."""
+        stopped early; else returns the newest checkpoint (the last step's). Before either, rank 0 prints the run's
+        summary line (``grpo_mega.run.progress``)."""
         self.metrics_log.close()
         self.stop_requests.uninstall()
         self.watchdog.close()
         if before_shutdown is not None:
             before_shutdown()
         destroy_distributed()
+        newest = self.last_checkpoint if self.last_checkpoint is not None else self.checkpoints.find_resume("auto")
+        if self.metrics_log.progress is not None:
+            command_start = self.startup.start - self.startup.seconds.get("launch", 0.0)
+            print(self.metrics_log.progress.summary(self.command, wall_seconds=time.time() - command_start,
+                                                    checkpoint=newest, stop_reason=self.stop_reason), flush=True)
         if self.stop_reason:
             raise StoppedEarly(self.step, self.stop_reason)
-        return self.last_checkpoint if self.last_checkpoint is not None else self.checkpoints.find_resume("auto")
+        return newest

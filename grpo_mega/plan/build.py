@@ -67,26 +67,39 @@ def _prm_hf_config(path: str) -> dict | None:
     return json.loads(saved.read_text()) if hf_dir and saved.is_file() else None
 
 
-def _prm_request(cfg, dtype: str, tp: int, pp: int) -> tuple[ModelRequest | None, str | None]:
-    """The PRM's model request at the layout it runs at (``tp`` x ``pp``), or (None, why it is unknown)."""
+def _prm_request(cfg, dtype: str, tp: int, pp: int,
+                 prm_shape: str | None = None) -> tuple[ModelRequest | None, str | None, str | None]:
+    """(The PRM's model request at the layout it runs at (``tp`` x ``pp``) or None, why it is unknown, a note).
+    ``prm_shape``: the folder of the PRM's config.json the config's header names (``# plan-prm:``), read instead
+    while ``process_reward.prm`` names no folder here."""
     if cfg.process_reward.source != "prm":
-        return None, None
-    hf = _prm_hf_config(cfg.process_reward.prm or "")
+        return None, None, None
+    configured = cfg.process_reward.prm or ""
+    path, named, note = configured, f"process_reward.prm={configured}", None
+    if prm_shape and not (configured and Path(configured).exists()):
+        path, named = prm_shape, f"the config's '# plan-prm: {prm_shape}'"
+        note = (f"PRM: process_reward.prm={configured} is not here; planned with the shape the config's header names "
+                f"({prm_shape})")
+    hf = _prm_hf_config(path)
     if hf is None:
-        return None, (f"PRM unknown: {cfg.process_reward.prm} holds no config.json (nor a grpo-mega checkpoint's); "
-                      "its weights and activations are not counted (process_reward.prm)")
+        found = ("holds no config.json (nor a grpo-mega checkpoint's)" if path and Path(path).is_dir()
+                 else "no such folder")
+        return None, (f"PRM unknown: {named}: {found}; its weights and activations are not counted "
+                      "(process_reward.prm)"), note
     classifier = is_prm_classifier(hf.get("architectures"))
     return ModelRequest(hf, tp, pp, dtype, lm_output=not classifier,
-                        head="classifier" if classifier else "none"), None
+                        head="classifier" if classifier else "none"), None, note
 
 
 def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 1, gpu_name: str = "",
-                assume: Mapping[str, Any] | None = None, config_name: str = "") -> Plan:
+                assume: Mapping[str, Any] | None = None, config_name: str = "", prm_shape: str | None = None) -> Plan:
     """The memory plan of ``cfg`` (a ``GRPOConfig``) on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gib`` GiB.
     ``assume``: memory settings to plan with instead of the config's ({"distributed_optimizer": "true", ...},
     ``grpo_mega.plan.settings.MemorySettings``). Counts parameters from megatron's model built on the meta device
     (``grpo_mega.plan.counts``); a second or so, plus megatron's import the first time. ``gpu_name``: as the
-    device reports it; vLLM's default batch limits differ on an A100."""
+    device reports it; vLLM's default batch limits differ on an A100. ``prm_shape``: the PRM's shape folder the
+    config's header names (``grpo_mega.plan.settings.documented_prm_shape``), planned with while
+    ``process_reward.prm`` is not there (said in a note)."""
     if cfg.engine != "megatron":
         raise ConfigError(f"engine={cfg.engine!r}: grpo-mega plan models the megatron engine (DeepSpeed's ZeRO "
                           "partitions differently); plan with engine=megatron")
@@ -106,12 +119,12 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     generators = rollout_ranks(cfg)  # rollout.mode=async: GPUs of their own generate (and score with the PRM)
     # the rollout world builds the PRM at TP1 (grpo_mega.rollout_worker); colocated, it shares the policy's layout
     prm_tp, prm_pp = (1, 1) if generators else (tp, pp)
-    prm_request, prm_note = _prm_request(cfg, dtype, prm_tp, prm_pp)
+    prm_request, prm_note, prm_shape_note = _prm_request(cfg, dtype, prm_tp, prm_pp, prm_shape)
     if prm_request is not None:
         requests.append(prm_request)
     counted = count_stage_params(requests)
     policy_stages = counted[0]
-    notes: list[str] = []
+    notes: list[str] = [prm_shape_note] if prm_shape_note else []
     if cfg.rollout.engine == "auto":
         notes.append(f"rollout.engine=auto: planned as {'vllm' if vllm else 'hf'} (what a "
                      f"{'CPU run' if cpu else 'GPU with vLLM installed'} takes)")

@@ -58,6 +58,17 @@ def documented_hardware(config_file: str | Path) -> Hardware | None:
     return Hardware(gpus_per_node=int(match.group(2)), gpu_memory_gib=float(match.group(3)), nodes=int(match.group(1)))
 
 
+_PLAN_PRM_LINE = re.compile(r"^#\s*plan-prm:\s*(\S+)", re.MULTILINE)
+
+
+def documented_prm_shape(config_file: str | Path) -> str | None:
+    """The folder a config's header names on a line ``# plan-prm: configs/models/qwen2.5-math-prm-7b``: the shipped
+    config.json of the PRM it is written for, which the plan reads while ``process_reward.prm`` names a folder
+    that is not there yet (the PRM not downloaded); None without the line."""
+    match = _PLAN_PRM_LINE.search(Path(config_file).read_text())
+    return match.group(1) if match else None
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     """The engine settings that change how much memory a rank holds."""

@@ -137,6 +137,9 @@ def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: in
         threads = int(configured) if configured.isdigit() and int(configured) > 0 else threads_per_rank(world_size)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    from grpo_mega.run.library_warnings import quiet_libraries
+
+    quiet_libraries()  # a spawned rank (CUDA builds of torch) starts without the fork server's filters
     try:
         result = fn(*args)
     finally:

@@ -1,19 +1,20 @@
-"""Metrics of a run: one jsonl line per step, TensorBoard scalars, Weights & Biases, and a progress bar (rank 0
-only). ``trainer.loggers`` picks the sinks (as verl's ``trainer.logger``); every sink gets the same metric names."""
+"""Metrics of a run: one jsonl line per step, TensorBoard scalars, Weights & Biases, and the progress bar or a line
+per step (rank 0 only, ``grpo_mega.run.progress``). ``trainer.loggers`` picks the sinks (as verl's
+``trainer.logger``); every sink gets the same metric names."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from grpo_mega.run.layout import TENSORBOARD_DIR, metrics_path
+from grpo_mega.run.progress import StepProgress
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class MetricsLogger:
     """Writes ``metrics.jsonl`` in ``run_dir`` (appending, so a resumed run continues the file; rows of steps after
     ``start_step``, logged by a job that died before saving them, are dropped first, so every step has one row),
     and with ``loggers`` TensorBoard events under ``run_dir/tensorboard`` and a W&B run (``config`` as its run
-    config); a tqdm bar shows step, reward and ETA. Inactive off rank 0."""
+    config); a tqdm bar (``progress_bar``) or a line per step shows the step and the ``shown`` figures (label ->
+    metric name). Inactive off rank 0."""
 
     def __init__(
         self,
@@ -70,15 +72,14 @@ class MetricsLogger:
         active: bool = True,
         tensorboard: bool = True,
         progress_bar: bool = True,
-        bar_metric: str = "critic/score/mean",
+        shown: Mapping[str, str] | None = None,
         loggers: Sequence[str] = ("jsonl", "tensorboard"),
         config: dict | None = None,
         wandb_project: str = "grpo-mega",
         wandb_mode: str = "auto",
     ):
         self.active = active
-        self.bar_metric = bar_metric
-        self.writer = self.bar = self.wandb = None
+        self.writer = self.progress = self.wandb = None
         if not active:
             return
         run_dir = Path(run_dir)
@@ -92,10 +93,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
-        if progress_bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self.progress = StepProgress(total_steps=total_steps, start_step=start_step, shown=shown or {},
+                                     bar=progress_bar)
         self.started = time.time()
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
@@ -112,17 +111,12 @@ class MetricsLogger:
                 self.writer.add_scalar(name, value, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
-        if self.bar is not None:
-            if advance:
-                self.bar.update(1)
-            if math.isfinite(clean.get(self.bar_metric, math.nan)):
-                self.bar.set_postfix({self.bar_metric.split("/")[-2]: f"{clean[self.bar_metric]:.3f}"})
+        self.progress.record(step, clean, advance=advance)
 
     def close(self) -> None:
         if not self.active:
             return
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:

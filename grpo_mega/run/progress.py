@@ -1,0 +1,80 @@
+"""What a training run says on rank 0 besides its metrics log: the progress bar (``trainer.progress_bar``) or, with
+the bar off, one line per step; and one summary line when the run ends. Each trainer names the figures shown
+(label -> metric name: GRPO's score, reward and held-out accuracy; SFT's NLL; the PRM's loss and step accuracy);
+a figure missing from a step's row is left out of its line (held-out figures appear on evaluation steps).
+
+    step 3/50  score 0.412  reward 0.380  accuracy 0.625  4.1 s
+    grpo-mega train: done, 50/50 steps: score 0.841, reward 0.812, accuracy 0.837; 163 s; last checkpoint
+    runs/grpo/checkpoints/step_000050
+
+(the summary is one line; a figure last seen before the last step names its step).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TextIO
+
+
+class StepProgress:
+    """The progress of steps ``start_step + 1 .. total_steps``: a tqdm bar with the shown figures when ``bar``,
+    else a line per logged row on ``out``; keeps each figure's latest value for :meth:`summary`."""
+
+    def __init__(self, *, total_steps: int, start_step: int, shown: Mapping[str, str], bar: bool,
+                 out: TextIO | None = None):
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.shown = dict(shown)
+        self.out = out
+        self.latest: dict[str, tuple[int, float]] = {}
+        """label -> (step, value) of its latest finite value."""
+        self.step = start_step
+        self.bar = None
+        self._last_line = time.perf_counter()
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def record(self, step: int, metrics: Mapping[str, float], *, advance: bool = True) -> None:
+        """A logged row: ``advance=False`` for a row that is no training step (the evaluation before the first)."""
+        seen = {label: metrics[name] for label, name in self.shown.items()
+                if name in metrics and math.isfinite(metrics[name])}
+        for label, value in seen.items():
+            self.latest[label] = (step, value)
+        if advance:
+            self.step = step
+        if self.bar is not None:
+            if advance:
+                self.bar.update(1)
+            if self.latest:
+                self.bar.set_postfix({label: f"{self.latest[label][1]:.3f}" for label in self.shown
+                                      if label in self.latest})
+            return
+        now = time.perf_counter()
+        figures = "".join(f"  {label} {value:.3f}" for label, value in seen.items())
+        where = f"step {step}/{self.total_steps}" + ("" if advance else " (before training)")
+        print(f"{where}{figures}  {now - self._last_line:.1f} s", file=self.out or sys.stdout, flush=True)
+        self._last_line = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def summary(self, command: str, *, wall_seconds: float, checkpoint: Path | None,
+                stop_reason: str | None = None) -> str:
+        """One line: how the run ended, the steps done, each figure's latest value (with its step when that was
+        not the last), the wall seconds and the newest checkpoint."""
+        ended = f"stopped early ({stop_reason})" if stop_reason else "done"
+        steps = f"{self.step}/{self.total_steps} steps"
+        if self.start_step:
+            steps += f" (resumed after step {self.start_step})"
+        latest = [(label, *self.latest[label]) for label in self.shown if label in self.latest]  # in shown order
+        figures = ", ".join(f"{label} {value:.3f}" + ("" if at == self.step else f" (step {at})")
+                            for label, at, value in latest)
+        where = f"last checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint"
+        return f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
