@@ -328,3 +328,26 @@ def test_the_tools_convert_a_moe_checkpoint_at_tp2_ep2_and_back_bit_exact(moe_di
     assert set(exported) == set(original) and all(torch.equal(exported[k], v) for k, v in original.items())
     done = _tool("compare_with_hf.py", "--hf", str(hf), "--ckpt", str(ckpt), "--tp", "2")
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+
+
+def test_moe_settings_are_checked_before_launch_naming_the_key(tmp_path):
+    """parallel.expert and model.moe_aux_loss_coeff against the model's config.json, in the CLI process."""
+    from grpo_mega.config import ConfigError, validate_experts
+    from grpo_mega.config.sections import ModelConfig, ParallelConfig
+
+    moe_config().save_pretrained(tmp_path / "moe")
+    moe = ModelConfig(hf_config=str(tmp_path / "moe"))
+    validate_experts(moe, ParallelConfig(tensor=2, expert=4))  # experts over two TP groups: fine
+    for parallel, message in ((ParallelConfig(tensor=2, expert=1), "must be a multiple of parallel.tensor"),
+                              (ParallelConfig(tensor=1, expert=3), "does not divide the model's num_experts=8"),
+                              (ParallelConfig(tensor=2, expert=2, sequence_parallel=False),
+                               "parallel.sequence_parallel=false with parallel.tensor=2")):
+        with pytest.raises(ConfigError, match=message):
+            validate_experts(moe, parallel)
+    from transformers import Qwen3Config
+
+    Qwen3Config(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path / "dense")
+    with pytest.raises(ConfigError, match="parallel.expert=2 is for mixture-of-experts models"):
+        validate_experts(ModelConfig(hf_config=str(tmp_path / "dense")), ParallelConfig(tensor=2, expert=2))
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coeff=0.1 is for mixture-of-experts models"):
+        validate_experts(ModelConfig(hf_config=str(tmp_path / "dense"), moe_aux_loss_coeff=0.1), ParallelConfig())

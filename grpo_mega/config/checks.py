@@ -165,6 +165,10 @@ def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"parallel.expert={parallel.expert} with parallel.tensor={parallel.tensor}: a mixture-of-experts "
                           f"model's experts are split over whole tensor-parallel groups, so parallel.expert must be a "
                           f"multiple of parallel.tensor ({parallel.tensor}, {2 * parallel.tensor}, ...)")
+    if parallel.tensor > 1 and parallel.sequence_parallel is False:
+        raise ConfigError(f"parallel.sequence_parallel=false with parallel.tensor={parallel.tensor}: megatron trains a "
+                          f"mixture-of-experts model with tensor parallelism only with sequence parallelism; set it to "
+                          f"null (on whenever tensor > 1) or true")
     if experts % parallel.expert:
         raise ConfigError(f"parallel.expert={parallel.expert} does not divide the model's num_experts={experts} "
                           f"({config_file})")
