@@ -78,3 +78,17 @@ def test_an_arm_reports_where_its_seconds_went_and_what_it_trained_on(tmp_path):
     assert report["text_after_answer_fraction_end"] == 0.75 and report["no_answer_fraction_end"] is None
     assert report["seconds"] == 40.0 and report["gain"] == pytest.approx(0.2)
     assert report["groups_curve"] == [[0, 0.0, 0.2], [2, 16.0, 0.4]]
+
+
+@pytest.mark.parametrize("regime", ["dense", "sparse"])
+def test_the_dense_demo_ends_saying_where_a_prm_pays(regime, capsys):
+    from grpo_mega.quickstart.report import print_table
+
+    arm = {"start_accuracy": 0.9, "accuracy": 0.96, "gain": 0.06, "zero_signal_group_fraction": 0.8, "seconds": 90.0}
+    print_table({"regime": regime, "steps": 60, "seed": 1, "arms": {"outcome": arm}, "stage_seconds": {"sft": 1.0},
+                 "wall_seconds": 100.0, "plot": "runs/quickstart/plot.png"})
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    if regime == "dense":  # make demo: the comparison says nothing about a PRM here, and the line says where it does
+        assert last.startswith("where a PRM pays: not here") and "--regime sparse" in last and "README" in last
+    else:
+        assert last == "plot: runs/quickstart/plot.png"
