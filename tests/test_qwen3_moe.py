@@ -1,6 +1,7 @@
 """Qwen3-MoE: the config map (router, load-balancing loss, experts split over expert-parallel ranks), HF -> megatron
 -> HF bit-exact at TP / PP / EP and their products, and logits against transformers' Qwen3-MoE within 1e-4 (fp32) at
-DP=2, EP=2 (over the two data-parallel replicas), PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back to HF bit-exact."""
+DP=2, EP=2 (over the two data-parallel replicas), PP=2 and TP=2 x EP=2 on 2 gloo processes, with the export back
+to HF bit-exact."""
 
 import pytest
 import torch
@@ -35,8 +36,9 @@ def write_moe_model(folder, seed: int = 0, **changes):
     return folder
 
 
-def test_the_router_and_its_loss_map_to_megatrons():
-    from grpo_mega.model import gpt_config_from_hf
+def test_the_router_and_its_loss_map_to_megatrons(tmp_path):
+    from grpo_mega.config.sections import ModelConfig
+    from grpo_mega.model import gpt_config_from_hf, load_model_hf_config
 
     transformer = gpt_config_from_hf(moe_config(), ep=2).transformer
     assert (transformer.num_moe_experts, transformer.moe_router_topk, transformer.moe_ffn_hidden_size) == (8, 2, 32)
@@ -47,7 +49,12 @@ def test_the_router_and_its_loss_map_to_megatrons():
     assert transformer.qk_layernorm and not transformer.add_qkv_bias and not transformer.moe_grouped_gemm
     assert transformer.moe_token_dispatcher_type == "allgather"  # megatron's default
     assert gpt_config_from_hf(moe_config(norm_topk_prob=False)).transformer.moe_router_pre_softmax
-    assert gpt_config_from_hf(moe_config(), moe_aux_loss_coeff=0.0).transformer.moe_aux_loss_coeff == 0.0
+    # model.moe_aux_loss_coeff replaces the HF config's coefficient when a trainer loads it; the folder keeps its own
+    moe_config().save_pretrained(tmp_path / "moe")
+    loaded = load_model_hf_config(ModelConfig(hf_config=str(tmp_path / "moe"), moe_aux_loss_coeff=0.0))
+    assert gpt_config_from_hf(loaded).transformer.moe_aux_loss_coeff == 0.0
+    assert gpt_config_from_hf(load_model_hf_config(ModelConfig(hf_config=str(tmp_path / "moe")))
+                              ).transformer.moe_aux_loss_coeff == 0.001
 
 
 @pytest.mark.parametrize("change, message", [
@@ -266,9 +273,11 @@ def test_vllm_rollouts_of_qwen3_moe_follow_a_weight_sync_like_the_hf_engine(tmp_
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_mega.rollout import SamplingConfig, build_rollout_engine, sync_weights
-    from grpo_mega.rollout.hf_engine import HFRolloutEngine
+    from test_qwen3 import assert_same_completions, vllm_generate_after_sync
     from tiny_task import build_tiny_qwen3_task
+
+    from grpo_mega.rollout import SamplingConfig, sync_weights
+    from grpo_mega.rollout.hf_engine import HFRolloutEngine
 
     model_dir, _ = build_tiny_qwen3_task(tmp_path / "task", moe=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -280,20 +289,7 @@ def test_vllm_rollouts_of_qwen3_moe_follow_a_weight_sync_like_the_hf_engine(tmp_
     reference = HFRolloutEngine(reference_model, tokenizer, weights_ready=False)
     sync_weights(per_expert.items(), reference, bucket_bytes=256 * 1024)
     expected = reference.generate(prompts, greedy)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = build_rollout_engine("vllm", model_path=str(model_dir), tokenizer=str(model_dir), dtype="float32",
-                                  enforce_eager=True, max_model_len=128)
-    try:
-        sync_weights(per_expert.items(), engine, bucket_bytes=256 * 1024)
-        ours = engine.generate(prompts, greedy)
-    finally:
-        engine.close()
-        torch.set_num_threads(threads)
-    assert [c.response_ids for c in ours] == [c.response_ids for c in expected]
-    assert len({tuple(c.response_ids) for c in ours}) == 2
-    for a, b in zip(ours, expected):
-        assert torch.allclose(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4)
+    assert_same_completions(vllm_generate_after_sync(model_dir, per_expert.items(), prompts, greedy), expected)
 
 
 def _config_dict(model_dir) -> dict:

@@ -141,19 +141,33 @@ def validate_memory_settings(cfg) -> None:
                           f"does not recompute activations: set parallel.recompute=none or engine=megatron")
 
 
+def model_config_json(model: ModelConfig) -> tuple[Path, dict | None]:
+    """(path, contents) of the model's config.json; contents None when the folder has no readable one (a missing
+    folder is reported later by the loader)."""
+    config_file = Path(model.hf_config) / "config.json"
+    try:
+        return config_file, (json.loads(config_file.read_text()) if config_file.is_file() else None)
+    except (OSError, ValueError):
+        return config_file, None
+
+
+def num_experts(hf: Mapping) -> int:
+    """Experts of each MoE layer of an HF config.json's contents (transformers writes Qwen3-MoE's ``num_experts``
+    as ``num_local_experts``); 0 for a dense model."""
+    if hf.get("model_type") != "qwen3_moe":
+        return 0
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
 def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
     """``parallel.expert`` and ``model.moe_aux_loss_coeff`` against the model's config.json (when the folder is
     there): a mixture-of-experts model, whose number of experts ``parallel.expert`` divides."""
-    config_file = Path(model.hf_config) / "config.json"
-    try:
-        hf = json.loads(config_file.read_text()) if config_file.is_file() else None
-    except (OSError, ValueError):
-        hf = None
+    config_file, hf = model_config_json(model)
     if model.moe_aux_loss_coeff is not None and model.moe_aux_loss_coeff < 0:
         raise ConfigError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} must be >= 0 (null: the HF config's)")
     if hf is None:
         return
-    experts = (hf.get("num_experts") or hf.get("num_local_experts")) if hf.get("model_type") == "qwen3_moe" else None
+    experts = num_experts(hf)
     if not experts:
         for key, value, default in (("parallel.expert", parallel.expert, 1),
                                     ("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, None)):
@@ -162,9 +176,10 @@ def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
                                   f"{hf.get('model_type')!r} model without experts: remove it")
         return
     if parallel.expert % parallel.tensor:
-        raise ConfigError(f"parallel.expert={parallel.expert} with parallel.tensor={parallel.tensor}: a mixture-of-experts "
-                          f"model's experts are split over whole tensor-parallel groups, so parallel.expert must be a "
-                          f"multiple of parallel.tensor ({parallel.tensor}, {2 * parallel.tensor}, ...)")
+        raise ConfigError(f"parallel.expert={parallel.expert} with parallel.tensor={parallel.tensor}: a "
+                          f"mixture-of-experts model's experts are split over whole tensor-parallel groups, so "
+                          f"parallel.expert must be a multiple of parallel.tensor ({parallel.tensor}, "
+                          f"{2 * parallel.tensor}, ...)")
     if parallel.tensor > 1 and parallel.sequence_parallel is False:
         raise ConfigError(f"parallel.sequence_parallel=false with parallel.tensor={parallel.tensor}: megatron trains a "
                           f"mixture-of-experts model with tensor parallelism only with sequence parallelism; set it to "
@@ -177,13 +192,8 @@ def validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
 def check_context_length(model: ModelConfig, length: int, what: str) -> None:
     """The longest sequence a run builds must fit the model's ``max_position_embeddings`` (read from the
     HF config when the folder is there; a missing folder is reported later by the loader)."""
-    config_file = Path(model.hf_config) / "config.json"
-    if not config_file.is_file():
-        return
-    try:
-        limit = json.loads(config_file.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return
+    config_file, hf = model_config_json(model)
+    limit = hf.get("max_position_embeddings") if hf is not None else None
     if isinstance(limit, int) and length > limit:
         raise ConfigError(f"{what} = {length} tokens is more than the model's max_position_embeddings={limit} "
                           f"({config_file}); lower them")

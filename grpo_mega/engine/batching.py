@@ -103,15 +103,21 @@ def padding_micro_batch(batch: dict[str, torch.Tensor], lengths: torch.Tensor) -
     return micro
 
 
+def _row_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Real tokens of each row; ValueError for an empty batch."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    if lengths.numel() == 0:
+        raise ValueError("the batch has no rows: an engine step needs at least one row")
+    return lengths
+
+
 def rank_micro_batches(
     batch: dict[str, torch.Tensor], max_tokens_per_micro_batch: int, dp_rank: int, dp_size: int
 ) -> tuple[list[dict[str, torch.Tensor]], float]:
     """This data-parallel rank's micro-batches of ``batch`` (each with ``row_index``, its rows in the batch) and
     their padding fraction. A rank without rows gets one padding micro-batch (fraction 1). ValueError for an empty
     batch."""
-    lengths = batch["attention_mask"].sum(dim=1)
-    if lengths.numel() == 0:
-        raise ValueError("the batch has no rows: an engine step needs at least one row")
+    lengths = _row_lengths(batch)
     own_rows = shard_rows_for_data_parallel(lengths, dp_rank, dp_size)
     if own_rows.numel() == 0:
         return [padding_micro_batch(batch, lengths)], 1.0
@@ -136,9 +142,7 @@ def aligned_rank_micro_batches(
     (equal sizes) in every MoE layer, so those ranks must step through micro-batches in lockstep. Every rank plans
     every rank's share from the same batch, so no communication is needed. A micro-batch may exceed the token budget
     by the difference between the ranks' shapes."""
-    lengths = batch["attention_mask"].sum(dim=1)
-    if lengths.numel() == 0:
-        raise ValueError("the batch has no rows: an engine step needs at least one row")
+    lengths = _row_lengths(batch)
     plans = []
     for rank in range(dp_size):
         own = shard_rows_for_data_parallel(lengths, rank, dp_size)

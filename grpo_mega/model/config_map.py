@@ -193,7 +193,6 @@ def gpt_config_from_hf(
     sequence_parallel: bool = False,
     recompute: str = "none",
     ep: int = 1,
-    moe_aux_loss_coeff: float | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> GPTConfig:
     """Translate an HF Qwen2 / Llama / Qwen3 config (PretrainedConfig or config.json dict) for megatron-core.
@@ -207,8 +206,7 @@ def gpt_config_from_hf(
     `sequence_parallel` (needs tp > 1) splits the sequence dimension of the activations outside the TP regions
     over the TP ranks (megatron's sequence parallelism); `recompute` is a key of `RECOMPUTE_SETTINGS`
     (``parallel.recompute``). A mixture-of-experts model (Qwen3-MoE) splits its experts over ``ep`` ranks
-    (``parallel.expert``) and weighs its load-balancing loss by ``moe_aux_loss_coeff`` (None: the HF config's
-    ``router_aux_loss_coef``; `grpo_mega.model.moe_config.moe_fields`); ``ep`` > 1 for a dense model is an error.
+    (``parallel.expert``; `grpo_mega.model.moe_config.moe_fields`); ``ep`` > 1 for a dense model is an error.
     """
     hf = _as_hf_config(hf_config)
     _check_supported(hf)
@@ -217,8 +215,9 @@ def gpt_config_from_hf(
         raise ValueError(f"parallel.expert={ep}: a {hf.model_type} model has no experts to split (use 1)")
     if family.moe and ep % tp != 0:
         raise ValueError(f"a {hf.model_type} model at parallel.tensor={tp} needs parallel.expert to be a multiple of "
-                         f"{tp} (got {ep}): its experts, whole on each rank, are split over whole tensor-parallel groups "
-                         f"(with fewer expert ranks than TP ranks the experts' gradients do not match a TP=1 step's)")
+                         f"{tp} (got {ep}): its experts, whole on each rank, are split over whole tensor-parallel "
+                         f"groups (with fewer expert ranks than TP ranks the experts' gradients do not match a TP=1 "
+                         f"step's)")
     fields: dict[str, Any] = {}
     for hf_name, mcore_name, required in HF_TO_MCORE_FIELDS:
         value = getattr(hf, hf_name, None)
@@ -256,7 +255,7 @@ def gpt_config_from_hf(
         raise ValueError(f"recompute={recompute!r}: expected one of {tuple(RECOMPUTE_SETTINGS)}")
     fields.update(RECOMPUTE_SETTINGS[recompute])
     if family.moe:
-        fields.update(moe_fields(hf, ep=ep, aux_loss_coeff=moe_aux_loss_coeff))
+        fields.update(moe_fields(hf, ep=ep))
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     for name in overrides or {}:
         if name not in known:
@@ -275,10 +274,15 @@ def gpt_config_from_hf(
     )
 
 
+def _is_moe(model_type: str | None) -> bool:
+    family = FAMILIES.get(model_type)
+    return family is not None and family.moe
+
+
 def tools_expert_parallel(hf_config: Any, tp: int) -> int:
     """The expert-parallel size a conversion or comparison tool runs a model at: a mixture-of-experts model's
     experts over its TP ranks (``parallel.expert`` = ``parallel.tensor``), 1 for a dense model."""
-    return tp if FAMILIES.get(getattr(hf_config, "model_type", None), Family(qkv_bias=False)).moe else 1
+    return tp if _is_moe(getattr(hf_config, "model_type", None)) else 1
 
 
 def load_model_hf_config(model_cfg: Any) -> Any:
@@ -290,7 +294,7 @@ def load_model_hf_config(model_cfg: Any) -> Any:
     hf = AutoConfig.from_pretrained(model_cfg.hf_config)
     coeff = getattr(model_cfg, "moe_aux_loss_coeff", None)
     if coeff is not None:
-        if not FAMILIES.get(hf.model_type, Family(qkv_bias=False)).moe:
+        if not _is_moe(hf.model_type):
             raise ValueError(f"model.moe_aux_loss_coeff={coeff}: {model_cfg.hf_config} is a {hf.model_type} model "
                              f"without experts")
         hf.router_aux_loss_coef = float(coeff)

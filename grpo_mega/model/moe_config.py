@@ -9,7 +9,8 @@ softmaxes all logits first and keeps the top-k as they are (``norm_topk_prob=Fal
 (``moe_router_dtype``) as transformers' does.
 
 The load-balancing loss is megatron's ``aux_loss`` (Switch-style: E * sum_e f_e * P_e per layer) with the HF
-config's ``router_aux_loss_coef`` unless ``aux_loss_coeff`` is given (``model.moe_aux_loss_coeff``). transformers
+config's ``router_aux_loss_coef`` (a run's ``model.moe_aux_loss_coeff`` replaces it when the trainers load the config:
+``grpo_mega.model.config_map.load_model_hf_config``). transformers
 computes one such loss over all layers' router logits concatenated; megatron one per layer, each scaled by the
 coefficient: the same quantity up to how it is pooled over layers (a regulariser either way).
 
@@ -22,8 +23,6 @@ layout of the local layer spec and of Transformer Engine's spec without grouped 
 from __future__ import annotations
 
 from typing import Any
-
-MOE_MODEL_TYPES = ("qwen3_moe",)
 
 # The token dispatcher is megatron's default (``TransformerConfig.moe_token_dispatcher_type``: ``allgather``) on the
 # CPU and on GPUs: gloo has every collective it uses (all_gather_into_tensor, reduce_scatter_tensor), while
@@ -43,14 +42,12 @@ def check_moe_supported(hf: Any) -> None:
         raise ValueError(f"num_experts_per_tok={hf.num_experts_per_tok} exceeds num_experts={hf.num_experts}")
 
 
-def moe_fields(hf: Any, *, ep: int = 1, aux_loss_coeff: float | None = None) -> dict[str, Any]:
+def moe_fields(hf: Any, *, ep: int = 1) -> dict[str, Any]:
     """megatron TransformerConfig fields of a Qwen3-MoE HF config at expert-parallel size ``ep``."""
     check_moe_supported(hf)
     if ep < 1 or hf.num_experts % ep:
         raise ValueError(f"parallel.expert={ep} must divide num_experts={hf.num_experts}")
-    if aux_loss_coeff is not None and aux_loss_coeff < 0:
-        raise ValueError(f"model.moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
-    fields = dict(
+    return dict(
         num_moe_experts=hf.num_experts,
         moe_router_topk=hf.num_experts_per_tok,
         moe_ffn_hidden_size=hf.moe_intermediate_size,
@@ -58,13 +55,11 @@ def moe_fields(hf: Any, *, ep: int = 1, aux_loss_coeff: float | None = None) -> 
         moe_router_pre_softmax=not bool(getattr(hf, "norm_topk_prob", False)),
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) if aux_loss_coeff is None
-                                 else aux_loss_coeff),
+        moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0)),
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
     )
-    return fields
 
 
 def fill_in_missing_te_gemm() -> None:

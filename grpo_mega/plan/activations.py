@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_mega.config.checks import num_experts
+
 EXPERT_LOAD_IMBALANCE = 1.5
 """Tokens on the busiest expert-parallel rank over the mean, assumed for MoE activations (the load-balancing loss
 keeps trained routers near 1; ``moe/expert_load_max_over_mean`` in the step metrics is the measured figure per
@@ -66,13 +68,12 @@ class Shapes:
     def from_hf(cls, hf: dict, padded_vocab: int) -> Shapes:
         heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
-        moe = hf.get("model_type") == "qwen3_moe"
+        experts = num_experts(hf)
         return cls(hidden=int(hf["hidden_size"]), heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
                    head_dim=head_dim, intermediate=int(hf["intermediate_size"]), layers=int(hf["num_hidden_layers"]),
-                   vocab=padded_vocab,
-                   experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
-                   topk=int(hf.get("num_experts_per_tok") or 0) if moe else 0,
-                   expert_intermediate=int(hf.get("moe_intermediate_size") or 0) if moe else 0)
+                   vocab=padded_vocab, experts=experts,
+                   topk=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
+                   expert_intermediate=int(hf.get("moe_intermediate_size") or 0) if experts else 0)
 
 
 def layer_elements_per_token(s: Shapes, tp: int, sequence_parallel: bool, recompute: str) -> float:

@@ -71,7 +71,9 @@ class ModelRequest:
         shards them over its TP ranks too), a dense model has none. A policy at ``parallel.expert`` > ``tensor`` holds
         fewer experts a rank with the same optimizer state per rank (its experts' state is sharded over fewer
         data-parallel ranks), so planning it at EP = TP is an upper bound."""
-        return self.tp if self.hf_config.get("model_type") == "qwen3_moe" else 1
+        from grpo_mega.config.checks import num_experts
+
+        return self.tp if num_experts(self.hf_config) else 1
 
 
 class _MetaStaysMeta(TorchFunctionMode):
