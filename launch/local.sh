@@ -95,7 +95,7 @@ cores=$(nproc)
 threads=$(( cores / nproc ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 # "--" ends torchrun's options: its parser would take flags of the command (--n, --nproc) for its own.
-command=("$python" -m torch.distributed.run --standalone --nproc-per-node="$nproc" -m -- grpo_mega.cli "$@")
+command=("$python" -m grpo_mega.run.torchrun --standalone --nproc-per-node="$nproc" -m -- grpo_mega.cli "$@")
 if (( dry_run )); then
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS ${command[*]@Q}"
   exit 0

@@ -97,11 +97,10 @@ def run_prm_command(args, argv: list[str]) -> int:
         except StoppedEarly as stopped:  # a checkpoint was saved; the same command resumes (exit status 3)
             print(f"grpo-mega prm train: {stopped}", file=sys.stderr)
             return EXIT_STOPPED_EARLY
-        except BaseException as error:  # named once in run_dir/failure.json and on stderr, then raised as it was
-            from grpo_mega.run.failure import report_failure
+        except (Exception, KeyboardInterrupt) as error:  # one line; the traceback in failure.json and tracebacks/
+            from grpo_mega.run.failure import exit_status, report_failure
 
-            report_failure("grpo-mega prm train", cfg.trainer.run_dir, error)
-            raise
+            return exit_status(report_failure("grpo-mega prm train", cfg.trainer.run_dir, error))
     elif args.prm_command == "label":
         from prm.label_command import run_label
 

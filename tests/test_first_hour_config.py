@@ -76,6 +76,21 @@ def test_config_mistakes_are_one_line_before_any_rank(task, tmp_path, overrides,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("layout, named", [
+    ({"config.json": "{}"}, "is none of: a grpo-mega checkpoint"),  # an HF folder without its weights
+    ({"checkpoints/.tmp-step_000001/x": ""}, "holds no complete checkpoint"),  # a run that never saved
+])
+def test_model_init_from_that_holds_no_weights_is_refused_before_any_rank(task, tmp_path, layout, named):
+    folder = tmp_path / "weights"
+    for name, text in layout.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"),
+                       f"model.init_from={folder}")
+    assert_one_line_error(result, f"model.init_from={folder}", named)  # before: cause=error from a rank at start-up
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_hf_config_folder_is_named_as_that_key(task, tmp_path):
     result = grpo_mega("train", "--config", GRPO, f"model.hf_config={tmp_path / 'nowhere'}",
                        f"data.train_file={task['train']}", f"trainer.run_dir={tmp_path / 'run'}")

@@ -76,7 +76,7 @@ def test_an_explicit_process_count_wins_and_the_command_passes_through_after_a_d
     command = _dry_run("4", "prm", "label", "--n", "8", "--policy", "runs/sft")
     assert _nproc(command) == 4
     assert command[0] == sys.executable
-    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert command[1:4] == ["-m", "grpo_mega.run.torchrun", "--standalone"]  # torchrun, failures in one line
     # torchrun's own options end at "--": the command's --n / --nproc are not taken for torchrun's flags
     assert command[-9:] == ["-m", "--", "grpo_mega.cli", "prm", "label", "--n", "8", "--policy", "runs/sft"]
 

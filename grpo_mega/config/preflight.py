@@ -56,6 +56,8 @@ def check_paths(cfg: Any) -> None:
     if model.init_from is not None and not Path(model.init_from).exists():
         raise ConfigError(f"model.init_from={model.init_from}: no such folder (an HF folder, a converted megatron "
                           "folder, a grpo-mega checkpoint or run directory; null: random weights)")
+    if model.init_from is not None:
+        _check_weights_folder("model.init_from", model.init_from)
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key, None)
         if value is not None and not Path(value).is_file():
@@ -64,6 +66,19 @@ def check_paths(cfg: Any) -> None:
     if process_reward is not None and process_reward.source == "prm" and not Path(process_reward.prm).exists():
         raise ConfigError(f"process_reward.prm={process_reward.prm}: no such folder (a grpo-mega PRM checkpoint or run "
                           "directory, or a Hugging Face PRM folder)")
+
+
+def _check_weights_folder(key: str, folder: str) -> None:
+    """ConfigError naming ``key`` when ``folder`` holds none of the weight formats a run starts from, or is a run
+    directory without a complete checkpoint (what the ranks would find only after building the model)."""
+    from grpo_mega.checkpoint.source import find_checkpoint_folder
+    from grpo_mega.checkpoint.training_files import weights_format
+
+    try:
+        if weights_format(folder) in ("training_checkpoint", "training_run"):
+            find_checkpoint_folder(folder)
+    except ValueError as error:
+        raise ConfigError(f"{key}={folder}: {str(error).removeprefix('init_from: ')}") from None
 
 
 def start_attempt(cfg: Any, *, act: bool = True) -> RunFolderVerdict:

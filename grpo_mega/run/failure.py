@@ -7,9 +7,13 @@ the innermost phase it left), the rank, the host, the exception, the time, and a
 policy can act on (:data:`TRANSIENT_CAUSES`: a requeue may succeed; the others fail the same way again). The file
 is published exclusively (a hard link of a fully written temporary file), so the first rank to fail writes it and
 the others, which usually fail because of the first (a peer lost, a collective timed out waiting for it), do not
-overwrite it; a full disk leaves no file rather than an empty one. Each rank still prints its own line::
+overwrite it; a full disk leaves no file rather than an empty one. A rank prints one line per cause::
 
     grpo-mega train: rank 1 on node7 failed (cause=peer_lost) at step 12 (update): RuntimeError: ...; run/failure.json
+
+(a rank whose failure is the one failure.json already names, as when every rank reads the same bad data row, prints
+nothing more), and keeps its traceback out of the terminal: in failure.json (``traceback``) and in
+``run_dir/tracebacks/rank<R>.txt`` (``GRPO_MEGA_TRACEBACK=1`` prints it on stderr as well).
 
 Phases opened with ``bounded=True`` (the weight sync, the vLLM wake / sleep, PRM scoring, the checkpoint save:
 work that no collective timeout bounds) are also watched by the :class:`grpo_mega.run.watchdog.PhaseWatchdog` the
@@ -25,10 +29,11 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from grpo_mega.run.layout import FAILURE_FILE
+from grpo_mega.run.layout import FAILURE_FILE, TRACEBACKS_DIR
 
 
 POSITION: dict[str, Any] = {"step": None, "phase": "start-up", "signal": None}
@@ -48,12 +53,21 @@ DEFER_S = 3.0
 
 _TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught collective operation timeout")
 _PEER_LOST_MARKS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
-                    "connection refused", "ncclremoteerror", "remote process exited")
+                    "connection refused", "ncclremoteerror", "remote process exited", "connection was likely closed",
+                    "failed to recv", "failed to send", "remote server shutdown")
+_NETWORK_ERRORS = {"DistNetworkError", "DistStoreError", "RendezvousConnectionError", "RendezvousClosedError",
+                   "RendezvousTimeoutError", "RendezvousStateError"}
+"""A lost store, rendezvous or link, however it is first seen (torchrun's agent in its rendezvous, a rank at its
+store): a node or process gone, which a restart gets past."""
 _HARDWARE_MARKS = ("uncorrectable ecc error", "ecc error", "fallen off the bus", "unspecified launch failure",
                    "busy or unavailable", "nvlink error", "cuda error: unknown error")
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 """The errnos of a full file system or an exhausted quota."""
 _PHASE_ATTRIBUTE = "_grpo_mega_failed_in"
+TRACEBACK_CHARS = 20000
+"""How much of a traceback (its end) failure.json and the rank's traceback file keep."""
+TRACEBACK_ENV = "GRPO_MEGA_TRACEBACK"
+"""Set to 1 to have a failed rank print its traceback on stderr too (it is always in its traceback file)."""
 
 
 class PhaseTimeout(Exception):
@@ -126,7 +140,8 @@ def classify(error: BaseException) -> str:
     anywhere in the chain, or a save that found its file system full), ``non_finite`` (a NaN / Inf loss or gradient
     norm), ``config`` (a bad config), ``data`` (a malformed dataset row), ``interrupted`` (KeyboardInterrupt),
     ``terminated`` (any other error after this rank received a stop signal: see :func:`note_signal`), else
-    ``error``."""
+    ``error``. A lost store or rendezvous (:data:`_NETWORK_ERRORS`) is ``peer_lost`` (``collective_timeout`` when it
+    timed out), whichever process saw it first."""
     chain = list(exception_chain(error))
     names = {type(link).__name__ for link in chain}
     messages = " | ".join(str(link).lower() for link in chain)
@@ -145,11 +160,11 @@ def classify(error: BaseException) -> str:
         return "disk_full"
     if any(mark in messages for mark in _HARDWARE_MARKS):
         return "hardware"
-    distributed = bool(names & {"DistBackendError", "DistNetworkError", "DistError", "DistStoreError"}) \
+    distributed = bool(names & {"DistBackendError", "DistError", *_NETWORK_ERRORS}) \
         or "gloo" in messages or "nccl" in messages or "c10d" in messages
     if distributed and any(mark in messages for mark in _TIMEOUT_MARKS):
         return "collective_timeout"
-    if distributed and any(mark in messages for mark in _PEER_LOST_MARKS):
+    if distributed and any(mark in messages for mark in _PEER_LOST_MARKS) or names & _NETWORK_ERRORS:
         return "peer_lost"
     if any(isinstance(link, (ConnectionError, EOFError)) for link in chain):
         return "peer_lost"
@@ -173,7 +188,8 @@ def failure_record(error: BaseException, *, in_phase: str | None = None) -> dict
     return {"step": step, "phase": where, "rank": _rank(), "host": socket.gethostname(), "cause": classify(error),
             "exception": "\n".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])[:4000],
             "signal_before": POSITION["signal"],
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_time": time.time()}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_time": time.time(),
+            "traceback": "".join(traceback.format_exception(error))[-TRACEBACK_CHARS:]}
 
 
 def write_exclusive(path: Path, record: dict) -> bool:
@@ -227,12 +243,50 @@ def set_aside_failure(run_dir: str | Path) -> Path | None:
     return kept
 
 
+def save_traceback(run_dir: str | Path, record: dict) -> Path | None:
+    """Append ``record``'s traceback, under a line naming its time and cause, to ``run_dir/tracebacks/rank<R>.txt``;
+    returns the file (None when the folder cannot take it: a full disk loses the traceback, never the run)."""
+    path = Path(run_dir) / TRACEBACKS_DIR / f"rank{record['rank']}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as out:
+            out.write(f"=== {record['time']} rank {record['rank']} on {record['host']}: cause={record['cause']}, "
+                      f"step {record['step']} ({record['phase']})\n{record['traceback']}\n")
+    except OSError:
+        return None
+    return path
+
+
+def _already_named(run_dir: str | Path, record: dict) -> bool:
+    """Whether ``run_dir/failure.json``, written by another rank, names the same cause and exception as ``record``
+    (every rank read the same bad row, or hit the same config error): one line says it for all."""
+    try:
+        named = json.loads((Path(run_dir) / FAILURE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return named.get("cause") == record["cause"] and named.get("exception") == record["exception"]
+
+
 def report_failure(command: str, run_dir: str | Path | None, error: BaseException) -> dict:
-    """Record what ended this rank (:func:`record_failure`; only the line when there is no run folder yet, as for
-    a config that did not load) and print its one line on stderr; returns the record."""
+    """Record what ended this rank (:func:`record_failure`, and its traceback with :func:`save_traceback`; only the
+    line when there is no run folder yet, as for a config that did not load) and print its one line on stderr,
+    unless failure.json already names the same failure; returns the record."""
     if run_dir is None:
         record, path = failure_record(error), None
     else:
         record, path = record_failure(run_dir, error)
+        saved = save_traceback(run_dir, record)
+        if path is None and _already_named(run_dir, record):
+            return record
+        if path is None and saved is not None:
+            path = saved
     print(failure_line(command, record, path), file=sys.stderr, flush=True)
+    if os.environ.get(TRACEBACK_ENV) == "1":
+        print(record["traceback"], file=sys.stderr, flush=True)
     return record
+
+
+def exit_status(record: dict) -> int:
+    """The exit status of a command that ended with failure ``record``: 130 for an interrupt (as a shell reports
+    Ctrl-C), else 1."""
+    return 130 if record["cause"] == "interrupted" else 1

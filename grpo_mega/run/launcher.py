@@ -1,8 +1,8 @@
 """Start the processes of a distributed job: reuse a launcher's, relaunch under torchrun, or spawn local ranks.
 
 Under torchrun or SLURM (RANK / SLURM_PROCID set) a command runs in this process, which is one rank of the job.
-Otherwise ``relaunch_with_torchrun`` execs the same command line under ``torch.distributed.run --standalone``
-(the CLI's ``--nproc``), ``run_as_the_only_rank`` runs a function here as a one-process job, and
+Otherwise ``relaunch_with_torchrun`` execs the same command line under torchrun (``grpo_mega.run.torchrun
+--standalone``, the CLI's ``--nproc``), ``run_as_the_only_rank`` runs a function here as a one-process job, and
 ``spawn_local_ranks`` runs a picklable function on new local processes (on a CPU build
 of torch forked from a server that has imported torch, megatron-core and transformers once) with a torchrun-like
 environment (the conversion tools and the multi-process tests).
@@ -35,9 +35,9 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_process: int | None = None):
-    """Become ``python -m torch.distributed.run --standalone --nproc-per-node nproc -m <module_args>`` (exec: this
-    process is replaced, so signals sent to it, e.g. a scheduler's SIGTERM, reach torchrun and through it the
-    ranks). Does not return.
+    """Become ``python -m grpo_mega.run.torchrun --standalone --nproc-per-node nproc -m <module_args>``: torchrun,
+    with a failure said in one line (exec: this process is replaced, so signals sent to it, e.g. a scheduler's
+    SIGTERM, reach torchrun and through it the ranks). Does not return.
 
     Each process gets ``threads_per_process`` intra-op threads (default: cores / nproc), so ranks sharing a
     machine do not oversubscribe its cores.
@@ -46,7 +46,7 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
     # exec keeps the process, so its start is the command's: the ranks count what passes before theirs as "launch"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **{COMMAND_START_ENV: repr(process_start_time())})
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "grpo_mega.run.torchrun", "--standalone", f"--nproc-per-node={nproc}",
         # "--" ends torchrun's own options: its parser would otherwise reject, as ambiguous abbreviations of its
         # flags, our flags such as --n or --nproc anywhere in the command line.
         "-m", "--", *module_args,

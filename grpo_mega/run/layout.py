@@ -7,6 +7,7 @@ Layout of a run directory (``trainer.run_dir``)::
   <run_dir>/metrics.jsonl                one row per step (``grpo_mega.run.metrics``)
   <run_dir>/tensorboard/                 TensorBoard events, when enabled
   <run_dir>/failure.json                 what ended the last attempt that failed (``grpo_mega.run.failure``)
+  <run_dir>/tracebacks/rank3.txt         the tracebacks of rank 3's failures, one after the other
   <run_dir>/rollouts/step_000042.jsonl   the step's trained completions (``trainer.dump_rollouts``)
   <run_dir>/checkpoints/step_000042/     one complete training checkpoint (``grpo_mega.checkpoint.training_files``)
       grpo_mega_checkpoint.json          what this is: step, optimizer steps, the TP/PP/DP it was saved at
@@ -26,6 +27,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 FAILURE_FILE = "failure.json"
+TRACEBACKS_DIR = "tracebacks"
 ROLLOUTS_DIR = "rollouts"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"

@@ -11,14 +11,16 @@
 # (`scancel --signal=USR1 --batch JOBID` does the same by hand). The trap sends SIGTERM to the running step
 # through slurmd (`scancel --signal=TERM JOBID`; not to srun, which would take it as "cancel the step" and kill the
 # ranks before they save); torchrun forwards it to the ranks, which save the step in flight and exit with status 3.
-# torchrun reports any failed rank as status 1, so the stop is recognised by the command's
-# "<command>: stopped after step N" line in this restart's part of the log, or by the USR1 itself.
+# The launcher (grpo_mega.run.torchrun: torchrun, its failures in one line) exits with the first failed rank's status;
+# the stop is recognised by the command's "<command>: stopped after step N" line in this restart's part of the log,
+# or by the USR1 itself.
 #
 # Faults: a failed rank prints "<command>: rank R on HOST failed (cause=CAUSE) at step N (PHASE): ..." (the rank that
 # wrote run_dir/failure.json ends that line with its path). The job requeues itself (and resumes from the last
 # complete checkpoint) when the cause is transient (collective_timeout, peer_lost, phase_timeout, hardware,
 # terminated: the rank was being torn down, as torchrun does to every rank once one has died) or when
-# no rank named one (a rank or node died without a word: SIGKILL, OOM killer, node loss), at most
+# no rank named one (a rank or node died without a word: SIGKILL, OOM killer, node loss; a lost rendezvous or store
+# is named by the launcher itself: "grpo-mega launcher (torchrun) on HOST failed (cause=peer_lost)"), at most
 # GRPO_MAX_FAULT_REQUEUES times (default 3) over the job's life; it stops, with the step's status, on a cause a
 # restart would repeat (config, data, non_finite, disk_full, error, interrupted).
 
@@ -81,7 +83,7 @@ grpo_run_step() {
     head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
     port=$1 rdzv_id=$2
     shift 2
-    exec "$PYTHON" -m torch.distributed.run \
+    exec "$PYTHON" -m grpo_mega.run.torchrun \
       --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$rdzv_id" \
       -m -- grpo_mega.cli "$@"
