@@ -26,7 +26,13 @@ from grpo_mega.run.metrics import read_metrics  # noqa: E402
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Mean phase seconds and tokens/s over ``rows`` (per-step metrics)."""
+    """Mean phase seconds and tokens/s over ``rows`` (per-step metrics). ValueError when no measured step updated
+    the policy (dynamic sampling dropped every group, as on a random-weight model): there is nothing to time."""
+    rows = [row for row in rows if "perf/num_tokens" in row and "timing_s/update" in row]
+    if not rows:
+        raise ValueError("no measured step trained (every group dropped as zero-signal?): start from a policy that "
+                         "solves some prompts (--quickstart RUN) or pass algorithm.dynamic_sampling=false")
+
     def mean(key):
         values = [row[key] for row in rows if key in row]
         return sum(values) / len(values) if values else None

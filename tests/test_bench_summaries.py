@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from grpo_scaling import BASE, expected_sync_bytes, grid, summarise, unique_points  # noqa: E402
+from grpo_step import summarise as summarise_steps  # noqa: E402
 from logprob_memory import full_logprobs_and_entropy, logits_mib, savings  # noqa: E402
 from prm_scoring import throughput  # noqa: E402
 from report import text_table  # noqa: E402
@@ -83,6 +84,15 @@ def test_summarise_drops_the_warmup_and_averages_the_rest():
 def test_summarise_refuses_a_run_with_only_warmup():
     with pytest.raises(ValueError, match="1 step\\(s\\) logged, 1 of them warm-up"):
         summarise([_row(1, 1.0, 1.0, 0.1)])
+
+
+def test_the_step_bench_names_a_run_where_no_step_trained_instead_of_a_type_error():
+    # dynamic sampling dropped every group: the steps log generation only (was: TypeError on a None mean)
+    with pytest.raises(ValueError, match="no measured step trained"):
+        summarise_steps([{"step": 2, "timing_s/gen": 1.0, "timing_s/step": 1.0}])
+    trained = summarise_steps([{"step": 2, "timing_s/gen": 2.0, "timing_s/update": 4.0, "perf/num_tokens": 800.0,
+                                "perf/num_response_tokens": 400.0, "perf/throughput": 100.0}])
+    assert trained["tokens_per_s"] == {"gen": 200.0, "update": 200.0}
 
 
 # ------------------------------------------------------------------------------------------ PRM throughput
