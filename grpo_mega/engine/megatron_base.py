@@ -119,6 +119,9 @@ class MegatronStageEngine:
                 hidden = model(tokens, positions, attention_mask=None)
                 return hidden, loss_func_for(micro)
 
+        if self.router_replayer is not None:
+            self.router_replayer.check(micro_batches)
+
         def shape(micro):  # (sequence, batch) of what flows between pipeline stages
             if is_packed(micro):
                 return len(micro["packed_source"]), 1

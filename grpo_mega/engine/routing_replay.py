@@ -71,16 +71,23 @@ class RouterReplayer:
         self.sequence_parallel = bool(config.sequence_parallel)
         self.num_layers = config.num_layers
 
+    def check(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """ValueError for micro-batches without routes of this model's layers; run before the schedule, whose
+        pipeline stages would otherwise wait for a stage that raised."""
+        for micro in micro_batches:
+            if ROUTES_KEY not in micro:
+                raise ValueError(f"routing replay is on but the batch has no {ROUTES_KEY!r}: the rollout engine must "
+                                 "return the experts of every token (rollout.routing_replay)")
+            if micro[ROUTES_KEY].dim() != 4 or micro[ROUTES_KEY].shape[2] != self.num_layers:
+                raise ValueError(f"{ROUTES_KEY} of shape {tuple(micro[ROUTES_KEY].shape)}: expected [rows, tokens, "
+                                 f"{self.num_layers} layers, top-k]")
+
     @contextlib.contextmanager
     def replaying(self, micro: dict[str, torch.Tensor], padding: int) -> Iterator[None]:
-        """Within the context every router of this stage routes ``micro``'s tokens to the rollout's experts."""
+        """Within the context every router of this stage routes ``micro``'s tokens to the rollout's experts
+        (``micro`` passed :meth:`check`)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        if ROUTES_KEY not in micro:
-            raise ValueError(f"routing replay is on but the batch has no {ROUTES_KEY!r}: the rollout engine must "
-                             "return the experts of every token (rollout.routing_replay)")
-        if micro[ROUTES_KEY].shape[2] != self.num_layers:
-            raise ValueError(f"{ROUTES_KEY} has {micro[ROUTES_KEY].shape[2]} layers, the model {self.num_layers}")
         rows = stage_routes(micro, padding, mpu.get_tensor_model_parallel_rank(),
                             mpu.get_tensor_model_parallel_world_size(), self.sequence_parallel)
         try:
