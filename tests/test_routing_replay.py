@@ -213,7 +213,7 @@ def moe_task(tmp_path_factory):
 
 
 @pytest.mark.parametrize("setting, message", [
-    (["parallel.recompute=full"], "rollout.routing_replay=true with parallel.recompute=full"),
+    (["parallel.expert=2", "parallel.recompute=full"], "rollout.routing_replay=true with parallel.recompute=full"),
     (["engine=deepspeed", "parallel.tensor=1"], "rollout.routing_replay=true replays routes through megatron-core"),
 ])
 def test_settings_replay_cannot_run_with_are_refused_before_launch(moe_task, tmp_path, setting, message):
