@@ -253,3 +253,34 @@ def test_grpo_with_routing_replay_trains_at_ep2_and_reports_the_logprob_differen
     # the old log-probs (replayed) against the hf engine's: the same routes, fp32
     assert all(row["rollout/logprob_diff_max"] < 1e-3 for row in rows)
     assert all(row["moe/expert_load_max_over_mean"] >= 1.0 for row in rows)
+
+
+def test_vllm_outputs_carry_their_routes_and_a_missing_one_is_named():
+    """The vLLM side without vLLM (it cannot return routes on the CPU wheel): RequestOutputs shaped as vLLM 0.32's,
+    and the arguments the engine adds to ``vllm.LLM``."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from grpo_mega.rollout.vllm_outputs import completions_from_vllm
+    from grpo_mega.rollout.vllm_settings import routing_replay_arguments
+
+    def output(routes):
+        logprobs = [{7: SimpleNamespace(logprob=-0.5)}, {8: SimpleNamespace(logprob=-0.25)}]
+        sample = SimpleNamespace(index=0, token_ids=[7, 8], logprobs=logprobs, finish_reason="length",
+                                 stop_reason=None, routed_experts=routes)
+        return SimpleNamespace(outputs=[sample])
+
+    routes = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)  # prompt 3 + response 2 - 1 rows
+    done = completions_from_vllm([output(routes)], [[1, 2, 3]], 2, str, routed_experts=True)
+    assert len(done) == 2 and all(c.routed_experts is routes for c in done)  # greedy: one sample copied
+    assert completions_from_vllm([output(None)], [[1, 2, 3]], 1, str)[0].routed_experts is None
+    with pytest.raises(RuntimeError, match="vLLM returned no routed_experts for prompt 0"):
+        completions_from_vllm([output(None)], [[1, 2, 3]], 1, str, routed_experts=True)
+    with pytest.raises(RuntimeError, match=r"expected \[4, layers, top-k\]"):
+        completions_from_vllm([output(routes[:3])], [[1, 2, 3]], 1, str, routed_experts=True)
+    assert routing_replay_arguments({}) == {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+    with pytest.raises(ValueError, match="prefix caching"):
+        routing_replay_arguments({"enable_prefix_caching": False})
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        routing_replay_arguments({"pipeline_parallel_size": 2})
