@@ -284,3 +284,31 @@ def test_vllm_outputs_carry_their_routes_and_a_missing_one_is_named():
         routing_replay_arguments({"enable_prefix_caching": False})
     with pytest.raises(ValueError, match="pipeline parallelism"):
         routing_replay_arguments({"pipeline_parallel_size": 2})
+
+
+def test_the_hf_engine_returns_each_completions_routes(moe_task):
+    """Sampled and greedy (copied) completions carry [prompt + response - 1, layers, top-k] routes: those of one
+    forward of the finished sequence."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_mega.rollout import SamplingConfig
+    from grpo_mega.rollout.hf_engine import HFRolloutEngine
+    from grpo_mega.rollout.hf_routes import routed_experts
+
+    model_dir, _ = moe_task
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).float().eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFRolloutEngine(model, tokenizer, return_routed_experts=True)
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("Q: 3 + 4 = ? A:", "Q: 12 - 2 = ?")]
+    for sampling in (SamplingConfig(temperature=1.0, max_new_tokens=6, n=2, seed=1),
+                     SamplingConfig(temperature=0, max_new_tokens=6, n=2, stop=["="])):
+        done = engine.generate(prompts, sampling)
+        sequences = [c.prompt_ids + c.response_ids for c in done]
+        expected = routed_experts(model, sequences, pad_token_id=engine.pad_token_id, batch_size=1)
+        layers, topk = model.config.num_hidden_layers, model.config.num_experts_per_tok
+        for completion, routes in zip(done, expected):
+            assert completion.routed_experts.shape == (len(completion.prompt_ids) + len(completion.response_ids) - 1,
+                                                       layers, topk)
+            assert (completion.routed_experts == routes).all()
+    assert HFRolloutEngine(model, tokenizer).generate(prompts, sampling)[0].routed_experts is None
