@@ -312,3 +312,25 @@ def test_the_hf_engine_returns_each_completions_routes(moe_task):
                                                        layers, topk)
             assert (completion.routed_experts == routes).all()
     assert HFRolloutEngine(model, tokenizer).generate(prompts, sampling)[0].routed_experts is None
+
+
+def test_an_async_checkpoint_keeps_the_routes_of_batches_in_flight():
+    """``rollout.mode: async`` checkpoints hold the batches in flight; their routes must load with weights_only."""
+    import io
+
+    import numpy as np
+
+    from grpo_mega.data.prompts import PromptRecord
+    from grpo_mega.rollout.base import Completion
+    from grpo_mega.stages.rollout import RolloutBatch
+    from grpo_mega.stages.rollout_feed import batch_from_state, batch_state
+
+    routes = np.ones((3, 2, 2), dtype=np.uint8)
+    completion = Completion(0, [1, 2], [3, 4], [-0.1, -0.2], "x", "length", routed_experts=routes)
+    record = PromptRecord(prompt="p", prompt_ids=[1, 2], answer="a", raw_prompt="p", source="t:1")
+    batch = RolloutBatch([record], [completion], torch.zeros(1), torch.zeros(1), None, None)
+    buffer = io.BytesIO()
+    torch.save(batch_state(batch), buffer)
+    buffer.seek(0)
+    loaded = batch_from_state(torch.load(buffer, weights_only=True))
+    assert torch.equal(torch.as_tensor(loaded.completions[0].routed_experts), torch.as_tensor(routes))
