@@ -199,7 +199,8 @@ def _build_engines(cfg: GRPOConfig):
         sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
     )
     policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
-                                 distributed_optimizer=cfg.parallel.distributed_optimizer, **shared)
+                                 distributed_optimizer=cfg.parallel.distributed_optimizer,
+                                 routing_replay=cfg.rollout.routing_replay, **shared)
     reference = build_reference_engine(hf_config, **shared) if cfg.algorithm.use_kl_loss else None
     return policy, reference
 

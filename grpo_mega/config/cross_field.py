@@ -14,6 +14,8 @@ from grpo_mega.config.checks import (
     check_choice,
     check_context_length,
     launched_world_size,
+    model_config_json,
+    num_experts,
     validate_engine,
     validate_experts,
     validate_optim,
@@ -119,6 +121,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     if cfg.data.prompt_length < 1:
         raise ConfigError(f"data.prompt_length={cfg.data.prompt_length} must be >= 1")
     validate_experts(cfg.model, cfg.parallel)
+    validate_routing_replay(cfg)
     check_context_length(cfg.model, cfg.data.prompt_length + alg.response_length,
                           "data.prompt_length + algorithm.response_length")
 
@@ -255,6 +258,24 @@ def validate_sft(cfg: SFTConfig, world_size: int | None = None) -> None:
     for key in ("total_steps", "batch_size"):
         if getattr(cfg.trainer, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1")
+
+
+def validate_routing_replay(cfg: GRPOConfig) -> None:
+    """``rollout.routing_replay``: megatron's router replay on the policy of a mixture-of-experts model, whose
+    forward passes each run once (``parallel.recompute=full`` re-runs the routers in the backward pass)."""
+    if not cfg.rollout.routing_replay:
+        return
+    if cfg.engine != "megatron":
+        raise ConfigError(f"rollout.routing_replay=true replays routes through megatron-core's router; "
+                          f"engine={cfg.engine} has none: set engine=megatron or rollout.routing_replay=false")
+    if cfg.parallel.recompute == "full":
+        raise ConfigError("rollout.routing_replay=true with parallel.recompute=full: the recomputed forward in the "
+                          "backward pass would route on its own; set parallel.recompute=selective (core attention "
+                          "only) or none")
+    config_file, hf = model_config_json(cfg.model)
+    if hf is not None and not num_experts(hf):
+        raise ConfigError(f"rollout.routing_replay=true is for mixture-of-experts models, and {config_file} is a "
+                          f"{hf.get('model_type')!r} model without experts: set rollout.routing_replay=false")
 
 
 def validate_answer_guard(cfg: GRPOConfig) -> None:

@@ -86,6 +86,13 @@ class RolloutConfig:
     enforce_eager: bool = False
     """vLLM only: no CUDA graphs (slower decoding; saves their memory pool, which vLLM's sleep mode does not
     free, so it stays on the GPU through the update). Always eager on the CPU."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: the experts the rollout engine routed each token to are replayed in the trainer's
+    forward passes (old log-probs and the update; megatron's ``router_replay``, verl's R3), so that sampler and
+    trainer route alike. vllm returns them (``enable_return_routed_experts``: GPU, vLLM's V2 model runner, prefix
+    caching; unverified until the first GPU run); the hf engine routes the finished sequences in one forward pass.
+    Needs engine=megatron, a model with experts and ``parallel.recompute`` other than ``full``
+    (``docs/real-models.md``)."""
 
 
 @dataclass

@@ -47,3 +47,28 @@ def response_values_to_tokens(batch: dict[str, torch.Tensor], values: Sequence[S
         start = int(batch["prompt_lengths"][row])
         out[row, start : start + len(row_values)] = torch.tensor(list(row_values), dtype=torch.float32)
     return out
+
+
+def routes_to_tokens(batch: dict[str, torch.Tensor], routes: Sequence) -> torch.Tensor:
+    """The experts each token of a ``prompt + response`` row was routed to in the rollout (routing replay), laid out
+    [B, L, layers, top-k] like ``input_ids``: ``routes[b]`` ([tokens, layers, top-k], numpy or torch) gives row b's
+    first ``len(routes[b])`` positions. The other positions (a row's last token, never put through the rollout
+    model, and padding) get experts 0..k-1: valid, distinct ids for megatron's replay; they reach no loss (a causal
+    model's last position predicts nothing the batch holds, and padding is outside every real token's attention).
+    uint8 while every id fits (up to 256 experts, as vLLM returns them), else int16."""
+    tensors = [torch.as_tensor(r) for r in routes]
+    if len(tensors) != batch["input_ids"].shape[0]:
+        raise ValueError(f"{len(tensors)} routes for {batch['input_ids'].shape[0]} rows")
+    shapes = {tuple(t.shape[1:]) for t in tensors}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"routes must all be [tokens, layers, top-k] with the same layers and top-k, got {shapes}")
+    layers, topk = next(iter(shapes))
+    largest = max((int(t.max()) for t in tensors if t.numel()), default=0)
+    dtype = torch.uint8 if largest < 256 else torch.int16
+    rows, width = batch["input_ids"].shape
+    out = torch.arange(topk, dtype=dtype).expand(rows, width, layers, topk).clone()
+    for row, route in enumerate(tensors):
+        if len(route) > width:
+            raise ValueError(f"row {row}: {len(route)} routed tokens for a row of {width}")
+        out[row, :len(route)] = route.to(dtype)
+    return out

@@ -22,13 +22,16 @@ def stage_provider(
     lm_output: bool = True,
     sequence_parallel: bool | None = None,
     recompute: str = "none",
+    routing_replay: bool = False,
 ) -> StageModelProvider:
     """``provider(pre_process, post_process)`` of a GPT backbone from ``hf_config`` with ``head_factory()`` on
     the last stage, at megatron's current TP / PP (``grpo_mega.parallel.init_distributed``). ``dtype`` None:
     fp32 on the CPU, the model config's default (bf16) on a GPU. ``lm_output=False``: the backbone has no LM
     output layer (a classifier PRM, whose head works from the hidden states alone). ``sequence_parallel``
     (``parallel.sequence_parallel``): None is on whenever TP > 1; ``recompute``: ``parallel.recompute``
-    (``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``)."""
+    (``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``); ``routing_replay``: the MoE routers replay the rollout's
+    experts (``rollout.routing_replay``; megatron's ``moe_enable_routing_replay``,
+    ``grpo_mega.engine.routing_replay``)."""
     if dtype is None and get_device().type == "cpu":
         dtype = torch.float32
     tp = mpu.get_tensor_model_parallel_world_size()
@@ -40,7 +43,10 @@ def stage_provider(
         sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp),
         recompute=recompute,
         ep=mpu.get_expert_model_parallel_world_size(),
+        overrides={"moe_enable_routing_replay": True} if routing_replay else None,
     )
+    if routing_replay and not gpt_config.transformer.num_moe_experts:
+        raise ValueError(f"routing replay is for mixture-of-experts models; {hf_config.model_type} has no experts")
 
     def provider(pre_process: bool, post_process: bool) -> torch.nn.Module:
         backbone = build_gpt_model(gpt_config, pre_process=pre_process, post_process=post_process,
@@ -77,14 +83,15 @@ def build_engine(
     sequence_parallel: bool | None = None,
     recompute: str = "none",
     distributed_optimizer: bool = True,
+    routing_replay: bool = False,
 ) -> MegatronEngine:
     """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
     last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps; ``lm_output`` as
     in :func:`stage_provider`, and ``sequence_parallel``, ``recompute``; ``distributed_optimizer``:
-    ``parallel.distributed_optimizer``."""
+    ``parallel.distributed_optimizer``; ``routing_replay`` as in :func:`stage_provider`."""
     return MegatronEngine(
         stage_provider(hf_config, head_factory, dtype, lm_output=lm_output, sequence_parallel=sequence_parallel,
-                       recompute=recompute),
+                       recompute=recompute, routing_replay=routing_replay),
         optim=optim,
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
@@ -140,6 +147,7 @@ def build_policy_engine(
     sequence_parallel: bool | None = None,
     recompute: str = "none",
     distributed_optimizer: bool = True,
+    routing_replay: bool = False,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
     computed with ``logits / temperature`` so they match the sampler; ``logits_in_fp32``: the head's logits in
@@ -147,10 +155,14 @@ def build_policy_engine(
     carry one copy of it through the layers (``parallel.share_prompt_prefix``; Megatron engine only, exact).
     ``distributed_optimizer``: shard optimizer state over DP ranks (``parallel.distributed_optimizer``; Megatron).
     ``sequence_parallel`` and ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute`` (Megatron
-    engine only). ``engine_kind="deepspeed"``: the HF model on a
+    engine only). ``routing_replay``: its MoE routers replay the rollout's experts from the batch's ``routed_experts``
+    (``rollout.routing_replay``; Megatron engine only; the KL reference never replays). ``engine_kind="deepspeed"``:
+    the HF model on a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
     if engine_kind == "deepspeed":
         _check_megatron_only(sequence_parallel, recompute)
+        if routing_replay:
+            raise ValueError("rollout.routing_replay needs engine=megatron (megatron-core's router replay)")
         from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
         from grpo_mega.engine.hf_policy import build_hf_logprob_model
 
@@ -172,6 +184,7 @@ def build_policy_engine(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
         distributed_optimizer=distributed_optimizer,
+        routing_replay=routing_replay,
     )
 
 

@@ -8,6 +8,7 @@ sharding, micro-batching and forward results as the training engine (:class:`~gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -18,6 +19,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from grpo_mega.engine.batching import PADDING_ROW, aligned_rank_micro_batches, is_padding, rank_micro_batches
+from grpo_mega.engine.routing_replay import RouterReplayer
 from grpo_mega.engine.shared_prefix import is_packed, rank_shared_prefix_micro_batches
 from grpo_mega.model.attention import PackedRows
 from grpo_mega.parallel import get_device
@@ -83,6 +85,9 @@ class MegatronStageEngine:
             self.share_prompt_prefix = False
             logger.info("share_prompt_prefix: off (experts spread over data-parallel ranks: aligned row micro-batches)")
         self.config = module.config
+        # rollout.routing_replay: the rollout's experts replayed in every forward (grpo_mega.engine.routing_replay)
+        replay = module.config.moe_enable_routing_replay
+        self.router_replayer = RouterReplayer(module, module.config) if replay else None
         # Rows of a micro-batch vary in length: pipeline stages exchange tensor shapes before tensors.
         self.config.variable_seq_lengths = True
         return module
@@ -101,16 +106,21 @@ class MegatronStageEngine:
         """Run megatron's schedule (1F1B with PP) and return the loss-function records of the last stage."""
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
-            if is_packed(micro):
-                # one sequence [1, T] in which rows share their prompt; the last stage returns the rows
-                tokens = micro["input_ids"].reshape(-1).index_select(0, micro["packed_source"])[None]
-                rows = PackedRows(micro["packed_row_gather"], micro["packed_source"], micro["packed_positions"])
-                hidden = model(tokens, micro["packed_positions"][None], attention_mask=None, packed_rows=rows)
+            with self._replayed_routes(micro):
+                if is_packed(micro):
+                    # one sequence [1, T] in which rows share their prompt; the last stage returns the rows
+                    tokens = micro["input_ids"].reshape(-1).index_select(0, micro["packed_source"])[None]
+                    rows = PackedRows(micro["packed_row_gather"], micro["packed_source"], micro["packed_positions"])
+                    hidden = model(tokens, micro["packed_positions"][None], attention_mask=None, packed_rows=rows)
+                    return hidden, loss_func_for(micro)
+                tokens = micro["input_ids"]
+                positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
+                # Rows are right-padded: the causal mask alone keeps padding out of every real token's attention.
+                hidden = model(tokens, positions, attention_mask=None)
                 return hidden, loss_func_for(micro)
-            positions = torch.arange(micro["input_ids"].shape[1], device=self.device).expand_as(micro["input_ids"])
-            # Rows are right-padded: the causal mask alone keeps padding out of every real token's attention.
-            hidden = model(micro["input_ids"], positions, attention_mask=None)
-            return hidden, loss_func_for(micro)
+
+        if self.router_replayer is not None:
+            self.router_replayer.check(micro_batches)
 
         def shape(micro):  # (sequence, batch) of what flows between pipeline stages
             if is_packed(micro):
@@ -126,6 +136,13 @@ class MegatronStageEngine:
             micro_batch_size=max(shape(m)[1] for m in micro_batches),
             forward_only=forward_only,
         )
+
+    def _replayed_routes(self, micro: dict[str, torch.Tensor]):
+        """The context of one micro-batch's forward: with routing replay its routers take the rollout's experts."""
+        if self.router_replayer is None:
+            return contextlib.nullcontext()
+        length = len(micro["packed_source"]) if is_packed(micro) else micro["input_ids"].shape[1]
+        return self.router_replayer.replaying(micro, self.stage.sequence_padding(length))
 
     def _head(self, hidden: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         stage = self.stage

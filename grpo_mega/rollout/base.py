@@ -108,6 +108,11 @@ class Completion:
     """``decode(response_ids, skip_special_tokens=True)``."""
     finish_reason: FinishReason
     """"eos" (an end-of-sequence token), "stop" (a stop string) or "length" (max_new_tokens reached)."""
+    routed_experts: Any = None
+    """Only with routing replay (``rollout.routing_replay``): the experts each token was routed to, an integer array
+    [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k] (numpy or torch; row t: the token at position t of
+    ``prompt_ids + response_ids``; the last token was never put through the model, so it has no row). None
+    otherwise."""
 
 
 @runtime_checkable

@@ -40,6 +40,7 @@ from grpo_mega.rollout.base import (
     resolve_dtype,
 )
 from grpo_mega.rollout.hf_decode import decode
+from grpo_mega.rollout.hf_routes import routed_experts
 from grpo_mega.rollout.kv_cache import preallocated_cache
 from grpo_mega.rollout.stopping import cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
@@ -119,18 +120,22 @@ class HFRolloutEngine:
         *,
         generation_batch_size: int = 64,
         weights_ready: bool = True,
+        return_routed_experts: bool = False,
     ):
         """``model``: a transformers ``*ForCausalLM``; ``tokenizer``: a transformers tokenizer or its folder.
 
         ``generation_batch_size`` is the number of prompts per ``generate`` call (each call holds
         ``prompts x n`` rows of KV cache). ``weights_ready=False`` marks placeholder weights: ``generate`` refuses
-        to run until a complete weight update has arrived.
+        to run until a complete weight update has arrived. ``return_routed_experts``: each completion carries the
+        experts of its tokens (``Completion.routed_experts``; a mixture-of-experts model;
+        ``grpo_mega.rollout.hf_routes``).
         """
         if generation_batch_size < 1:
             raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
         self.model = model.eval()
         self.tokenizer = load_hf_tokenizer(tokenizer)
         self.generation_batch_size = generation_batch_size
+        self.return_routed_experts = return_routed_experts
         self.device = next(model.parameters()).device
         self.eos_token_ids = _eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
         pad = self.tokenizer.pad_token_id
@@ -155,6 +160,7 @@ class HFRolloutEngine:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device | None = None,
         generation_batch_size: int = 64,
+        return_routed_experts: bool = False,
     ) -> "HFRolloutEngine":
         """Engine for the HF folder ``model_path``: its weights if it has any, else placeholder weights from its
         config.json that must be replaced by a weight update before generating. ``device`` defaults to the
@@ -173,6 +179,7 @@ class HFRolloutEngine:
             tokenizer,
             generation_batch_size=generation_batch_size,
             weights_ready=weights_ready,
+            return_routed_experts=return_routed_experts,
         )
 
     # ----------------------------------------------------------------------------------------------- generation
@@ -246,15 +253,16 @@ class HFRolloutEngine:
         )
         generated, logprobs = decoded.tokens.tolist(), decoded.logprobs
         completions: list[list[Completion]] = [[] for _ in prompts]
-        for row, token_ids in enumerate(generated):
+        cuts = [cut_response(token_ids, eos_token_ids=self.eos_token_ids, stop=sampling.stop, decode=self._decode,
+                             max_new_tokens=sampling.max_new_tokens) for token_ids in generated]
+        routes = [None] * len(generated)
+        if self.return_routed_experts:
+            routes = routed_experts(
+                self.model, [list(prompts[row // samples]) + token_ids[:cut.length]
+                             for row, (token_ids, cut) in enumerate(zip(generated, cuts))],
+                pad_token_id=self.pad_token_id, batch_size=max(self.generation_batch_size, 1))
+        for row, (token_ids, cut) in enumerate(zip(generated, cuts)):
             prompt_in_chunk = row // samples
-            cut = cut_response(
-                token_ids,
-                eos_token_ids=self.eos_token_ids,
-                stop=sampling.stop,
-                decode=self._decode,
-                max_new_tokens=sampling.max_new_tokens,
-            )
             response = token_ids[: cut.length]
             completion = Completion(
                 prompt_index=indices[prompt_in_chunk],
@@ -263,6 +271,7 @@ class HFRolloutEngine:
                 response_logprobs=logprobs[row, : cut.length].tolist(),
                 text=self._decode(response),
                 finish_reason=cut.finish_reason,
+                routed_experts=routes[row],
             )
             completions[prompt_in_chunk].extend(
                 [completion] if samples == sampling.n else self._copies(completion, sampling.n))
@@ -295,6 +304,7 @@ class HFRolloutEngine:
                 response_logprobs=list(completion.response_logprobs),
                 text=completion.text,
                 finish_reason=completion.finish_reason,
+                routed_experts=completion.routed_experts,  # read-only from here on: shared by the copies
             )
             for _ in range(n)
         ]

@@ -46,7 +46,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -55,7 +55,6 @@ import torch.distributed as dist
 from grpo_mega.perf.memory import free_cached_memory
 from grpo_mega.rollout.base import (
     Completion,
-    FinishReason,
     SamplingConfig,
     check_prompts,
     decode_response,
@@ -70,7 +69,8 @@ from grpo_mega.rollout.vllm_launch import (
     external_launcher_local_rank,
     remove_stale_cpu_shm,
 )
-from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits
+from grpo_mega.rollout.vllm_outputs import completions_from_vllm, vllm_sampling_kwargs
+from grpo_mega.rollout.vllm_settings import colocated_arguments, resolve_batch_limits, routing_replay_arguments
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
 from grpo_mega.run.failure import phase
 
@@ -91,68 +91,6 @@ def import_vllm():
             f"the 'vllm' rollout engine needs vLLM, which is not installed: {INSTALL_HINT}; or use rollout.engine=hf"
         ) from error
     return vllm
-
-
-def vllm_sampling_kwargs(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one prompt of ``sampling`` with request seed ``seed``."""
-    return {
-        "n": 1 if sampling.greedy else sampling.n,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "max_tokens": sampling.max_new_tokens,
-        "stop": list(sampling.stop) or None,
-        "include_stop_str_in_output": True,
-        "logprobs": 0,
-        "seed": seed,
-        "skip_special_tokens": True,
-    }
-
-
-
-
-def _finish_reason(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
-    """vLLM's (finish_reason, stop_reason) -> ours: "stop" with a string stop_reason is a stop string; with None
-    (EOS) or an int (a generation_config EOS id) it is an end-of-sequence token."""
-    if finish_reason == "length":
-        return "length"
-    if finish_reason == "stop":
-        return "stop" if isinstance(stop_reason, str) else "eos"
-    raise RuntimeError(f"vLLM ended a completion with finish_reason={finish_reason!r} (aborted or unfinished)")
-
-
-
-
-def completions_from_vllm(
-    request_outputs: Sequence[Any], prompt_ids: Sequence[Sequence[int]], n: int, decode: Callable[[list[int]], str]
-) -> list[Completion]:
-    """Completions, n per prompt and grouped contiguously, from ``LLM.generate``'s RequestOutputs (in prompt order).
-
-    A request with one sample where n > 1 (greedy) is copied n times. ``text`` is re-decoded from the token ids
-    so that it matches them exactly, as in the hf engine.
-    """
-    if len(request_outputs) != len(prompt_ids):
-        raise RuntimeError(f"vLLM returned {len(request_outputs)} outputs for {len(prompt_ids)} prompts")
-    completions = []
-    for index, request in enumerate(request_outputs):
-        samples = sorted(request.outputs, key=lambda sample: sample.index)
-        if len(samples) not in (1, n):
-            raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {index}, expected {n}")
-        for sample in samples * (n // len(samples)):
-            token_ids = list(sample.token_ids)
-            if sample.logprobs is None or len(sample.logprobs) < len(token_ids):
-                raise RuntimeError(f"vLLM returned no log-prob for some tokens of prompt {index} (logprobs=0 unset?)")
-            completions.append(
-                Completion(
-                    prompt_index=index,
-                    prompt_ids=list(prompt_ids[index]),
-                    response_ids=token_ids,
-                    response_logprobs=[float(sample.logprobs[t][tok].logprob) for t, tok in enumerate(token_ids)],
-                    text=decode(token_ids),
-                    finish_reason=_finish_reason(sample.finish_reason, sample.stop_reason),
-                )
-            )
-    return completions
 
 
 def _reference_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
@@ -292,6 +230,7 @@ class VLLMRolloutEngine:
         seed: int = 0,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        return_routed_experts: bool = False,
         **llm_kwargs: Any,
     ):
         """``model_path``: HF folder; without weight files vLLM starts from dummy weights and ``generate`` waits
@@ -302,7 +241,10 @@ class VLLMRolloutEngine:
         the platform supports it (CUDA / ROCm / XPU, not CPU). ``max_num_seqs`` / ``max_num_batched_tokens``:
         vLLM's scheduler limits; on a GPU always passed, None taking vLLM's default for this GPU
         (:func:`~grpo_mega.rollout.vllm_settings.vllm_default_batch_limits`, what ``grpo-mega plan`` assumes); on
-        the CPU backend passed only when set. ``llm_kwargs`` go to ``vllm.LLM``."""
+        the CPU backend passed only when set. ``return_routed_experts``: each completion carries the experts of its
+        tokens (``Completion.routed_experts``, ``rollout.routing_replay``;
+        :func:`~grpo_mega.rollout.vllm_settings.routing_replay_arguments`: written from vLLM 0.32's source,
+        unverified until the first GPU run). ``llm_kwargs`` go to ``vllm.LLM``."""
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -333,6 +275,9 @@ class VLLMRolloutEngine:
                 logger.warning("removed %s, vLLM's CPU shared memory left by a job that was killed", path)
         llm_kwargs = {**colocated_arguments(joins_job=dist.is_initialized()), **llm_kwargs}
         llm_kwargs.update(_batch_limit_arguments(current_platform, max_num_seqs, max_num_batched_tokens))
+        self.return_routed_experts = return_routed_experts
+        if return_routed_experts:
+            llm_kwargs.update(routing_replay_arguments(llm_kwargs))
         self._pickle_tensors = tensor_parallel_size > 1 and not dist.is_initialized()  # mp worker processes
         self._weights_ready = has_weight_files(model_path)
         reference = _reference_state_dict(model_path)
@@ -379,7 +324,8 @@ class VLLMRolloutEngine:
         ]
         prompts = [self._tokens_prompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return completions_from_vllm(outputs, prompt_ids, sampling.n, self._decode)
+        return completions_from_vllm(outputs, prompt_ids, sampling.n, self._decode,
+                                     routed_experts=self.return_routed_experts)
 
     def _decode(self, token_ids: list[int]) -> str:
         return decode_response(self.tokenizer, token_ids)

@@ -61,3 +61,18 @@ def colocated_arguments(*, joins_job: bool) -> dict[str, Any]:
     if not joins_job:
         return {}
     return {"distributed_executor_backend": "external_launcher", "disable_custom_all_reduce": True}
+
+
+def routing_replay_arguments(llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What ``vllm.LLM`` needs to return the experts each token was routed to (``rollout.routing_replay``), read
+    against vLLM 0.32: ``enable_return_routed_experts`` (``EngineArgs``; ``CompletionOutput.routed_experts``) and
+    prefix caching on (the routes of cached prompt blocks are kept with them). ``VllmConfig`` also requires Model
+    Runner V2 (the default on a GPU with Triton; vLLM's CPU backend has it only with triton-cpu) and no pipeline
+    parallelism. ``llm_kwargs``: the caller's own; ValueError naming the setting that contradicts replay."""
+    if llm_kwargs.get("enable_prefix_caching") is False:
+        raise ValueError("rollout.routing_replay: vLLM returns routed experts only with prefix caching on "
+                         "(enable_prefix_caching=False was passed)")
+    if llm_kwargs.get("pipeline_parallel_size", 1) > 1:
+        raise ValueError("rollout.routing_replay: vLLM cannot return routed experts with pipeline parallelism "
+                         f"(pipeline_parallel_size={llm_kwargs['pipeline_parallel_size']})")
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}

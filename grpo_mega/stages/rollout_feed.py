@@ -136,9 +136,17 @@ class RolloutFeed:
 def batch_state(batch: RolloutBatch) -> dict[str, Any]:
     """A rollout batch as builtins and tensors (a checkpoint's ``extra_state``)."""
     return {"records": [dataclasses.asdict(r) for r in batch.records],
-            "completions": [dataclasses.asdict(c) for c in batch.completions],
+            "completions": [_completion_state(c) for c in batch.completions],
             "rewards": batch.rewards, "scores": batch.scores,
             "step_rewards": batch.step_rewards, "step_ends": batch.step_ends}
+
+
+def _completion_state(completion: Completion) -> dict[str, Any]:
+    """A completion as builtins and tensors: its routes (routing replay, numpy from the engines) as a tensor."""
+    state = dataclasses.asdict(completion)
+    if state["routed_experts"] is not None:
+        state["routed_experts"] = torch.as_tensor(state["routed_experts"])
+    return state
 
 
 def batch_from_state(state: dict[str, Any]) -> RolloutBatch:

@@ -78,6 +78,8 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
               "max_num_seqs": cfg.rollout.max_num_seqs, "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
               "max_model_len": cfg.data.prompt_length + cfg.algorithm.response_length}
     )
+    if cfg.rollout.routing_replay:  # the experts of every token, replayed by the trainer
+        engine_settings["return_routed_experts"] = True
     return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
                                 dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
 

@@ -14,7 +14,7 @@ import torch
 
 from grpo_mega.algo import clip_advantages, clip_rewards, outcome_advantages, process_advantages, whiten
 from grpo_mega.config import AlgorithmConfig
-from grpo_mega.data.batch import response_values_to_tokens, sequences_to_batch
+from grpo_mega.data.batch import response_values_to_tokens, routes_to_tokens, sequences_to_batch
 from grpo_mega.stages.rollout import RolloutBatch
 
 
@@ -61,7 +61,8 @@ def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.T
 
 def build_training_batch(batch: RolloutBatch, algorithm: AlgorithmConfig, pad_id: int) -> dict[str, torch.Tensor]:
     """The engine batch: ``prompt + response`` rows (``grpo_mega.data.batch``), per-token ``advantages`` and the
-    sampler's log-probs ``rollout_logprobs``, all aligned with ``input_ids``."""
+    sampler's log-probs ``rollout_logprobs``, all aligned with ``input_ids``; with routing replay the rollout's
+    ``routed_experts`` [B, L, layers, top-k] (``grpo_mega.data.batch.routes_to_tokens``)."""
     completions = batch.completions
     rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions], pad_id)
     advantages = group_advantages(batch, algorithm)
@@ -69,4 +70,9 @@ def build_training_batch(batch: RolloutBatch, algorithm: AlgorithmConfig, pad_id
         rows, [advantages[i, : len(c.response_ids)].tolist() for i, c in enumerate(completions)]
     )
     rows["rollout_logprobs"] = response_values_to_tokens(rows, [c.response_logprobs for c in completions])
+    routed = [c.routed_experts is not None for c in completions]
+    if any(routed):  # routing replay: the rollout's experts of every token, replayed by the trainer's forwards
+        if not all(routed):
+            raise ValueError(f"{routed.count(False)} of {len(routed)} completions came without routed_experts")
+        rows["routed_experts"] = routes_to_tokens(rows, [c.routed_experts for c in completions])
     return rows
