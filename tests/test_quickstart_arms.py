@@ -92,3 +92,24 @@ def test_the_dense_demo_ends_saying_where_a_prm_pays(regime, capsys):
         assert last.startswith("where a PRM pays: not here") and "--regime sparse" in last and "README" in last
     else:
         assert last == "plot: runs/quickstart/plot.png"
+
+
+def test_the_demo_s_sparse_figures_are_the_recorded_verdict():
+    """The demo's last line quotes the 5-seed sparse verdict: its figures must be the result file's (a rerun of
+    bench/pipeline_seeds.py that changes them must change the line)."""
+    import json
+    from pathlib import Path
+
+    from grpo_mega.quickstart.report import DENSE_REGIME_NOTE
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "bench/results/pipeline_seeds_sparse.json").read_text())
+    points = lambda key: f"{100 * result[key]['mean']:+.1f}"  # noqa: E731
+    steps = [points(f"{arm}_minus_os") for arm in ("ps", "ps_delta")]
+    set_aside = sorted(result[f"{arm}_minus_os_equal_seconds_set_aside"]["mean"]
+                       for arm in ("ps", "ps_clip", "ps_delta"))
+    counted = f"{-100 * result['ps_minus_os_equal_seconds']['mean']:.1f}"
+    errors = sorted(f"{100 * result[f'{arm}_minus_os']['standard_error']:.1f}" for arm in ("ps", "ps_delta"))
+    assert f"over {len(result['seeds'])} seeds" in DENSE_REGIME_NOTE
+    assert f"{steps[0]} (score) to {steps[1]} (delta) points per step, SE {errors[0]}-{errors[1]}" in DENSE_REGIME_NOTE
+    assert f"trailed by {counted} with" in DENSE_REGIME_NOTE
+    assert f"led by {100 * set_aside[0]:+.1f} to {100 * set_aside[-1]:+.1f} with them set aside" in DENSE_REGIME_NOTE
