@@ -41,6 +41,7 @@ from grpo_mega.run.failure import phase as failure_phase
 from grpo_mega.run.layout import ROLLOUTS_DIR, step_dir_name
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.answer_guard import answer_guard_of
+from grpo_mega.stages.implicit_prm import build_implicit_prm, implicit_prm_source
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import RolloutFeed
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
@@ -93,6 +94,12 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
     rollout_engine = build_rollout_engine_for(cfg, tokenizer) if cfg.rollout.engine == "vllm" and not split else None
     policy, reference = _build_engines(cfg)
+    # process_reward.source: implicit: PRIME's implicit PRM, a second trained engine (saved with each checkpoint)
+    implicit_prm = None if cfg.process_reward.source != "implicit" else build_implicit_prm(
+        cfg, load_model_hf_config(cfg.model), kl_reference=reference, pad_id=tokenizer.pad_token_id,
+        decode=lambda ids: decode_response(tokenizer, ids))
+    if implicit_prm is not None:
+        implicit_prm.load_reference(implicit_prm_source(cfg))  # before a resume loads the PRM's trained weights
     harness.startup.mark("model_build")
     feed = None if split is None else RolloutFeed(split, max_staleness=cfg.rollout.max_staleness,
                                                   total_steps=cfg.trainer.total_steps,
@@ -100,8 +107,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
     start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
-                               initial_weights=lambda: load_initial_weights(policy, source),
-                               shown=GRPO_SHOWN)
+                               initial_weights=lambda: _load_initial_weights(policy, source, implicit_prm, cfg),
+                               shown=GRPO_SHOWN, companions=implicit_prm.companions() if implicit_prm else None)
     if reference is not None:
         load_initial_weights(reference, source)
     offload = cfg.parallel.offload_during_rollout
@@ -146,6 +153,10 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         if len(groups) == 0:
             logger.warning("step %d: every sampled group had equal rewards; no update", step)
         else:
+            if implicit_prm is not None:  # the implicit PRM learns this batch's outcomes, then gives its step rewards
+                with timer("implicit_prm"), failure_phase("implicit PRM"):
+                    groups, implicit_metrics = implicit_prm.run(groups)
+                metrics.update(implicit_metrics)
             # 2. advantages on prompt + response rows; 3. old / reference log-probs and the updates
             batch = build_training_batch(groups, alg, tokenizer.pad_token_id)
             if offload:
@@ -166,6 +177,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 sync = _sync(policy, rollout_engine, cfg, offload=offload)
                 sync_metrics = {"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)}
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
+        if implicit_prm is not None:
+            implicit_prm.lr_schedule_step()
         metrics.update(timer.seconds, **sync_metrics)
         metrics.update(memory.metrics())
         metrics["timing_s/step"] = sum(timer.seconds.values())
@@ -202,6 +215,14 @@ def _build_engines(cfg: GRPOConfig):
                                  distributed_optimizer=cfg.parallel.distributed_optimizer, **shared)
     reference = build_reference_engine(hf_config, **shared) if cfg.algorithm.use_kl_loss else None
     return policy, reference
+
+
+def _load_initial_weights(policy, source, implicit_prm, cfg: GRPOConfig) -> None:
+    """A new run's weights: the policy's (``model.init_from``) and the implicit PRM's, if any (a resumed run has
+    both from its checkpoint)."""
+    load_initial_weights(policy, source)
+    if implicit_prm is not None:
+        implicit_prm.load_initial_weights(implicit_prm_source(cfg))
 
 
 def _release_rollout_memory(rollout_engine) -> None:
