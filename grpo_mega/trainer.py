@@ -1,7 +1,8 @@
 """GRPO with outcome or process supervision: ``grpo-mega train --config FILE [key=value ...]``.
 
 One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion
-and per step -> dynamic-sampling filter) -> the batch builder (advantages on ``prompt + response`` rows) -> the
+and per step -> dynamic-sampling filter) -> with ``process_reward.source: implicit``, the implicit PRM's update
+on the batch's outcomes and its step rewards (``grpo_mega.stages.implicit_prm``) -> the batch builder (advantages on ``prompt + response`` rows) -> the
 update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the learning-rate schedule advances
 one step -> weight sync to the rollout engine, on every step (vLLM discards its weights when it sleeps) ->
 metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) -> checkpoint / evaluation on
@@ -148,15 +149,15 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             with timer("gen"), memory.phase("generation"), failure_phase("generation"):
                 groups, metrics = rollout.run(step)
             _release_rollout_memory(rollout_engine)
+        if implicit_prm is not None and len(groups):  # it learns the batch's outcomes, then gives its step rewards
+            with timer("implicit_prm"), failure_phase("implicit PRM"):
+                groups, implicit_metrics = implicit_prm.run(groups)
+            metrics.update(implicit_metrics)
         if cfg.trainer.dump_rollouts and harness.is_rank0:
             _dump_rollouts(harness.run_dir, step, groups)
         if len(groups) == 0:
             logger.warning("step %d: every sampled group had equal rewards; no update", step)
         else:
-            if implicit_prm is not None:  # the implicit PRM learns this batch's outcomes, then gives its step rewards
-                with timer("implicit_prm"), failure_phase("implicit PRM"):
-                    groups, implicit_metrics = implicit_prm.run(groups)
-                metrics.update(implicit_metrics)
             # 2. advantages on prompt + response rows; 3. old / reference log-probs and the updates
             batch = build_training_batch(groups, alg, tokenizer.pad_token_id)
             if offload:
