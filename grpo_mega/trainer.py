@@ -1,13 +1,13 @@
 """GRPO with outcome or process supervision: ``grpo-mega train --config FILE [key=value ...]``.
 
-One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion
-and per step -> dynamic-sampling filter) -> with ``process_reward.source: implicit``, the implicit PRM's update
-on the batch's outcomes and its step rewards (``grpo_mega.stages.implicit_prm``) -> the batch builder (advantages on ``prompt + response`` rows) -> the
-update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the learning-rate schedule advances
-one step -> weight sync to the rollout engine, on every step (vLLM discards its weights when it sleeps) ->
-metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) -> checkpoint / evaluation on
-schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and optimizer state stay in host
-memory from the end of one update to the start of the next (sync, generation, rewards).
+One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion and
+per step -> dynamic-sampling filter) -> with ``process_reward.source: implicit``, the implicit PRM's update on the
+batch's outcomes and its step rewards (``grpo_mega.stages.implicit_prm``) -> the batch builder (advantages on
+``prompt + response`` rows) -> the update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the
+learning-rate schedule advances one step -> weight sync to the rollout engine, on every step (vLLM discards its
+weights when it sleeps) -> metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) ->
+checkpoint / evaluation on schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and
+optimizer state stay in host memory from the end of one update to the start of the next (sync, generation, rewards).
 Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself. The
 run's life cycle around the step (distributed set-up, resume, metrics log, saves, stop requests, shutdown) is
 ``grpo_mega.harness.lifecycle``'s, shared with SFT and PRM training.

@@ -68,7 +68,8 @@ def _plain_pytorch(prm_dir, ref_dir):
     """The same quantities from transformers models and the algo functions, in one process."""
     from transformers import Qwen2ForCausalLM
 
-    from grpo_mega.algo.implicit_reward import implicit_outcome_loss, implicit_token_rewards, outcome_prediction_accuracy
+    from grpo_mega.algo.implicit_reward import (implicit_outcome_loss, implicit_token_rewards,
+                                                outcome_prediction_accuracy)
 
     batch = _batch()
 

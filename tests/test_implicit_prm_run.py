@@ -81,7 +81,8 @@ def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path)
 def test_the_cli_refuses_what_the_implicit_prm_cannot_run_in_one_line(task, tmp_path, capsys, overrides, message):
     model_dir, train_file = task
     status = main(["train", "--config", str(CONFIG), "--nproc", "2", f"model.hf_config={model_dir}",
-                   f"data.train_file={train_file}", f"trainer.run_dir={tmp_path / 'run'}", "process_reward.source=implicit",
+                   f"data.train_file={train_file}", f"trainer.run_dir={tmp_path / 'run'}",
+                   "process_reward.source=implicit",
                    "algorithm.supervision=process", *overrides])
     err = capsys.readouterr().err
     assert status == 2, err

@@ -21,10 +21,13 @@ def check_choice(value: str, allowed, key: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected one of {tuple(allowed)}")
 
 
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+
 def validate_optim(optim: OptimConfig, section: str = "optim") -> None:
     """The optimizer and schedule settings of any config (``section``: its key, e.g. ``implicit_prm.optim``),
     checked before megatron's scheduler asserts on them."""
-    check_choice(optim.decay_style, ("cosine", "linear", "constant"), f"{section}.decay_style")
+    check_choice(optim.decay_style, DECAY_STYLES, "optim.decay_style")
     if not optim.lr > 0:
         raise ConfigError(f"{section}.lr={optim.lr} must be > 0")
     if not 0 <= optim.min_lr <= optim.lr:

@@ -12,6 +12,7 @@ from pathlib import Path
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
 from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES
 from grpo_mega.config.checks import (
+    DECAY_STYLES,
     check_choice,
     check_context_length,
     launched_world_size,
@@ -158,6 +159,7 @@ def validate_implicit_prm(cfg: GRPOConfig) -> None:
         raise ConfigError(f"process_reward.source=implicit needs engine=megatron (got engine={cfg.engine})")
     if not settings.beta > 0:
         raise ConfigError(f"implicit_prm.beta={settings.beta} must be > 0")
+    check_choice(settings.optim.decay_style, DECAY_STYLES, "implicit_prm.optim.decay_style")
     validate_optim(settings.optim, "implicit_prm.optim")
     if not 0 <= settings.accuracy_low <= settings.accuracy_high <= 1:
         raise ConfigError(f"implicit_prm.accuracy_low={settings.accuracy_low} and implicit_prm.accuracy_high="

@@ -173,8 +173,13 @@ class ProcessRewardConfig:
     ``zero`` scores that completion's steps 0 and counts it in ``prm/failures``."""
 
 
-def _implicit_prm_optim() -> OptimConfig:
-    return OptimConfig(lr=1e-6, weight_decay=0.0, decay_style="constant")
+@dataclass
+class ImplicitPRMOptimConfig(OptimConfig):
+    """The implicit PRM's optimizer and learning-rate schedule: the keys of the policy's ``optim``, with PRIME's
+    defaults (lr 1e-6, no weight decay, constant)."""
+
+    weight_decay: float = 0.0
+    decay_style: str = "constant"
 
 
 @dataclass
@@ -189,9 +194,9 @@ class ImplicitPRMConfig:
     log-probs are the implicit PRM's (``algorithm.use_kl_loss`` with ``rollout.temperature`` 1)."""
     beta: float = 0.05
     """beta of the token reward ``beta * (log pi_phi - log pi_ref)`` (PRIME: 0.05). Must be > 0."""
-    optim: OptimConfig = field(default_factory=_implicit_prm_optim)
-    """Its optimizer and learning-rate schedule, as the policy's ``optim`` (defaults as PRIME's: lr 1e-6, no weight
-    decay, constant)."""
+    optim: ImplicitPRMOptimConfig = field(default_factory=ImplicitPRMOptimConfig)
+    """Its optimizer and learning-rate schedule (``implicit_prm.optim.*``), its own: the policy's ``optim`` does not
+    apply to it."""
     step_value: str = "sum"
     """A step's score from its tokens' rewards: ``sum`` (the step's share of the completion's implicit reward;
     ``process_reward.step_reward`` must then be ``score``, which makes a token's advantage PRIME's return at step
