@@ -1,12 +1,13 @@
 """GRPO with outcome or process supervision: ``grpo-mega train --config FILE [key=value ...]``.
 
-One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion
-and per step -> dynamic-sampling filter) -> the batch builder (advantages on ``prompt + response`` rows) -> the
-update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the learning-rate schedule advances
-one step -> weight sync to the rollout engine, on every step (vLLM discards its weights when it sleeps) ->
-metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) -> checkpoint / evaluation on
-schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and optimizer state stay in host
-memory from the end of one update to the start of the next (sync, generation, rewards).
+One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion and
+per step -> dynamic-sampling filter) -> with ``process_reward.source: implicit``, the implicit PRM's update on the
+batch's outcomes and its step rewards (``grpo_mega.stages.implicit_prm``) -> the batch builder (advantages on
+``prompt + response`` rows) -> the update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the
+learning-rate schedule advances one step -> weight sync to the rollout engine, on every step (vLLM discards its
+weights when it sleeps) -> metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) ->
+checkpoint / evaluation on schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and
+optimizer state stay in host memory from the end of one update to the start of the next (sync, generation, rewards).
 Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself. The
 run's life cycle around the step (distributed set-up, resume, metrics log, saves, stop requests, shutdown) is
 ``grpo_mega.harness.lifecycle``'s, shared with SFT and PRM training.
@@ -41,6 +42,7 @@ from grpo_mega.run.failure import phase as failure_phase
 from grpo_mega.run.layout import ROLLOUTS_DIR, step_dir_name
 from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
 from grpo_mega.stages.answer_guard import answer_guard_of
+from grpo_mega.stages.implicit_prm import build_implicit_prm, implicit_prm_source
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import RolloutFeed
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
@@ -93,6 +95,12 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # vLLM sizes its memory from what is free when it starts: build it before the training engines allocate.
     rollout_engine = build_rollout_engine_for(cfg, tokenizer) if cfg.rollout.engine == "vllm" and not split else None
     policy, reference = _build_engines(cfg)
+    # process_reward.source: implicit: PRIME's implicit PRM, a second trained engine (saved with each checkpoint)
+    implicit_prm = None if cfg.process_reward.source != "implicit" else build_implicit_prm(
+        cfg, load_model_hf_config(cfg.model), kl_reference=reference, pad_id=tokenizer.pad_token_id,
+        decode=lambda ids: decode_response(tokenizer, ids))
+    if implicit_prm is not None:
+        implicit_prm.load_reference(implicit_prm_source(cfg))  # before a resume loads the PRM's trained weights
     harness.startup.mark("model_build")
     feed = None if split is None else RolloutFeed(split, max_staleness=cfg.rollout.max_staleness,
                                                   total_steps=cfg.trainer.total_steps,
@@ -100,8 +108,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
     start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
-                               initial_weights=lambda: load_initial_weights(policy, source),
-                               shown=GRPO_SHOWN)
+                               initial_weights=lambda: _load_initial_weights(policy, source, implicit_prm, cfg),
+                               shown=GRPO_SHOWN, companions=implicit_prm.companions() if implicit_prm else None)
     if reference is not None:
         load_initial_weights(reference, source)
     offload = cfg.parallel.offload_during_rollout
@@ -141,6 +149,10 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             with timer("gen"), memory.phase("generation"), failure_phase("generation"):
                 groups, metrics = rollout.run(step)
             _release_rollout_memory(rollout_engine)
+        if implicit_prm is not None and len(groups):  # it learns the batch's outcomes, then gives its step rewards
+            with timer("implicit_prm"), failure_phase("implicit PRM"):
+                groups, implicit_metrics = implicit_prm.run(groups)
+            metrics.update(implicit_metrics)
         if cfg.trainer.dump_rollouts and harness.is_rank0:
             _dump_rollouts(harness.run_dir, step, groups)
         if len(groups) == 0:
@@ -166,6 +178,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 sync = _sync(policy, rollout_engine, cfg, offload=offload)
                 sync_metrics = {"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)}
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
+        if implicit_prm is not None:
+            implicit_prm.lr_schedule_step()
         metrics.update(timer.seconds, **sync_metrics)
         metrics.update(memory.metrics())
         metrics["timing_s/step"] = sum(timer.seconds.values())
@@ -203,6 +217,14 @@ def _build_engines(cfg: GRPOConfig):
                                  routing_replay=cfg.rollout.routing_replay, **shared)
     reference = build_reference_engine(hf_config, **shared) if cfg.algorithm.use_kl_loss else None
     return policy, reference
+
+
+def _load_initial_weights(policy, source, implicit_prm, cfg: GRPOConfig) -> None:
+    """A new run's weights: the policy's (``model.init_from``) and the implicit PRM's, if any (a resumed run has
+    both from its checkpoint)."""
+    load_initial_weights(policy, source)
+    if implicit_prm is not None:
+        implicit_prm.load_initial_weights(implicit_prm_source(cfg))
 
 
 def _release_rollout_memory(rollout_engine) -> None:

@@ -8,6 +8,7 @@ import torch
 from grpo_mega.algo.implicit_reward import (
     groups_within_accuracy,
     implicit_outcome_loss,
+    implicit_step_scores,
     implicit_token_rewards,
     outcome_prediction_accuracy,
     step_sums,
@@ -57,6 +58,18 @@ def test_step_rewards_are_the_sums_of_each_steps_tokens():
     assert torch.equal(steps, torch.tensor([[3.0, 12.0, 0.0], [2.0, 0.0, 0.0]]))
     # the steps add up to the completion's total implicit reward up to the last step's end
     assert steps[0].sum() == rewards[0, :5].sum()
+
+
+def test_step_scores_are_the_sums_or_the_sigmoid_of_the_implicit_q_value_at_each_step_end():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0.5, -0.5, 0.5, -1.5, 0.0, 0.0]])
+    ends = torch.tensor([[1, 4, -1], [3, -1, -1]])
+    assert torch.equal(implicit_step_scores(rewards, ends, "sum"), step_sums(rewards, ends))
+    probability = implicit_step_scores(rewards, ends, "probability")
+    sigmoid = lambda q: 1 / (1 + math.exp(-q))  # noqa: E731
+    expected = torch.tensor([[sigmoid(3.0), sigmoid(15.0), 0.0], [sigmoid(-1.0), 0.0, 0.0]])
+    torch.testing.assert_close(probability, expected, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="sum.*probability"):
+        implicit_step_scores(rewards, ends, "mean")
 
 
 def test_the_accuracy_filter_keeps_groups_between_the_bounds():

@@ -8,8 +8,10 @@ A language model pi_phi (initialised like the policy) and a fixed reference pi_r
 and the model is trained on each batch's verifier labels y in {0, 1} by the cross-entropy of the sigmoid of the
 summed token rewards, ``BCE(sigmoid(sum_t r_t), y)`` (PRIME's "CE" loss; verl's ``compute_ce_dpo_loss_rm``): a
 completion's total implicit reward is the logit of its predicted correctness, so no step labels are needed. The token
-rewards become step rewards for process supervision as the sum over each step's tokens (:func:`step_sums`), which
-keeps a completion's step rewards summing to its total implicit reward.
+rewards become step scores for process supervision (:func:`implicit_step_scores`): the sum over each step's tokens
+(:func:`step_sums`), which keeps a completion's step scores summing to its total implicit reward, or the sigmoid of
+the implicit Q-value at each step's end, ``sigmoid(sum_{t <= end_k} r_t)``, the PRM's estimate that the solution is
+still right after step k (a score in [0, 1], as a learned PRM's).
 
 Functions of tensors only, as the rest of ``grpo_mega.algo``.
 """
@@ -70,6 +72,21 @@ def step_sums(token_rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Ten
     at_end = prefix.gather(1, ends + 1)  # sum of tokens 0..end
     before = torch.cat([prefix.new_zeros(prefix.shape[0], 1), at_end[:, :-1]], dim=1)  # the previous step's end
     return torch.where(valid, at_end - before, torch.zeros_like(at_end))
+
+
+IMPLICIT_STEP_VALUES = ("sum", "probability")
+
+
+def implicit_step_scores(token_rewards: torch.Tensor, step_ends: torch.Tensor, kind: str) -> torch.Tensor:
+    """[B, K] step scores from token rewards (``step_ends`` as in :func:`step_sums`, -1 padding gets 0): ``sum``,
+    the step sums; ``probability``, ``sigmoid(q_k)`` with ``q_k`` the sum of the token rewards through step k's end
+    (the cumulative step sums)."""
+    sums = step_sums(token_rewards, step_ends)
+    if kind == "sum":
+        return sums
+    if kind == "probability":
+        return torch.where(step_ends >= 0, torch.sigmoid(sums.cumsum(dim=1)), torch.zeros_like(sums))
+    raise ValueError(f"implicit step value must be one of {IMPLICIT_STEP_VALUES}, got {kind!r}")
 
 
 def groups_within_accuracy(labels: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:

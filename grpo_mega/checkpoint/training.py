@@ -38,6 +38,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from grpo_mega.checkpoint.collective import is_distributed, is_rank0, rank0_decides
+from grpo_mega.checkpoint.companions import load_companion, save_companion
 from grpo_mega.checkpoint.extra_state import load_sharded
 from grpo_mega.checkpoint.optimizer_state import SETTING, load_across_modes
 from grpo_mega.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -173,12 +174,14 @@ class CheckpointManager:
         return step_dirs(self.run_dir)
 
     # ------------------------------------------------------------------------- save
-    def save(self, engine, step: int, extra_state: dict | None = None, config: dict | None = None) -> Path:
+    def save(self, engine, step: int, extra_state: dict | None = None, config: dict | None = None,
+             companions: dict | None = None) -> Path:
         """Write a checkpoint of ``engine`` after trainer step ``step``; collective. Returns its folder.
 
         Stores the model, the optimizer (once it has taken a step), the learning-rate schedule, every rank's
         RNG states, ``extra_state`` (the same on every rank: rank 0's copy is kept; builtins and tensors only)
-        and ``config`` (plain YAML values). Then publishes it atomically and prunes to ``keep_last``.
+        and ``config`` (plain YAML values), and each of ``companions`` ({name: a second training engine}) in its
+        subfolder (``grpo_mega.checkpoint.companions``). Then publishes it atomically and prunes to ``keep_last``.
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -194,6 +197,8 @@ class CheckpointManager:
         with_optimizer = engine.steps_done > 0  # before the first step the optimizer has no state to save
         try:
             self._write(engine, staging, with_optimizer=with_optimizer, rng_state=rng_state, extra_state=extra_state)
+            for name, companion in (companions or {}).items():
+                save_companion(companion, staging / name)
             if is_distributed():
                 dist.barrier()  # every rank's files are on disk before rank 0 lists them
             info = self._info(engine, step, with_optimizer)
@@ -322,8 +327,9 @@ class CheckpointManager:
         (``find_resume`` is the collective one). Each skipped folder is logged with the reason."""
         return newest_complete(self.run_dir, warn=logger.warning)
 
-    def load(self, engine, path: str | os.PathLike, *, seed: int) -> LoadedCheckpoint:
-        """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP); collective.
+    def load(self, engine, path: str | os.PathLike, *, seed: int, companions: dict | None = None) -> LoadedCheckpoint:
+        """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP), and each of
+        ``companions`` from its subfolder; collective.
 
         Model and optimizer are restored at any layout (megatron reshards). The learning-rate schedule resumes
         at its saved position with the settings of the current config (the engine's): rank 0 logs which changed.
@@ -371,6 +377,8 @@ class CheckpointManager:
             logger.info("optimizer settings follow the config (%s)", ", ".join(changed))
         engine.steps_done = info["optimizer_steps"]
         _restore_schedule(engine, loaded["scheduler"], info)
+        for name, companion in (companions or {}).items():
+            load_companion(companion, path / name, name)
         step = info["step"]
         if same_layout:
             restore_rng_state(loaded[_RNG_KEY] if saved_engine == "megatron" else loaded["rng_state"])

@@ -34,6 +34,7 @@ from grpo_mega.config.grpo import (
     AlgorithmConfig,
     DataConfig,
     GRPOConfig,
+    ImplicitPRMConfig,
     ProcessRewardConfig,
     RewardConfig,
     RolloutConfig,
@@ -54,7 +55,8 @@ from grpo_mega.config.sft import SFTConfig, SFTDataConfig, SFTTrainerConfig
 
 __all__ = [
     "AlgorithmConfig", "ConfigError", "DEVICE_CHOICES", "DataConfig", "DeepSpeedConfig", "ENGINES", "GRPOConfig",
-    "LOGGERS", "ModelConfig", "OptimConfig", "PROCESS_REWARD_SOURCES", "ParallelConfig", "ProcessRewardConfig",
+    "ImplicitPRMConfig", "LOGGERS", "ModelConfig", "OptimConfig", "PROCESS_REWARD_SOURCES", "ParallelConfig",
+    "ProcessRewardConfig",
     "RECOMPUTE_CHOICES", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTDataConfig",
     "SFTTrainerConfig", "STEP_CREDITS", "TrainerConfig", "check_choice", "check_context_length", "config_yaml",
     "launched_world_size", "load_config",

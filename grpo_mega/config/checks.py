@@ -21,24 +21,29 @@ def check_choice(value: str, allowed, key: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected one of {tuple(allowed)}")
 
 
-def validate_optim(optim: OptimConfig) -> None:
-    """The optimizer and schedule settings of any config, checked before megatron's scheduler asserts on them."""
-    check_choice(optim.decay_style, ("cosine", "linear", "constant"), "optim.decay_style")
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+def validate_optim(optim: OptimConfig, section: str = "optim") -> None:
+    """The optimizer and schedule settings of any config (``section``: its key, e.g. ``implicit_prm.optim``),
+    checked before megatron's scheduler asserts on them."""
+    check_choice(optim.decay_style, DECAY_STYLES, "optim.decay_style")
     if not optim.lr > 0:
-        raise ConfigError(f"optim.lr={optim.lr} must be > 0")
+        raise ConfigError(f"{section}.lr={optim.lr} must be > 0")
     if not 0 <= optim.min_lr <= optim.lr:
         raise ConfigError(
-            f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}: the schedule decays from "
-            f"optim.lr down to optim.min_lr; lower optim.min_lr too (e.g. optim.min_lr={optim.lr / 10:g}, or 0)")
+            f"{section}.min_lr={optim.min_lr} must be between 0 and {section}.lr={optim.lr}: the schedule decays "
+            f"from {section}.lr down to {section}.min_lr; lower {section}.min_lr too (e.g. "
+            f"{section}.min_lr={optim.lr / 10:g}, or 0)")
     # (a warm-up as long as the run is cut to total_steps - 1 by the schedule: shortened runs keep their config)
     if optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
+        raise ConfigError(f"{section}.warmup_steps={optim.warmup_steps} must be >= 0")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(optim, key) < 1:
-            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be in [0, 1)")
+            raise ConfigError(f"{section}.{key}={getattr(optim, key)} must be in [0, 1)")
     for key in ("adam_eps", "weight_decay", "clip_grad"):
         if getattr(optim, key) < 0:
-            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be >= 0")
+            raise ConfigError(f"{section}.{key}={getattr(optim, key)} must be >= 0")
 
 
 def validate_trainer_common(trainer) -> None:

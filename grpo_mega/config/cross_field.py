@@ -10,7 +10,9 @@ import re
 from pathlib import Path
 
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
+from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES
 from grpo_mega.config.checks import (
+    DECAY_STYLES,
     check_choice,
     check_context_length,
     launched_world_size,
@@ -87,6 +89,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"process_reward.clip_eta={cfg.process_reward.clip_eta} must be in [0, 1] (PRM scores are)")
     if not cfg.process_reward.step_score_weight >= 0:
         raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
+    validate_implicit_prm(cfg)
     ignore_prm_shaping_without_prm(cfg)
     validate_reward_functions(cfg)
     if alg.rollout_is_cap <= 0:
@@ -130,7 +133,7 @@ def ignore_prm_shaping_without_prm(cfg: GRPOConfig) -> None:
     """Without a PRM (``process_reward.source=function``) the options that shape a PRM's scores apply to nothing:
     reset them to their defaults with a one-line warning, so that switching a PRM config to outcome supervision or
     to the task's step function (``algorithm.supervision=outcome process_reward.source=function``) is one switch."""
-    if cfg.process_reward.source == "prm":
+    if cfg.process_reward.source in ("prm", "implicit"):
         return
     changed = [key for key, default in PRM_SHAPING_DEFAULTS.items() if getattr(cfg.process_reward, key) != default]
     if not changed:
@@ -141,6 +144,34 @@ def ignore_prm_shaping_without_prm(cfg: GRPOConfig) -> None:
     if _speaks():
         logger.warning("ignoring %s: it shapes a PRM's step scores and process_reward.source=%s uses no PRM",
                        settings, cfg.process_reward.source)
+
+
+def validate_implicit_prm(cfg: GRPOConfig) -> None:
+    """``process_reward.source=implicit``: process supervision, the synchronous loop on the megatron engine, and the
+    ``implicit_prm`` section's values."""
+    settings = cfg.implicit_prm
+    check_choice(settings.step_value, IMPLICIT_STEP_VALUES, "implicit_prm.step_value")
+    if cfg.process_reward.source != "implicit":
+        return
+    if cfg.algorithm.supervision != "process":
+        raise ConfigError("process_reward.source=implicit needs algorithm.supervision=process")
+    if cfg.rollout.mode == "async":
+        raise ConfigError("process_reward.source=implicit runs with rollout.mode=colocated only (the implicit PRM "
+                          "in the async trainer is not built yet): set rollout.mode=colocated")
+    if cfg.engine != "megatron":
+        raise ConfigError(f"process_reward.source=implicit needs engine=megatron (got engine={cfg.engine})")
+    if not settings.beta > 0:
+        raise ConfigError(f"implicit_prm.beta={settings.beta} must be > 0")
+    check_choice(settings.optim.decay_style, DECAY_STYLES, "implicit_prm.optim.decay_style")
+    validate_optim(settings.optim, "implicit_prm.optim")
+    if not 0 <= settings.accuracy_low <= settings.accuracy_high <= 1:
+        raise ConfigError(f"implicit_prm.accuracy_low={settings.accuracy_low} and implicit_prm.accuracy_high="
+                          f"{settings.accuracy_high} must satisfy 0 <= low <= high <= 1")
+    if settings.step_value == "sum" and cfg.process_reward.step_reward != "score":
+        raise ConfigError(
+            f"process_reward.step_reward={cfg.process_reward.step_reward} treats step scores as probabilities, and "
+            "implicit_prm.step_value=sum gives sums of log-ratios: set process_reward.step_reward=score, or "
+            "implicit_prm.step_value=probability")
 
 
 def _speaks() -> bool:

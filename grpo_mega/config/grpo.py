@@ -108,7 +108,7 @@ class RewardConfig:
     or ``raise`` (stop the run naming the sample)."""
 
 
-PROCESS_REWARD_SOURCES = ("function", "prm")
+PROCESS_REWARD_SOURCES = ("function", "prm", "implicit")
 STEP_CREDITS = ("sum", "min")
 
 
@@ -120,7 +120,9 @@ class ProcessRewardConfig:
     source: str = "function"
     """``function``: ``reward.function`` returns the step rewards (``StepRewards``; ``synthetic_steps`` is the
     synthetic task's ground-truth checker, an oracle PRM). ``prm``: a process reward model (``process_reward.prm``)
-    scores every step of every completion; ``reward.function`` still gives the outcome score."""
+    scores every step of every completion; ``reward.function`` still gives the outcome score. ``implicit``: PRIME's
+    implicit PRM (``implicit_prm``), a language model trained online on the verifier's 0/1 outcomes whose token
+    rewards ``beta * log(pi_phi / pi_ref)`` are summed into the step scores (docs/training.md, "Implicit PRM")."""
     prm: Optional[str] = None
     """``source: prm``: a grpo-mega PRM checkpoint or run directory, or a Hugging Face PRM folder of either layout
     (``Qwen2ForProcessRewardModel`` classifier, or a causal LM with label tokens)."""
@@ -176,6 +178,44 @@ class ProcessRewardConfig:
     on_error: str = "raise"
     """A PRM that raises or gives a NaN / Inf step score: ``raise`` stops the step naming the completion and step;
     ``zero`` scores that completion's steps 0 and counts it in ``prm/failures``."""
+
+
+@dataclass
+class ImplicitPRMOptimConfig(OptimConfig):
+    """The implicit PRM's optimizer and learning-rate schedule: the keys of the policy's ``optim``, with PRIME's
+    defaults (lr 1e-6, no weight decay, constant)."""
+
+    weight_decay: float = 0.0
+    decay_style: str = "constant"
+
+
+@dataclass
+class ImplicitPRMConfig:
+    """The implicit PRM of ``process_reward.source: implicit`` (PRIME, Cui et al. 2502.01456): a second model of the
+    policy's architecture and parallel layout with its own optimizer, trained every step on the batch's outcome
+    labels; its token rewards ``beta * (log pi_phi - log pi_ref)`` become the step scores of process supervision."""
+
+    init_from: Optional[str] = None
+    """Its initial weights, and those of its reference pi_ref (fixed): any folder ``model.init_from`` takes. None:
+    ``model.init_from`` (PRIME starts both from the SFT policy); the policy's KL reference is then shared when its
+    log-probs are the implicit PRM's (``algorithm.use_kl_loss`` with ``rollout.temperature`` 1)."""
+    beta: float = 0.05
+    """beta of the token reward ``beta * (log pi_phi - log pi_ref)`` (PRIME: 0.05). Must be > 0."""
+    optim: ImplicitPRMOptimConfig = field(default_factory=ImplicitPRMOptimConfig)
+    """Its optimizer and learning-rate schedule (``implicit_prm.optim.*``), its own: the policy's ``optim`` does not
+    apply to it."""
+    step_value: str = "sum"
+    """A step's score from its tokens' rewards: ``sum`` (the step's share of the completion's implicit reward;
+    ``process_reward.step_reward`` must then be ``score``, which makes a token's advantage PRIME's return at step
+    resolution) or ``probability`` (sigmoid of the summed rewards through the step's end: a PRM score in [0, 1],
+    with which every ``step_reward`` option applies)."""
+    accuracy_filter: bool = False
+    """PRIME's filter: train the implicit PRM only on prompts whose group accuracy (mean verifier score of its G
+    completions) lies in [accuracy_low, accuracy_high]; every prompt still gets step rewards."""
+    accuracy_low: float = 0.2
+    """Lower bound of ``accuracy_filter`` (PRIME: 0.2)."""
+    accuracy_high: float = 0.8
+    """Upper bound of ``accuracy_filter`` (PRIME: 0.8)."""
 
 
 @dataclass
@@ -273,5 +313,6 @@ class GRPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
+    implicit_prm: ImplicitPRMConfig = field(default_factory=ImplicitPRMConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

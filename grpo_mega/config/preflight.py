@@ -41,7 +41,8 @@ def print_config(command: str, schema: type, validator: Callable, path: str, ove
 
 def check_paths(cfg: Any) -> None:
     """The folders and files a run reads exist: ``model.hf_config`` (with its config.json), ``model.tokenizer``,
-    ``model.init_from``, ``data.train_file`` / ``data.eval_file``, a PRM's ``process_reward.prm``."""
+    ``model.init_from``, ``data.train_file`` / ``data.eval_file``, a PRM's ``process_reward.prm``, an implicit PRM's
+    ``implicit_prm.init_from``."""
     model = cfg.model
     hf_config = Path(model.hf_config)
     if not hf_config.is_dir():
@@ -66,6 +67,12 @@ def check_paths(cfg: Any) -> None:
     if process_reward is not None and process_reward.source == "prm" and not Path(process_reward.prm).exists():
         raise ConfigError(f"process_reward.prm={process_reward.prm}: no such folder (a grpo-mega PRM checkpoint or run "
                           "directory, or a Hugging Face PRM folder)")
+    implicit = getattr(cfg, "implicit_prm", None)
+    if process_reward is not None and process_reward.source == "implicit" and implicit.init_from is not None:
+        if not Path(implicit.init_from).exists():
+            raise ConfigError(f"implicit_prm.init_from={implicit.init_from}: no such folder (what model.init_from "
+                              "takes; null: model.init_from)")
+        _check_weights_folder("implicit_prm.init_from", implicit.init_from)
 
 
 def _check_weights_folder(key: str, folder: str) -> None:

@@ -84,22 +84,25 @@ class RunHarness:
         self.last_checkpoint: Path | None = None
         self.metrics_log: MetricsLogger | None = None
         self._engine = None
+        self._companions: dict = {}
         self._state: TrainerState | None = None
         self._startup_metrics: dict[str, float] = {}
 
-    def start(self, engine, *, state: TrainerState,
-              initial_weights: Callable[[], Any] | None = None, shown: Mapping[str, str] | None = None) -> int:
-        """Resume ``engine`` and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
+    def start(self, engine, *, state: TrainerState, initial_weights: Callable[[], Any] | None = None,
+              shown: Mapping[str, str] | None = None, companions: Mapping[str, Any] | None = None) -> int:
+        """Resume ``engine``, its ``companions`` ({name: a second training engine saved with it, e.g. the implicit
+        PRM}) and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
         holds) from the checkpoint ``trainer.resume`` names, or, with none, call ``initial_weights``; write
         ``run_dir/config.yaml`` and open the metrics log (its progress bar or step lines, and the summary line at the
         end, show the ``shown`` figures: label -> metric name). Returns the step to continue after (0 for a new
         run)."""
         self._engine = engine
+        self._companions = dict(companions or {})
         self._state = state
         if self.is_rank0:  # the command checked it before any rank started; a run started otherwise is checked here
             check_run_folder(asdict(self.cfg))
         resumed = restore(self.checkpoints, engine, self._state, resume=self.cfg.trainer.resume,
-                          seed=self.cfg.parallel.seed)
+                          seed=self.cfg.parallel.seed, companions=self._companions)
         if resumed is not None:
             self.start_step = self.step = resumed
         elif initial_weights is not None:
@@ -149,7 +152,7 @@ class RunHarness:
         """A checkpoint of the engine and the trainer's state after ``step``, with the run config."""
         with phase("save", bounded=True):
             self.last_checkpoint = save_checkpoint(self.checkpoints, self._engine, self._state, step,
-                                                   config=asdict(self.cfg))
+                                                   config=asdict(self.cfg), companions=self._companions)
         return self.last_checkpoint
 
     def fail_step(self, step: int, metrics: dict[str, float]) -> None:

@@ -79,13 +79,15 @@ def _saver_of(names: set[str]) -> str:
     return " or ".join(savers) if savers else "a trainer of another version"
 
 
-def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resume: str, seed: int) -> int | None:
-    """Load the checkpoint ``resume`` names (``trainer.resume``: auto / a path / none) into ``engine`` and
-    ``state``'s holders; returns its step, or None when there is nothing to resume."""
+def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resume: str, seed: int,
+            companions: dict | None = None) -> int | None:
+    """Load the checkpoint ``resume`` names (``trainer.resume``: auto / a path / none) into ``engine``, its
+    ``companions`` (second engines saved beside it: ``grpo_mega.checkpoint.companions``) and ``state``'s holders;
+    returns its step, or None when there is nothing to resume."""
     resume_from = checkpoints.find_resume(resume)
     if resume_from is None:
         return None
-    loaded = checkpoints.load(engine, resume_from, seed=seed)
+    loaded = checkpoints.load(engine, resume_from, seed=seed, companions=companions)
     saved = loaded.extra_state or {}
     for name in state.holders:
         if name not in saved:
@@ -99,6 +101,8 @@ def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resu
     return loaded.step
 
 
-def save(checkpoints: CheckpointManager, engine, state: TrainerState, step: int, *, config: dict) -> Path:
-    """A checkpoint of ``engine`` and ``state`` after ``step``, with the run ``config``."""
-    return checkpoints.save(engine, step, extra_state=state.state_dicts() or None, config=config)
+def save(checkpoints: CheckpointManager, engine, state: TrainerState, step: int, *, config: dict,
+         companions: dict | None = None) -> Path:
+    """A checkpoint of ``engine``, its ``companions`` and ``state`` after ``step``, with the run ``config``."""
+    return checkpoints.save(engine, step, extra_state=state.state_dicts() or None, config=config,
+                            companions=companions)

@@ -1,0 +1,90 @@
+"""GRPO with the implicit PRM (``process_reward.source: implicit``, PRIME) end to end on 2 gloo processes at TP=2: it
+trains and logs its metrics, resumes exactly after a SIGKILL (its weights and optimizer in each checkpoint), and the
+CLI refuses what it cannot run in one line before any rank starts."""
+
+import json
+import subprocess
+
+import pytest
+
+from grpo_mega.cli import main
+from grpo_mega.run.metrics import read_metrics
+from test_trainer_hardening import (CONFIG, KILL_RUN, _checkpoint_tensors, _cli, assert_runs_equal,
+                                    straight_and_killed_runs)
+from tiny_task import build_tiny_task
+
+IMPLICIT = ("algorithm.supervision=process", "process_reward.source=implicit", "implicit_prm.optim.lr=1e-3",
+            "implicit_prm.beta=0.5",
+            # the tiny task's random policy writes no final answer: with the answer guard every completion's reward
+            # would be the missing answer's step (process_reward.missing_answer_score), and the test would see 0s
+            "algorithm.answer_guard=false")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return build_tiny_task(tmp_path_factory.mktemp("task"))
+
+
+def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(_cli(task, run_dir, *IMPLICIT, "trainer.total_steps=2", "trainer.dump_rollouts=true"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["implicit_prm/loss"] > 0 and row["implicit_prm/grad_norm"] > 0
+        assert row["implicit_prm/lr"] == pytest.approx(1e-3)
+        assert 0 <= row["implicit_prm/outcome_accuracy"] <= 1 and row["implicit_prm/update_fraction"] == 1.0
+        assert "implicit_prm/token_reward_mean" in row and row["timing_s/implicit_prm"] > 0
+        assert row["reward/steps_per_completion"] >= 1
+    # the first update moved the PRM off its reference (r_t = 0 at phi = ref): step 1's rewards are not all 0
+    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert any(reward != 0 for line in dumped for reward in line["step_rewards"])
+    for line in dumped:
+        assert len(line["step_rewards"]) == len(line["step_ends"])
+        assert all(0 <= end < len(line["response_ids"]) for end in line["step_ends"])
+    # each checkpoint holds the implicit PRM, trained (its optimizer state too)
+    saved = run_dir / "checkpoints" / "step_000002" / "implicit_prm"
+    assert (saved / "metadata.json").is_file()
+    assert any(key.startswith("optimizer.") for key in _checkpoint_tensors(saved))
+
+
+@pytest.mark.slow
+def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path):
+    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *IMPLICIT, *KILL_RUN)
+    assert_runs_equal(straight, interrupted, 4)
+    expected, got = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
+    for name in ("implicit_prm/loss", "implicit_prm/grad_norm", "implicit_prm/token_reward_mean"):
+        assert [row[name] for row in got] == pytest.approx([row[name] for row in expected], rel=1e-6, abs=1e-9), name
+    import torch
+
+    prm_a = _checkpoint_tensors(straight / "checkpoints" / "step_000004" / "implicit_prm")
+    prm_b = _checkpoint_tensors(interrupted / "checkpoints" / "step_000004" / "implicit_prm")
+    assert prm_a.keys() == prm_b.keys() and "embedding.word_embeddings.weight" in prm_a
+    for key in prm_a:
+        assert torch.equal(prm_a[key], prm_b[key]), key
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.supervision=outcome"], "process_reward.source=implicit needs algorithm.supervision=process"),
+    (["implicit_prm.beta=0"], "implicit_prm.beta=0.0 must be > 0"),
+    (["implicit_prm.optim.lr=0"], "implicit_prm.optim.lr=0.0 must be > 0"),
+    (["process_reward.step_reward=progress"], "process_reward.step_reward=progress treats step scores as"),
+    (["rollout.mode=async", "algorithm.rollout_is=tis"], "process_reward.source=implicit runs with rollout.mode="
+                                                        "colocated only"),
+    (["engine=deepspeed", "parallel.tensor=1"], "process_reward.source=implicit needs engine=megatron"),
+    (["implicit_prm.accuracy_low=0.9", "implicit_prm.accuracy_high=0.5"], "implicit_prm.accuracy_low=0.9 and"),
+    (["implicit_prm.step_value=tokens"], "implicit_prm.step_value='tokens': expected one of"),
+    (["implicit_prm.init_from=/no/such/folder"], "implicit_prm.init_from=/no/such/folder: no such folder"),
+])
+def test_the_cli_refuses_what_the_implicit_prm_cannot_run_in_one_line(task, tmp_path, capsys, overrides, message):
+    model_dir, train_file = task
+    status = main(["train", "--config", str(CONFIG), "--nproc", "2", f"model.hf_config={model_dir}",
+                   f"data.train_file={train_file}", f"trainer.run_dir={tmp_path / 'run'}",
+                   "process_reward.source=implicit",
+                   "algorithm.supervision=process", *overrides])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert message in err
