@@ -28,6 +28,7 @@ REAL_MODEL_CONFIGS = {
     "qwen2.5-math-7b_grpo_prm.yaml": ("qwen2.5-math-7b", 7.6e9),
     "qwen2.5-math-7b_grpo_async.yaml": ("qwen2.5-math-7b", 7.6e9),
     "qwen2.5-math-7b_grpo_prm_async.yaml": ("qwen2.5-math-7b", 7.6e9),
+    "qwen2.5-math-7b_grpo_implicit.yaml": ("qwen2.5-math-7b", 7.6e9),
 }
 for _multi_node in sorted(CONFIGS.glob("*_2node.yaml")):
     _single = _multi_node.name.replace("_2node", "")

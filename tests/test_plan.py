@@ -12,7 +12,7 @@ from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 REAL_CONFIGS = ["qwen2.5-math-1.5b_grpo", "qwen2.5-math-7b_grpo", "qwen2.5-math-7b_grpo_prm",
                 "qwen2.5-math-7b_grpo_2node", "llama-3.1-8b_grpo", "llama-3.1-8b_grpo_2node",
                 "qwen2.5-math-7b_grpo_async", "qwen2.5-math-7b_grpo_prm_async", "qwen3-8b_grpo",
-                "qwen3-30b-a3b_grpo_2node"]
+                "qwen3-30b-a3b_grpo_2node", "qwen2.5-math-7b_grpo_implicit"]
 # The PRM config points at a downloaded folder; plan it with the architecture shipped in configs/models.
 PRM_ARCHITECTURE = "process_reward.prm=configs/models/qwen2.5-math-prm-7b"
 
@@ -45,6 +45,24 @@ def test_shipped_config_fits_its_documented_hardware(name):
         assert plan.vllm.sequences_held >= 1
     if "prm" in name:
         assert plan.prm and plan.prm > 0 and plan.phase("prm_scoring").total > plan.phase("generation").total
+
+
+def test_the_implicit_prm_is_a_second_trained_policy_in_every_phase_and_shares_the_kl_reference():
+    """process_reward.source=implicit: the implicit PRM's weights, gradients and optimizer state (the policy's own
+    figures: same model and layout) in every phase, and its reference, unless the KL reference serves as it."""
+    outcome = _plan("qwen2.5-math-7b_grpo_implicit", "algorithm.supervision=outcome", "process_reward.source=function")
+    implicit = _plan("qwen2.5-math-7b_grpo_implicit")
+    shared = _plan("qwen2.5-math-7b_grpo_implicit", "algorithm.use_kl_loss=true")
+    key, reference = "implicit PRM (weights, gradients, optimizer)", "implicit PRM reference"
+    for name in ("update", "generation", "save"):
+        extra = implicit.phase(name).total - outcome.phase(name).total
+        assert implicit.phase(name).items[key] == implicit.policy.total > 0
+        assert extra == implicit.policy.total + implicit.phase(name).items[reference], name
+    assert implicit.phase("update").items[reference] > 0
+    # with KL on, the KL reference is the implicit PRM's: one copy, counted once
+    assert shared.phase("update").items[reference] == 0
+    assert shared.phase("update").items["reference (KL)"] == implicit.phase("update").items[reference]
+    assert shared.phase("update").total == implicit.phase("update").total
 
 
 def test_async_rollouts_put_vllm_and_the_prm_on_the_rollout_gpus_and_the_policy_on_the_others():

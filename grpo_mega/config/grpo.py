@@ -316,3 +316,9 @@ class GRPOConfig:
     implicit_prm: ImplicitPRMConfig = field(default_factory=ImplicitPRMConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def implicit_prm_shares_kl_reference(self) -> bool:
+        """Whether the implicit PRM's reference is the policy's KL reference (one copy in memory): KL on, its
+        log-probs at temperature 1 as the implicit PRM's, and both starting from the same ``model.init_from``."""
+        return (self.algorithm.use_kl_loss and self.rollout.temperature == 1.0 and self.model.init_from is not None
+                and self.implicit_prm.init_from in (None, self.model.init_from))

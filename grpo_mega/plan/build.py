@@ -158,10 +158,23 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
                                                    tp=prm_tp, dtype_bytes=dtype_bytes)
     elif prm_note:
         prm = None
+    # process_reward.source: implicit: a second trained model of the policy's architecture and layout (its own
+    # weights, gradients and optimizer state: the policy's figures), and its reference unless the KL one serves
+    implicit = cfg.process_reward.source == "implicit"
+    implicit_static = policy if implicit else None
+    implicit_reference = forward_only_bytes(policy_stages[worst]) if (
+        implicit and not cfg.implicit_prm_shares_kl_reference()) else 0
 
     device_base = {"CUDA context": 0 if cpu else CUDA_CONTEXT_BYTES, "NCCL": 0 if cpu else NCCL_BYTES}
     base = {**device_base, "parameters": policy.params}
     resident_others = {"reference (KL)": reference, "PRM weights": prm or 0}
+    if implicit_static is not None:
+        resident_others.update({"implicit PRM (weights, gradients, optimizer)": implicit_static.total,
+                                "implicit PRM reference": implicit_reference})
+        notes.append("process_reward.source=implicit: the implicit PRM is a second policy-sized trained model, "
+                     "resident in every phase; its update's activations are the policy update's (same model, same "
+                     "rows); its reference is " + ("the KL reference (shared)" if not implicit_reference else
+                                                    "a forward-only copy of its own"))
     if generators:  # the training ranks hold no PRM, no vLLM; the rollout ranks hold those and no policy
         full_weights = sum(p.numel for stage in policy_stages for p in stage) * tp * dtype_bytes  # norms: x tp, ~
         copies_gib = (cfg.rollout.max_staleness + 1) * full_weights / 2**30
@@ -216,6 +229,7 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     phases.append(Phase("save", {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
                                  **resident_others, **vllm_resident, "checkpoint gather": save_bytes.device}))
     savers_per_node = min(hardware.gpus_per_node, hardware.world_size - generators)  # async: training ranks only
+    # the implicit PRM is saved with each checkpoint after the policy, the same figures: the peak is one model's
     save_host = SaveHost(per_rank=save_bytes.host, per_node=save_bytes.host * savers_per_node)
     if settings.assumed:
         notes.append("assumed (not from the config): " + ", ".join(

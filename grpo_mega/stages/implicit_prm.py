@@ -206,8 +206,7 @@ def build_implicit_prm(cfg: GRPOConfig, hf_config, *, kl_reference, decode, pad_
     engine = build_policy_engine(hf_config, optim=cfg.implicit_prm.optim, total_steps=cfg.trainer.total_steps,
                                  recompute=cfg.parallel.recompute,
                                  distributed_optimizer=cfg.parallel.distributed_optimizer, **shared)
-    share = (kl_reference is not None and cfg.rollout.temperature == 1.0 and cfg.model.init_from is not None
-             and cfg.implicit_prm.init_from in (None, cfg.model.init_from))
+    share = kl_reference is not None and cfg.implicit_prm_shares_kl_reference()
     reference = kl_reference if share else build_reference_engine(hf_config, **shared)
     return ImplicitPRM(engine, reference, cfg, decode=decode, pad_id=pad_id, owns_reference=not share,
                        answer_guard=answer_guard_of(cfg))
