@@ -73,6 +73,8 @@ def main() -> int:
     parser.add_argument("--fast", action="store_true", help="the shortened plan of the end-to-end test")
     parser.add_argument("--step-rewards", nargs="*", default=[], choices=[k for k in STEP_REWARDS if k != "score"],
                         help="more learned-PRM arms, one per process_reward.step_reward option")
+    parser.add_argument("--implicit", action="store_true",
+                        help="also the implicit-PRM arm (process_reward.source: implicit, PRIME: trained online)")
     parser.add_argument("--reuse", action="store_true", help="take a seed's OUT/seed<N>/summary.json when one of "
                         "the same regime exists (e.g. a finished `grpo-mega quickstart` run linked there) instead of "
                         "running it again")
@@ -88,10 +90,12 @@ def main() -> int:
             summary = json.loads(done.read_text())
         else:
             summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True,
-                                                                     step_reward_arms=tuple(args.step_rewards)))
+                                                                     step_reward_arms=tuple(args.step_rewards),
+                                                                     implicit_arm=args.implicit))
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
-    for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards), "oracle"]:
+    implicit = ["implicit"] if args.implicit else []
+    for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards), "oracle", *implicit]:
         for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds"),
                              ("_equal_seconds_set_aside", "equal seconds, the PRM's one-off cost set aside"),
                              ("_equal_groups", "equal data (groups trained)")):
@@ -102,7 +106,7 @@ def main() -> int:
             print(f"{key} - outcome, held-out accuracy at {when}, per seed: "
                   f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
                   f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
-        if key not in ("ps", "oracle"):
+        if key not in ("ps", "oracle"):  # the step-reward arms and the implicit PRM's
             columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_zero_signal", f"{key}_minus_os",
                         f"{key}_minus_os_equal_seconds"]
     columns.append("oracle_minus_os_equal_seconds")

@@ -4,7 +4,7 @@
     grpo-mega sft   --config FILE [--nproc N] [--print-config] [key=value ...]   supervised fine-tuning of the policy
     grpo-mega eval  --config FILE --policy PATH [--samples K] [--out FILE] [--nproc N] [key=value ...]
                                                                  a policy's held-out accuracy, without training
-    grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--fast] [--outcome-only]
+    grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--implicit] [--fast] [--outcome-only]
                          [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
     grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--gpu-name A100] [--accept-unknown] [--json]
@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="dense (default): three-step chains every arm learns; sparse: five-step chains from a "
                             "briefly trained policy, where many outcome-GRPO groups carry no signal and the learned "
                             "PRM's arm comes out ahead (docs/results.md)")
+    quick.add_argument("--implicit", action="store_true",
+                       help="also an arm with an implicit PRM trained online from the outcomes (PRIME: "
+                            "process_reward.source=implicit), no step labels")
     quick.add_argument("--no-oracle", action="store_true",
                        help="skip the third arm, process supervision by the task's ground-truth step checker")
     quick.add_argument("--fast", action="store_true", help="a shortened run (the end-to-end test uses it)")
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             from grpo_mega.quickstart.pipeline import run_quickstart
 
             return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
-                                  oracle=not args.no_oracle, iterations=args.iterations)
+                                  oracle=not args.no_oracle, iterations=args.iterations, implicit=args.implicit)
         except KeyboardInterrupt:  # the child command's own line says where it stopped; no traceback here
             print(f"grpo-mega quickstart: interrupted; {args.run_dir} keeps what finished (the same command "
                   "continues)", file=sys.stderr)

@@ -34,6 +34,25 @@ def test_every_learned_prm_arm_is_set_against_outcome_supervision():
     assert "oracle_minus_os" not in figures
 
 
+def test_the_implicit_prm_arm_is_a_valid_run_set_against_outcome_supervision_without_a_prm_cost(tmp_path):
+    """``--implicit`` (issue 49): PRIME's settings on the quickstart config are a run the checks accept, its arm is
+    compared with outcome supervision, and no learned PRM's labels or training count against it."""
+    from grpo_mega.config import GRPOConfig, load_config, validate
+
+    title, overrides, folder = _arm_settings("implicit")
+    assert folder == "grpo_implicit" and "implicit PRM" in title and not learned_prm_arm("implicit")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cfg = load_config(GRPOConfig, "configs/quickstart_grpo.yaml",
+                      [f"model.hf_config={tmp_path / 'model'}", "data.train_file=train.jsonl",
+                       "model.init_from=runs/sft", *overrides], validate)
+    assert cfg.process_reward.source == "implicit" and cfg.algorithm.supervision == "process"
+    assert cfg.implicit_prm.optim.lr == 2 * cfg.optim.lr  # PRIME: the implicit PRM learns at twice the policy's rate
+    figures = flat_figures({"outcome": {"accuracy": 0.3, "gain": 0.1, "zero_signal_group_fraction": 0.5},
+                            "implicit": {"accuracy": 0.36, "gain": 0.16, "zero_signal_group_fraction": 0.4}})
+    assert figures["implicit_minus_os"] == pytest.approx(0.06) and arm_key("implicit") == "implicit"
+
+
 def test_the_arms_start_from_the_checkpoint_closest_to_the_pass_at_1_ceiling():
     """Checkpoints are measured in step order until one exceeds the ceiling; later ones are never measured (pass@1
     is not monotonic: a dip after the first crossing does not count); of those measured, the closest is chosen."""

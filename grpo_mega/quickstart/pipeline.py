@@ -79,6 +79,9 @@ class QuickstartPlan:
     """False: data -> SFT -> outcome-supervised GRPO only (``--outcome-only``)."""
     oracle_arm: bool = False
     """Also GRPO with process supervision by the task's ground-truth step checker (the upper bound of a PRM)."""
+    implicit_arm: bool = False
+    """Also GRPO with process supervision by an implicit PRM trained online from the verifier's outcomes (PRIME,
+    ``process_reward.source: implicit``): no step labels and no PRM training before its first step."""
     step_reward_arms: tuple[str, ...] = ()
     """More learned-PRM arms, one per ``process_reward.step_reward`` option named here (``progress``, ``delta``,
     ``clip``): the process arm's settings with that option, the same PRM, SFT checkpoint, seed and steps."""
@@ -191,11 +194,17 @@ ARMS = {
         "process_reward.step_score_weight=0.25")),
     "oracle": ("GRPO, process supervision by the task's step checker (oracle PRM)", (
         "algorithm.supervision=process", "process_reward.source=function", "reward.function=synthetic_steps")),
+    # PRIME's settings: step sums of beta 0.05 token rewards plus the outcome, the implicit PRM's learning rate twice
+    # the policy's (1e-6 vs 5e-7 in the paper; configs/quickstart_grpo.yaml's policy: 5e-5)
+    "implicit": ("GRPO, process supervision by an implicit PRM trained online (PRIME)", (
+        "algorithm.supervision=process", "process_reward.source=implicit", "process_reward.outcome_on_last_step=true",
+        "implicit_prm.optim.lr=1.0e-4")),
 }
 # What each GRPO arm's live line shows besides its step.
 SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
 SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
-ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle"}
+SHOWN["implicit"] = (*SHOWN["outcome"], ("PRM outcome acc", "implicit_prm/outcome_accuracy"))
+ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle", "implicit": "grpo_implicit"}
 
 
 def _arm_settings(arm: str) -> tuple[str, tuple[str, ...], str]:
@@ -315,7 +324,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     seconds: dict[str, float] = {}
     arms = ["outcome", *(["process"] if plan.process_supervision else []),
             *([f"{STEP_REWARD_ARM}{kind}" for kind in plan.step_reward_arms] if plan.process_supervision else []),
-            *(["oracle"] if plan.oracle_arm else [])]
+            *(["oracle"] if plan.oracle_arm else []), *(["implicit"] if plan.implicit_arm else [])]
     selects = plan.policy_max_pass_at_1 is not None
     total = 2 + selects + (3 if plan.process_supervision else 0) + len(arms)
     header = iter(range(1, total + 1))
@@ -372,7 +381,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
         seconds[folder] = _training_command(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
-            SHOWN["process" if learned_prm_arm(arm) else "outcome"],
+            SHOWN["process" if learned_prm_arm(arm) else arm if arm in SHOWN else "outcome"],
             [*grpo, f"model.init_from={policy_dir}", *overrides], run_dir / f"{folder}.log")
 
     prm_cost = (prm_head_start_seconds + sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES)
@@ -411,11 +420,13 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
 
 
 def run_quickstart(run_dir: str | Path = "runs/quickstart", *, regime: str = "dense", fast: bool = False,
-                   outcome_only: bool = False, oracle: bool = True, iterations: int = 1) -> int:
+                   outcome_only: bool = False, oracle: bool = True, iterations: int = 1,
+                   implicit: bool = False) -> int:
     """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
     if regime not in REGIMES:
         raise ValueError(f"quickstart: unknown regime {regime!r}; known: {sorted(REGIMES)}")
-    plan = replace(FAST if fast else REGIMES[regime], iterations=iterations, oracle_arm=oracle and not outcome_only)
+    plan = replace(FAST if fast else REGIMES[regime], iterations=iterations, oracle_arm=oracle and not outcome_only,
+                   implicit_arm=implicit)
     if outcome_only:
         plan = replace(plan, process_supervision=False)
     summary = run_pipeline(run_dir, plan)
