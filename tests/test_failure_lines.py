@@ -66,7 +66,7 @@ def test_a_failure_already_named_by_another_rank_is_not_printed_twice(tmp_path, 
 
     monkeypatch.setenv("RANK", "0")
     record = report_failure("grpo-mega train", tmp_path, fail("row 6 is bad"))
-    assert exit_status(record) == 1
+    assert exit_status(record) == 1 and exit_status({**record, "cause": "data"}) == 2
     monkeypatch.setenv("RANK", "1")
     report_failure("grpo-mega train", tmp_path, fail("row 6 is bad"))  # the same failure on the other rank: silent
     report_failure("grpo-mega train", tmp_path, fail("something else"))  # another: its own line
@@ -117,7 +117,7 @@ def test_a_bad_data_row_under_nproc_2_is_one_line_with_the_traceback_in_the_run_
         [sys.executable, "-m", "grpo_mega.cli", "train", "--nproc", "2", "--config", str(CONFIG),
          *tiny_run_overrides((model_dir, bad), run_dir, "data.on_bad_row=error")],
         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]  # the user's data: the status of an input error
     line, = result.stderr.splitlines()  # one line for the cause both ranks met, no traceback, no banner
     assert "failed (cause=data)" in line and f"{bad}:6" in line and line.endswith("failure.json"), line
     assert "BadRowError" in json.loads((run_dir / "failure.json").read_text())["traceback"]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from grpo_mega.checkpoint.training import CheckpointManager
+from grpo_mega.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resu
     saved = loaded.extra_state or {}
     for name in state.holders:
         if name not in saved:
-            raise ValueError(
+            raise ConfigError(  # the run's settings against its checkpoint's: cause=config, not retried
                 f"{resume_from} holds no {name!r} state (it holds {sorted(saved)}): it was saved by "
                 f"{_saver_of(set(saved))}, this run is {TRAINER_TITLES[state.trainer]}; continue it with its own "
                 f"settings, or start a new run from its weights with model.init_from={resume_from}")

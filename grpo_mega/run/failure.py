@@ -64,6 +64,8 @@ _HARDWARE_MARKS = ("uncorrectable ecc error", "ecc error", "fallen off the bus",
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 """The errnos of a full file system or an exhausted quota."""
 _PHASE_ATTRIBUTE = "_grpo_mega_failed_in"
+LINE_CHARS = 2000
+"""How much of the exception's first line the stderr line keeps: all of a message that names its fix."""
 TRACEBACK_CHARS = 20000
 """How much of a traceback (its end) failure.json and the rank's traceback file keep."""
 TRACEBACK_ENV = "GRPO_MEGA_TRACEBACK"
@@ -226,7 +228,7 @@ def failure_line(command: str, record: dict, path: Path | None) -> str:
     where = f"at step {record['step']}" if record["step"] is not None else "before the first step"
     written = f"; {path}" if path is not None else ""
     return (f"{command}: rank {record['rank']} on {record['host']} failed (cause={record['cause']}) {where} "
-            f"({record['phase']}): {record['exception'].splitlines()[0][:300]}{written}")
+            f"({record['phase']}): {record['exception'].splitlines()[0][:LINE_CHARS]}{written}")
 
 
 def set_aside_failure(run_dir: str | Path) -> Path | None:
@@ -287,6 +289,7 @@ def report_failure(command: str, run_dir: str | Path | None, error: BaseExceptio
 
 
 def exit_status(record: dict) -> int:
-    """The exit status of a command that ended with failure ``record``: 130 for an interrupt (as a shell reports
-    Ctrl-C), else 1."""
-    return 130 if record["cause"] == "interrupted" else 1
+    """The exit status of a command that ended with failure ``record``: 2 for the user's input (``config``,
+    ``data``: the status of the CLI's other input errors), 130 for an interrupt (as a shell reports Ctrl-C), else
+    1."""
+    return {"config": 2, "data": 2, "interrupted": 130}.get(record["cause"], 1)
