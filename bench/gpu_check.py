@@ -177,7 +177,8 @@ def stage_environment(device: str) -> dict:
             figures["driver"] = pynvml.nvmlSystemGetDriverVersion()
         except Exception:  # noqa: BLE001 - the driver version is a nicety
             pass
-    figures["matmul_peak_tflops"] = round(matmul_peak_tflops(device), 2)
+    # 3 significant digits: a busy 2-core CPU measures ~0.004 TFLOP/s, which 2 decimals made 0 (no MFU figure)
+    figures["matmul_peak_tflops"] = float(f"{matmul_peak_tflops(device):.3g}")
     figures["datasheet_bf16_tflops"] = next(
         (peak for name, peak in DATASHEET_BF16_TFLOPS.items() if name in figures.get("gpu", "")), None)
     return figures
