@@ -137,15 +137,10 @@ def _run_training(args) -> int:
         print(f"grpo-mega {args.command}: {stopped}", file=sys.stderr)
         return EXIT_STOPPED_EARLY
     except (Exception, KeyboardInterrupt) as error:  # one line; the traceback in failure.json and tracebacks/
-        return _failed(f"grpo-mega {args.command}", cfg.trainer.run_dir, error)
+        from grpo_mega.run.failure import exit_status, report_failure
+
+        return exit_status(report_failure(f"grpo-mega {args.command}", cfg.trainer.run_dir, error))
     return 0
-
-
-def _failed(command: str, run_dir: str, error: BaseException) -> int:
-    """What ended this rank, named once (grpo_mega.run.failure.report_failure); the command's exit status."""
-    from grpo_mega.run.failure import exit_status, report_failure
-
-    return exit_status(report_failure(command, run_dir, error))
 
 
 def main(argv: list[str] | None = None) -> int:

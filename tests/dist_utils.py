@@ -64,6 +64,21 @@ def tiny_qwen2_config(*, tied: bool, vocab_size: int = 301, num_layers: int = 4)
     )
 
 
+def right_padded_rows(seed: int, lengths=(12, 5, 9, 7, 12), *, width: int = 12, vocab_size: int = 301,
+                      prompt_tokens: int = 3) -> dict:
+    """Rows of random token ids (``seed``), right-padded to ``width`` after ``lengths`` real tokens: input_ids,
+    attention_mask and a loss_mask that leaves out a ``prompt_tokens``-token prompt."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    input_ids = torch.randint(0, vocab_size, (len(lengths), width), generator=generator)
+    attention_mask = (torch.arange(width) < lengths[:, None]).long()
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :prompt_tokens] = 0
+    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+
+
 def build_model_for_layout(hf_config):
     """Build this rank's stage of `hf_config` at megatron's current TP/PP layout."""
     from megatron.core import parallel_state

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from dist_utils import run_distributed, tiny_qwen2_config
+from dist_utils import right_padded_rows, run_distributed, tiny_qwen2_config
 from test_engine_lr_schedule import InterfaceOnly
 
 
@@ -16,13 +16,7 @@ def _hf_config():
 
 
 def _batch():
-    generator = torch.Generator().manual_seed(21)
-    lengths = torch.tensor([12, 5, 9, 7, 12])
-    input_ids = torch.randint(0, 301, (5, 12), generator=generator)
-    attention_mask = (torch.arange(12) < lengths[:, None]).long()
-    loss_mask = attention_mask.clone()
-    loss_mask[:, :3] = 0
-    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+    return right_padded_rows(21)
 
 
 class _Records(logging.Handler):

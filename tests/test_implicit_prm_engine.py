@@ -4,7 +4,7 @@ same weights: token rewards, PRIME's loss, its outcome accuracy, the global grad
 import pytest
 import torch
 
-from dist_utils import run_distributed, tiny_qwen2_config
+from dist_utils import right_padded_rows, run_distributed, tiny_qwen2_config
 
 BETA = 0.5
 LAYOUTS = [(2, 1), (1, 2)]
@@ -16,13 +16,7 @@ def _hf_config():
 
 
 def _batch():
-    generator = torch.Generator().manual_seed(5)
-    lengths = torch.tensor([12, 5, 9, 7, 12])
-    input_ids = torch.randint(0, 301, (5, 12), generator=generator)
-    attention_mask = (torch.arange(12) < lengths[:, None]).long()
-    loss_mask = attention_mask.clone()
-    loss_mask[:, :3] = 0  # a 3-token prompt
-    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+    return right_padded_rows(5)
 
 
 def _engine_results_at_layouts(prm_dir, ref_dir):

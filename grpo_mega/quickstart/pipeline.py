@@ -381,7 +381,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
         seconds[folder] = _training_command(
             f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
-            SHOWN["process" if learned_prm_arm(arm) else arm if arm in SHOWN else "outcome"],
+            SHOWN.get("process" if learned_prm_arm(arm) else arm, SHOWN["outcome"]),
             [*grpo, f"model.init_from={policy_dir}", *overrides], run_dir / f"{folder}.log")
 
     prm_cost = (prm_head_start_seconds + sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES)

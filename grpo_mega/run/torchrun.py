@@ -35,15 +35,16 @@ def _quiet_agent_logs() -> None:
     it was), the others inherit the ``torch.distributed.elastic`` logger's."""
     import logging
 
-    if "LOGLEVEL" in os.environ:
-        import torch.distributed.run  # noqa: F401
-        return
-    os.environ["LOGLEVEL"] = "CRITICAL"
+    quiet = "LOGLEVEL" not in os.environ
+    if quiet:
+        os.environ["LOGLEVEL"] = "CRITICAL"
     try:
         import torch.distributed.run  # noqa: F401
     finally:
-        del os.environ["LOGLEVEL"]
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        if quiet:
+            del os.environ["LOGLEVEL"]
+    if quiet:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 
 def _signal_name(number: int) -> str:

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from grpo_mega.algo import cut_at_answer, group_start_values
+from grpo_mega.algo import cut_at_answer
 from grpo_mega.algo.implicit_reward import (
     groups_within_accuracy,
     implicit_outcome_loss,
@@ -41,7 +41,7 @@ from grpo_mega.data.step_split import default_step_pattern, step_char_ends
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.batching import slice_rows
 from grpo_mega.stages.answer_guard import AnswerGuard, answer_guard_of
-from grpo_mega.stages.process_reward import segment_completion, shape_step_rewards
+from grpo_mega.stages.process_reward import segment_completion, shape_step_rewards, step_reward_starts
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
 
@@ -156,10 +156,7 @@ class ImplicitPRM:
         extras = [record.extra for record in groups.records for _ in range(G)]
         pattern = process.step_pattern or default_step_pattern(extras)
         outcomes = [float(score) for score in groups.scores]
-        if process.step_reward == "progress":
-            starts = group_start_values([record.prompt for record in groups.records for _ in range(G)], outcomes)
-        else:
-            starts = [0.0] * len(outcomes)
+        starts = step_reward_starts(process, [record.prompt for record in groups.records for _ in range(G)], outcomes)
         all_rewards, all_ends = [], []
         for row, completion in enumerate(groups.completions):
             ends, missing = self._token_step_ends(completion.text, completion.response_ids, pattern)

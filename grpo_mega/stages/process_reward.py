@@ -51,6 +51,15 @@ class PRMScoringError(RuntimeError):
     """The PRM raised or gave a non-finite step score (``process_reward.on_error: raise``)."""
 
 
+def step_reward_starts(settings: ProcessRewardConfig, prompts: Sequence[str],
+                       outcomes: Sequence[float]) -> list[float]:
+    """Each completion's s_0 for ``shape_step_rewards``: its group's mean outcome under ``step_reward: progress``
+    (PAV), else 0."""
+    if settings.step_reward == "progress":
+        return group_start_values(prompts, outcomes)
+    return [0.0] * len(outcomes)
+
+
 def non_finite_scores(scores: Sequence[Sequence[float]]) -> dict[int, int]:
     """{completion index: index of its first NaN / Inf step score}."""
     bad = {}
@@ -88,8 +97,7 @@ class PRMStepRewards:
         if guard is not None:
             guarded = [guard.guard(s, e, text, end) for s, e, text, end in zip(scores, ends, texts, answer_ends)]
             scores, ends = [s for s, _ in guarded], [e for _, e in guarded]
-        progress = self.settings.step_reward == "progress"
-        starts = group_start_values(prompts, outcomes) if progress else [0.0] * len(texts)  # s_0 of progress only
+        starts = step_reward_starts(self.settings, prompts, outcomes)
         rewards = [shape_step_rewards(s, outcome, self.settings, start=start)
                    for s, outcome, start in zip(scores, outcomes, starts)]
         metrics["timing_s/prm"] = time.perf_counter() - start
