@@ -124,13 +124,15 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     rollout = None if feed is not None else RolloutStage(
         rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
-        answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern)
+        answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
+        batch_step_rewards=implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling else None)
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
 
     def run_eval(step: int) -> dict[str, float]:  # async: the rollout world's evaluation of this step's weights
         if feed is not None:
             return feed.evaluation(step) if eval_records else {}
-        return run_evaluation(cfg, rollout_engine, eval_records, step)
+        return run_evaluation(cfg, rollout_engine, eval_records, step,
+                              on_completions=implicit_prm.evaluation_metrics if implicit_prm is not None else None)
 
     eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
     if eval_metrics:
@@ -149,7 +151,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             with timer("gen"), memory.phase("generation"), failure_phase("generation"):
                 groups, metrics = rollout.run(step)
             _release_rollout_memory(rollout_engine)
-        if implicit_prm is not None and len(groups):  # it learns the batch's outcomes, then gives its step rewards
+        if implicit_prm is not None and not implicit_prm.before_sampling and len(groups):  # learns, then scores
             with timer("implicit_prm"), failure_phase("implicit PRM"):
                 groups, implicit_metrics = implicit_prm.run(groups)
             metrics.update(implicit_metrics)

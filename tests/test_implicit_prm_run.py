@@ -25,19 +25,35 @@ def task(tmp_path_factory):
     return build_tiny_task(tmp_path_factory.mktemp("task"))
 
 
-def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_path):
+@pytest.mark.parametrize("before_dynamic_sampling", [False, True])
+def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_path, before_dynamic_sampling):
     run_dir = tmp_path / "run"
-    result = subprocess.run(_cli(task, run_dir, *IMPLICIT, "trainer.total_steps=2", "trainer.dump_rollouts=true"),
-                            capture_output=True, text=True, timeout=600)
+    model_dir, train_file = task
+    evaluation = (f"data.eval_file={train_file}", "data.max_eval_prompts=4", "trainer.eval_every=2")
+    # the tiny random policy answers nothing right: every group's outcomes are equal, so dynamic sampling by outcomes
+    # would drop them all; before it, the implicit PRM's step rewards keep the groups whose steps they split
+    order = (f"implicit_prm.before_dynamic_sampling={str(before_dynamic_sampling).lower()}",
+             f"algorithm.dynamic_sampling={str(before_dynamic_sampling).lower()}")
+    result = subprocess.run(_cli(task, run_dir, *IMPLICIT, *evaluation, *order, "trainer.total_steps=2",
+                                 "trainer.dump_rollouts=true"), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2]
-    for row in rows:
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    for row in rows[1:]:
         assert row["implicit_prm/loss"] > 0 and row["implicit_prm/grad_norm"] > 0
         assert row["implicit_prm/lr"] == pytest.approx(1e-3)
         assert 0 <= row["implicit_prm/outcome_accuracy"] <= 1 and row["implicit_prm/update_fraction"] == 1.0
         assert "implicit_prm/token_reward_mean" in row and row["timing_s/implicit_prm"] > 0
         assert row["reward/steps_per_completion"] >= 1
+        if before_dynamic_sampling:  # inside the rollout stage, and groups of equal outcomes still train
+            assert row["timing_s/implicit_prm"] < row["timing_s/gen"]
+            assert row["rollout/zero_signal_group_fraction"] == 1.0 and row["rollout/kept_group_fraction"] > 0
+    # every evaluation scores the held-out completions against the synthetic task's step checker; at step 0 the PRM
+    # is its reference (r_t = 0): no step scores below 0, so no wrong step is ever predicted
+    for row in (rows[0], rows[2]):
+        assert 0 <= row["eval/implicit_prm/outcome_accuracy"] <= 1 and 0 <= row["eval/implicit_prm/step_accuracy"] <= 1
+    assert rows[0]["eval/implicit_prm/step_f1"] == 0.0
+    assert rows[0].get("eval/implicit_prm/processbench_correct_accuracy", 1.0) == 1.0
     # the first update moved the PRM off its reference (r_t = 0 at phi = ref): step 1's rewards are not all 0
     dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
     assert any(reward != 0 for line in dumped for reward in line["step_rewards"])

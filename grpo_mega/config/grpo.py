@@ -216,6 +216,12 @@ class ImplicitPRMConfig:
     """Lower bound of ``accuracy_filter`` (PRIME: 0.2)."""
     accuracy_high: float = 0.8
     """Upper bound of ``accuracy_filter`` (PRIME: 0.8)."""
+    before_dynamic_sampling: bool = False
+    """Where it runs in a step. False: after the rollout stage, on the groups dynamic sampling kept by their outcomes
+    (groups of equal outcomes dropped, as PRIME's accuracy filter drops them); the only order with
+    ``rollout.mode: async``, where the rollout world samples and filters and the trainer's ranks hold the implicit
+    PRM. True: inside the rollout stage, on every sampled group before dynamic sampling, which then keeps a group
+    whose pooled step rewards differ (as it does for a learned PRM), so groups of equal outcomes can still train."""
 
 
 @dataclass

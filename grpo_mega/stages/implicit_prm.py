@@ -2,7 +2,9 @@
 language model of the policy's architecture, trained online on the verifier's outcomes, whose token rewards
 ``beta * (log pi_phi - log pi_ref)`` become the step rewards (``grpo_mega.algo.implicit_reward``).
 
-Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM.run`):
+Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM.run`; with
+``implicit_prm.before_dynamic_sampling`` inside the rollout stage, on every sampled group before dynamic sampling,
+:meth:`ImplicitPRM.run_timed`):
 
 1. one optimizer step of the implicit PRM on the batch: PRIME's cross-entropy of ``sigmoid(sum_t r_t)`` against the
    verifier's score in [0, 1] (with ``implicit_prm.accuracy_filter`` only on the prompts whose group accuracy lies
@@ -17,12 +19,16 @@ Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM
 
 The update comes first, as verl's PRIME recipe does by default (``update: before``, the "double forward"): the
 rewards then come from a PRM that has seen this batch's outcomes, and the first step's rewards are not all 0 (a PRM
-equal to its reference gives r_t = 0 everywhere). Collective: every rank calls with the same batch.
+equal to its reference gives r_t = 0 everywhere). Collective: every rank calls with the same batch. Every
+evaluation also scores the held-out completions (:meth:`ImplicitPRM.evaluation_metrics`,
+``grpo_mega.stages.implicit_prm_eval``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Sequence
 
 import torch
 
@@ -40,7 +46,16 @@ from grpo_mega.data.batch import sequences_to_batch
 from grpo_mega.data.step_split import default_step_pattern, step_char_ends
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.batching import slice_rows
+from grpo_mega.data.prompts import PromptRecord
+from grpo_mega.rollout.base import Completion
 from grpo_mega.stages.answer_guard import AnswerGuard, answer_guard_of
+from grpo_mega.stages.implicit_prm_eval import (
+    outcome_figures,
+    piece_scores,
+    scored_pieces,
+    step_detection,
+    synthetic_truth,
+)
 from grpo_mega.stages.process_reward import segment_completion, shape_step_rewards, step_reward_starts
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
@@ -89,6 +104,8 @@ class ImplicitPRM:
         self.owns_reference = owns_reference
         self.answer_guard = answer_guard
         self.loss_fn = implicit_prm_loss_fn(self.settings.beta)
+        self.before_sampling = cfg.implicit_prm.before_dynamic_sampling
+        """Whether it runs inside the rollout stage, before dynamic sampling (:meth:`run_timed`), or after it."""
 
     def companions(self) -> dict:
         """What the harness saves and resumes beside the policy: the trained engine (the reference is fixed)."""
@@ -131,6 +148,39 @@ class ImplicitPRM:
         metrics["implicit_prm/token_reward_mean"] = float(token_rewards[mask].mean()) if mask.any() else 0.0
         metrics["implicit_prm/scored_outcome_accuracy"] = outcome_prediction_accuracy(token_rewards, labels)
         return dataclasses.replace(groups, step_rewards=step_rewards, step_ends=step_ends), metrics
+
+    def run_timed(self, groups: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """:meth:`run` inside the rollout stage (``implicit_prm.before_dynamic_sampling``), its seconds as
+        ``timing_s/implicit_prm`` (part of the step's generation seconds, as the learned PRM's scoring is)."""
+        begin = time.perf_counter()
+        groups, metrics = self.run(groups)
+        return groups, {**metrics, "timing_s/implicit_prm": time.perf_counter() - begin}
+
+    def evaluation_metrics(self, records: Sequence[PromptRecord], completions: Sequence[Completion],
+                           outcomes: Sequence[float]) -> dict[str, float]:
+        """``eval/implicit_prm/*`` of the held-out evaluation's completions (``grpo_mega.stages.implicit_prm_eval``):
+        the outcome prediction, and on the synthetic task the step detection against the step checker
+        (collective: every rank calls with the same completions)."""
+        rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions],
+                                  self.pad_id)
+        ref_logprobs, _ = self.reference.forward_logprobs(rows)
+        prm_logprobs, _ = self.engine.forward_logprobs(rows)
+        token_rewards = implicit_token_rewards(prm_logprobs.float(), ref_logprobs.float(), rows["loss_mask"],
+                                               self.settings.beta)
+        metrics = outcome_figures(token_rewards, outcomes)
+        if not records or not all("steps" in record.extra for record in records):
+            return metrics
+        pattern = self.process.step_pattern or default_step_pattern([record.extra for record in records])
+        scores, truths = [], []
+        for row, (record, completion) in enumerate(zip(records, completions)):
+            answer_end = self.answer_guard.answer_end(completion.text) if self.answer_guard is not None else None
+            pieces = scored_pieces(completion.text, answer_end, pattern, self.process.max_counted_steps)
+            begin = int(rows["prompt_lengths"][row])
+            response = token_rewards[row, begin : begin + len(completion.response_ids)]
+            scores.append(piece_scores(response, pieces, completion.response_ids, self.decode,
+                                       self.settings.step_value) if pieces and completion.response_ids else [])
+            truths.append(synthetic_truth(record.extra, pieces) if scores[-1] else [])
+        return {**metrics, **step_detection(scores, truths, self.settings.step_value)}
 
     def _update(self, rows: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, float]:
         """One optimizer step on the rows the accuracy filter keeps (all without it); its metrics."""

@@ -99,13 +99,17 @@ class RolloutStage:
         self, engine: RolloutEngine, prompts: PromptBatches, sampling: SamplingConfig, reward: RewardConfig,
         algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
         answer_guard: AnswerGuard | None = None, step_pattern: str | None = None,
+        batch_step_rewards: Callable[[RolloutBatch], tuple[RolloutBatch, dict[str, float]]] | None = None,
     ):
         """``step_reward_source``: where process supervision's step rewards come from (e.g.
         ``grpo_mega.stages.process_reward.PRMStepRewards``) called as ``(prompts, texts, outcome scores, rows'
         extra fields) -> (step rewards, step ends in characters, metrics)``; None: the reward function's own.
         ``answer_guard``: applied here to the reward function's own step rewards (a step-reward source applies its
         own), and its answer locator counts the completions without an answer or with text after it.
-        ``step_pattern``: the steps counted in ``rollout/pieces_per_completion`` (None: the default of the rows)."""
+        ``step_pattern``: the steps counted in ``rollout/pieces_per_completion`` (None: the default of the rows).
+        ``batch_step_rewards``: step rewards made from each sampling round's whole scored batch, before dynamic
+        sampling (the implicit PRM, ``implicit_prm.before_dynamic_sampling``): ``batch -> (batch with step rewards,
+        metrics)``."""
         self.engine, self.prompts, self.sampling = engine, prompts, sampling
         self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
         self.reward_fn = get_reward_function(reward.function)
@@ -113,6 +117,7 @@ class RolloutStage:
         self.step_reward_source = step_reward_source
         self.answer_guard = answer_guard
         self.step_pattern = step_pattern
+        self.batch_step_rewards = batch_step_rewards
         self._step_metrics: list[dict[str, float]] = []
 
     def run(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -132,6 +137,9 @@ class RolloutStage:
             failures += round_failures
             sampled_scores.append(scored.scores)
             sampled_lengths.extend(len(c.response_ids) for c in completions)
+            if self.batch_step_rewards is not None:
+                scored, batch_metrics = self.batch_step_rewards(scored)
+                self._step_metrics.append(batch_metrics)
             if alg.dynamic_sampling:
                 by_steps = alg.supervision == "process" and scored.step_rewards is not None
                 scored = keep_informative_groups(scored, G, by_steps=by_steps)

@@ -84,14 +84,16 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
                                 dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
 
 
-def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int) -> dict[str, float]:
-    """The held-out evaluation of the weights after step ``version`` (collective; {} without eval prompts)."""
+def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int, *,
+                   on_completions=None) -> dict[str, float]:
+    """The held-out evaluation of the weights after step ``version`` (collective; {} without eval prompts);
+    ``on_completions``: more metrics of the evaluated completions (``grpo_mega.stages.evaluation.evaluate``)."""
     if not prompts:
         return {}
     return evaluate(rollout_engine, prompts, get_reward_function(cfg.reward.function),
                     max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
                     temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
-                    on_error=cfg.reward.on_error)
+                    on_error=cfg.reward.on_error, on_completions=on_completions)
 
 
 def close_rollout_engine(rollout_engine) -> None:
