@@ -15,7 +15,9 @@ behaviour (pieces per completion, length-cap share, text after the answer, at it
 arm's mean curve by step and by seconds (next to the result: bench/results/pipeline_seeds_<regime>.png; ``--plot``
 to put it elsewhere, e.g. docs/img/) and writes bench/results/pipeline_seeds_<regime>.json (path printed last).
 ``--step-rewards`` adds a learned-PRM arm per ``process_reward.step_reward`` option named (the process arm's
-settings with that option, the same PRM, SFT checkpoint, seed and steps).
+settings with that option, the same PRM, SFT checkpoint, seed and steps); ``--implicit`` the implicit PRM's arm.
+``--add-arms ARM ...`` runs only the arms named in seeds already run in OUT (e.g. the implicit PRM's arms beside the
+recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from bench.seed_curves import equal_groups, equal_seconds, plot_seed_curves  # noqa: E402
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
-from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
+from grpo_mega.quickstart.arms import ARMS  # noqa: E402
+from grpo_mega.quickstart.pipeline import FAST, REGIMES, add_arms, run_pipeline  # noqa: E402
 from grpo_mega.quickstart.report import arm_key, arm_title  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
@@ -75,6 +78,9 @@ def main() -> int:
                         help="more learned-PRM arms, one per process_reward.step_reward option")
     parser.add_argument("--implicit", action="store_true",
                         help="also the implicit-PRM arm (process_reward.source: implicit, PRIME: trained online)")
+    parser.add_argument("--add-arms", nargs="+", default=[], metavar="ARM", choices=sorted(ARMS),
+                        help="run only these arms in each seed's finished OUT/seed<N> (its data, SFT checkpoint and "
+                        "PRM) and add them to its summary.json, then report every arm it has")
     parser.add_argument("--reuse", action="store_true", help="take a seed's OUT/seed<N>/summary.json when one of "
                         "the same regime exists (e.g. a finished `grpo-mega quickstart` run linked there) instead of "
                         "running it again")
@@ -85,7 +91,9 @@ def main() -> int:
     for seed in args.seeds:
         print(f"== seed {seed}", flush=True)
         done = args.out / f"seed{seed}" / "summary.json"
-        if args.reuse and done.is_file() and json.loads(done.read_text()).get("regime") == base.name:
+        if args.add_arms:
+            summary = add_arms(args.out / f"seed{seed}", replace(base, seed=seed), args.add_arms)
+        elif args.reuse and done.is_file() and json.loads(done.read_text()).get("regime") == base.name:
             print(f"   reusing {done}", flush=True)
             summary = json.loads(done.read_text())
         else:
@@ -94,8 +102,7 @@ def main() -> int:
                                                                      implicit_arm=args.implicit))
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
-    implicit = ["implicit"] if args.implicit else []
-    for key in ["ps", *(f"ps_{kind}" for kind in args.step_rewards), "oracle", *implicit]:
+    for key in [arm_key(arm) for arm in results[0]["arms"] if arm != "outcome"]:
         for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds"),
                              ("_equal_seconds_set_aside", "equal seconds, the PRM's one-off cost set aside"),
                              ("_equal_groups", "equal data (groups trained)")):

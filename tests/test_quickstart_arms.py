@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from grpo_mega.quickstart.pipeline import ARMS, _arm_settings
+from grpo_mega.quickstart.arms import ARMS, arm_settings
 from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures, learned_prm_arm
 
 
 def test_a_step_reward_arm_is_the_process_arm_with_its_option():
-    title, overrides, folder = _arm_settings("process_delta")
+    title, overrides, folder = arm_settings("process_delta")
     assert overrides == (*ARMS["process"][1], "process_reward.step_reward=delta")
     assert folder == "grpo_process_delta" and "step_reward=delta" in title
-    assert _arm_settings("outcome") == (*ARMS["outcome"], "grpo")
+    assert arm_settings("outcome") == (*ARMS["outcome"], "grpo")
     assert [learned_prm_arm(a) for a in ("outcome", "process", "process_clip", "oracle")] == [False, True, True, False]
     assert (arm_key("process_progress"), arm_key("oracle")) == ("ps_progress", "oracle")
     assert arm_title("process_clip") == "process supervision (learned PRM, clip)"
@@ -39,7 +39,7 @@ def test_the_implicit_prm_arm_is_a_valid_run_set_against_outcome_supervision_wit
     compared with outcome supervision, and no learned PRM's labels or training count against it."""
     from grpo_mega.config import GRPOConfig, load_config, validate
 
-    title, overrides, folder = _arm_settings("implicit")
+    title, overrides, folder = arm_settings("implicit")
     assert folder == "grpo_implicit" and "implicit PRM" in title and not learned_prm_arm("implicit")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

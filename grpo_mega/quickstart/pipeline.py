@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grpo_mega.data.synthetic import Difficulty
-from grpo_mega.quickstart.plots import TRAIN_REWARD_KEY, plot_arms
+from grpo_mega.quickstart.arms import SHOWN, arm_settings
+from grpo_mega.quickstart.plots import plot_arms
 from grpo_mega.quickstart.report import (
     PRM_COST_STAGES,
     STEP_REWARD_ARM,
@@ -180,42 +181,6 @@ def _training_command(title: str, command: list[str], config: str, run_dir: Path
     return run_command(argv, log_path, progress)
 
 
-# The GRPO arms: (name, what the terminal calls it, overrides of configs/quickstart_grpo.yaml). All start from the
-# same SFT checkpoint with the same seed; "process" adds the learned PRM's checkpoint, and its step rewards are a
-# quarter of the PRM's scores plus the outcome reward on the last step (``process_reward.step_score_weight``,
-# ``outcome_on_last_step``): the PRM shapes the credit within a solution, the verifier keeps the policy anchored to
-# right answers (a policy left alone with a small learned PRM learns to please it: 8.6 % held-out in an earlier
-# run; weight 1 gave 0.770 vs 0.828 with 0.25, seed 1234). The oracle's step rewards are the truth, the answer
-# sentence's included, so it needs no anchor.
-ARMS = {
-    "outcome": ("GRPO, outcome supervision", ()),
-    "process": ("GRPO, process supervision by the learned PRM", (
-        "algorithm.supervision=process", "process_reward.source=prm", "process_reward.outcome_on_last_step=true",
-        "process_reward.step_score_weight=0.25")),
-    "oracle": ("GRPO, process supervision by the task's step checker (oracle PRM)", (
-        "algorithm.supervision=process", "process_reward.source=function", "reward.function=synthetic_steps")),
-    # PRIME's settings: step sums of beta 0.05 token rewards plus the outcome, the implicit PRM's learning rate twice
-    # the policy's (1e-6 vs 5e-7 in the paper; configs/quickstart_grpo.yaml's policy: 5e-5)
-    "implicit": ("GRPO, process supervision by an implicit PRM trained online (PRIME)", (
-        "algorithm.supervision=process", "process_reward.source=implicit", "process_reward.outcome_on_last_step=true",
-        "implicit_prm.optim.lr=1.0e-4")),
-}
-# What each GRPO arm's live line shows besides its step.
-SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
-SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
-SHOWN["implicit"] = (*SHOWN["outcome"], ("PRM outcome acc", "implicit_prm/outcome_accuracy"))
-ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle", "implicit": "grpo_implicit"}
-
-
-def _arm_settings(arm: str) -> tuple[str, tuple[str, ...], str]:
-    """(title, overrides, folder) of ``arm``: one of ``ARMS``, or ``process_<step_reward>``."""
-    if arm in ARMS:
-        return (*ARMS[arm], ARM_FOLDERS[arm])
-    step_reward = arm.removeprefix(STEP_REWARD_ARM)
-    return (f"{ARMS['process'][0]}, step_reward={step_reward}",
-            (*ARMS["process"][1], f"process_reward.step_reward={step_reward}"), f"grpo_{arm}")
-
-
 def _iterative_process_arm(plan: QuickstartPlan, arm_dir: Path, grpo: list[str], policy_dir: Path, prm_summary: dict,
                            model_dir: Path, train_file: Path) -> dict[str, float]:
     """The process-supervised arm as ``plan.iterations`` GRPO runs (``arm_dir/iter<k>``), each from the previous
@@ -308,10 +273,63 @@ def _policy_and_prm_start(sft_dir: Path, policy_step: int | None) -> tuple[Path,
 
 def _arm_seconds(seconds: dict[str, float], arm: str) -> float:
     """Wall seconds of an arm's GRPO command(s), with the PRM refreshes of an iterative process arm."""
-    folder = _arm_settings(arm)[2]
+    folder = arm_settings(arm)[2]
     return sum(value for key, value in seconds.items()
                if key == folder or key.startswith(f"{folder}_iter") or (arm == "process" and key.startswith(
                    "prm_refresh")))
+
+
+def _grpo_overrides(plan: QuickstartPlan, task: list[str], heldout_file: Path) -> list[str]:
+    """Every GRPO arm's overrides of configs/quickstart_grpo.yaml: the task, its evaluation and sizes."""
+    return [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
+            *_optional("trainer.eval_every", plan.eval_every),
+            *_optional("algorithm.response_length", plan.response_length)]
+
+
+def _grpo_arm(arm: str, plan: QuickstartPlan, run_dir: Path, grpo: list[str], policy_dir: Path,
+              prm_checkpoint: str | None, announce) -> float:
+    """One GRPO arm's run from ``policy_dir`` in ``run_dir/<its folder>``; its wall seconds."""
+    title, overrides, folder = arm_settings(arm)
+    if learned_prm_arm(arm):
+        overrides = (*overrides, f"process_reward.prm={prm_checkpoint}")
+    announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
+    return _training_command(
+        f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", run_dir / folder, plan.grpo_steps,
+        SHOWN.get("process" if learned_prm_arm(arm) else arm, SHOWN["outcome"]),
+        [*grpo, f"model.init_from={policy_dir}", *overrides], run_dir / f"{folder}.log")
+
+
+def add_arms(run_dir: str | Path, plan: QuickstartPlan, arms: list[str]) -> dict:
+    """Run more GRPO arms in a finished pipeline run of ``plan`` (its data, the arms' SFT checkpoint and, for a
+    learned-PRM arm, its PRM), each beside the arms it has, and add them to its ``summary.json`` (rewritten with its
+    plot); returns the summary. An arm it already has runs again and replaces its report."""
+    run_dir = Path(run_dir).resolve()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if (summary.get("regime"), summary.get("seed")) != (plan.name, plan.seed):
+        raise ValueError(f"{run_dir / 'summary.json'} is a run of regime {summary.get('regime')!r} seed "
+                         f"{summary.get('seed')}, not of {plan.name!r} seed {plan.seed}")
+    task = [f"model.hf_config={run_dir / 'model'}", f"data.train_file={run_dir / 'data' / 'train.jsonl'}",
+            f"parallel.seed={plan.seed}"]
+    grpo = _grpo_overrides(plan, task, run_dir / "data" / "heldout.jsonl")
+    sft_dir, step = run_dir / "sft", summary.get("policy_sft_step")
+    policy_dir = sft_dir if step is None else _sft_checkpoint(sft_dir, step)
+    prm_cost = max((report.get("prm_seconds", 0.0) for report in summary["arms"].values()), default=0.0)
+    header = iter(range(1, len(arms) + 1))
+    for arm in arms:
+        folder = arm_settings(arm)[2]
+        seconds = _grpo_arm(arm, plan, run_dir, grpo, policy_dir, str(run_dir / "prm"),
+                            lambda text: print(f"[{next(header)}/{len(arms)}] {text}", flush=True))
+        summary["stage_seconds"][folder] = round(seconds, 1)
+        summary["arms"][arm] = arm_report(metrics_path(run_dir / folder), seconds,
+                                          prm_cost if learned_prm_arm(arm) else 0.0)
+    summary.update(flat_figures(summary["arms"]))
+    summary["plot"] = str(plot_arms(
+        {arm_title(arm): metrics_path(run_dir / arm_settings(arm)[2]) for arm in summary["arms"]},
+        run_dir / "reward_accuracy.png",
+        title=f"quickstart ({plan.name} regime): GRPO from the same SFT policy, seed {plan.seed}",
+        seconds_before={arm_title(arm): prm_cost for arm in summary["arms"] if learned_prm_arm(arm)}))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
@@ -363,12 +381,10 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
         )
         seconds.update({f"prm_{key}": value for key, value in prm_summary["seconds"].items()})
 
-    grpo = [*task, f"data.eval_file={heldout_file}", *_optional("data.max_eval_prompts", plan.eval_prompts),
-            *_optional("trainer.eval_every", plan.eval_every),
-            *_optional("algorithm.response_length", plan.response_length)]
+    grpo = _grpo_overrides(plan, task, heldout_file)
     arm_dirs: dict[str, Path] = {}
     for arm in arms:
-        title, overrides, folder = _arm_settings(arm)
+        title, overrides, folder = arm_settings(arm)
         arm_dirs[arm] = run_dir / folder
         if arm == "process" and plan.iterations > 1:
             announce(f"{title}, {plan.iterations} iterations with PRM refreshes (DP=2 on 2 processes), logs: "
@@ -376,13 +392,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             seconds.update(_iterative_process_arm(plan, arm_dirs[arm], [*grpo, *overrides], policy_dir, prm_summary,
                                                   model_dir, train_file))
             continue
-        if learned_prm_arm(arm):
-            overrides = (*overrides, f"process_reward.prm={prm_summary['prm_checkpoint']}")
-        announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
-        seconds[folder] = _training_command(
-            f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", arm_dirs[arm], plan.grpo_steps,
-            SHOWN.get("process" if learned_prm_arm(arm) else arm, SHOWN["outcome"]),
-            [*grpo, f"model.init_from={policy_dir}", *overrides], run_dir / f"{folder}.log")
+        seconds[folder] = _grpo_arm(arm, plan, run_dir, grpo, policy_dir,
+                                    prm_summary["prm_checkpoint"] if prm_summary else None, announce)
 
     prm_cost = (prm_head_start_seconds + sum(prm_summary["seconds"][stage] for stage in PRM_COST_STAGES)
                 if prm_summary else 0.0)

@@ -8,10 +8,12 @@ from pathlib import Path
 
 from grpo_mega.run.metrics import read_metrics
 
-ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "implicit"}
+ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "implicit",
+            "implicit_all_groups": "implicit_all_groups"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
-              "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)"}
+              "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
+              "implicit_all_groups": "process supervision (implicit PRM, before dynamic sampling)"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 
@@ -121,7 +123,7 @@ def flat_figures(arms: dict[str, dict]) -> dict:
         figures[f"{arm_key(arm)}_accuracy"] = report["accuracy"]
         figures[f"{arm_key(arm)}_gain"] = report["gain"]
         figures[f"{arm_key(arm)}_zero_signal"] = report["zero_signal_group_fraction"]
-        if (learned_prm_arm(arm) or arm == "implicit") and "outcome" in arms:  # ps_minus_os, implicit_minus_os
+        if (learned_prm_arm(arm) or arm.startswith("implicit")) and "outcome" in arms:  # ps_minus_os, implicit_...
             figures[f"{arm_key(arm)}_minus_os"] = report["accuracy"] - arms["outcome"]["accuracy"]
     return figures
 
