@@ -87,8 +87,8 @@ def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path)
     (["implicit_prm.beta=0"], "implicit_prm.beta=0.0 must be > 0"),
     (["implicit_prm.optim.lr=0"], "implicit_prm.optim.lr=0.0 must be > 0"),
     (["process_reward.step_reward=progress"], "process_reward.step_reward=progress treats step scores as"),
-    (["rollout.mode=async", "algorithm.rollout_is=tis"], "process_reward.source=implicit runs with rollout.mode="
-                                                        "colocated only"),
+    (["rollout.mode=async", "algorithm.rollout_is=tis", "implicit_prm.before_dynamic_sampling=true"],
+     "implicit_prm.before_dynamic_sampling=true runs the implicit PRM inside the rollout stage"),
     (["engine=deepspeed", "parallel.tensor=1"], "process_reward.source=implicit needs engine=megatron"),
     (["implicit_prm.accuracy_low=0.9", "implicit_prm.accuracy_high=0.5"], "implicit_prm.accuracy_low=0.9 and"),
     (["implicit_prm.step_value=tokens"], "implicit_prm.step_value='tokens': expected one of"),
@@ -104,3 +104,29 @@ def test_the_cli_refuses_what_the_implicit_prm_cannot_run_in_one_line(task, tmp_
     assert status == 2, err
     assert len(err.strip().splitlines()) == 1, err
     assert message in err
+
+
+@pytest.mark.slow
+def test_async_rollouts_train_the_implicit_prm_on_the_trainer_as_the_colocated_run_does(task, tmp_path):
+    """rollout.mode=async at staleness 0: the rollout rank samples and filters, the trainer rank trains the implicit
+    PRM and scores the batch; every batch, reward, implicit-PRM loss and policy update equals a colocated run's on
+    one process, and its checkpoints hold the implicit PRM. (The held-out evaluation runs in the rollout world,
+    which holds no implicit PRM: its eval/implicit_prm/* figures are the colocated run's only.)"""
+    from test_async_rollouts import ASYNC, _command, _comparable, _run, _trained
+
+    implicit = (*IMPLICIT, "trainer.total_steps=3", "trainer.save_every=2")
+    colocated, separate = tmp_path / "colocated", tmp_path / "async"
+    _run(_command(task, colocated, 1, "parallel.tensor=1", *implicit), OMP_NUM_THREADS="1")
+    _run(_command(task, separate, 2, *ASYNC, "rollout.max_staleness=0", *implicit))
+    expected, got = read_metrics(colocated / "metrics.jsonl"), read_metrics(separate / "metrics.jsonl")
+    assert [row["step"] for row in got] == [0, 1, 2, 3]
+    assert all(row["implicit_prm/loss"] > 0 for row in got[1:])
+    assert "eval/implicit_prm/outcome_accuracy" in expected[0] and "eval/implicit_prm/outcome_accuracy" not in got[0]
+
+    def same(row):
+        return {k: v for k, v in _comparable(row).items() if not k.startswith("eval/implicit_prm/")}
+
+    assert [same(row) for row in got] == [same(row) for row in expected]
+    for step in (1, 2, 3):
+        assert _trained(separate, step) == _trained(colocated, step)
+    assert (separate / "checkpoints" / "step_000002" / "implicit_prm" / "metadata.json").is_file()

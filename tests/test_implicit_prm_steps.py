@@ -83,6 +83,24 @@ def test_probabilities_and_the_step_reward_options_apply_as_to_a_prm():
         assert rewards[row] == pytest.approx(expected, abs=1e-6)
 
 
+def test_token_steps_give_every_token_through_the_answer_its_own_reward_and_the_outcome_on_the_last():
+    texts = [ANSWERED, UNANSWERED]
+    prm = _prm(("implicit_prm.steps", "tokens"), ("process_reward.missing_answer_score", -3.0),
+               ("process_reward.outcome_on_last_step", True))
+    rewards, ends = prm._step_rewards(_batch(texts, [1.0, 0.0]), *_token_rewards(texts))
+    answer_end = ANSWERED.index(" junk")
+    # through the answer's last token, each token its own reward (t + 1); the outcome added on the last
+    assert ends[0] == list(range(answer_end))
+    assert rewards[0] == [float(t + 1) for t in range(answer_end - 1)] + [answer_end + 1.0]
+    # no answer: every token but the last, then the missing answer's step on the last token
+    assert ends[1] == list(range(len(UNANSWERED)))
+    assert rewards[1] == [float(t + 1) for t in range(len(UNANSWERED) - 1)] + [-3.0]
+    # the same total as the text's step sums, split finer
+    text_rewards, _ = _prm(("process_reward.outcome_on_last_step", True))._step_rewards(
+        _batch(texts, [1.0, 0.0]), *_token_rewards(texts))
+    assert sum(rewards[0]) == sum(text_rewards[0])
+
+
 def test_without_the_guard_the_whole_text_is_split_and_summed():
     texts = [ANSWERED]
     prm = _prm(guard=False)

@@ -65,6 +65,18 @@ def test_the_implicit_prm_is_a_second_trained_policy_in_every_phase_and_shares_t
     assert shared.phase("update").total == implicit.phase("update").total
 
 
+def test_async_rollouts_keep_the_implicit_prm_on_the_training_gpus():
+    """rollout.mode=async with the implicit PRM: it trains where the policy trains, so the update and the save
+    count it and generation on the rollout GPUs does not."""
+    split = _plan("qwen2.5-math-7b_grpo_implicit", "rollout.mode=async", "rollout.async_ranks=4",
+                  "rollout.tensor_parallel=1", "algorithm.rollout_is=tis", "parallel.tensor=4", "parallel.pipeline=1",
+                  "rollout.gpu_memory_utilization=0.5")
+    key = "implicit PRM (weights, gradients, optimizer)"
+    for name in ("update", "save"):
+        assert split.phase(name).items[key] == split.policy.total > 0, name
+    assert split.phase("generation").items.get(key, 0) == 0
+
+
 def test_async_rollouts_put_vllm_and_the_prm_on_the_rollout_gpus_and_the_policy_on_the_others():
     """rollout.mode=async: data parallelism counts the training GPUs only; the update and the save hold no vLLM
     and no PRM, generation and PRM scoring hold no policy state; vLLM's replicas are the rollout GPUs'."""

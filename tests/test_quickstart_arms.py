@@ -53,6 +53,22 @@ def test_the_implicit_prm_arm_is_a_valid_run_set_against_outcome_supervision_wit
     assert figures["implicit_minus_os"] == pytest.approx(0.06) and arm_key("implicit") == "implicit"
 
 
+@pytest.mark.parametrize("arm, setting", [("implicit_all_groups", ("before_dynamic_sampling", True)),
+                                           ("implicit_token_steps", ("steps", "tokens"))])
+def test_an_implicit_variant_is_the_implicit_arm_with_its_one_setting(tmp_path, arm, setting):
+    from grpo_mega.config import GRPOConfig, load_config, validate
+
+    title, overrides, folder = arm_settings(arm)
+    assert overrides[:-1] == ARMS["implicit"][1] and folder == f"grpo_{arm}"
+    assert arm_title(arm).startswith("process supervision (implicit PRM, ") and arm_key(arm) == arm
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cfg = load_config(GRPOConfig, "configs/quickstart_grpo.yaml",
+                      [f"model.hf_config={tmp_path / 'model'}", "data.train_file=train.jsonl",
+                       "model.init_from=runs/sft", *overrides], validate)
+    assert getattr(cfg.implicit_prm, setting[0]) == setting[1]
+
+
 def test_the_arms_start_from_the_checkpoint_closest_to_the_pass_at_1_ceiling():
     """Checkpoints are measured in step order until one exceeds the ceiling; later ones are never measured (pass@1
     is not monotonic: a dip after the first crossing does not count); of those measured, the closest is chosen."""

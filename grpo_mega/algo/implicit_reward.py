@@ -75,6 +75,9 @@ def step_sums(token_rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Ten
 
 
 IMPLICIT_STEP_VALUES = ("sum", "probability")
+IMPLICIT_STEPS = ("text", "tokens")
+"""What the implicit PRM's step rewards are given to: the text's steps (``process_reward.step_pattern``), or every
+token through the answer as a step of its own (PRIME's token-level rewards)."""
 
 
 def implicit_step_scores(token_rewards: torch.Tensor, step_ends: torch.Tensor, kind: str) -> torch.Tensor:

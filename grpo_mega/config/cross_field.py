@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
-from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES
+from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES, IMPLICIT_STEPS
 from grpo_mega.config.checks import (
     DECAY_STYLES,
     check_choice,
@@ -147,17 +147,19 @@ def ignore_prm_shaping_without_prm(cfg: GRPOConfig) -> None:
 
 
 def validate_implicit_prm(cfg: GRPOConfig) -> None:
-    """``process_reward.source=implicit``: process supervision, the synchronous loop on the megatron engine, and the
-    ``implicit_prm`` section's values."""
+    """``process_reward.source=implicit``: process supervision on the megatron engine, the order it runs in (before
+    dynamic sampling: the synchronous loop only), and the ``implicit_prm`` section's values."""
     settings = cfg.implicit_prm
     check_choice(settings.step_value, IMPLICIT_STEP_VALUES, "implicit_prm.step_value")
+    check_choice(settings.steps, IMPLICIT_STEPS, "implicit_prm.steps")
     if cfg.process_reward.source != "implicit":
         return
     if cfg.algorithm.supervision != "process":
         raise ConfigError("process_reward.source=implicit needs algorithm.supervision=process")
-    if cfg.rollout.mode == "async":
-        raise ConfigError("process_reward.source=implicit runs with rollout.mode=colocated only (the implicit PRM "
-                          "in the async trainer is not built yet): set rollout.mode=colocated")
+    if cfg.rollout.mode == "async" and settings.before_dynamic_sampling:
+        raise ConfigError("implicit_prm.before_dynamic_sampling=true runs the implicit PRM inside the rollout stage, "
+                          "which rollout.mode=async moves to the rollout ranks (the implicit PRM trains on the "
+                          "trainer's): set implicit_prm.before_dynamic_sampling=false or rollout.mode=colocated")
     if cfg.engine != "megatron":
         raise ConfigError(f"process_reward.source=implicit needs engine=megatron (got engine={cfg.engine})")
     if not settings.beta > 0:

@@ -209,6 +209,11 @@ class ImplicitPRMConfig:
     ``process_reward.step_reward`` must then be ``score``, which makes a token's advantage PRIME's return at step
     resolution) or ``probability`` (sigmoid of the summed rewards through the step's end: a PRM score in [0, 1],
     with which every ``step_reward`` option applies)."""
+    steps: str = "text"
+    """What gets a step reward: ``text``, the steps process supervision scores for a learned PRM (the text through
+    the first final answer split by ``process_reward.step_pattern``), or ``tokens``, every response token through the
+    answer as a one-token step whose score is its own reward (PRIME's token-level credit: a token's advantage is the
+    return of the rewards from it on)."""
     accuracy_filter: bool = False
     """PRIME's filter: train the implicit PRM only on prompts whose group accuracy (mean verifier score of its G
     completions) lies in [accuracy_low, accuracy_high]; every prompt still gets step rewards."""

@@ -167,10 +167,11 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
 
     device_base = {"CUDA context": 0 if cpu else CUDA_CONTEXT_BYTES, "NCCL": 0 if cpu else NCCL_BYTES}
     base = {**device_base, "parameters": policy.params}
-    resident_others = {"reference (KL)": reference, "PRM weights": prm or 0}
+    implicit_entries = {} if implicit_static is None else {
+        "implicit PRM (weights, gradients, optimizer)": implicit_static.total,
+        "implicit PRM reference": implicit_reference}
+    resident_others = {"reference (KL)": reference, "PRM weights": prm or 0, **implicit_entries}
     if implicit_static is not None:
-        resident_others.update({"implicit PRM (weights, gradients, optimizer)": implicit_static.total,
-                                "implicit PRM reference": implicit_reference})
         notes.append("process_reward.source=implicit: the implicit PRM is a second policy-sized trained model, "
                      "resident in every phase; its update's activations are the policy update's (same model, same "
                      "rows); its reference is " + ("the KL reference (shared)" if not implicit_reference else
@@ -178,7 +179,7 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     if generators:  # the training ranks hold no PRM, no vLLM; the rollout ranks hold those and no policy
         full_weights = sum(p.numel for stage in policy_stages for p in stage) * tp * dtype_bytes  # norms: x tp, ~
         copies_gib = (cfg.rollout.max_staleness + 1) * full_weights / 2**30
-        resident_others = {"reference (KL)": reference}
+        resident_others = {"reference (KL)": reference, **implicit_entries}  # the implicit PRM trains here
         rollout_base = {**device_base, "PRM weights": prm or 0}
         notes.append(
             f"rollout.mode=async: update and save are the {hardware.world_size - generators} training GPUs' (DP{dp}); "

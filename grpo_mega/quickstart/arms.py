@@ -26,17 +26,20 @@ ARMS = {
         "algorithm.supervision=process", "process_reward.source=implicit", "process_reward.outcome_on_last_step=true",
         "implicit_prm.optim.lr=1.0e-4")),
 }
-# The implicit PRM inside the rollout stage: it learns from and scores every sampled group, and dynamic sampling
-# keeps the groups its step rewards split (as a learned PRM's do), not only those of mixed outcomes
-ARMS["implicit_all_groups"] = (f"{ARMS['implicit'][0]}, before dynamic sampling",
-                               (*ARMS["implicit"][1], "implicit_prm.before_dynamic_sampling=true"))
+# Variants of the implicit PRM's arm: inside the rollout stage (it learns from and scores every sampled group, and
+# dynamic sampling keeps the groups its step rewards split, as a learned PRM's do, not only those of mixed
+# outcomes); every token its own step (PRIME's token-level credit) instead of the text's steps
+IMPLICIT_VARIANTS = {"implicit_all_groups": ("before dynamic sampling", "implicit_prm.before_dynamic_sampling=true"),
+                     "implicit_token_steps": ("one-token steps", "implicit_prm.steps=tokens")}
+for _arm, (_what, _override) in IMPLICIT_VARIANTS.items():
+    ARMS[_arm] = (f"{ARMS['implicit'][0]}, {_what}", (*ARMS["implicit"][1], _override))
 # What each GRPO arm's live line shows besides its step.
 SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
 SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
-SHOWN["implicit"] = SHOWN["implicit_all_groups"] = (*SHOWN["outcome"],
-                                                    ("PRM outcome acc", "implicit_prm/outcome_accuracy"))
-ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle", "implicit": "grpo_implicit",
-               "implicit_all_groups": "grpo_implicit_all_groups"}
+ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle"}
+for _arm in ("implicit", *IMPLICIT_VARIANTS):
+    SHOWN[_arm] = (*SHOWN["outcome"], ("PRM outcome acc", "implicit_prm/outcome_accuracy"))
+    ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 
 
 def arm_settings(arm: str) -> tuple[str, tuple[str, ...], str]:

@@ -9,11 +9,12 @@ from pathlib import Path
 from grpo_mega.run.metrics import read_metrics
 
 ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "implicit",
-            "implicit_all_groups": "implicit_all_groups"}
+            "implicit_all_groups": "implicit_all_groups", "implicit_token_steps": "implicit_token_steps"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
-              "implicit_all_groups": "process supervision (implicit PRM, before dynamic sampling)"}
+              "implicit_all_groups": "process supervision (implicit PRM, before dynamic sampling)",
+              "implicit_token_steps": "process supervision (implicit PRM, one-token steps)"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 

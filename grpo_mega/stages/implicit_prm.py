@@ -11,7 +11,8 @@ Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM
    in the bounds);
 2. the updated PRM's token rewards on every completion (a forward pass of the PRM; the reference's log-probs are
    computed once for both), at temperature 1;
-3. step scores over the same steps the learned PRM scores: the text through the first final answer split by
+3. step scores over the same steps the learned PRM scores (or every token of them: ``implicit_prm.steps:
+   tokens``): the text through the first final answer split by
    ``process_reward.step_pattern`` (and ``max_counted_steps``), a missing answer's step scored
    ``missing_answer_score`` (the answer guard), each step's score the sum of its tokens' rewards (or the sigmoid of the
    implicit Q-value at its end: ``implicit_prm.step_value``); then ``process_reward.step_reward``, the weight and
@@ -214,6 +215,8 @@ class ImplicitPRM:
                 all_rewards.append([])
                 all_ends.append([])
                 continue
+            if self.settings.steps == "tokens":  # every token through the scored text; then the missing answer's
+                ends = list(range(ends[-1] + (0 if missing else 1))) + ([ends[-1]] if missing else [])
             begin = int(prompt_lengths[row])
             response = token_rewards[row, begin : begin + len(completion.response_ids)]
             scores = implicit_step_scores(response[None], torch.tensor([ends]), self.settings.step_value)[0].tolist()
