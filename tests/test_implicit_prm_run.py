@@ -129,4 +129,5 @@ def test_async_rollouts_train_the_implicit_prm_on_the_trainer_as_the_colocated_r
     assert [same(row) for row in got] == [same(row) for row in expected]
     for step in (1, 2, 3):
         assert _trained(separate, step) == _trained(colocated, step)
-    assert (separate / "checkpoints" / "step_000002" / "implicit_prm" / "metadata.json").is_file()
+    latest = (separate / "checkpoints" / "latest").read_text().strip()
+    assert (separate / "checkpoints" / latest / "implicit_prm" / "metadata.json").is_file()
