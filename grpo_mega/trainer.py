@@ -118,7 +118,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     else:
         if rollout_engine is None:
             rollout_engine = build_rollout_engine_for(cfg, tokenizer)
-        _sync(policy, rollout_engine, cfg, offload=offload)
+        _sync(policy, rollout_engine, cfg, offload=offload, implicit_prm=implicit_prm)
     harness.startup.mark("rollout_engine")  # built (vLLM before the model: its seconds count here too) and synced
     memory = PhaseMemory(get_device())
     rollout = None if feed is not None else RolloutStage(
@@ -147,7 +147,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 groups, metrics = feed.batch(step)
         else:
             if offload:  # a checkpoint save took the optimizer state back
-                policy.offload_to_host()
+                _offload_training_state(policy, implicit_prm)
             with timer("gen"), memory.phase("generation"), failure_phase("generation"):
                 groups, metrics = rollout.run(step)
             _release_rollout_memory(rollout_engine)
@@ -177,7 +177,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             if feed is not None:
                 sync_metrics = feed.push_weights(step, policy.export_hf_weights())
             else:
-                sync = _sync(policy, rollout_engine, cfg, offload=offload)
+                sync = _sync(policy, rollout_engine, cfg, offload=offload, implicit_prm=implicit_prm)
                 sync_metrics = {"timing_s/sync": sync.seconds, "perf/sync_bytes": float(sync.bytes)}
         policy.lr_schedule_step()  # the schedule counts trainer steps, however many optimizer steps were taken
         if implicit_prm is not None:
@@ -236,11 +236,19 @@ def _release_rollout_memory(rollout_engine) -> None:
         release()
 
 
-def _sync(policy, rollout_engine, cfg: GRPOConfig, *, offload: bool) -> SyncStats:
+def _offload_training_state(policy, implicit_prm) -> None:
+    """``parallel.offload_during_rollout``: the policy's gradient buffers and optimizer state leave the device, and
+    the implicit PRM's (it takes them back when it trains: ``ImplicitPRM.run``)."""
+    policy.offload_to_host()
+    if implicit_prm is not None:
+        implicit_prm.engine.offload_to_host()
+
+
+def _sync(policy, rollout_engine, cfg: GRPOConfig, *, offload: bool, implicit_prm=None) -> SyncStats:
     """Full weight sync; with ``offload`` the gradient buffers and optimizer state leave the device first, so the
     rollout engine's weights (and then its KV cache) wake into the room they held."""
     if offload:
-        policy.offload_to_host()
+        _offload_training_state(policy, implicit_prm)
     return sync_weights(policy.export_hf_weights(), rollout_engine, bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20)
 
 

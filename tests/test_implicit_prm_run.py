@@ -106,6 +106,23 @@ def test_the_cli_refuses_what_the_implicit_prm_cannot_run_in_one_line(task, tmp_
     assert message in err
 
 
+def test_offloading_the_training_state_during_rollout_changes_nothing(task, tmp_path):
+    """parallel.offload_during_rollout moves the implicit PRM's optimizer state to the host with the policy's and
+    brings it back for its update: every step's losses, gradient norms and rewards equal a run that kept it."""
+    from test_async_rollouts import _comparable
+
+    runs = {}
+    for offload in ("false", "true"):
+        run_dir = runs[offload] = tmp_path / f"offload_{offload}"
+        result = subprocess.run(_cli(task, run_dir, *IMPLICIT, "trainer.total_steps=3", "optim.lr=1e-3",
+                                     f"parallel.offload_during_rollout={offload}"),
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    kept, offloaded = (read_metrics(runs[name] / "metrics.jsonl") for name in ("false", "true"))
+    assert len(kept) == 3 and all(row["implicit_prm/grad_norm"] > 0 for row in kept)
+    assert [_comparable(row) for row in offloaded] == [_comparable(row) for row in kept]
+
+
 @pytest.mark.slow
 def test_async_rollouts_train_the_implicit_prm_on_the_trainer_as_the_colocated_run_does(task, tmp_path):
     """rollout.mode=async at staleness 0: the rollout rank samples and filters, the trainer rank trains the implicit

@@ -65,6 +65,21 @@ def test_the_implicit_prm_is_a_second_trained_policy_in_every_phase_and_shares_t
     assert shared.phase("update").total == implicit.phase("update").total
 
 
+def test_offload_during_rollout_takes_the_implicit_prms_training_state_off_the_gpu_while_vllm_generates():
+    """parallel.offload_during_rollout: the implicit PRM's gradients and optimizer state leave with the policy's
+    (its weights stay); it trains after the rollout stage, so the update holds it whole. Before dynamic sampling it
+    trains inside the rollout stage: generation then holds it whole."""
+    key = "implicit PRM (weights, gradients, optimizer)"
+    kept = _plan("qwen2.5-math-7b_grpo_implicit")
+    off = _plan("qwen2.5-math-7b_grpo_implicit", "parallel.offload_during_rollout=true")
+    inside = _plan("qwen2.5-math-7b_grpo_implicit", "parallel.offload_during_rollout=true",
+                   "implicit_prm.before_dynamic_sampling=true")
+    assert kept.phase("generation").items[key] == kept.policy.total
+    assert off.phase("generation").items[key] == off.policy.params < off.policy.total
+    assert off.phase("update").items[key] == off.policy.total
+    assert inside.phase("generation").items[key] == inside.policy.total
+
+
 def test_async_rollouts_keep_the_implicit_prm_on_the_training_gpus():
     """rollout.mode=async with the implicit PRM: it trains where the policy trains, so the update and the save
     count it and generation on the rollout GPUs does not."""

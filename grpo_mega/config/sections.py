@@ -81,7 +81,8 @@ class ParallelConfig:
     offload_during_rollout: bool = False
     """GRPO with the Megatron engine: from the end of each update to the next, release the gradient buffers and
     keep the optimizer state (Adam moments, fp32 master copies) in host memory, so vLLM's weights and KV cache have
-    that room on the GPU (``grpo_mega.engine.offload``). Exact; costs two host copies of the optimizer state a step."""
+    that room on the GPU (``grpo_mega.engine.offload``). Exact; costs two host copies of the optimizer state a step.
+    The implicit PRM's (``process_reward.source: implicit``) leave with the policy's and come back for its update."""
 
 
 @dataclass

@@ -211,9 +211,13 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
         else:
             # vLLM sleeps during the update, but its CUDA-graph pool does not go with it
             update.items["vLLM CUDA graphs"] = vllm_plan.cuda_graphs
+            generating = dict(resident_others)
+            if offload and implicit_static is not None and not cfg.implicit_prm.before_dynamic_sampling:
+                # its gradients and optimizer state leave with the policy's (it trains after the rollout stage)
+                generating["implicit PRM (weights, gradients, optimizer)"] = implicit_static.params
             generation = Phase("generation", {
                 **base, "gradients": 0 if offload else policy.grads, "optimizer": 0 if offload else policy.optimizer,
-                **resident_others, **vllm_resident, "vLLM workspace": vllm_plan.workspace})
+                **generating, **vllm_resident, "vLLM workspace": vllm_plan.workspace})
         phases.append(generation)
         if 0 < vllm_plan.sequences_held < vllm_plan.sequences_asked:
             notes.append(f"vLLM holds {vllm_plan.sequences_held} of the {vllm_plan.sequences_asked} full-length "

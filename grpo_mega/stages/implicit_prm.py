@@ -195,6 +195,7 @@ class ImplicitPRM:
         if len(kept) == 0:
             return metrics
         batch = slice_rows({**rows, "outcome_labels": labels}, kept, rows["input_ids"].shape[1])
+        self.engine.reload_from_host()  # parallel.offload_during_rollout moved its state off the device
         result = self.engine.train_step(batch, self.loss_fn)
         metrics.update({"implicit_prm/loss": result["loss"], "implicit_prm/grad_norm": result["grad_norm"],
                         "implicit_prm/lr": result["lr"],
