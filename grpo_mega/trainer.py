@@ -2,12 +2,14 @@
 
 One step, top to bottom (``train``): the rollout stage (prompts -> G completions each -> rewards per completion and
 per step -> dynamic-sampling filter) -> with ``process_reward.source: implicit``, the implicit PRM's update on the
-batch's outcomes and its step rewards (``grpo_mega.stages.implicit_prm``) -> the batch builder (advantages on
+batch's outcomes and its step rewards (``grpo_mega.stages.implicit_prm``; with
+``implicit_prm.before_dynamic_sampling`` inside the rollout stage, before the filter) -> the batch builder (advantages on
 ``prompt + response`` rows) -> the update runner (old / reference log-probs, ppo_epochs x mini-batch updates) -> the
 learning-rate schedule advances one step -> weight sync to the rollout engine, on every step (vLLM discards its
 weights when it sleeps) -> metrics (``memory/generation/*`` and ``memory/update/*``: ``grpo_mega.perf.memory``) ->
 checkpoint / evaluation on schedule. With ``parallel.offload_during_rollout`` the policy's gradient buffers and
-optimizer state stay in host memory from the end of one update to the start of the next (sync, generation, rewards).
+optimizer state stay in host memory from the end of one update to the start of the next (sync, generation, rewards),
+and the implicit PRM's until its update.
 Every rank runs this loop on the same data (SPMD); the engine shards rows over data-parallel ranks itself. The
 run's life cycle around the step (distributed set-up, resume, metrics log, saves, stop requests, shutdown) is
 ``grpo_mega.harness.lifecycle``'s, shared with SFT and PRM training.
@@ -125,7 +127,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
         answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
-        batch_step_rewards=implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling else None)
+        batch_step_rewards=(implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling
+                            else None))
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
 
     def run_eval(step: int) -> dict[str, float]:  # async: the rollout world's evaluation of this step's weights
