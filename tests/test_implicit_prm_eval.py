@@ -83,3 +83,14 @@ def test_figures_without_a_defined_value_are_left_out():
 def test_the_outcome_is_predicted_by_the_sign_of_the_summed_reward():
     rewards = torch.tensor([[0.5, -0.1], [-0.3, 0.1], [0.0, 0.0]])
     assert outcome_figures(rewards, [1.0, 1.0, 0.0]) == {"eval/implicit_prm/outcome_accuracy": pytest.approx(2 / 3)}
+
+
+def test_a_dev_share_picks_the_threshold_a_weak_prms_scale_needs():
+    """Every step sum above 0 (a sign test finds no error), but the first wrong step always scored lowest: the
+    fixed threshold's F1 is 0, the dev-picked one finds every first error and clears every right solution."""
+    right, wrong = ([0.3, 0.25, 0.3], [True, True, True]), ([0.3, 0.1, 0.2], [True, False, False])
+    rows = [right, wrong] * 10
+    figures = step_detection([s for s, _ in rows], [t for _, t in rows], "sum", seed=3)
+    assert figures["eval/implicit_prm/processbench_f1"] == 0.0
+    assert figures["eval/implicit_prm/tuned_processbench_f1"] == 1.0
+    assert 0.1 < figures["eval/implicit_prm/tuned_processbench_threshold"] <= 0.25

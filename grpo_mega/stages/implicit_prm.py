@@ -105,6 +105,7 @@ class ImplicitPRM:
         self.owns_reference = owns_reference
         self.answer_guard = answer_guard
         self.loss_fn = implicit_prm_loss_fn(self.settings.beta)
+        self.seed = cfg.parallel.seed
         self.before_sampling = cfg.implicit_prm.before_dynamic_sampling
         """Whether it runs inside the rollout stage, before dynamic sampling (:meth:`run_timed`), or after it."""
 
@@ -181,7 +182,7 @@ class ImplicitPRM:
             scores.append(piece_scores(response, pieces, completion.response_ids, self.decode,
                                        self.settings.step_value) if pieces and completion.response_ids else [])
             truths.append(synthetic_truth(record.extra, pieces) if scores[-1] else [])
-        return {**metrics, **step_detection(scores, truths, self.settings.step_value)}
+        return {**metrics, **step_detection(scores, truths, self.settings.step_value, seed=self.seed)}
 
     def _update(self, rows: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, float]:
         """One optimizer step on the rows the accuracy filter keeps (all without it); its metrics."""

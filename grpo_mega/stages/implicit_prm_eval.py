@@ -9,7 +9,10 @@ scores: the text through the first final answer (the answer guard's cut; the who
 ``process_reward.step_pattern``; their truth is ``prm.synthetic.true_step_labels``. Reported, as the learned PRM's
 evaluation reports them (``prm.metrics``): ProcessBench's F1 over the completions (the first wrong step found
 exactly on a wrong solution, no wrong step predicted on a right one) with its two accuracies, and the step-level F1
-of detecting wrong steps over all steps pooled. No threshold is tuned: the implicit PRM's scale is fixed by its loss.
+of detecting wrong steps over all steps pooled, at that fixed threshold; and ProcessBench's F1 at a threshold picked
+on a seeded dev share of the completions (``tuned_*``), as the learned PRM's evaluation of the policy's solutions
+picks its own. (A sign test flags a right solution of six steps whenever one step's sum dips below 0: a weak
+implicit PRM's fixed-threshold F1 is near 0 however well it ranks steps.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from grpo_mega.data.synthetic import Problem
 from grpo_mega.stages.process_reward import segment_completion
 from grpo_mega.stages.step_tokens import step_end_tokens
 from prm.examples import first_error_of
-from prm.metrics import predicted_first_error, processbench_f1, step_classification
+from prm.evaluate import split_dev
+from prm.metrics import choose_threshold, predicted_first_error, processbench_f1, step_classification
 from prm.synthetic import true_step_labels
 
 WRONG_BELOW = {"sum": 0.0, "probability": 0.5}
@@ -49,9 +53,12 @@ def piece_scores(token_rewards: torch.Tensor, pieces: Sequence[str], response_id
     return [q - (q_values[index - 1] if index else 0.0) for index, q in enumerate(q_values)]
 
 
-def step_detection(scores: list[list[float]], truths: list[list[bool]], step_value: str) -> dict[str, float]:
+def step_detection(scores: list[list[float]], truths: list[list[bool]], step_value: str, *,
+                   seed: int = 0) -> dict[str, float]:
     """ProcessBench F1 (with its error / correct accuracies) and the step-level F1 of wrong-step detection, over the
-    completions with at least one scored piece; figures without a defined value (e.g. no wrong solution) left out."""
+    completions with at least one scored piece, at the fixed threshold of ``step_value``; and ProcessBench F1 at
+    the threshold a seeded dev share (``DEV_FRACTION`` of the completions) picks, on the rest, as the learned PRM's
+    evaluation picks its own (``tuned_*``). Figures without a defined value (e.g. no wrong solution) left out."""
     threshold = WRONG_BELOW[step_value]
     rows = [(row, truth) for row, truth in zip(scores, truths) if truth]
     if not rows:
@@ -61,8 +68,29 @@ def step_detection(scores: list[list[float]], truths: list[list[bool]], step_val
     steps = step_classification([row for row, _ in rows], [truth for _, truth in rows], threshold)
     figures = {"processbench_f1": bench["f1"], "processbench_error_accuracy": bench["error_accuracy"],
                "processbench_correct_accuracy": bench["correct_accuracy"], "step_f1": steps["step_f1"],
-               "step_accuracy": steps["step_accuracy"]}
+               "step_accuracy": steps["step_accuracy"], **tuned_processbench(rows, threshold, seed)}
     return {f"eval/implicit_prm/{key}": float(value) for key, value in figures.items() if value is not None}
+
+
+DEV_FRACTION = 0.25
+"""The share of the evaluated completions whose ProcessBench F1 picks the tuned threshold (the rest report it)."""
+
+
+def tuned_processbench(rows: list[tuple[list[float], list[bool]]], fixed: float, seed: int) -> dict[str, float]:
+    """ProcessBench F1 on the non-dev rows at the threshold that maximises it on a seeded dev share, of the fixed
+    threshold and the dev step scores' 5 %, 10 %, ..., 95 % quantiles (the implicit PRM's scale is not a
+    probability's: the learned PRM's 0.05 grid would not fit it); {} with fewer than 2 rows."""
+    dev, test = split_dev(len(rows), DEV_FRACTION, seed)
+    if not dev or not test:
+        return {}
+    dev_scores = [rows[index][0] for index in dev]
+    pooled = sorted(score for row in dev_scores for score in row)
+    candidates = sorted({fixed, *(pooled[min(len(pooled) - 1, int(q * len(pooled) / 20))] for q in range(1, 20))})
+    threshold, _ = choose_threshold(dev_scores, [first_error_of(rows[index][1]) for index in dev], candidates)
+    result = processbench_f1([predicted_first_error(rows[index][0], threshold) for index in test],
+                             [first_error_of(rows[index][1]) for index in test])
+    return {"tuned_processbench_f1": result["f1"], "tuned_processbench_error_accuracy": result["error_accuracy"],
+            "tuned_processbench_correct_accuracy": result["correct_accuracy"], "tuned_processbench_threshold": threshold}
 
 
 def outcome_figures(token_rewards: torch.Tensor, outcomes: Sequence[float]) -> dict[str, float]:
