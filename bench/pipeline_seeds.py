@@ -35,9 +35,10 @@ sys.path.insert(0, str(ROOT))
 from bench.seed_curves import equal_groups, equal_seconds, plot_seed_curves  # noqa: E402
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
-from grpo_mega.quickstart.arms import ARMS  # noqa: E402
+from grpo_mega.quickstart.arms import ARMS, arm_settings  # noqa: E402
 from grpo_mega.quickstart.pipeline import FAST, REGIMES, add_arms, run_pipeline  # noqa: E402
-from grpo_mega.quickstart.report import arm_key, arm_title  # noqa: E402
+from grpo_mega.quickstart.report import arm_key, arm_report, arm_title  # noqa: E402
+from grpo_mega.run.layout import metrics_path  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
            "os_zero_signal", "ps_zero_signal", "ps_minus_os", "ps_minus_os_equal_seconds", "oracle_minus_os",
@@ -95,18 +96,22 @@ def main() -> int:
             summary = add_arms(args.out / f"seed{seed}", replace(base, seed=seed), args.add_arms)
         elif args.reuse and done.is_file() and json.loads(done.read_text()).get("regime") == base.name:
             print(f"   reusing {done}", flush=True)
-            summary = json.loads(done.read_text())
+            summary = refreshed(json.loads(done.read_text()))
         else:
             summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True,
                                                                      step_reward_arms=tuple(args.step_rewards),
                                                                      implicit_arm=args.implicit))
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
-    for key in [arm_key(arm) for arm in results[0]["arms"] if arm != "outcome"]:
+    arms = common_arms(results)
+    if len(arms) < len(results[0]["arms"]):
+        print(f"arms not in every seed, left out of the comparison: "
+              f"{sorted(set().union(*(r['arms'] for r in results)) - set(arms))}")
+    for key in [arm_key(arm) for arm in arms if arm != "outcome"]:
         for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds"),
                              ("_equal_seconds_set_aside", "equal seconds, the PRM's one-off cost set aside"),
                              ("_equal_groups", "equal data (groups trained)")):
-            if f"{key}_minus_os{suffix}" not in results[0]:
+            if any(f"{key}_minus_os{suffix}" not in r for r in results):
                 continue
             differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
                 [r[f"{key}_minus_os{suffix}"] for r in results])
@@ -117,9 +122,9 @@ def main() -> int:
             columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_zero_signal", f"{key}_minus_os",
                         f"{key}_minus_os_equal_seconds"]
     columns.append("oracle_minus_os_equal_seconds")
-    extra["arm_figures"] = arm_figures(results)
+    extra["arm_figures"] = arm_figures(results, arms)
     plot = args.plot or result.with_suffix(".png")
-    extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in results[0]["arms"]}, plot,
+    extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in arms}, plot,
                                          f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
     report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
     return 0
@@ -147,15 +152,33 @@ def with_comparisons(summary: dict) -> dict:
     return row
 
 
-FIGURES = ("prm_scoring_share", "trained_groups", "pieces_per_completion_start", "pieces_per_completion_end",
-           "clip_ratio_end", "text_after_answer_fraction_end", "no_answer_fraction_end")
+FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "pieces_per_completion_start",
+           "pieces_per_completion_end", "clip_ratio_end", "text_after_answer_fraction_end", "no_answer_fraction_end",
+           "implicit_f1_first", "implicit_f1_end", "implicit_step_f1_first", "implicit_step_f1_end")
 
 
-def arm_figures(results: list[dict]) -> dict:
+def refreshed(summary: dict) -> dict:
+    """A reused seed's summary with each arm's report made again from its ``metrics.jsonl`` where the run folder
+    still has it (figures added to ``arm_report`` since the seed ran), its seconds kept."""
+    run_dir = Path(summary["run_dir"])
+    for arm, report in summary["arms"].items():
+        metrics = metrics_path(run_dir / arm_settings(arm)[2])
+        if metrics.is_file():
+            prm_seconds = report.get("prm_seconds", 0.0)
+            summary["arms"][arm] = arm_report(metrics, report["seconds"] - prm_seconds, prm_seconds)
+    return summary
+
+
+def common_arms(results: list[dict]) -> list[str]:
+    """The arms every seed ran, in the first seed's order (``--add-arms`` may have added some to a few seeds)."""
+    return [arm for arm in results[0]["arms"] if all(arm in r["arms"] for r in results)]
+
+
+def arm_figures(results: list[dict], arms: list[str]) -> dict:
     """Per arm, each of ``FIGURES`` over the seeds (a summary from before issue 47 lacks them: None), printed as a
     table; and how many runs amortise a learned PRM's one-off cost (its seconds over the outcome arm's)."""
     figures = {}
-    for arm in results[0]["arms"]:
+    for arm in arms:
         reports = [run["arms"][arm] for run in results]
         figures[arm] = {name: [report.get(name) for report in reports] for name in FIGURES}
         if reports[0].get("prm_seconds"):

@@ -67,7 +67,15 @@ def test_a_seed_is_compared_at_equal_steps_seconds_and_data_with_its_cost_and_be
     assert rows[0]["ps_minus_os_equal_seconds"] == pytest.approx(-0.1)  # at 60 s the PRM arm has not trained
     assert rows[0]["ps_minus_os_equal_seconds_set_aside"] == pytest.approx(0.03)  # 30 s of GRPO: its step 5
     assert rows[0]["ps_minus_os_equal_groups"] == pytest.approx(0.03)  # 32 of 40 groups: its step 5 again
-    figures = arm_figures(rows)
+    figures = arm_figures(rows, ["outcome", "process"])
     assert figures["process"]["prm_cost_in_outcome_runs"] == [2.0, 2.0]
     assert figures["process"]["trained_groups"] == [80, 80] and figures["outcome"]["prm_scoring_share"] == [None, None]
     assert "process supervision (learned PRM)" in capsys.readouterr().out
+
+
+def test_only_the_arms_every_seed_ran_are_compared():
+    from bench.pipeline_seeds import common_arms
+
+    seeds = [{"arms": {"outcome": {}, "process": {}, "implicit": {}, "implicit_all_groups": {}}},
+             {"arms": {"outcome": {}, "implicit": {}, "process": {}}}]
+    assert common_arms(seeds) == ["outcome", "process", "implicit"]

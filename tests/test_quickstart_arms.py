@@ -114,6 +114,21 @@ def test_an_arm_reports_where_its_seconds_went_and_what_it_trained_on(tmp_path):
     assert report["text_after_answer_fraction_end"] == 0.75 and report["no_answer_fraction_end"] is None
     assert report["seconds"] == 40.0 and report["gain"] == pytest.approx(0.2)
     assert report["groups_curve"] == [[0, 0.0, 0.2], [2, 16.0, 0.4]]
+    assert report["implicit_prm_share"] is None and "implicit_f1_end" not in report  # not an implicit-PRM arm
+
+
+def test_an_implicit_arm_reports_its_prms_share_of_the_step_and_its_f1_after_the_first_update(tmp_path):
+    rows = [{"step": 0, "time": 1.0, "eval/accuracy": 0.2, "eval/implicit_prm/tuned_processbench_f1": 0.0,
+             "eval/implicit_prm/step_f1": 0.0},
+            {"step": 1, "time": 5.0, "timing_s/step": 4.0, "timing_s/implicit_prm": 1.0, "eval/accuracy": 0.3,
+             "eval/implicit_prm/tuned_processbench_f1": 0.25, "eval/implicit_prm/step_f1": 0.5},
+            {"step": 2, "time": 9.0, "timing_s/step": 4.0, "timing_s/implicit_prm": 2.0, "eval/accuracy": 0.4,
+             "eval/implicit_prm/tuned_processbench_f1": 0.375, "eval/implicit_prm/step_f1": 0.625}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = arm_report(tmp_path / "metrics.jsonl", grpo_seconds=10.0)
+    assert report["implicit_prm_share"] == 0.375
+    assert (report["implicit_f1_first"], report["implicit_f1_end"]) == (0.25, 0.375)  # step 0 (F1 0 by design) skipped
+    assert (report["implicit_step_f1_first"], report["implicit_step_f1_end"]) == (0.5, 0.625)
 
 
 @pytest.mark.parametrize("regime", ["dense", "sparse"])

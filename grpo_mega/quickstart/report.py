@@ -64,6 +64,7 @@ def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 
         "prm_seconds": round(seconds_before, 1),
         **cost_split(rows),
         **behaviour(rows),
+        **implicit_prm_figures(rows),
     }
 
 
@@ -89,7 +90,9 @@ def cost_split(rows: list[dict]) -> dict:
     steps = [row for row in rows if "timing_s/step" in row]
     step_seconds = _total(steps, "timing_s/step")
     prm_seconds = _total(steps, "timing_s/prm")
+    implicit_seconds = _total(steps, "timing_s/implicit_prm")
     return {
+        "implicit_prm_share": round(implicit_seconds / step_seconds, 4) if implicit_seconds and step_seconds else None,
         "prm_scoring_seconds": round(prm_seconds, 1),
         "update_seconds": round(_total(steps, "timing_s/old_logprob", "timing_s/ref", "timing_s/update"), 1),
         "step_seconds": round(step_seconds, 1),
@@ -114,6 +117,20 @@ def behaviour(rows: list[dict]) -> dict:
         figures[f"{name}_start"] = logged[0] if logged else None
         figures[f"{name}_end"] = logged[-1] if logged else None
     return figures
+
+
+IMPLICIT_F1 = {"implicit_f1": "eval/implicit_prm/tuned_processbench_f1", "implicit_step_f1": "eval/implicit_prm/step_f1"}
+"""The implicit PRM's step detection on the held-out completions (``grpo_mega.stages.implicit_prm_eval``)."""
+
+
+def implicit_prm_figures(rows: list[dict]) -> dict:
+    """``<figure>_first`` / ``<figure>_end`` of each of ``IMPLICIT_F1`` at the first evaluation after step 0 (at step
+    0 the implicit PRM is its reference: every reward 0, F1 0 by construction) and the last; {} for other arms."""
+    evals = [row for row in rows if row["step"] > 0 and IMPLICIT_F1["implicit_step_f1"] in row]
+    if not evals:
+        return {}
+    return {f"{name}_{when}": row.get(key) for name, key in IMPLICIT_F1.items()
+            for when, row in (("first", evals[0]), ("end", evals[-1]))}
 
 
 def flat_figures(arms: dict[str, dict]) -> dict:
