@@ -203,7 +203,8 @@ class ImplicitPRMConfig:
     """beta of the token reward ``beta * (log pi_phi - log pi_ref)`` (PRIME: 0.05). Must be > 0."""
     optim: ImplicitPRMOptimConfig = field(default_factory=ImplicitPRMOptimConfig)
     """Its optimizer and learning-rate schedule (``implicit_prm.optim.*``), its own: the policy's ``optim`` does not
-    apply to it."""
+    apply to it. Keep its learning rate low: at twice the quickstart policy's (1e-4) the policy collapsed, at 1e-6 it
+    trained like outcome supervision (docs/results.md, "The implicit PRM")."""
     step_value: str = "sum"
     """A step's score from its tokens' rewards: ``sum`` (the step's share of the completion's implicit reward;
     ``process_reward.step_reward`` must then be ``score``, which makes a token's advantage PRIME's return at step
@@ -226,7 +227,9 @@ class ImplicitPRMConfig:
     (groups of equal outcomes dropped, as PRIME's accuracy filter drops them); the only order with
     ``rollout.mode: async``, where the rollout world samples and filters and the trainer's ranks hold the implicit
     PRM. True: inside the rollout stage, on every sampled group before dynamic sampling, which then keeps a group
-    whose pooled step rewards differ (as it does for a learned PRM), so groups of equal outcomes can still train."""
+    whose pooled step rewards differ (as it does for a learned PRM), so groups of equal outcomes can still train;
+    measured on the quickstart's sparse regime, that collapsed the policy (seeds 1 and 2: the kept groups of equal
+    outcomes train on the group normalisation of tiny reward differences; docs/results.md, "The implicit PRM")."""
 
 
 @dataclass
