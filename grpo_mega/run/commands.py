@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+INTERRUPTED_EXITS = (130, -2)
+"""A command's exit status after SIGINT: 130 (its own handler, 128 + SIGINT), -2 (killed by the signal)."""
+
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The YAML configs shipped with the repository (the quickstart's commands)."""
@@ -128,7 +131,8 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
                 poll_seconds: float = 1.0) -> float:
     """Run ``grpo-mega <argv>`` with its output in ``log_path``, showing ``progress`` live; returns wall seconds.
 
-    Raises :class:`CommandFailed` with the log's last lines when the process fails. A command resumed from its own
+    Raises :class:`CommandFailed` with the log's last lines when the process fails, KeyboardInterrupt when it ended
+    from Ctrl-C (exit 130), however the two processes' signals raced. A command resumed from its own
     checkpoints starts its bar at the step it resumes from (the rows it had written before are skipped).
     """
     log_path = Path(log_path)
@@ -160,6 +164,8 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
                 raise
     finally:
         line.close()
+    if code in INTERRUPTED_EXITS:  # Ctrl-C reached the command's process before this one's KeyboardInterrupt
+        raise KeyboardInterrupt(f"'grpo-mega {' '.join(argv[:2])}' was interrupted (exit {code})")
     if code != 0:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise CommandFailed(f"'grpo-mega {' '.join(argv[:2])}' failed (exit {code}); last lines of {log_path}:\n{tail}")
