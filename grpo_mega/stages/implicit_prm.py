@@ -136,20 +136,26 @@ class ImplicitPRM:
         """Update the implicit PRM on ``groups``' outcomes, then give every completion its step rewards and step
         ends (response token indices), replacing any the reward function gave. Returns the batch and the
         ``implicit_prm/*`` metrics."""
-        completions = groups.completions
-        rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions],
-                                  self.pad_id)
+        rows = self._rows(groups.completions)
         labels = outcome_labels(groups.scores)
         rows["ref_logprobs"], _ = self.reference.forward_logprobs(rows)
         metrics = self._update(rows, labels)
-        prm_logprobs, _ = self.engine.forward_logprobs(rows)
-        token_rewards = implicit_token_rewards(prm_logprobs.float(), rows["ref_logprobs"].float(),
-                                               rows["loss_mask"], self.settings.beta)
+        token_rewards = self._token_rewards(rows, rows["ref_logprobs"])
         step_rewards, step_ends = self._step_rewards(groups, token_rewards, rows["prompt_lengths"])
         mask = rows["loss_mask"].bool()
         metrics["implicit_prm/token_reward_mean"] = float(token_rewards[mask].mean()) if mask.any() else 0.0
         metrics["implicit_prm/scored_outcome_accuracy"] = outcome_prediction_accuracy(token_rewards, labels)
         return dataclasses.replace(groups, step_rewards=step_rewards, step_ends=step_ends), metrics
+
+    def _rows(self, completions: Sequence[Completion]) -> dict[str, torch.Tensor]:
+        return sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions],
+                                  self.pad_id)
+
+    def _token_rewards(self, rows: dict[str, torch.Tensor], ref_logprobs: torch.Tensor) -> torch.Tensor:
+        """The implicit PRM's token rewards on ``rows`` (a forward pass) against the reference's log-probs."""
+        prm_logprobs, _ = self.engine.forward_logprobs(rows)
+        return implicit_token_rewards(prm_logprobs.float(), ref_logprobs.float(), rows["loss_mask"],
+                                      self.settings.beta)
 
     def run_timed(self, groups: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """:meth:`run` inside the rollout stage (``implicit_prm.before_dynamic_sampling``), its seconds as
@@ -163,12 +169,9 @@ class ImplicitPRM:
         """``eval/implicit_prm/*`` of the held-out evaluation's completions (``grpo_mega.stages.implicit_prm_eval``):
         the outcome prediction, and on the synthetic task the step detection against the step checker
         (collective: every rank calls with the same completions)."""
-        rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions],
-                                  self.pad_id)
+        rows = self._rows(completions)
         ref_logprobs, _ = self.reference.forward_logprobs(rows)
-        prm_logprobs, _ = self.engine.forward_logprobs(rows)
-        token_rewards = implicit_token_rewards(prm_logprobs.float(), ref_logprobs.float(), rows["loss_mask"],
-                                               self.settings.beta)
+        token_rewards = self._token_rewards(rows, ref_logprobs)
         metrics = outcome_figures(token_rewards, outcomes)
         if not records or not all("steps" in record.extra for record in records):
             return metrics

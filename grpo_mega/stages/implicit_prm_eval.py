@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo_mega.algo.implicit_reward import outcome_prediction_accuracy
+from grpo_mega.algo.implicit_reward import implicit_step_scores, outcome_prediction_accuracy
 from grpo_mega.data.step_split import step_char_ends
 from grpo_mega.data.synthetic import Problem
 from grpo_mega.stages.process_reward import segment_completion
@@ -43,14 +43,10 @@ def scored_pieces(text: str, answer_end: int | None, pattern: str, max_counted_s
 
 def piece_scores(token_rewards: torch.Tensor, pieces: Sequence[str], response_ids: Sequence[int],
                  decode: Callable[[list[int]], str], step_value: str) -> list[float]:
-    """Each piece's score from one completion's response token rewards ([T]), as ``implicit_step_scores`` gives
-    them: the sum of its tokens' rewards (a piece that ends in the token of the piece before it has none: 0), or
-    the sigmoid of the rewards summed through its end."""
-    cumulative = token_rewards.float().cumsum(dim=0)
-    q_values = [float(cumulative[end]) for end in step_end_tokens(decode, response_ids, step_char_ends(list(pieces)))]
-    if step_value == "probability":
-        return [float(torch.sigmoid(torch.tensor(q))) for q in q_values]
-    return [q - (q_values[index - 1] if index else 0.0) for index, q in enumerate(q_values)]
+    """Each piece's score from one completion's response token rewards ([T]) by ``implicit_step_scores`` (a piece
+    that ends in the token of the piece before it has no token of its own: sum 0)."""
+    ends = step_end_tokens(decode, response_ids, step_char_ends(list(pieces)))
+    return implicit_step_scores(token_rewards.float()[None], torch.tensor([ends]), step_value)[0].tolist()
 
 
 def step_detection(scores: list[list[float]], truths: list[list[bool]], step_value: str, *,
