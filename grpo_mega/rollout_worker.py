@@ -21,6 +21,8 @@ checkpoint needs the batches in flight from this world), then send ``stop``.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import time
 
@@ -103,8 +105,9 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
                             seed=cfg.parallel.seed)
     eval_records = eval_prompts(cfg, tokenizer)
     engine = build_rollout_engine_for(cfg, tokenizer)
+    decode = functools.partial(decode_response, tokenizer)
     stage = RolloutStage(engine, prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
-                         decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
+                         decode=decode, step_reward_source=step_reward_source(cfg, decode),
                          answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern)
     link = RolloutLink(split, engine)
     k, total = cfg.rollout.max_staleness, run.total_steps

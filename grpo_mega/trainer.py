@@ -17,6 +17,7 @@ run's life cycle around the step (distributed set-up, resume, metrics log, saves
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -88,6 +89,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             return run_rollout_worker(cfg, split)
     harness = RunHarness(cfg, command="grpo-mega train")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
+    decode = functools.partial(decode_response, tokenizer)  # response token ids -> the completion's text
     # async: the rollout world samples the prompts (and a checkpoint keeps its sampler state)
     train_prompts = None if split else PromptBatches(load_prompts(cfg, tokenizer, cfg.data.train_file),
                                                      alg.rollout_batch_size, seed=cfg.parallel.seed)
@@ -100,7 +102,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     # process_reward.source: implicit: PRIME's implicit PRM, a second trained engine (saved with each checkpoint)
     implicit_prm = None if cfg.process_reward.source != "implicit" else build_implicit_prm(
         cfg, load_model_hf_config(cfg.model), kl_reference=reference, pad_id=tokenizer.pad_token_id,
-        decode=lambda ids: decode_response(tokenizer, ids))
+        decode=decode)
     if implicit_prm is not None:
         implicit_prm.load_reference(implicit_prm_source(cfg))  # before a resume loads the PRM's trained weights
     harness.startup.mark("model_build")
@@ -125,7 +127,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     memory = PhaseMemory(get_device())
     rollout = None if feed is not None else RolloutStage(
         rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
-        decode=lambda ids: decode_response(tokenizer, ids), step_reward_source=step_reward_source(cfg),
+        decode=decode, step_reward_source=step_reward_source(cfg, decode),
         answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
         batch_step_rewards=(implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling
                             else None))
@@ -297,4 +299,6 @@ def _dump_rollouts(run_dir: Path, step: int, groups: RolloutBatch) -> None:
                     "score": float(groups.scores[row]), "finish_reason": completion.finish_reason}
             if groups.step_rewards is not None:
                 line.update(step_rewards=groups.step_rewards[row], step_ends=groups.step_ends[row])
+            if completion.tree_path is not None:  # process_reward.source: tree: the nodes the completion went through
+                line["tree_path"] = completion.tree_path
             out.write(json.dumps(line) + "\n")

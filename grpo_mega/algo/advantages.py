@@ -102,6 +102,72 @@ def normalize_step_rewards(
     return centered.reshape(step_rewards.shape)
 
 
+STEP_BASELINES = ("pooled_steps", "completion")
+
+
+def step_credit(step_values: torch.Tensor, covers: torch.Tensor, credit: str) -> torch.Tensor:
+    """[B, T] per-token credit from [B, K] per-step values: ``sum`` of the steps at or after each token
+    (``covers[b, j, t]``: token t lies at or before step j's end), or their ``min``; 0 where no step covers a
+    token."""
+    if credit == "sum":
+        return torch.einsum("bk,bkt->bt", step_values, covers.to(step_values.dtype))
+    ahead = torch.where(covers, step_values.unsqueeze(-1), torch.full_like(step_values.unsqueeze(-1), float("inf")))
+    return torch.where(covers.any(dim=1), ahead.amin(dim=1), torch.zeros_like(ahead[:, 0]))
+
+
+def completion_baseline_advantages(
+    step_rewards: torch.Tensor,
+    valid: torch.Tensor,
+    covers: torch.Tensor,
+    group_size: int,
+    *,
+    credit: str = "sum",
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    min_std: float = 0.25,
+) -> torch.Tensor:
+    """Process advantages with the group's baseline subtracted once per completion (``step_baseline: completion``).
+
+    ``C_i(t)`` is token t's raw credit: the sum (``credit="sum"``) or the minimum (``"min"``) of the raw step
+    rewards ``r_i^j`` of the steps at or after t; the completion's return ``C_i`` is its first token's
+    (``sum_j r_i^j``, or ``min_j r_i^j``). With ``b`` the mean and ``sigma`` the sample std of the returns of the
+    group's completions that have steps:
+
+        A_{i,t} = (C_i(t) - b) / (max(sigma, min_std) + eps)        (``scale_by_std=False``: C_i(t) - b)
+
+    The completion's summed credit ``(C_i - b) / scale`` is outcome GRPO's advantage of its return: it does not
+    depend on how many steps the return was cut into, so for step rewards whose sum telescopes (``progress``,
+    ``delta``, the tree's value differences) adding a step that changes no value, or splitting a step in two, leaves
+    it unchanged, and a step with a reward <= 0 (``clip``) can only lower it (a standardised value never rises when
+    its own sample falls). ``min_std`` keeps a group whose returns nearly agree (all answers right, say) from having
+    the credit within its completions divided by a near-zero spread: 0.25 is the std of 16 0/1 outcomes with one
+    success. Rows without steps get 0.
+
+    Args:
+        step_rewards: [B, K]; valid: [B, K] bool; covers: [B, K, T] bool (:func:`process_advantages`).
+    Returns:
+        [B, T] advantages, 0 on tokens no step covers.
+    """
+    raw = torch.where(valid, step_rewards, torch.zeros_like(step_rewards))
+    credit_at = step_credit(raw, covers, credit)
+    has_steps = valid.any(dim=1)
+    if credit == "sum":
+        returns = raw.sum(dim=1)
+    else:
+        returns = torch.where(valid, step_rewards, torch.full_like(step_rewards, float("inf"))).amin(dim=1)
+    returns = torch.where(has_steps, returns, torch.zeros_like(returns))
+    grouped, counted = returns.reshape(-1, group_size), has_steps.reshape(-1, group_size).to(returns.dtype)
+    count = counted.sum(dim=1, keepdim=True)
+    mean = (grouped * counted).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    baseline = mean.expand_as(grouped).reshape(-1, 1)
+    advantages = credit_at - baseline
+    if scale_by_std:
+        var = (((grouped - mean) * counted) ** 2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        scale = var.sqrt().clamp(min=min_std) + eps
+        advantages = advantages / scale.expand_as(grouped).reshape(-1, 1)
+    return torch.where(covers.any(dim=1), advantages, torch.zeros_like(advantages))
+
+
 def process_advantages(
     step_rewards: torch.Tensor,
     step_ends: torch.Tensor,
@@ -112,6 +178,8 @@ def process_advantages(
     eps: float = 1e-6,
     credit: str = "sum",
     after_last_step: str = "zero",
+    baseline: str = "pooled_steps",
+    min_std: float = 0.25,
 ) -> torch.Tensor:
     """Process-supervised GRPO advantages (DeepSeekMath, section 4.1.3): per-token suffix sums.
 
@@ -124,6 +192,12 @@ def process_advantages(
     ``A_{i,t} = min_{j : index(j) >= t} n_i^j`` instead: a token is credited with the worst step still ahead of it,
     so adding steps cannot raise it.
 
+    ``baseline`` (``algorithm.step_baseline``) is where the group's baseline is subtracted. ``pooled_steps`` is the
+    form above: the pooled mean is subtracted from every step, so a completion's summed credit
+    ``sum_j n_i^j = (sum_j r_i^j - K_i mean(R)) / std(R)`` moves with its own step count K_i: where mean(R) < 0
+    (``clip``, wrong groups) every extra step adds ``|mean(R)| / std(R)``. ``completion`` subtracts it once per
+    completion (:func:`completion_baseline_advantages`).
+
     Args:
         step_rewards: [B, K] float; entries where ``step_ends == -1`` are ignored.
         step_ends: [B, K] long, index within the response of each step's last token, strictly increasing,
@@ -135,6 +209,8 @@ def process_advantages(
     """
     if credit not in ("sum", "min"):
         raise ValueError(f"credit must be 'sum' or 'min', got {credit!r}")
+    if baseline not in STEP_BASELINES:
+        raise ValueError(f"baseline must be one of {STEP_BASELINES}, got {baseline!r}")
     if after_last_step not in ("zero", "capped"):
         raise ValueError(f"after_last_step must be 'zero' or 'capped', got {after_last_step!r}")
     if step_rewards.shape != step_ends.shape or step_rewards.dim() != 2:
@@ -150,16 +226,15 @@ def process_advantages(
     valid = _validate_steps(step_ends.long(), response_mask)
     check_finite_rows(torch.where(valid, step_rewards, torch.zeros_like(step_rewards)), "step_rewards", group_size)
 
-    normalized = normalize_step_rewards(step_rewards, valid, group_size, scale_by_std=scale_by_std, eps=eps)
     positions = torch.arange(response_mask.shape[1], device=step_ends.device)
     # covers[b, j, t]: token t lies at or before the end of step j, so step j's reward counts towards A_{b,t}.
     covers = (step_ends.unsqueeze(-1) >= positions) & valid.unsqueeze(-1)
-    if credit == "sum":
-        advantages = torch.einsum("bk,bkt->bt", normalized, covers.to(normalized.dtype))
+    if baseline == "completion":
+        advantages = completion_baseline_advantages(step_rewards, valid, covers, group_size, credit=credit,
+                                                    scale_by_std=scale_by_std, eps=eps, min_std=min_std)
     else:
-        ahead = torch.where(covers, normalized.unsqueeze(-1), torch.full_like(normalized.unsqueeze(-1), float("inf")))
-        advantages = ahead.amin(dim=1)
-        advantages = torch.where(covers.any(dim=1), advantages, torch.zeros_like(advantages))
+        normalized = normalize_step_rewards(step_rewards, valid, group_size, scale_by_std=scale_by_std, eps=eps)
+        advantages = step_credit(normalized, covers, credit)
     if after_last_step == "capped":
         last_end = torch.where(valid, step_ends.long(), torch.full_like(step_ends.long(), -1)).amax(dim=1)
         has_steps = last_end >= 0

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_REWARDS
+from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_BASELINES, STEP_REWARDS
 from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES, IMPLICIT_STEPS
 from grpo_mega.config.checks import (
     DECAY_STYLES,
@@ -62,6 +62,9 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     check_choice(alg.rollout_is, ("none", "tis"), "algorithm.rollout_is")
     check_choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
     check_choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
+    check_choice(alg.step_baseline, STEP_BASELINES, "algorithm.step_baseline")
+    if not alg.step_baseline_min_std > 0:
+        raise ConfigError(f"algorithm.step_baseline_min_std={alg.step_baseline_min_std} must be > 0")
     validate_answer_guard(cfg)
     check_choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
     check_choice(cfg.process_reward.on_error, ("raise", "zero"), "process_reward.on_error")
@@ -90,6 +93,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     if not cfg.process_reward.step_score_weight >= 0:
         raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
     validate_implicit_prm(cfg)
+    validate_tree_rollout(cfg)
     ignore_prm_shaping_without_prm(cfg)
     validate_reward_functions(cfg)
     if alg.rollout_is_cap <= 0:
@@ -133,7 +137,7 @@ def ignore_prm_shaping_without_prm(cfg: GRPOConfig) -> None:
     """Without a PRM (``process_reward.source=function``) the options that shape a PRM's scores apply to nothing:
     reset them to their defaults with a one-line warning, so that switching a PRM config to outcome supervision or
     to the task's step function (``algorithm.supervision=outcome process_reward.source=function``) is one switch."""
-    if cfg.process_reward.source in ("prm", "implicit"):
+    if cfg.process_reward.source in ("prm", "implicit", "tree"):
         return
     changed = [key for key, default in PRM_SHAPING_DEFAULTS.items() if getattr(cfg.process_reward, key) != default]
     if not changed:
@@ -174,6 +178,36 @@ def validate_implicit_prm(cfg: GRPOConfig) -> None:
             f"process_reward.step_reward={cfg.process_reward.step_reward} treats step scores as probabilities, and "
             "implicit_prm.step_value=sum gives sums of log-ratios: set process_reward.step_reward=score, or "
             "implicit_prm.step_value=probability")
+
+
+def validate_tree_rollout(cfg: GRPOConfig) -> None:
+    """``process_reward.source=tree``: process supervision whose group is the tree's leaves (the branching's product
+    is G), segments that leave the last level tokens to write, and no routing replay (a leaf's experts would come
+    from several generate calls)."""
+    tree, alg = cfg.tree_rollout, cfg.algorithm
+    if not tree.branching or any(children < 1 for children in tree.branching):
+        raise ConfigError(f"tree_rollout.branching={list(tree.branching)} must be a non-empty list of counts >= 1")
+    if tree.segment_tokens < 1:
+        raise ConfigError(f"tree_rollout.segment_tokens={tree.segment_tokens} must be >= 1")
+    if cfg.process_reward.source != "tree":
+        return
+    if alg.supervision != "process":
+        raise ConfigError("process_reward.source=tree needs algorithm.supervision=process")
+    leaves = math.prod(tree.branching)
+    if leaves != alg.num_return_sequences_in_group:
+        raise ConfigError(
+            f"tree_rollout.branching={list(tree.branching)} has {leaves} leaves but "
+            f"algorithm.num_return_sequences_in_group={alg.num_return_sequences_in_group}: a tree's group is its "
+            f"leaves; set algorithm.num_return_sequences_in_group={leaves} or change the branching")
+    branch_tokens = (len(tree.branching) - 1) * tree.segment_tokens
+    if branch_tokens >= alg.response_length:
+        raise ConfigError(
+            f"tree_rollout.segment_tokens={tree.segment_tokens} x {len(tree.branching) - 1} branch levels = "
+            f"{branch_tokens} tokens leaves none of algorithm.response_length={alg.response_length} to the last "
+            "level: use fewer levels or shorter segments")
+    if cfg.rollout.routing_replay:
+        raise ConfigError("process_reward.source=tree samples a completion in several generate calls, whose routed "
+                          "experts are not joined: set rollout.routing_replay=false")
 
 
 def _speaks() -> bool:

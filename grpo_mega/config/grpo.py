@@ -108,7 +108,7 @@ class RewardConfig:
     or ``raise`` (stop the run naming the sample)."""
 
 
-PROCESS_REWARD_SOURCES = ("function", "prm", "implicit")
+PROCESS_REWARD_SOURCES = ("function", "prm", "implicit", "tree")
 STEP_CREDITS = ("sum", "min")
 
 
@@ -122,7 +122,10 @@ class ProcessRewardConfig:
     synthetic task's ground-truth checker, an oracle PRM). ``prm``: a process reward model (``process_reward.prm``)
     scores every step of every completion; ``reward.function`` still gives the outcome score. ``implicit``: PRIME's
     implicit PRM (``implicit_prm``), a language model trained online on the verifier's 0/1 outcomes whose token
-    rewards ``beta * log(pi_phi / pi_ref)`` are summed into the step scores (docs/training.md, "Implicit PRM")."""
+    rewards ``beta * log(pi_phi / pi_ref)`` are summed into the step scores (docs/training.md, "Implicit PRM").
+    ``tree``: no reward model: each group is sampled as a tree (``tree_rollout``) and a segment's score is the mean
+    outcome of the completions below its node (VinePPO's Monte-Carlo value from the policy's own samples;
+    docs/training.md, "Tree credit")."""
     prm: Optional[str] = None
     """``source: prm``: a grpo-mega PRM checkpoint or run directory, or a Hugging Face PRM folder of either layout
     (``Qwen2ForProcessRewardModel`` classifier, or a causal LM with label tokens)."""
@@ -233,6 +236,21 @@ class ImplicitPRMConfig:
 
 
 @dataclass
+class TreeRolloutConfig:
+    """How a group is sampled as a tree for ``process_reward.source: tree``: every prompt's continuations branch at
+    fixed token counts (SPO-tree's segments), and the completions are the tree's leaves."""
+
+    branching: list[int] = field(default_factory=lambda: [4, 2, 2])
+    """Children of each node per level, root first: ``[4, 2, 2]`` samples 4 first segments from the prompt, 2
+    continuations of each, then 2 of each of those to the end: 16 leaves. Their product must equal
+    ``algorithm.num_return_sequences_in_group`` (the group's rows); ``[G]`` is a plain group of G chains."""
+    segment_tokens: int = 16
+    """Tokens per segment at every level but the last (whose segments run to the end or
+    ``algorithm.response_length``): a branch point every ``segment_tokens`` tokens. A node that ends before (end of
+    sequence, a stop string) is a leaf standing for its whole subtree's rows."""
+
+
+@dataclass
 class AlgorithmConfig:
     rollout_batch_size: int = 32
     """Prompts per GRPO step."""
@@ -270,6 +288,16 @@ class AlgorithmConfig:
     step_credit: str = "sum"
     """Process supervision: ``sum`` (DeepSeekMath: a token's advantage is the sum of its own and later steps'
     normalised rewards) or ``min`` (PURE's min-form credit assignment: their minimum)."""
+    step_baseline: str = "pooled_steps"
+    """Process supervision: where the group's baseline is subtracted. ``pooled_steps`` (DeepSeekMath 4.1.3): the mean
+    of the group's pooled step rewards from every step, so a completion's summed credit moves with its own step
+    count (with a negative mean, under ``clip`` say, every extra step adds credit). ``completion``: the group's mean
+    return subtracted once per completion, scaled by the returns' std (at least ``step_baseline_min_std``): adding a
+    step that changes no value, or splitting a step, cannot raise a completion's credit (docs/training.md, "Step
+    baselines")."""
+    step_baseline_min_std: float = 0.25
+    """``step_baseline: completion``: the smallest std the returns are divided by (0.25: 16 0/1 outcomes with one
+    success), so a group whose returns nearly agree does not blow up the credit within its completions. Must be > 0."""
     answer_guard: bool = True
     """Process supervision: nothing after a completion's first final answer earns credit (its steps are cut there
     and the tokens after it get min(A of the answer's last token, 0)), and a completion without a final answer gets
@@ -328,6 +356,7 @@ class GRPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     process_reward: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
     implicit_prm: ImplicitPRMConfig = field(default_factory=ImplicitPRMConfig)
+    tree_rollout: TreeRolloutConfig = field(default_factory=TreeRolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -113,6 +113,12 @@ class Completion:
     [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k] (numpy or torch; row t: the token at position t of
     ``prompt_ids + response_ids``; the last token was never put through the model, so it has no row). None
     otherwise."""
+    tree_path: list[int] | None = None
+    """Only from a tree sampler (``process_reward.source: tree``, ``grpo_mega.stages.tree_rollout``): the ids of the
+    tree's nodes this completion passes through, root side first (unique within its group). None otherwise."""
+    segment_ends: list[int] | None = None
+    """With ``tree_path``: the response index of the last token of each segment before the completion's last one
+    (where the tree branched). None otherwise."""
 
 
 @runtime_checkable

@@ -81,9 +81,11 @@ class PRMStepRewards:
         self.answer_guard = answer_guard
 
     def __call__(
-        self, prompts: Sequence[str], texts: Sequence[str], outcomes: Sequence[float], rows_extra: Sequence[dict]
+        self, prompts: Sequence[str], texts: Sequence[str], outcomes: Sequence[float], rows_extra: Sequence[dict],
+        *, completions=None,
     ) -> tuple[list[list[float]], list[list[int]], dict[str, float]]:
-        """(step rewards, step ends as character offsets, metrics) of every completion."""
+        """(step rewards, step ends as character offsets, metrics) of every completion (the PRM reads the texts;
+        ``completions`` is the step-reward source interface's, unused here)."""
         start = time.perf_counter()
         pattern = self.settings.step_pattern or default_step_pattern(rows_extra)
         guard = self.answer_guard

@@ -101,9 +101,11 @@ class RolloutStage:
         answer_guard: AnswerGuard | None = None, step_pattern: str | None = None,
         batch_step_rewards: Callable[[RolloutBatch], tuple[RolloutBatch, dict[str, float]]] | None = None,
     ):
-        """``step_reward_source``: where process supervision's step rewards come from (e.g.
-        ``grpo_mega.stages.process_reward.PRMStepRewards``) called as ``(prompts, texts, outcome scores, rows'
-        extra fields) -> (step rewards, step ends in characters, metrics)``; None: the reward function's own.
+        """``step_reward_source``: where process supervision's step rewards come from
+        (``grpo_mega.stages.step_sources``; e.g. ``grpo_mega.stages.process_reward.PRMStepRewards``) called as
+        ``(prompts, texts, outcome scores, rows' extra fields, completions=...) -> (step rewards, step ends in
+        characters, metrics)``; None: the reward function's own. A source with a ``sampler`` (the tree) samples the
+        groups in place of ``generate_across_ranks``.
         ``answer_guard``: applied here to the reward function's own step rewards (a step-reward source applies its
         own), and its answer locator counts the completions without an answer or with text after it.
         ``step_pattern``: the steps counted in ``rollout/pieces_per_completion`` (None: the default of the rows).
@@ -115,6 +117,7 @@ class RolloutStage:
         self.reward_fn = get_reward_function(reward.function)
         self.format_fn = get_reward_function(reward.format_function) if reward.format_weight else None
         self.step_reward_source = step_reward_source
+        self.sampler = getattr(step_reward_source, "sampler", None)
         self.answer_guard = answer_guard
         self.step_pattern = step_pattern
         self.batch_step_rewards = batch_step_rewards
@@ -124,15 +127,13 @@ class RolloutStage:
         """Up to ``rollout_batch_size`` groups; with dynamic sampling only groups whose rewards differ, sampling
         more prompts for up to ``max_sampling_rounds`` rounds."""
         alg, G = self.algorithm, self.sampling.n
-        kept, sampled_scores, sampled_lengths, failures = None, [], [], 0
+        kept, sampled_scores, sampled_lengths, failures, generated_tokens = None, [], [], 0, 0
         self._step_metrics = []
         rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
         for round_index in range(rounds):
             records = next(self.prompts)
-            completions = generate_across_ranks(
-                self.engine, [r.prompt_ids for r in records], self.sampling,
-                call_seed=derive_seed(self.seed, step, round_index),
-            )
+            completions = self.generate(records, derive_seed(self.seed, step, round_index))
+            generated_tokens += self.generated_tokens(completions)
             scored, round_failures = self.score(records, completions)
             failures += round_failures
             sampled_scores.append(scored.scores)
@@ -161,9 +162,25 @@ class RolloutStage:
             "rollout/kept_group_fraction": len(kept) * G / len(every_sample),
             "rollout/sampling_rounds": float(round_index + 1),
             "reward/failures": float(failures),
+            # the tokens the engine generated this step, every round's (a tree's shared prefixes once)
+            "rollout/generated_tokens": float(generated_tokens),
             **_merge_rounds(self._step_metrics),
         }
         return kept, metrics
+
+    def generate(self, records: Sequence[PromptRecord], call_seed: int) -> list[Completion]:
+        """G completions of each prompt, from the step-reward source's sampler (the tree) or as G chains."""
+        prompt_ids = [r.prompt_ids for r in records]
+        if self.sampler is not None:
+            completions = self.sampler.generate(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
+            self._step_metrics.append(self.sampler.metrics)
+            return completions
+        return generate_across_ranks(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
+
+    def generated_tokens(self, completions: Sequence[Completion]) -> int:
+        if self.sampler is not None:
+            return int(self.sampler.metrics["rollout/tree/generated_tokens"])
+        return sum(len(c.response_ids) for c in completions)
 
     def score(self, records: Sequence[PromptRecord], completions: Sequence[Completion]) -> tuple[RolloutBatch, int]:
         """Reward every completion once (sharded over ranks); adds the weighted format reward and the DAPO overlong
@@ -184,7 +201,7 @@ class RolloutStage:
         if self.step_reward_source is not None:
             with phase("prm scoring", bounded=True):
                 step_rewards, step_ends, step_metrics = self.step_reward_source(
-                    columns[0], columns[1], [r.score for r in results], columns[3])
+                    columns[0], columns[1], [r.score for r in results], columns[3], completions=completions)
             results = [dataclasses.replace(r, step_rewards=rewards, step_ends=ends)
                        for r, rewards, ends in zip(results, step_rewards, step_ends)]
             self._step_metrics.append(step_metrics)

@@ -53,16 +53,13 @@ def eval_prompts(cfg: GRPOConfig, tokenizer) -> list:
     return load_prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
 
 
-def step_reward_source(cfg: GRPOConfig):
-    """The PRM scoring every step (``process_reward.source: prm``) on its own forward-only engine of the policy's
-    kind (``engine``), else None (the reward function gives the step rewards, if any)."""
-    if cfg.process_reward.source != "prm":
-        return None
-    from grpo_mega.stages.process_reward import build_prm_step_rewards
+def step_reward_source(cfg: GRPOConfig, decode):
+    """The step-reward source of ``process_reward.source`` (``grpo_mega.stages.step_sources``): the PRM on its own
+    forward-only engine, the tree sampler; None where the reward function (or the trainer's implicit PRM) gives the
+    step rewards. ``decode``: response token ids -> the completion's text."""
+    from grpo_mega.stages.step_sources import build_step_reward_source
 
-    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
-                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
-                                  answer_guard=answer_guard_of(cfg))
+    return build_step_reward_source(cfg, decode)
 
 
 def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):

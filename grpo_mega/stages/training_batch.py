@@ -43,7 +43,8 @@ def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.T
             step_rewards = clip_rewards(step_rewards, algorithm.reward_clip)
         advantages = process_advantages(step_rewards, step_ends, response_mask, G, scale_by_std=algorithm.scale_by_std,
                                         credit=algorithm.step_credit,
-                                        after_last_step="capped" if algorithm.answer_guard else "zero")
+                                        after_last_step="capped" if algorithm.answer_guard else "zero",
+                                        baseline=algorithm.step_baseline, min_std=algorithm.step_baseline_min_std)
         if algorithm.whiten_advantages:
             advantages = whiten(advantages, response_mask)
     else:
