@@ -79,6 +79,10 @@ def main() -> int:
                         help="more learned-PRM arms, one per process_reward.step_reward option")
     parser.add_argument("--implicit", action="store_true",
                         help="also the implicit-PRM arm (process_reward.source: implicit, PRIME: trained online)")
+    parser.add_argument("--arms", nargs="+", default=[], metavar="ARM", choices=sorted(ARMS),
+                        help="more arms in each new seed's pipeline, after the default ones (e.g. tree_222 tree_42 "
+                        "process_completion)")
+    parser.add_argument("--no-oracle", action="store_true", help="leave the oracle arm (with the pooled baseline) out")
     parser.add_argument("--add-arms", nargs="+", default=[], metavar="ARM", choices=sorted(ARMS),
                         help="run only these arms in each seed's finished OUT/seed<N> (its data, SFT checkpoint and "
                         "PRM) and add them to its summary.json, then report every arm it has")
@@ -98,9 +102,10 @@ def main() -> int:
             print(f"   reusing {done}", flush=True)
             summary = refreshed(json.loads(done.read_text()))
         else:
-            summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=True,
+            summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=not args.no_oracle,
                                                                      step_reward_arms=tuple(args.step_rewards),
-                                                                     implicit_arm=args.implicit))
+                                                                     implicit_arm=args.implicit,
+                                                                     more_arms=tuple(args.arms)))
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
     arms = common_arms(results)
@@ -110,7 +115,8 @@ def main() -> int:
     for key in [arm_key(arm) for arm in arms if arm != "outcome"]:
         for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds"),
                              ("_equal_seconds_set_aside", "equal seconds, the PRM's one-off cost set aside"),
-                             ("_equal_groups", "equal data (groups trained)")):
+                             ("_equal_groups", "equal data (groups trained)"),
+                             ("_equal_tokens", "equal generated tokens")):
             if any(f"{key}_minus_os{suffix}" not in r for r in results):
                 continue
             differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
@@ -149,11 +155,14 @@ def with_comparisons(summary: dict) -> dict:
                 row[f"{key}_minus_os_equal_seconds_set_aside"] = aside["minus_os"]
             if "groups_curve" in report and "groups_curve" in arms["outcome"]:
                 row[f"{key}_minus_os_equal_groups"] = equal_groups(report, arms["outcome"])["minus_os"]
+            if report.get("tokens_curve") and arms["outcome"].get("tokens_curve"):
+                row[f"{key}_minus_os_equal_tokens"] = equal_groups(report, arms["outcome"],
+                                                                   curve="tokens_curve")["minus_os"]
     return row
 
 
-FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "pieces_per_completion_start",
-           "pieces_per_completion_end", "clip_ratio_end", "text_after_answer_fraction_end", "no_answer_fraction_end",
+FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "generated_tokens",
+           "response_length_start", "response_length_end", "pieces_per_completion_start", "pieces_per_completion_end", "clip_ratio_end", "text_after_answer_fraction_end", "no_answer_fraction_end",
            "implicit_f1_first", "implicit_f1_end", "implicit_step_f1_first", "implicit_step_f1_end")
 
 

@@ -41,10 +41,10 @@ def equal_seconds(arm: dict, outcome: dict, *, set_aside: float = 0.0) -> dict:
     return _at_equal_budget(curve, outcome["curve"], "seconds")
 
 
-def equal_groups(arm: dict, outcome: dict) -> dict:
+def equal_groups(arm: dict, outcome: dict, *, curve: str = "groups_curve") -> dict:
     """``arm`` against the outcome arm at the smaller of the numbers of groups their updates trained on: {groups,
-    accuracy, os_accuracy, minus_os}."""
-    return _at_equal_budget(arm["groups_curve"], outcome["groups_curve"], "groups")
+    accuracy, os_accuracy, minus_os}; ``curve="tokens_curve"``: of the tokens their rollouts generated."""
+    return _at_equal_budget(arm[curve], outcome[curve], "groups" if curve == "groups_curve" else "tokens")
 
 
 def mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float, float, float, float, float]]:

@@ -22,16 +22,44 @@ def test_a_step_reward_arm_is_the_process_arm_with_its_option():
     assert arm_title("process_clip") == "process supervision (learned PRM, clip)"
 
 
-def test_every_learned_prm_arm_is_set_against_outcome_supervision():
+def test_every_arm_is_set_against_outcome_supervision():
     def report(accuracy):
         return {"accuracy": accuracy, "gain": accuracy - 0.2, "zero_signal_group_fraction": 0.5}
 
     figures = flat_figures({"outcome": report(0.30), "process": report(0.34), "process_delta": report(0.41),
-                            "oracle": report(0.5)})
+                            "oracle": report(0.5), "tree_222": report(0.36), "process_completion": report(0.33)})
     assert figures["ps_minus_os"] == pytest.approx(0.04)
     assert figures["ps_delta_minus_os"] == pytest.approx(0.11)
     assert figures["ps_delta_accuracy"] == 0.41 and figures["ps_delta_gain"] == pytest.approx(0.21)
-    assert "oracle_minus_os" not in figures
+    assert figures["oracle_minus_os"] == pytest.approx(0.2)
+    assert figures["tree_222_minus_os"] == pytest.approx(0.06)
+    assert figures["ps_completion_minus_os"] == pytest.approx(0.03)
+    assert "os_minus_os" not in figures
+
+
+@pytest.mark.parametrize("arm", ["tree_222", "tree_42", "tree_2222", "process_completion",
+                                 "process_delta_completion", "oracle_completion"])
+def test_the_tree_and_completion_baseline_arms_are_valid_runs_of_the_sparse_regime(arm, tmp_path):
+    """Issue 57's arms on the quickstart config at the sparse regime's response length pass the config's checks
+    (the tree's leaves make the group, its segments leave the last level tokens) and run in folders of their own."""
+    from grpo_mega.config import GRPOConfig, load_config, validate
+    from grpo_mega.quickstart.arms import arm_settings
+    from grpo_mega.quickstart.pipeline import SPARSE
+
+    title, overrides, folder = arm_settings(arm)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    prm = [f"process_reward.prm={tmp_path / 'model'}", "process_reward.layout=classifier"] \
+        if arm.startswith("process") else []
+    cfg = load_config(GRPOConfig, "configs/quickstart_grpo.yaml",
+                      [f"model.hf_config={tmp_path / 'model'}", "data.train_file=train.jsonl",
+                       "model.init_from=runs/sft", f"algorithm.response_length={SPARSE.response_length}", *overrides,
+                       *prm], validate)
+    assert folder == f"grpo_{arm}" and title.startswith("GRPO, ")
+    if arm.startswith("tree"):
+        assert cfg.process_reward.source == "tree" and cfg.algorithm.step_baseline == "completion"
+    else:
+        assert cfg.algorithm.step_baseline == "completion"
 
 
 def test_the_implicit_prm_arm_is_a_valid_run_set_against_outcome_supervision_without_a_prm_cost(tmp_path):

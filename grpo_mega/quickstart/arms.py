@@ -35,12 +35,39 @@ IMPLICIT_VARIANTS = {"implicit_all_groups": ("before dynamic sampling", "implici
                      "implicit_token_steps": ("one-token steps", "implicit_prm.steps=tokens")}
 for _arm, (_what, _override) in IMPLICIT_VARIANTS.items():
     ARMS[_arm] = (f"{ARMS['implicit'][0]}, {_what}", (*ARMS["implicit"][1], _override))
+# Tree credit (issue 57): each group sampled as a tree and a segment's score its node's Monte-Carlo value, no reward
+# model; PAV's progress with the completion baseline makes a token's advantage (o_i - V(its segment's parent)) / std(o)
+# (VinePPO's). The plans: [2, 2, 2] (8 leaves, the outcome arm's G, about two thirds of its tokens: branch points at 24
+# and 48 tokens of a five-step solution's ~80); [4, 2] (8 leaves, one branch point at 32 tokens); [2, 2, 2, 2] (16
+# leaves for about the outcome arm's tokens: branch points every 20 tokens).
+TREE = ("algorithm.supervision=process", "process_reward.source=tree", "process_reward.step_reward=progress",
+        "algorithm.step_baseline=completion")
+TREE_PLANS = {"tree_222": ("[2, 2, 2], 24-token segments", ("tree_rollout.branching=[2,2,2]",
+                                                             "tree_rollout.segment_tokens=24")),
+              "tree_42": ("[4, 2], 32-token segments", ("tree_rollout.branching=[4,2]",
+                                                         "tree_rollout.segment_tokens=32")),
+              "tree_2222": ("[2, 2, 2, 2], 20-token segments", (
+                  "tree_rollout.branching=[2,2,2,2]", "tree_rollout.segment_tokens=20",
+                  "algorithm.num_return_sequences_in_group=16"))}
+for _arm, (_what, _overrides) in TREE_PLANS.items():
+    ARMS[_arm] = (f"GRPO, tree credit (no reward model), {_what}", (*TREE, *_overrides))
+# The step baseline (issue 57): the learned PRM's and the oracle's arms with the group's mean return subtracted once per
+# completion instead of from every step (algorithm.step_baseline: completion)
+COMPLETION_BASELINE = "algorithm.step_baseline=completion"
+ARMS["process_completion"] = (f"{ARMS['process'][0]}, completion baseline", (*ARMS["process"][1], COMPLETION_BASELINE))
+ARMS["process_delta_completion"] = (f"{ARMS['process'][0]}, step_reward=delta, completion baseline", (
+    *ARMS["process"][1], "process_reward.step_reward=delta", COMPLETION_BASELINE))
+ARMS["oracle_completion"] = (f"{ARMS['oracle'][0]}, completion baseline", (*ARMS["oracle"][1], COMPLETION_BASELINE))
 # What each GRPO arm's live line shows besides its step.
 SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
 SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
 ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_oracle"}
 for _arm in ("implicit", *IMPLICIT_VARIANTS):
     SHOWN[_arm] = (*SHOWN["outcome"], ("PRM outcome acc", "implicit_prm/outcome_accuracy"))
+    ARM_FOLDERS[_arm] = f"grpo_{_arm}"
+for _arm in TREE_PLANS:
+    SHOWN[_arm] = (*SHOWN["outcome"], ("tokens", "rollout/generated_tokens"))
+for _arm in (*TREE_PLANS, "process_completion", "process_delta_completion", "oracle_completion"):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 
 

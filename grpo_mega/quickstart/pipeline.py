@@ -86,6 +86,9 @@ class QuickstartPlan:
     step_reward_arms: tuple[str, ...] = ()
     """More learned-PRM arms, one per ``process_reward.step_reward`` option named here (``progress``, ``delta``,
     ``clip``): the process arm's settings with that option, the same PRM, SFT checkpoint, seed and steps."""
+    more_arms: tuple[str, ...] = ()
+    """Arms of ``grpo_mega.quickstart.arms.ARMS`` run right after outcome supervision's, from the same SFT checkpoint
+    and seed (the tree's, the completion baseline's: ``bench/pipeline_seeds.py --arms``)."""
     iterations: int = 1
     """Iterative RL for the process-supervised arm (DeepSeekMath, Algorithm 1): its GRPO steps are split into this
     many runs, each starting from (and taking as its reference) the previous run's policy, and in between the PRM
@@ -340,7 +343,7 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     seconds: dict[str, float] = {}
-    arms = ["outcome", *(["process"] if plan.process_supervision else []),
+    arms = ["outcome", *plan.more_arms, *(["process"] if plan.process_supervision else []),
             *([f"{STEP_REWARD_ARM}{kind}" for kind in plan.step_reward_arms] if plan.process_supervision else []),
             *(["oracle"] if plan.oracle_arm else []), *(["implicit"] if plan.implicit_arm else [])]
     selects = plan.policy_max_pass_at_1 is not None

@@ -9,12 +9,20 @@ from pathlib import Path
 from grpo_mega.run.metrics import read_metrics
 
 ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "implicit",
-            "implicit_all_groups": "implicit_all_groups", "implicit_token_steps": "implicit_token_steps"}
+            "implicit_all_groups": "implicit_all_groups", "implicit_token_steps": "implicit_token_steps",
+            "tree_222": "tree_222", "tree_42": "tree_42", "tree_2222": "tree_2222",
+            "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
+            "oracle_completion": "oracle_completion"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
               "implicit_all_groups": "process supervision (implicit PRM, before dynamic sampling)",
-              "implicit_token_steps": "process supervision (implicit PRM, one-token steps)"}
+              "implicit_token_steps": "process supervision (implicit PRM, one-token steps)",
+              "tree_222": "tree credit [2, 2, 2]", "tree_42": "tree credit [4, 2]",
+              "tree_2222": "tree credit [2, 2, 2, 2]",
+              "process_completion": "process supervision (learned PRM, completion baseline)",
+              "process_delta_completion": "process supervision (learned PRM, delta, completion baseline)",
+              "oracle_completion": "process supervision (oracle, completion baseline)"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 
@@ -60,6 +68,7 @@ def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 
                                       if "rollout/kept_group_fraction" in row]),
         "curve": [[row["step"], round(row["time"] + seconds_before, 1), row["eval/accuracy"]] for row in evals],
         "groups_curve": groups_curve(rows),
+        "tokens_curve": groups_curve(rows, "rollout/generated_tokens"),
         "seconds": round(seconds_before + grpo_seconds, 1),
         "prm_seconds": round(seconds_before, 1),
         **cost_split(rows),
@@ -68,11 +77,12 @@ def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 
     }
 
 
-def groups_curve(rows: list[dict]) -> list[list[float]]:
-    """``[[step, groups trained so far, held-out accuracy], ...]`` at every evaluation (``train/groups``)."""
+def groups_curve(rows: list[dict], key: str = "train/groups") -> list[list[float]]:
+    """``[[step, groups trained so far, held-out accuracy], ...]`` at every evaluation (``train/groups``; with
+    ``key="rollout/generated_tokens"`` the tokens generated so far)."""
     curve, trained = [], 0.0
     for row in rows:
-        trained += row.get("train/groups", 0.0)
+        trained += row.get(key, 0.0)
         if "eval/accuracy" in row:
             curve.append([row["step"], trained, row["eval/accuracy"]])
     return curve
@@ -99,6 +109,8 @@ def cost_split(rows: list[dict]) -> dict:
         "prm_scoring_share": round(prm_seconds / step_seconds, 4) if step_seconds else None,
         "trained_groups": int(_total(steps, "train/groups")),
         "trained_response_tokens": int(_total(steps, "perf/num_response_tokens")),
+        "generated_tokens": int(_total(steps, "rollout/generated_tokens")),
+        "tree_sampling_seconds": round(_total(steps, "timing_s/tree_sampling"), 1),
     }
 
 
@@ -141,7 +153,7 @@ def flat_figures(arms: dict[str, dict]) -> dict:
         figures[f"{arm_key(arm)}_accuracy"] = report["accuracy"]
         figures[f"{arm_key(arm)}_gain"] = report["gain"]
         figures[f"{arm_key(arm)}_zero_signal"] = report["zero_signal_group_fraction"]
-        if (learned_prm_arm(arm) or arm.startswith("implicit")) and "outcome" in arms:  # ps_minus_os, implicit_...
+        if arm != "outcome" and "outcome" in arms:  # ps_minus_os, implicit_minus_os, tree_222_minus_os, ...
             figures[f"{arm_key(arm)}_minus_os"] = report["accuracy"] - arms["outcome"]["accuracy"]
     return figures
 
