@@ -36,7 +36,8 @@ from bench.seed_curves import equal_groups, equal_seconds, plot_seed_curves  # n
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
 from grpo_mega.quickstart.arms import ARMS, arm_settings  # noqa: E402
-from grpo_mega.quickstart.pipeline import FAST, REGIMES, add_arms, run_pipeline  # noqa: E402
+from grpo_mega.quickstart.arm_runs import add_arms  # noqa: E402
+from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
 from grpo_mega.quickstart.report import arm_key, arm_report, arm_title  # noqa: E402
 from grpo_mega.run.layout import metrics_path  # noqa: E402
 
@@ -162,7 +163,9 @@ def with_comparisons(summary: dict) -> dict:
 
 
 FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "generated_tokens",
-           "response_length_start", "response_length_end", "pieces_per_completion_start", "pieces_per_completion_end", "clip_ratio_end", "text_after_answer_fraction_end", "no_answer_fraction_end",
+           "response_length_start", "response_length_end", "pieces_per_completion_start", "pieces_per_completion_end",
+           "clip_ratio_end", "text_after_answer_fraction_start", "text_after_answer_fraction_end",
+           "no_answer_fraction_end", "tree_sampling_seconds",
            "implicit_f1_first", "implicit_f1_end", "implicit_step_f1_first", "implicit_step_f1_end")
 
 

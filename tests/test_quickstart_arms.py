@@ -192,3 +192,32 @@ def test_the_demo_s_sparse_figures_are_the_recorded_verdict():
     assert f"{steps[0]} (score) to {steps[1]} (delta) points per step, SE {errors[0]}-{errors[1]}" in DENSE_REGIME_NOTE
     assert f"trailed by {counted} with" in DENSE_REGIME_NOTE
     assert f"led by {100 * set_aside[0]:+.1f} to {100 * set_aside[-1]:+.1f} with them set aside" in DENSE_REGIME_NOTE
+
+
+def test_rft_fine_tunes_on_the_labelled_solutions_that_were_right_for_the_prm_trainings_seconds(tmp_path):
+    """The RFT arm's data: the correct solutions of the PRM's labels file, written whole as SFT rows; its steps: the
+    PRM training's seconds at the SFT run's pace."""
+    import json
+
+    from grpo_mega.quickstart.rft import steps_for_seconds, write_rft_data
+
+    labels = tmp_path / "prm_labels.jsonl"
+    rows = [{"prompt": "Q: 1 + 2 A:", "completions": [" Step 1: 1+2=3.", " The answer is 3."], "labels": [1, 1],
+             "outcome": 1.0},
+            {"prompt": "Q: 1 + 2 A:", "completions": [" Step 1: 1+2=4.", " The answer is 4."], "labels": [0, 0],
+             "outcome": 0.0}]
+    labels.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "data" / "rft.jsonl"
+    assert write_rft_data(labels, out) == 1
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {"prompt": "Q: 1 + 2 A:", "solution": " Step 1: 1+2=3. The answer is 3."}]
+    labels.write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match="no correct solution"):
+        write_rft_data(labels, out)
+    labels.write_text(json.dumps({"prompt": "Q", "completions": ["a"]}) + "\n")
+    with pytest.raises(ValueError, match="prm_labels.jsonl:1: no 'outcome' field"):
+        write_rft_data(labels, out)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": step, "time": step * 0.5}) + "\n" for step in (0, 100, 200)))
+    assert steps_for_seconds(173.0, metrics) == 346 and steps_for_seconds(0.1, metrics) == 1
+    assert arm_settings("rft") == (ARMS["rft"][0], (), "grpo_rft") and not learned_prm_arm("rft")

@@ -58,6 +58,9 @@ ARMS["process_completion"] = (f"{ARMS['process'][0]}, completion baseline", (*AR
 ARMS["process_delta_completion"] = (f"{ARMS['process'][0]}, step_reward=delta, completion baseline", (
     *ARMS["process"][1], "process_reward.step_reward=delta", COMPLETION_BASELINE))
 ARMS["oracle_completion"] = (f"{ARMS['oracle'][0]}, completion baseline", (*ARMS["oracle"][1], COMPLETION_BASELINE))
+# The skeptic's baseline (grpo_mega.quickstart.rft): the policy fine-tuned on its own verified solutions from the PRM's
+# labelling for the PRM training's seconds, then outcome supervision
+ARMS["rft"] = ("GRPO, outcome supervision after RFT on the policy's verified solutions", ())
 # What each GRPO arm's live line shows besides its step.
 SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
 SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
@@ -67,7 +70,7 @@ for _arm in ("implicit", *IMPLICIT_VARIANTS):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 for _arm in TREE_PLANS:
     SHOWN[_arm] = (*SHOWN["outcome"], ("tokens", "rollout/generated_tokens"))
-for _arm in (*TREE_PLANS, "process_completion", "process_delta_completion", "oracle_completion"):
+for _arm in (*TREE_PLANS, "process_completion", "process_delta_completion", "oracle_completion", "rft"):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 
 

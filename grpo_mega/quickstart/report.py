@@ -12,7 +12,7 @@ ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "i
             "implicit_all_groups": "implicit_all_groups", "implicit_token_steps": "implicit_token_steps",
             "tree_222": "tree_222", "tree_42": "tree_42", "tree_2222": "tree_2222",
             "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
-            "oracle_completion": "oracle_completion"}
+            "oracle_completion": "oracle_completion", "rft": "rft"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
@@ -22,7 +22,8 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "tree_2222": "tree credit [2, 2, 2, 2]",
               "process_completion": "process supervision (learned PRM, completion baseline)",
               "process_delta_completion": "process supervision (learned PRM, delta, completion baseline)",
-              "oracle_completion": "process supervision (oracle, completion baseline)"}
+              "oracle_completion": "process supervision (oracle, completion baseline)",
+              "rft": "outcome supervision after RFT"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 
