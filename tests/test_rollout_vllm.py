@@ -266,14 +266,38 @@ def test_grpo_steps_with_vllm_rollouts_on_two_processes(task, tmp_path):
     print("trainer sampler-vs-old log-prob |diff| max per step:", [row["rollout/logprob_diff_max"] for row in rows])
 
 
+def test_tree_rollouts_on_vllm_continue_each_prefix_with_the_policys_log_probs(engine, policies, tokenizer, prompts):
+    """process_reward.source=tree on the vllm engine: each level continues prompt + prefix token ids; a leaf's
+    log-probs, gathered over its levels' calls, are the trainer's of the whole response, and siblings share their
+    parent's tokens."""
+    from grpo_mega.rollout.base import decode_response
+    from grpo_mega.stages.tree_rollout import TreeSampler
+
+    _sync(engine, policies[0])
+    sampler = TreeSampler([2, 2], 4, lambda ids: decode_response(tokenizer, ids))
+    rows = sampler.generate(engine, prompts[:2], SamplingConfig(temperature=TEMPERATURE, max_new_tokens=12, n=4),
+                            call_seed=11)
+    assert len(rows) == 8 and [c.prompt_index for c in rows] == [0] * 4 + [1] * 4
+    for c in rows:
+        diff = (torch.tensor(c.response_logprobs) - trainer_logprobs(policies[0], c, TEMPERATURE)).abs().max()
+        assert diff < 1e-4, f"max |diff| {diff:.2e}"
+    for a, b in ((rows[0], rows[1]), (rows[4], rows[5])):
+        assert a.tree_path[0] == b.tree_path[0] and a.response_ids[:4] == b.response_ids[:4]
+    assert sampler.metrics["rollout/tree/generated_tokens"] < sum(len(c.response_ids) for c in rows)
+
+
 def test_async_rollouts_with_vllm_on_the_rollout_rank(task, tmp_path):
     """rollout.mode=async on 2 processes: 1 training rank, 1 rollout rank running vLLM (external_launcher over the
     rollout world alone). At staleness 0 each batch comes from the weights the trainer has when it trains it, so
-    the sampler's log-probs match the trainer's: the weights crossed the bridge into vLLM intact, every step."""
+    the sampler's log-probs match the trainer's: the weights crossed the bridge into vLLM intact, every step. The
+    groups are sampled as trees (process_reward.source=tree), which the rollout world samples and scores."""
     run_dir = tmp_path / "run"
     overrides = tiny_run_overrides(task, run_dir, "rollout.engine=vllm", "trainer.total_steps=3", "optim.lr=1e-3",
                                    f"reward.function={__name__}:digit_reward", "parallel.tensor=1",
-                                   "rollout.mode=async", "rollout.max_staleness=0")
+                                   "rollout.mode=async", "rollout.max_staleness=0",
+                                   "algorithm.supervision=process", "process_reward.source=tree",
+                                   "tree_rollout.branching=[2,2]", "tree_rollout.segment_tokens=4",
+                                   "algorithm.num_return_sequences_in_group=4", "algorithm.answer_guard=false")
     run_distributed(_train, 2, overrides, timeout=400)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -281,6 +305,7 @@ def test_async_rollouts_with_vllm_on_the_rollout_rank(task, tmp_path):
     for row in rows:
         assert row["actor/grad_norm"] > 0
         assert row["rollout/logprob_diff_max"] < 1e-4, row
+        assert row["rollout/tree/leaves"] >= 4 and row["rollout/generated_tokens"] > 0
 
 
 CURRENT_STEP = [0]
