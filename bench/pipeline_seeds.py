@@ -16,6 +16,10 @@ arm's mean curve by step and by seconds (next to the result: bench/results/pipel
 to put it elsewhere, e.g. docs/img/) and writes bench/results/pipeline_seeds_<regime>.json (path printed last).
 ``--step-rewards`` adds a learned-PRM arm per ``process_reward.step_reward`` option named (the process arm's
 settings with that option, the same PRM, SFT checkpoint, seed and steps); ``--implicit`` the implicit PRM's arm.
+``--arms ARM ...`` adds arms of ``grpo_mega.quickstart.arms.ARMS`` to each new seed's pipeline, right after
+outcome supervision (issue 57's verdict: ``--no-oracle --arms tree_222 tree_2222 tree_42 process_completion
+process_delta_completion oracle_completion rft``), and every arm is also compared at equal generated tokens
+(``rollout/generated_tokens``: a tree generates each shared segment once).
 ``--add-arms ARM ...`` runs only the arms named in seeds already run in OUT (e.g. the implicit PRM's arms beside the
 recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``).
 """
