@@ -42,7 +42,7 @@ from grpo_mega.algo import STEP_REWARDS  # noqa: E402
 from grpo_mega.quickstart.arms import ARMS, arm_settings  # noqa: E402
 from grpo_mega.quickstart.arm_runs import add_arms  # noqa: E402
 from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
-from grpo_mega.quickstart.report import arm_key, arm_report, arm_title  # noqa: E402
+from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures  # noqa: E402
 from grpo_mega.run.layout import metrics_path  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
@@ -88,6 +88,10 @@ def main() -> int:
                         help="more arms in each new seed's pipeline, after the default ones (e.g. tree_222 tree_42 "
                         "process_completion)")
     parser.add_argument("--no-oracle", action="store_true", help="leave the oracle arm (with the pooled baseline) out")
+    parser.add_argument("--recorded", type=Path, default=None, metavar="DIR",
+                        help="add to each seed the arms it lacks from DIR/seed<N>/summary.json (a recorded run, e.g. "
+                        "bench/results/pipeline_seeds_sparse_runs), when both started from the same SFT checkpoint "
+                        "step and held-out accuracy (this machine type reproduces a seed bit for bit)")
     parser.add_argument("--add-arms", nargs="+", default=[], metavar="ARM", choices=sorted(ARMS),
                         help="run only these arms in each seed's finished OUT/seed<N> (its data, SFT checkpoint and "
                         "PRM) and add them to its summary.json, then report every arm it has")
@@ -111,6 +115,8 @@ def main() -> int:
                                                                      step_reward_arms=tuple(args.step_rewards),
                                                                      implicit_arm=args.implicit,
                                                                      more_arms=tuple(args.arms)))
+        if args.recorded is not None:
+            summary = with_recorded_arms(summary, args.recorded / f"seed{seed}" / "summary.json")
         results.append(with_comparisons(summary))
     extra, columns = {}, list(COLUMNS)
     arms = common_arms(results)
@@ -139,6 +145,28 @@ def main() -> int:
                                          f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
     report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
     return 0
+
+
+def with_recorded_arms(summary: dict, recorded_path: Path) -> dict:
+    """``summary`` with the arms of the recorded run ``recorded_path`` that it lacks (their reports as recorded, marked
+    ``recorded_from``), and their flat figures; refused unless both runs start from the same SFT checkpoint step
+    and held-out accuracy, and any arm both ran ended at the same accuracy (the same seed on the same kind of
+    machine repeats a run bit for bit; another machine's BLAS does not)."""
+    recorded = json.loads(recorded_path.read_text())
+    for key in ("regime", "seed", "policy_sft_step", "sft_accuracy"):
+        if recorded.get(key) != summary.get(key):
+            raise ValueError(f"{recorded_path}: {key}={recorded.get(key)!r} but this run has {summary.get(key)!r}: "
+                             "not the same start, its arms cannot be compared with this run's")
+    for arm in set(recorded["arms"]) & set(summary["arms"]):
+        if recorded["arms"][arm]["accuracy"] != summary["arms"][arm]["accuracy"]:
+            raise ValueError(f"{recorded_path}: arm {arm} ended at {recorded['arms'][arm]['accuracy']} but at "
+                             f"{summary['arms'][arm]['accuracy']} here: the runs differ, the recorded arms do not "
+                             "stand for this machine's")
+    added = {arm: {**report, "recorded_from": str(recorded_path)} for arm, report in recorded["arms"].items()
+             if arm not in summary["arms"]}
+    summary = {**summary, "arms": {**summary["arms"], **added}}
+    summary.update(flat_figures(summary["arms"]))
+    return summary
 
 
 def with_comparisons(summary: dict) -> dict:

@@ -24,6 +24,7 @@ SLOW_FILES = {
     "test_slurm_two_nodes.py": 128,
     "test_trainer_preemption.py": 127,
     "test_faults.py": 95,
+    "test_tree_rollout_run.py": 80,
     "test_hf_conversion.py": 90,
     "test_sft_preemption.py": 83,
     "test_rollout_vllm.py": 74,

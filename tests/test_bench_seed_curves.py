@@ -79,3 +79,34 @@ def test_only_the_arms_every_seed_ran_are_compared():
     seeds = [{"arms": {"outcome": {}, "process": {}, "implicit": {}, "implicit_all_groups": {}}},
              {"arms": {"outcome": {}, "implicit": {}, "process": {}}}]
     assert common_arms(seeds) == ["outcome", "process", "implicit"]
+
+
+def test_recorded_arms_join_a_seed_only_from_the_same_start(tmp_path):
+    """--recorded: a recorded run's arms fill in what a new run of the same seed lacks, only when both start from
+    the same SFT checkpoint and accuracy and agree on every arm both ran; a tree arm is also compared at equal
+    generated tokens."""
+    import json
+
+    from bench.pipeline_seeds import with_comparisons, with_recorded_arms
+
+    def arm(accuracy, tokens):
+        return {"accuracy": accuracy, "gain": accuracy - 0.2, "zero_signal_group_fraction": 0.3,
+                "curve": [[0, 0.0, 0.2], [10, 50.0, accuracy]], "groups_curve": [[0, 0, 0.2], [10, 100, accuracy]],
+                "tokens_curve": [[0, 0, 0.2], [10, tokens, accuracy]]}
+
+    start = {"regime": "sparse", "seed": 1, "policy_sft_step": 400, "sft_accuracy": 0.2, "run_dir": str(tmp_path)}
+    new = {**start, "arms": {"outcome": arm(0.26, 2000), "tree_222": arm(0.30, 1200)}}
+    recorded = tmp_path / "summary.json"
+    recorded.write_text(json.dumps({**start, "arms": {"outcome": arm(0.26, 2000), "process": arm(0.36, 2000)}}))
+    joined = with_recorded_arms(new, recorded)
+    assert sorted(joined["arms"]) == ["outcome", "process", "tree_222"]
+    assert joined["arms"]["process"]["recorded_from"] == str(recorded) and joined["ps_minus_os"] == pytest.approx(0.1)
+    row = with_comparisons(joined)
+    # at 1,200 generated tokens the tree is at its end and outcome supervision at its start
+    assert row["tree_222_minus_os_equal_tokens"] == pytest.approx(0.30 - 0.2)
+    recorded.write_text(json.dumps({**start, "sft_accuracy": 0.21, "arms": {}}))
+    with pytest.raises(ValueError, match="sft_accuracy=0.21 but this run has 0.2"):
+        with_recorded_arms(new, recorded)
+    recorded.write_text(json.dumps({**start, "arms": {"outcome": arm(0.25, 2000)}}))
+    with pytest.raises(ValueError, match="arm outcome ended at 0.25 but at 0.26 here"):
+        with_recorded_arms(new, recorded)
