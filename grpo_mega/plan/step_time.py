@@ -7,12 +7,13 @@ prompt tokens, L a response's tokens (mean Lm, tail Lt: the longest in the batch
 sequences per rollout replica, B the replica's concurrent sequences, F the device's peak FLOP/s, M its memory
 bytes/s.
 
-What a step really gets out of a device is four named factors (``Efficiency``), fitted on measured steps
+What a step really gets out of a device is five named factors (``Efficiency``), fitted on measured steps
 (``bench/step_time_published.py`` for GPUs) and the same for every config.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from grpo_mega.plan.devices import DeviceProfile
@@ -23,22 +24,27 @@ class Efficiency:
     """The model's only free figures: shares of a device's peak that each kind of work reaches. Defaults: the
     least-squares fit (in log seconds) on the published GPU rows, ``bench/results/step_time_published.json``."""
 
-    mfu_train: float = 0.30
+    mfu_train: float = 0.648
     """Model FLOP utilisation of the update (forward + backward + optimizer, 6 N per token plus attention, recompute
     not counted as useful work)."""
-    mfu_forward: float = 0.30
+    mfu_forward: float = 0.300
     """Model FLOP utilisation of forward-only passes: prefill, old / reference log-probs, PRM scoring."""
-    decode_bandwidth: float = 0.50
+    decode_bandwidth: float = 0.539
     """Share of the memory bandwidth decoding reaches (weights + KV cache read per token step; kernel launches,
     sampling, scheduling and the shorter last waves included)."""
-    comm: float = 0.60
+    comm: float = 0.289
     """Share of the link bandwidth collectives reach (TP all-reduces, DP gradient reduction, weight sync)."""
+    decode_step_overhead: float = 0.0037
+    """Seconds each decode token step costs beyond its roofline (the engine's scheduling, sampling and launch work
+    per step): what keeps a tail-bound rollout from getting faster on more GPUs."""
 
     def __post_init__(self) -> None:
         for name in ("mfu_train", "mfu_forward", "decode_bandwidth", "comm"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"Efficiency.{name}={value}: expected a share in (0, 1]")
+        if not 0 <= self.decode_step_overhead < 1:
+            raise ValueError(f"Efficiency.decode_step_overhead={self.decode_step_overhead}: expected seconds in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -156,22 +162,28 @@ def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, 
     """{"prefill", "decode"} seconds of one rollout (every replica in parallel), S = sequences / replicas.
 
     prefill = 2 N S P / (tp F mfu_forward).
-    decode = max(bytes / (tp M decode_bandwidth), flops / (tp F mfu_forward)) + TP traffic, with
-    bytes = T W + S k (P Lm + E[L^2] / 2) (every token step reads the weights once, every token reads its
-    context's KV), flops = 2 N S Lm + 4 l a S (P Lm + E[L^2] / 2), T = ``decode_steps``; TP traffic: 2 all-reduces
-    of B h 2 bytes per layer and token step."""
+    decode: T = ``decode_steps`` token steps, of which Tf = S Lm / B run a full batch and T - Tf are the tail
+    (few sequences left: the weights are what is read).
+    decode = max((Tf W + S k C) / (tp M decode_bandwidth), (2 N S Lm + 4 l a S C) / (tp F mfu_forward))
+             + (T - Tf) W / (tp M decode_bandwidth) + T decode_step_overhead + TP traffic,
+    C = P Lm + E[L^2] / 2 the context tokens a sequence's decode reads (every token reads its context's KV; every
+    step reads the weights once); TP traffic: 2 all-reduces per layer of every decoded token's h x 2 bytes
+    (S Lm tokens; the per-step latency is in decode_step_overhead)."""
     per_replica = sequences / replicas
     prefill = compute_seconds(2 * model.matmul_params * per_replica * lengths.prompt, tp, device, eff.mfu_forward)
     steps = decode_steps(per_replica, concurrent, lengths)
+    full = min(steps, per_replica * lengths.response_mean / concurrent)
     context_reads = per_replica * (lengths.prompt * lengths.response_mean + lengths.response_square / 2)
-    read = steps * model.weight_bytes + model.kv_bytes_per_token * context_reads
+    bandwidth = tp * device.memory_bandwidth * eff.decode_bandwidth
+    memory = (full * model.weight_bytes + model.kv_bytes_per_token * context_reads) / bandwidth
     flops = 2 * model.matmul_params * per_replica * lengths.response_mean + \
         4 * model.layers * model.attention_width * context_reads
-    memory = read / (tp * device.memory_bandwidth * eff.decode_bandwidth)
     compute = compute_seconds(flops, tp, device, eff.mfu_forward)
-    traffic = steps * 2 * model.layers * ring_seconds(concurrent * model.hidden * 2, tp,
-                                                      device.intra_node_bandwidth, eff.comm)
-    return {"prefill": prefill, "decode": max(memory, compute) + traffic}
+    tail = (steps - full) * model.weight_bytes / bandwidth
+    traffic = 2 * model.layers * ring_seconds(per_replica * lengths.response_mean * model.hidden * 2, tp,
+                                              device.intra_node_bandwidth, eff.comm)
+    return {"prefill": prefill,
+            "decode": max(memory, compute) + tail + steps * eff.decode_step_overhead + traffic}
 
 
 @dataclass(frozen=True)
@@ -193,11 +205,22 @@ class TrainLayout:
         return device.intra_node_bandwidth if self.gpus <= self.gpus_per_node else device.inter_node_bandwidth
 
 
+def rank_imbalance(lengths: Lengths, sequences_per_rank: float, ranks: int) -> float:
+    """The slowest of ``ranks`` data-parallel ranks over the mean: 1 + c / sqrt(n) x sqrt(2 ln r), c = cv Lm / (P + Lm)
+    the rows' token spread, n rows per rank (the expected maximum of r normal sums; 1 for one rank). The step
+    waits for the rank that drew the longest rows."""
+    if ranks <= 1 or sequences_per_rank <= 0:
+        return 1.0
+    spread = lengths.response_cv * lengths.response_mean / (lengths.prompt + lengths.response_mean)
+    return 1 + spread / math.sqrt(sequences_per_rank) * math.sqrt(2 * math.log(ranks))
+
+
 def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
                          device: DeviceProfile, eff: Efficiency, *, micro_batches: int) -> float:
     """One forward pass over the step's rows on the training GPUs (log-probs, reference, PRM scoring):
-    forward_flops / (gpus F mfu_forward) x (1 + bubble) + TP traffic (one pass)."""
-    compute = compute_seconds(forward_flops(model, lengths, sequences), layout.gpus, device, eff.mfu_forward)
+    forward_flops / (gpus F mfu_forward) x imbalance x (1 + bubble) + TP traffic (one pass)."""
+    compute = compute_seconds(forward_flops(model, lengths, sequences), layout.gpus, device, eff.mfu_forward) * \
+        rank_imbalance(lengths, sequences / layout.data, layout.data)
     tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
     traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm, 1)
     return compute * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
@@ -206,12 +229,12 @@ def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, l
 def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
                    device: DeviceProfile, eff: Efficiency, *, epochs: int, optimizer_steps: int,
                    micro_batches: int, distributed_optimizer: bool, recompute: bool = False) -> float:
-    """epochs x (3 forward_flops (4 with full recompute) / (gpus F mfu_train) x (1 + bubble) + TP traffic of forward
+    """epochs x (3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance x (1 + bubble) + TP traffic of forward
     and backward) + optimizer_steps x DP gradient traffic: all-reduce of 4 bytes (fp32 gradients) per parameter of
     a model-parallel rank, or with the distributed optimizer reduce-scatter of 4 bytes + all-gather of 2 bytes."""
     passes = 4 if recompute else 3
     compute = compute_seconds(passes * forward_flops(model, lengths, sequences), layout.gpus, device,
-                              eff.mfu_train)
+                              eff.mfu_train) * rank_imbalance(lengths, sequences / layout.data, layout.data)
     tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
     traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm,
                                       passes - 1)
