@@ -19,7 +19,7 @@ The network column assumes one 400 Gb/s (A100: 200 Gb/s) NIC per GPU, the common
 NICs get less. ``storage_gb_s`` (a checkpoint's write rate per node) is an assumption of 2 GB/s for a shared
 file system, not a data-sheet figure. The CPU profile is this project's 2-core test machine: fp32 matmul peak as
 ``bench/matmul_peak.py`` measures it, memory bandwidth as ``bench/matmul_peak.py --bandwidth`` measures it, gloo
-over loopback between processes; use ``cpu_profile`` with your own measurements for another machine.
+between processes assumed; use ``cpu_profile`` with your own measurements for another machine.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ PROFILES: dict[str, DeviceProfile] = {
     "H20": DeviceProfile("H20", 148e12, 4.0e12, 450 * GB, 50 * GB, 95.6),
     "A100": DeviceProfile("A100", 312e12, 2.039e12, 300 * GB, 25 * GB, 79.3),
     "B200": DeviceProfile("B200", 2250e12, 8.0e12, 900 * GB, 50 * GB, 178.4),
-    # 2-core Intel Xeon of this project's CI, 2 threads: fp32 matmul 394-438 GFLOP/s (bench/matmul_peak.py,
-    # docs/performance.md); memory and gloo figures from bench/matmul_peak.py --bandwidth (see docs/performance.md).
-    "CPU": DeviceProfile("CPU", 400e9, 8e9, 2e9, 2e9, 8.0, storage_bandwidth=0.5e9),
+    # 2-core Intel Xeon of this project's CI, 2 threads: fp32 matmul 394-438 GFLOP/s idle (bench/matmul_peak.py,
+    # docs/performance.md); memory 6.5 GB/s (bench/matmul_peak.py --bandwidth, 1 thread, 2026-11-28 at load average
+    # 13: a lower bound); gloo between processes and the disk: 2 and 0.5 GB/s, assumed, not measured.
+    "CPU": DeviceProfile("CPU", 400e9, 6.5e9, 2e9, 2e9, 8.0, storage_bandwidth=0.5e9),
 }
 
 

@@ -59,7 +59,13 @@ class ModelCost:
     attention_width: int
     hidden: int
     kv_bytes_per_token: float
-    """k: 2 x layers x kv_heads x head_dim x 2 bytes."""
+    """k: 2 x layers x kv_heads x head_dim x dtype bytes."""
+    dtype_bytes: int = 2
+    """Bytes of a weight (bf16 on GPUs, fp32 on the CPU)."""
+
+    @property
+    def parameters(self) -> float:
+        return self.weight_bytes / self.dtype_bytes
 
     @classmethod
     def from_shapes(cls, s, dtype_bytes: int = 2) -> ModelCost:
@@ -76,7 +82,7 @@ class ModelCost:
         return cls(matmul_params=s.layers * (attention + active_mlp) + head,
                    weight_bytes=dtype_bytes * (s.layers * (attention + all_mlp) + 2 * head),
                    layers=s.layers, attention_width=q, hidden=s.hidden,
-                   kv_bytes_per_token=2 * s.layers * kv * dtype_bytes)
+                   kv_bytes_per_token=2 * s.layers * kv * dtype_bytes, dtype_bytes=dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -238,11 +244,11 @@ def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout:
     tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
     traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm,
                                       passes - 1)
-    params_per_rank = model.weight_bytes / 2 / (layout.tensor * layout.pipeline)
+    params_per_rank = model.parameters / (layout.tensor * layout.pipeline)
     bandwidth = layout.data_bandwidth(device)
     if distributed_optimizer:
         grads = ring_seconds(4 * params_per_rank, layout.data, bandwidth, eff.comm, all_reduce=False) + \
-            ring_seconds(2 * params_per_rank, layout.data, bandwidth, eff.comm, all_reduce=False)
+            ring_seconds(model.dtype_bytes * params_per_rank, layout.data, bandwidth, eff.comm, all_reduce=False)
     else:
         grads = ring_seconds(4 * params_per_rank, layout.data, bandwidth, eff.comm)
     bubble = pipeline_bubble(layout.pipeline, micro_batches)
@@ -250,7 +256,7 @@ def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout:
 
 
 def weight_sync_seconds(model: ModelCost, device: DeviceProfile, eff: Efficiency, *, across_nodes: bool) -> float:
-    """W / (link x comm): the bf16 weights gathered from the training layout and loaded by the rollout engine,
+    """W / (link x comm): the weights gathered from the training layout and loaded by the rollout engine,
     over NVLink when colocated, over the network (rollout GPUs of their own) otherwise."""
     link = device.inter_node_bandwidth if across_nodes else device.intra_node_bandwidth
     return model.weight_bytes / (link * eff.comm)
@@ -258,12 +264,11 @@ def weight_sync_seconds(model: ModelCost, device: DeviceProfile, eff: Efficiency
 
 def save_seconds(model: ModelCost, device: DeviceProfile, *, nodes: int, save_every: int,
                  optimizer_bytes_per_param: int = 12) -> float:
-    """A checkpoint (bf16 weights + fp32 master + Adam's two moments: 2 + 12 bytes per parameter, all ranks'
+    """A checkpoint (the weights + fp32 master + Adam's two moments: 2 + 12 bytes per parameter in bf16, all ranks'
     shards written in parallel by ``nodes`` nodes) amortised over ``save_every`` steps; 0 when never saved."""
     if save_every <= 0:
         return 0.0
-    params = model.weight_bytes / 2
-    return params * (2 + optimizer_bytes_per_param) / (nodes * device.storage_bandwidth) / save_every
+    return model.parameters * (model.dtype_bytes + optimizer_bytes_per_param) / (nodes * device.storage_bandwidth) / save_every
 
 
 @dataclass

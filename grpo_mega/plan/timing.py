@@ -52,10 +52,10 @@ def _lengths(cfg, a: Assumptions) -> Lengths:
     return Lengths(prompt=prompt, response_mean=mean, response_tail=tail)
 
 
-def _model(hf: dict) -> ModelCost:
+def _model(hf: dict, dtype_bytes: int) -> ModelCost:
     from grpo_mega.model.config_map import padded_vocab_size
 
-    return ModelCost.from_shapes(Shapes.from_hf(hf, padded_vocab_size(int(hf["vocab_size"]), 1)))
+    return ModelCost.from_shapes(Shapes.from_hf(hf, padded_vocab_size(int(hf["vocab_size"]), 1)), dtype_bytes)
 
 
 def _micro_batches(cfg, rows_per_rank: float) -> int:
@@ -79,7 +79,8 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     a = assumptions or Assumptions()
     from grpo_mega.plan.build import read_hf_config
 
-    policy = _model(read_hf_config(cfg.model.hf_config, "model.hf_config"))
+    dtype_bytes = 4 if cfg.parallel.device == "cpu" else 2  # fp32 on the CPU, bf16 on GPUs (the plan's dtype)
+    policy = _model(read_hf_config(cfg.model.hf_config, "model.hf_config"), dtype_bytes)
     lengths = _lengths(cfg, a)
     alg = cfg.algorithm
     groups, group = alg.rollout_batch_size, alg.num_return_sequences_in_group
@@ -109,7 +110,7 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     optimizer_steps = alg.ppo_epochs * math.ceil(groups / mini)
     micro = _micro_batches(cfg, mini * group / plan.data)
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
-        prm = _model(plan.prm_hf_config)
+        prm = _model(plan.prm_hf_config, dtype_bytes)
         prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
         phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro)
     elif cfg.process_reward.source == "prm":
@@ -136,7 +137,7 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     step = combine(phases, asynchronous=asynchronous, gpus=hw.world_size, notes=notes)
     one_off: dict[str, float] = {}
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
-        one_off = process_one_off(policy, _model(plan.prm_hf_config), lengths, a, layout, replicas, rtp,
+        one_off = process_one_off(policy, _model(plan.prm_hf_config, dtype_bytes), lengths, a, layout, replicas, rtp,
                                   concurrent, device, eff, micro)
         notes.append(f"one-off (a PRM trained here): {a.label_problems} problems x {a.label_solutions} solutions, "
                      f"{a.label_steps} steps each, {a.label_rollouts} Monte-Carlo completions per step")
