@@ -291,6 +291,9 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
     eff = Efficiency()
     step, one_off = config_step_time(cfg, plan, device, eff, Assumptions(
         mean_prompt=args.mean_prompt, mean_response=args.mean_response, sampling_rounds=args.sampling_rounds))
+    if device.name == "CPU":
+        step.notes.append("the factors are the ones fitted on published GPU runs; on a CPU they are not fitted "
+                          "(bench/step_time_cpu.py measures and fits them)")
     return (format_step_time(step, one_off, args.steps, device, eff),
             step_time_dict(step, one_off, args.steps, device, eff))
 
