@@ -115,7 +115,8 @@ def format_step_time(step, one_off: dict[str, float], steps: int, device, eff) -
     mode = ("async: step = max(rollout, train) + weight sync + save" if step.asynchronous
             else "colocated: step = sum of phases")
     lines = [f"step time on {step.gpus} x {device.name} ({mode}); factors: mfu_train={eff.mfu_train:.3g} "
-             f"mfu_forward={eff.mfu_forward:.3g} decode_bandwidth={eff.decode_bandwidth:.3g} comm={eff.comm:.3g}",
+             f"mfu_forward={eff.mfu_forward:.3g} decode_bandwidth={eff.decode_bandwidth:.3g} comm={eff.comm:.3g} "
+             f"decode_step_overhead={eff.decode_step_overhead * 1000:.2g} ms",
              f"{'phase':<22}{'s/step':>10}{'share':>8}"]
     for name, seconds in step.phases.items():
         lines.append(f"{name:<22}{seconds:>10.1f}{step.share(name):>8.0%}")
