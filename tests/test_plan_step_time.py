@@ -218,3 +218,19 @@ def test_cli_names_a_bad_assumption(capsys):
     assert "--mean-response 9999" in capsys.readouterr().err
     assert main(["plan", "--config", "configs/qwen2.5-math-7b_grpo.yaml", "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err
+
+
+def test_the_hf_rollout_engine_generates_on_every_model_parallel_group_at_once(capsys):
+    """Without vLLM (rollout.engine=hf) each TP x PP group generates its DP share of the rows in one batch: on half
+    the GPUs each group has twice the rows, a longer generation; the CPU profile says its factors are not fitted."""
+    from grpo_mega.cli import main
+
+    base = ["plan", "--config", "configs/qwen2.5-math-1.5b_grpo.yaml", "--steps", "10", "--json", "rollout.engine=hf"]
+    assert main([*base, "--gpus-per-node", "8"]) in (0, 1)
+    eight = json.loads(capsys.readouterr().out)["step_time"]
+    assert main([*base, "--gpus-per-node", "4"]) in (0, 1)
+    four = json.loads(capsys.readouterr().out)["step_time"]
+    assert four["phases"]["generation"]["seconds"] > 1.2 * eight["phases"]["generation"]["seconds"]
+    assert main([*base, "--device", "CPU"]) in (0, 1)
+    cpu = json.loads(capsys.readouterr().out)["step_time"]
+    assert cpu["device"]["name"] == "CPU" and any("not fitted" in note for note in cpu["notes"])
