@@ -29,7 +29,9 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    log-prob difference, generation tokens/s, update tokens/s and model FLOP utilisation (6 x matmul parameters per
    token plus causal attention, over the measured matmul peak and, on known GPUs, the data-sheet peak), the
    ``memory/*`` metrics the trainer logs, and every ``timing_s/*``; and ``grpo-mega plan``'s update phase for the
-   run's config beside the measured update peak (``memory_against_plan``).
+   run's config beside the measured update peak (``memory_against_plan``), and its step-time model's seconds per
+   phase (``grpo-mega plan --steps``, the device's profile, the step's measured mean lengths) beside the measured
+   ``timing_s/*`` (``time_vs_model``).
    On a GPU the measured update peak must be within ``MEMORY_BAND`` of the plan's (``gpu_check_stages``).
    ``grpo_async``: two steps with ``rollout.mode=async`` (staleness 0) on two processes, one training and one
    rollout process sharing the device, each its own world (NCCL on a GPU), the weights crossing the gloo bridge in

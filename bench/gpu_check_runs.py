@@ -128,7 +128,39 @@ def stage_grpo(work: Path, task: dict, device: str, settings: dict, grpo_steps: 
     memory = memory_against_plan(run_dir, device, task, steps[-1])
     if device == "cuda":  # on the CPU the measured figure is the process's resident memory: no check of the plan
         check_memory_band(memory["measured_update_peak_gib"], memory["planned_update_in_torch_gib"], "update (hf)")
-    return {"steps": steps, "memory_vs_plan": memory}
+    return {"steps": steps, "memory_vs_plan": memory, "time_vs_model": time_against_model(run_dir, device, rows[-1])}
+
+
+def time_against_model(run_dir: Path, device: str, row: dict) -> dict:
+    """``grpo-mega plan --steps``'s seconds per phase for the run's own config (this device's profile, the step's
+    measured mean prompt and response tokens, the shipped factors) beside the last step's measured ``timing_s/*``:
+    the record that confirms or falsifies the step-time model on a new device. A device without a profile is
+    recorded as such."""
+    import torch
+
+    from grpo_mega.config import ConfigError, GRPOConfig, load_config
+    from grpo_mega.plan.devices import device_profile
+    from grpo_mega.plan.step_time import Efficiency
+    from grpo_mega.plan.timing import Assumptions, config_step_time
+
+    name = torch.cuda.get_device_properties(0).name if device == "cuda" else "CPU"
+    try:
+        profile = device_profile(name)
+    except ConfigError as error:
+        return {"device": name, "not_predicted": str(error)}
+    cfg = load_config(GRPOConfig, run_dir / "config.yaml")
+    rows = cfg.algorithm.rollout_batch_size * cfg.algorithm.num_return_sequences_in_group
+    response = row["perf/num_response_tokens"] / rows
+    prompt = (row["perf/num_tokens"] - row["perf/num_response_tokens"]) / rows
+    step, _ = config_step_time(cfg, _plan_of_run(run_dir, device), profile, Efficiency(), Assumptions(
+        mean_prompt=min(prompt, cfg.data.prompt_length), mean_response=min(response, cfg.algorithm.response_length)))
+    measured = {"generation": row.get("timing_s/gen"), "update": row.get("timing_s/update"),
+                "old_logprobs": row.get("timing_s/old_logprob"), "weight_sync": row.get("timing_s/sync"),
+                "step": row.get("timing_s/step")}
+    predicted = {**step.phases, "step": step.seconds}
+    return {"device": profile.name, "mean_prompt": prompt, "mean_response": response,
+            "predicted_s": predicted, "measured_s": measured,
+            "predicted_over_measured": {k: predicted[k] / v for k, v in measured.items() if v and k in predicted}}
 
 
 def memory_against_plan(run_dir: Path, device: str, task: dict, last_step: dict) -> dict:

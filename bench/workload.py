@@ -5,6 +5,7 @@ synthetic task's tokenizer), so both trainers start from the very same weights; 
 (``train.jsonl``); a cheap deterministic reward with spread inside a group (:func:`digit_reward`), so no group
 is degenerate and both trainers do the full update. Sizes:
 
+- ``1m``: hidden 128, 4 layers, GQA 4/2, MLP 352 (~0.8M parameters; bench/step_time_cpu.py's smallest size)
 - ``3m``: hidden 256, 4 layers, GQA 4/2, MLP 704 (~3.2M parameters, FINDINGS.md's shape)
 - ``25m``: hidden 512, 8 layers, GQA 8/4, MLP 1536 (~25M parameters)
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SIZES = {
+    "1m": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2),
     "3m": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2),
     "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,

@@ -8,7 +8,9 @@
                          [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
     grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--gpu-name A100] [--accept-unknown] [--json]
-                   [key=value ...]                              memory per rank and phase; exit 1 if it does not fit
+                   [--steps N [--device H100] [--mean-prompt T] [--mean-response T] [--sampling-rounds R]]
+                   [key=value ...]                              memory per rank and phase; exit 1 if it does not fit;
+                                                                with --steps also seconds per phase and GPU-hours
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
 processes on this machine with torchrun.
@@ -79,6 +81,16 @@ def _parser() -> argparse.ArgumentParser:
                       "are smaller on an A100; default: another GPU")
     plan.add_argument("--accept-unknown", action="store_true",
                       help="exit 0 for a plan that fits what it counted although a part could not be read")
+    plan.add_argument("--steps", type=int, help="also predict seconds per phase, the step's seconds and GPU-hours "
+                      "for this many steps (the step-time model, docs/performance.md 'Step time')")
+    plan.add_argument("--device", help="device profile for --steps: H100, H200, H20, A100, B200 or CPU "
+                      "(default: --gpu-name if it names one, else CPU for parallel.device=cpu, else H100)")
+    plan.add_argument("--mean-prompt", type=float, help="mean prompt tokens for --steps "
+                      "(default: data.prompt_length / 4)")
+    plan.add_argument("--mean-response", type=float, help="mean response tokens for --steps "
+                      "(default: algorithm.response_length / 2)")
+    plan.add_argument("--sampling-rounds", type=float, default=1.0,
+                      help="mean generation rounds per step for --steps (dynamic sampling; default 1)")
     plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
     from prm.cli import add_prm_commands
 
@@ -244,11 +256,46 @@ def _run_plan(args) -> int:
         plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes, gpu_name=args.gpu_name,
                            assume=parse_assume(args.assume), config_name=args.config,
                            prm_shape=documented_prm_shape(args.config))
+        timed = _plan_step_time(args, cfg, plan) if args.steps is not None else None
     except (ConfigError, ValueError) as error:
         print(f"grpo-mega plan: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(to_dict(plan), indent=1) if args.json else format_table(plan, accept_unknown=args.accept_unknown))
+    if args.json:
+        out = to_dict(plan)
+        if timed is not None:
+            out["step_time"] = timed[1]
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_table(plan, accept_unknown=args.accept_unknown))
+        if timed is not None:
+            print(timed[0])
     return 0 if plan.verdict_fits(accept_unknown=args.accept_unknown) else 1
+
+
+def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
+    """(The step-time table, its JSON) for ``grpo-mega plan --steps N``."""
+    from grpo_mega.config import ConfigError
+    from grpo_mega.plan.devices import PROFILES, device_profile
+    from grpo_mega.plan.report import format_step_time, step_time_dict
+    from grpo_mega.plan.step_time import Efficiency
+    from grpo_mega.plan.timing import Assumptions, config_step_time
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: expected >= 1")
+    if args.device:
+        device = device_profile(args.device)
+    elif args.gpu_name and any(key in args.gpu_name.upper() for key in PROFILES if key != "CPU"):
+        device = device_profile(args.gpu_name)
+    else:
+        device = device_profile("CPU" if cfg.parallel.device == "cpu" else "H100")
+    eff = Efficiency()
+    step, one_off = config_step_time(cfg, plan, device, eff, Assumptions(
+        mean_prompt=args.mean_prompt, mean_response=args.mean_response, sampling_rounds=args.sampling_rounds))
+    if device.name == "CPU":
+        step.notes.append("the factors are the ones fitted on published GPU runs; on a CPU they are not fitted "
+                          "(bench/step_time_cpu.py measures and fits them)")
+    return (format_step_time(step, one_off, args.steps, device, eff),
+            step_time_dict(step, one_off, args.steps, device, eff))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 generation, prm_scoring, each with its byte items; ``plan.fits``, ``plan.problems``); ``report`` prints it.
 Modules: ``counts`` (parameters from megatron's model on the meta device), ``static`` (parameters, DDP gradient
 buffers, optimizer state), ``activations``, ``vllm``, ``phases`` (what each phase holds, the verdict),
-``report`` (table and JSON), ``measure`` (what an engine really allocates, for the checks).
+``report`` (table and JSON), ``measure`` (what an engine really allocates, for the checks). The step-time model
+(``grpo-mega plan --steps``): ``step_time`` (seconds per phase from FLOPs and bytes), ``devices`` (device
+profiles), ``timing`` (a config and its plan into those formulas).
 
 It may import ``checkpoint``, ``config``, ``model``, ``parallel``, ``rollout`` (vLLM's settings) and the PRM library;
 only the CLI imports it.

@@ -244,4 +244,5 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
                 dtype=dtype, parameters=parameters, policy=policy, stages=statics, micro_batch_tokens=layer_tokens,
                 head_tokens=head_tokens, activations=activations, logprob_buffers=logprobs, reference=reference,
                 prm=prm, prm_activations=prm_activations, vllm=vllm_plan, phases=phases, notes=notes,
-                save_host=save_host, unknown=[prm_note] if prm_note else [])
+                save_host=save_host, unknown=[prm_note] if prm_note else [],
+                prm_hf_config=prm_request.hf_config if prm_request is not None else None)

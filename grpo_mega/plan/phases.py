@@ -87,6 +87,8 @@ class Plan:
     phases: list[Phase]
     notes: list[str] = field(default_factory=list)
     save_host: SaveHost | None = None
+    prm_hf_config: dict | None = None
+    """The PRM's HF config the plan counted (process_reward.source: prm); the step-time model reads its shape."""
     unknown: list[str] = field(default_factory=list)
     """Parts the plan could not count (a PRM without a readable config), each saying what is missing; a plan with
     any is no verdict of FITS unless the user accepts them (``grpo-mega plan --accept-unknown``)."""

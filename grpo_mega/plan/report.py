@@ -95,3 +95,39 @@ def format_table(plan: Plan, *, accept_unknown: bool = False) -> str:
         lines.append("DOES NOT FIT:")
         lines.extend(f"  {problem}" for problem in plan.problems)
     return "\n".join(lines)
+
+
+def step_time_dict(step, one_off: dict[str, float], steps: int, device, eff) -> dict:
+    """The step-time model's result as JSON: seconds and share per phase, the step, GPU-hours for ``steps``, the
+    one-off phases, the device profile and the efficiency factors it used."""
+    return {
+        "device": asdict(device), "efficiency": asdict(eff), "asynchronous": step.asynchronous, "gpus": step.gpus,
+        "phases": {name: {"seconds": seconds, "share": step.share(name)} for name, seconds in step.phases.items()},
+        "rollout_seconds": step.rollout_seconds, "train_seconds": step.train_seconds,
+        "step_seconds": step.seconds, "steps": steps, "gpu_hours": step.gpu_hours(steps),
+        "one_off": {name: {"seconds": s, "gpu_hours": s * step.gpus / 3600} for name, s in one_off.items()},
+        "notes": step.notes,
+    }
+
+
+def format_step_time(step, one_off: dict[str, float], steps: int, device, eff) -> str:
+    """Per phase seconds per step and share, the step's seconds and GPU-hours for ``steps``, the one-off phases."""
+    mode = ("async: step = max(rollout, train) + weight sync + save" if step.asynchronous
+            else "colocated: step = sum of phases")
+    lines = [f"step time on {step.gpus} x {device.name} ({mode}); factors: mfu_train={eff.mfu_train:.3g} "
+             f"mfu_forward={eff.mfu_forward:.3g} decode_bandwidth={eff.decode_bandwidth:.3g} comm={eff.comm:.3g} "
+             f"decode_step_overhead={eff.decode_step_overhead * 1000:.2g} ms",
+             f"{'phase':<22}{'s/step':>10}{'share':>8}"]
+    for name, seconds in step.phases.items():
+        lines.append(f"{name:<22}{seconds:>10.1f}{step.share(name):>8.0%}")
+    if step.asynchronous:
+        lines.append(f"{'(rollout side)':<22}{step.rollout_seconds:>10.1f}")
+        lines.append(f"{'(train side)':<22}{step.train_seconds:>10.1f}")
+    lines.append(f"{'step':<22}{step.seconds:>10.1f}")
+    lines.append(f"{steps} steps: {step.seconds * steps / 3600:.1f} h, {step.gpu_hours(steps):.0f} GPU-hours")
+    for name, seconds in one_off.items():
+        lines.append(f"one-off {name}: {seconds / 3600:.2f} h, {seconds * step.gpus / 3600:.0f} GPU-hours "
+                     f"(= {seconds / step.seconds:.1f} steps)")
+    lines.extend(f"note: {note}" for note in step.notes)
+    lines.append("a model, not a measurement: docs/performance.md 'Step time' gives its validation")
+    return "\n".join(lines)

@@ -1,0 +1,319 @@
+"""Seconds per phase of one GRPO step: a roofline model from FLOPs and bytes, a layout and a device profile.
+
+Pure functions, each with its formula. Symbols: N the matmul parameters a token passes through (the LM head
+included, the embedding lookup not; the active ones for a mixture of experts), W the rollout weights' bytes, l
+layers, a the attention width (heads x head_dim), k the KV-cache bytes per token (K and V, every layer), P the mean
+prompt tokens, L a response's tokens (mean Lm, tail Lt: the longest in the batch, E[L^2] = Lm^2 (1 + cv^2)), S
+sequences per rollout replica, B the replica's concurrent sequences, F the device's peak FLOP/s, M its memory
+bytes/s.
+
+What a step really gets out of a device is five named factors (``Efficiency``), fitted on measured steps
+(``bench/step_time_published.py`` for GPUs) and the same for every config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from grpo_mega.plan.devices import DeviceProfile
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The model's only free figures: shares of a device's peak that each kind of work reaches. Defaults: the
+    least-squares fit (in log seconds) on the published GPU rows, ``bench/results/step_time_published.json``."""
+
+    mfu_train: float = 0.648
+    """Model FLOP utilisation of the update (forward + backward + optimizer, 6 N per token plus attention, recompute
+    not counted as useful work)."""
+    mfu_forward: float = 0.300
+    """Model FLOP utilisation of forward-only passes: prefill, old / reference log-probs, PRM scoring."""
+    decode_bandwidth: float = 0.539
+    """Share of the memory bandwidth decoding reaches (weights + KV cache read per token step; kernel launches,
+    sampling, scheduling and the shorter last waves included)."""
+    comm: float = 0.289
+    """Share of the link bandwidth collectives reach (TP all-reduces, DP gradient reduction, weight sync)."""
+    decode_step_overhead: float = 0.0037
+    """Seconds each decode token step costs beyond its roofline (the engine's scheduling, sampling and launch work
+    per step): what keeps a tail-bound rollout from getting faster on more GPUs."""
+
+    def __post_init__(self) -> None:
+        for name in ("mfu_train", "mfu_forward", "decode_bandwidth", "comm"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Efficiency.{name}={value}: expected a share in (0, 1]")
+        if not 0 <= self.decode_step_overhead < 1:
+            raise ValueError(f"Efficiency.decode_step_overhead={self.decode_step_overhead}: expected seconds in [0, 1)")
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a model costs per token (from ``grpo_mega.plan.activations.Shapes``)."""
+
+    matmul_params: float
+    """N: multiply-adds per token through the layers and the LM head (active experts only)."""
+    weight_bytes: float
+    """W: every weight in the serving dtype (bf16), all experts, the embedding included."""
+    layers: int
+    attention_width: int
+    hidden: int
+    kv_bytes_per_token: float
+    """k: 2 x layers x kv_heads x head_dim x dtype bytes."""
+    dtype_bytes: int = 2
+    """Bytes of a weight (bf16 on GPUs, fp32 on the CPU)."""
+
+    @property
+    def parameters(self) -> float:
+        return self.weight_bytes / self.dtype_bytes
+
+    @classmethod
+    def from_shapes(cls, s, dtype_bytes: int = 2) -> ModelCost:
+        """N = l (h (q + 2 kv) + q h + mlp) + V h with mlp = 3 h f (dense) or topk 3 h f_e + h E (MoE);
+        W = dtype_bytes (l (attention + all experts) + 2 V h)."""
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        attention = s.hidden * (q + 2 * kv) + q * s.hidden
+        if s.experts:
+            active_mlp = s.topk * 3 * s.hidden * s.expert_intermediate + s.hidden * s.experts
+            all_mlp = s.experts * 3 * s.hidden * s.expert_intermediate + s.hidden * s.experts
+        else:
+            active_mlp = all_mlp = 3 * s.hidden * s.intermediate
+        head = s.vocab * s.hidden
+        return cls(matmul_params=s.layers * (attention + active_mlp) + head,
+                   weight_bytes=dtype_bytes * (s.layers * (attention + all_mlp) + 2 * head),
+                   layers=s.layers, attention_width=q, hidden=s.hidden,
+                   kv_bytes_per_token=2 * s.layers * kv * dtype_bytes, dtype_bytes=dtype_bytes)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token counts of a step's sequences. ``response_tail``: the longest response of the step (decoding's last
+    wave runs until it ends); ``response_cv``: the responses' standard deviation over their mean."""
+
+    prompt: float
+    response_mean: float
+    response_tail: float
+    response_cv: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not (self.prompt >= 0 and 0 < self.response_mean <= self.response_tail):
+            raise ValueError(f"{self}: expected prompt >= 0 and 0 < response_mean <= response_tail")
+
+    @property
+    def response_square(self) -> float:
+        """E[L^2] = Lm^2 (1 + cv^2)."""
+        return self.response_mean**2 * (1 + self.response_cv**2)
+
+    @property
+    def sequence_square(self) -> float:
+        """E[(P + L)^2] = P^2 + 2 P Lm + E[L^2]."""
+        return self.prompt**2 + 2 * self.prompt * self.response_mean + self.response_square
+
+
+def forward_flops(model: ModelCost, lengths: Lengths, sequences: float) -> float:
+    """FLOPs of one forward pass over ``sequences`` whole rows: 2 N S (P + Lm) + 2 l a S E[(P + L)^2] (causal
+    attention: Q K^T and A V each l a L^2 / 2 multiply-adds per row)."""
+    tokens = sequences * (lengths.prompt + lengths.response_mean)
+    return 2 * model.matmul_params * tokens + 2 * model.layers * model.attention_width * sequences * \
+        lengths.sequence_square
+
+
+def compute_seconds(flops: float, devices: int, device: DeviceProfile, mfu: float) -> float:
+    """flops / (devices x F x mfu)."""
+    return flops / (devices * device.peak_flops * mfu)
+
+
+def pipeline_bubble(pipeline: int, micro_batches: int) -> float:
+    """1F1B's idle share over the useful time: (PP - 1) / m, m micro-batches per mini-batch and DP rank; 0 at PP1."""
+    if pipeline < 1 or micro_batches < 1:
+        raise ValueError(f"pipeline={pipeline}, micro_batches={micro_batches}: expected >= 1")
+    return (pipeline - 1) / micro_batches
+
+
+def ring_seconds(bytes_: float, ranks: int, bandwidth: float, comm: float, *, all_reduce: bool = True) -> float:
+    """A ring collective over ``ranks``: all-reduce moves 2 (r - 1) / r x bytes per rank, reduce-scatter or
+    all-gather (r - 1) / r x bytes; over bandwidth x comm. 0 for one rank."""
+    if ranks <= 1:
+        return 0.0
+    share = (2 if all_reduce else 1) * (ranks - 1) / ranks
+    return share * bytes_ / (bandwidth * comm)
+
+
+def tensor_parallel_seconds(model: ModelCost, tokens_per_rank: float, tp: int, bandwidth: float, comm: float,
+                            passes: int) -> float:
+    """Megatron's TP activations traffic: 2 all-reduces (or reduce-scatter + all-gather, the same bytes) of
+    tokens x h x 2 bytes per layer and per pass (forward 1, backward 1 more)."""
+    return passes * 2 * model.layers * ring_seconds(tokens_per_rank * model.hidden * 2, tp, bandwidth, comm)
+
+
+def decode_steps(sequences: float, concurrent: float, lengths: Lengths) -> float:
+    """Token steps a replica decodes: Lt + Lm max(0, S / B - 1). All S fit at once: the longest response sets the
+    pace (Lt steps). More than fit: continuous batching refills freed slots, S Lm / B steps of full batches, and the
+    last wave still runs to the tail."""
+    if concurrent <= 0:
+        raise ValueError(f"concurrent sequences {concurrent}: the KV cache holds none")
+    return lengths.response_tail + lengths.response_mean * max(0.0, sequences / concurrent - 1)
+
+
+def concurrent_sequences(sequences: float, max_num_seqs: int, kv_cache_bytes: float, model: ModelCost, tp: int,
+                         lengths: Lengths) -> float:
+    """B = min(S, max_num_seqs, KV bytes / (k / tp x (P + Lm))): vLLM's batch limit, and the sequences of mean
+    length the replica's KV cache (``kv_cache_bytes`` per rank, from the memory plan) holds."""
+    held = kv_cache_bytes / (model.kv_bytes_per_token / tp * (lengths.prompt + lengths.response_mean))
+    return max(1e-9, min(sequences, max_num_seqs, held))
+
+
+def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, replicas: int, tp: int,
+                       concurrent: float, device: DeviceProfile, eff: Efficiency) -> dict[str, float]:
+    """{"prefill", "decode"} seconds of one rollout (every replica in parallel), S = sequences / replicas.
+
+    prefill = 2 N S P / (tp F mfu_forward).
+    decode: T = ``decode_steps`` token steps, of which Tf = S Lm / B run a full batch and T - Tf are the tail
+    (few sequences left: the weights are what is read).
+    decode = max((Tf W + S k C) / (tp M decode_bandwidth), (2 N S Lm + 4 l a S C) / (tp F mfu_forward))
+             + (T - Tf) W / (tp M decode_bandwidth) + T decode_step_overhead + TP traffic,
+    C = P Lm + E[L^2] / 2 the context tokens a sequence's decode reads (every token reads its context's KV; every
+    step reads the weights once); TP traffic: 2 all-reduces per layer of every decoded token's h x 2 bytes
+    (S Lm tokens; the per-step latency is in decode_step_overhead)."""
+    per_replica = sequences / replicas
+    prefill = compute_seconds(2 * model.matmul_params * per_replica * lengths.prompt, tp, device, eff.mfu_forward)
+    steps = decode_steps(per_replica, concurrent, lengths)
+    full = min(steps, per_replica * lengths.response_mean / concurrent)
+    context_reads = per_replica * (lengths.prompt * lengths.response_mean + lengths.response_square / 2)
+    bandwidth = tp * device.memory_bandwidth * eff.decode_bandwidth
+    memory = (full * model.weight_bytes + model.kv_bytes_per_token * context_reads) / bandwidth
+    flops = 2 * model.matmul_params * per_replica * lengths.response_mean + \
+        4 * model.layers * model.attention_width * context_reads
+    compute = compute_seconds(flops, tp, device, eff.mfu_forward)
+    tail = (steps - full) * model.weight_bytes / bandwidth
+    traffic = 2 * model.layers * ring_seconds(per_replica * lengths.response_mean * model.hidden * 2, tp,
+                                              device.intra_node_bandwidth, eff.comm)
+    return {"prefill": prefill,
+            "decode": max(memory, compute) + tail + steps * eff.decode_step_overhead + traffic}
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """The training GPUs' layout: TP x PP x DP (x EP inside TP x DP), and the node size for the links."""
+
+    tensor: int
+    pipeline: int
+    data: int
+    gpus_per_node: int
+    expert: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def data_bandwidth(self, device: DeviceProfile) -> float:
+        """The DP ring's slowest link: NVLink when the whole job sits in one node, else the network."""
+        return device.intra_node_bandwidth if self.gpus <= self.gpus_per_node else device.inter_node_bandwidth
+
+
+def rank_imbalance(lengths: Lengths, sequences_per_rank: float, ranks: int) -> float:
+    """The slowest of ``ranks`` data-parallel ranks over the mean: 1 + c / sqrt(n) x sqrt(2 ln r), c = cv Lm / (P + Lm)
+    the rows' token spread, n rows per rank (the expected maximum of r normal sums; 1 for one rank). The step
+    waits for the rank that drew the longest rows."""
+    if ranks <= 1 or sequences_per_rank <= 0:
+        return 1.0
+    spread = lengths.response_cv * lengths.response_mean / (lengths.prompt + lengths.response_mean)
+    return 1 + spread / math.sqrt(sequences_per_rank) * math.sqrt(2 * math.log(ranks))
+
+
+def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
+                         device: DeviceProfile, eff: Efficiency, *, micro_batches: int) -> float:
+    """One forward pass over the step's rows on the training GPUs (log-probs, reference, PRM scoring):
+    forward_flops / (gpus F mfu_forward) x imbalance x (1 + bubble) + TP traffic (one pass)."""
+    compute = compute_seconds(forward_flops(model, lengths, sequences), layout.gpus, device, eff.mfu_forward) * \
+        rank_imbalance(lengths, sequences / layout.data, layout.data)
+    tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
+    traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm, 1)
+    return compute * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
+
+
+def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
+                   device: DeviceProfile, eff: Efficiency, *, epochs: int, optimizer_steps: int,
+                   micro_batches: int, distributed_optimizer: bool, recompute: bool = False) -> float:
+    """epochs x (3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance x (1 + bubble) + TP traffic of forward
+    and backward) + optimizer_steps x DP gradient traffic: all-reduce of 4 bytes (fp32 gradients) per parameter of
+    a model-parallel rank, or with the distributed optimizer reduce-scatter of 4 bytes + all-gather of 2 bytes."""
+    passes = 4 if recompute else 3
+    compute = compute_seconds(passes * forward_flops(model, lengths, sequences), layout.gpus, device,
+                              eff.mfu_train) * rank_imbalance(lengths, sequences / layout.data, layout.data)
+    tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
+    traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm,
+                                      passes - 1)
+    params_per_rank = model.parameters / (layout.tensor * layout.pipeline)
+    bandwidth = layout.data_bandwidth(device)
+    if distributed_optimizer:
+        grads = ring_seconds(4 * params_per_rank, layout.data, bandwidth, eff.comm, all_reduce=False) + \
+            ring_seconds(model.dtype_bytes * params_per_rank, layout.data, bandwidth, eff.comm, all_reduce=False)
+    else:
+        grads = ring_seconds(4 * params_per_rank, layout.data, bandwidth, eff.comm)
+    bubble = pipeline_bubble(layout.pipeline, micro_batches)
+    return epochs * (compute * (1 + bubble) + traffic) + optimizer_steps * grads
+
+
+def weight_sync_seconds(model: ModelCost, device: DeviceProfile, eff: Efficiency, *, across_nodes: bool) -> float:
+    """W / (link x comm): the weights gathered from the training layout and loaded by the rollout engine,
+    over NVLink when colocated, over the network (rollout GPUs of their own) otherwise."""
+    link = device.inter_node_bandwidth if across_nodes else device.intra_node_bandwidth
+    return model.weight_bytes / (link * eff.comm)
+
+
+def save_seconds(model: ModelCost, device: DeviceProfile, *, nodes: int, save_every: int,
+                 optimizer_bytes_per_param: int = 12) -> float:
+    """A checkpoint (the weights + fp32 master + Adam's two moments: 2 + 12 bytes per parameter in bf16, all ranks'
+    shards written in parallel by ``nodes`` nodes) amortised over ``save_every`` steps; 0 when never saved."""
+    if save_every <= 0:
+        return 0.0
+    return model.parameters * (model.dtype_bytes + optimizer_bytes_per_param) / (nodes * device.storage_bandwidth) / save_every
+
+
+@dataclass
+class StepTime:
+    """Seconds per phase of one step, and how they combine. ``rollout`` and ``train`` name the phases of each
+    side; colocated, the step is their sum; async (GPUs of their own for the rollout), max(rollout, train) + the
+    rest (weight sync, save)."""
+
+    phases: dict[str, float]
+    rollout: list[str]
+    train: list[str]
+    asynchronous: bool
+    gpus: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rollout_seconds(self) -> float:
+        return sum(self.phases[p] for p in self.rollout)
+
+    @property
+    def train_seconds(self) -> float:
+        return sum(self.phases[p] for p in self.train)
+
+    @property
+    def seconds(self) -> float:
+        """colocated: sum of every phase; async: max(rollout, train) + the phases of neither side."""
+        rest = sum(v for k, v in self.phases.items() if k not in self.rollout and k not in self.train)
+        if self.asynchronous:
+            return max(self.rollout_seconds, self.train_seconds) + rest
+        return self.rollout_seconds + self.train_seconds + rest
+
+    def share(self, phase: str) -> float:
+        """The phase's seconds over the step's (async: over the sum of phases, since they overlap)."""
+        total = sum(self.phases.values()) if self.asynchronous else self.seconds
+        return self.phases[phase] / total if total else 0.0
+
+    def gpu_hours(self, steps: int) -> float:
+        return self.seconds * steps * self.gpus / 3600
+
+
+def combine(phases: dict[str, float], *, asynchronous: bool, gpus: int, notes: list[str] | None = None) -> StepTime:
+    """A StepTime whose rollout side is generation and the PRM's scoring, the train side everything the training
+    GPUs run (log-probs, reference, implicit PRM, update)."""
+    rollout = [p for p in phases if p in ("generation", "prm_scoring")]
+    train = [p for p in phases if p in ("old_logprobs", "reference", "implicit_prm_scoring", "implicit_prm_update",
+                                        "update")]
+    return StepTime(phases=phases, rollout=rollout, train=train, asynchronous=asynchronous, gpus=gpus,
+                    notes=notes or [])

@@ -1,0 +1,164 @@
+"""A config's step time: reads a ``GRPOConfig`` and its memory :class:`~grpo_mega.plan.phases.Plan` into the
+formulas of ``grpo_mega.plan.step_time``.
+
+What a config does not say is an assumption, passed in (``grpo-mega plan --mean-prompt / --mean-response``) and
+printed with the result: the mean prompt and response lengths (defaults: a quarter of ``data.prompt_length`` and
+half of ``algorithm.response_length``), the longest response (``algorithm.response_length``: in a batch of
+hundreds some responses reach the limit), and the mean number of sampling rounds dynamic sampling takes (1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from grpo_mega.plan.activations import Shapes
+from grpo_mega.plan.devices import DeviceProfile
+from grpo_mega.plan.phases import Plan
+from grpo_mega.plan.step_time import (
+    Efficiency, Lengths, ModelCost, StepTime, TrainLayout, combine, concurrent_sequences, forward_pass_seconds,
+    generation_seconds, save_seconds, update_seconds, weight_sync_seconds,
+)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the step time assumes beyond the config (each printed beside the result)."""
+
+    mean_prompt: float | None = None
+    """Mean prompt tokens; None: data.prompt_length / 4."""
+    mean_response: float | None = None
+    """Mean response tokens; None: algorithm.response_length / 2."""
+    sampling_rounds: float = 1.0
+    """Mean generation rounds per step (dynamic sampling regenerates when too few groups are kept)."""
+    label_problems: int = 7500
+    """Process supervision's one-off cost: problems the policy solves for Monte-Carlo labels (MATH's train set)."""
+    label_solutions: int = 4
+    """Solutions per problem that get step labels."""
+    label_steps: int = 8
+    """Mean steps per solution (one labelled prefix each)."""
+    label_rollouts: int = 8
+    """Monte-Carlo completions per step prefix (Math-Shepherd's K)."""
+
+
+def _lengths(cfg, a: Assumptions) -> Lengths:
+    prompt = a.mean_prompt if a.mean_prompt is not None else cfg.data.prompt_length / 4
+    tail = cfg.algorithm.response_length
+    mean = a.mean_response if a.mean_response is not None else tail / 2
+    if not 0 < mean <= tail:
+        raise ValueError(f"--mean-response {mean}: expected > 0 and <= algorithm.response_length={tail}")
+    if not 0 <= prompt <= cfg.data.prompt_length:
+        raise ValueError(f"--mean-prompt {prompt}: expected >= 0 and <= data.prompt_length={cfg.data.prompt_length}")
+    return Lengths(prompt=prompt, response_mean=mean, response_tail=tail)
+
+
+def _model(hf: dict, dtype_bytes: int) -> ModelCost:
+    from grpo_mega.model.config_map import padded_vocab_size
+
+    return ModelCost.from_shapes(Shapes.from_hf(hf, padded_vocab_size(int(hf["vocab_size"]), 1)), dtype_bytes)
+
+
+def _micro_batches(cfg, rows_per_rank: float) -> int:
+    """Micro-batches per mini-batch and DP rank: full-length rows filling parallel.max_tokens_per_micro_batch."""
+    row = cfg.data.prompt_length + cfg.algorithm.response_length
+    per_micro = max(1, cfg.parallel.max_tokens_per_micro_batch // row)
+    return max(1, math.ceil(rows_per_rank / per_micro))
+
+
+def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | None = None,
+                     assumptions: Assumptions | None = None) -> tuple[StepTime, dict[str, float]]:
+    """(The step's phases, the one-off phases of process supervision with a learned PRM ({} otherwise)).
+
+    Phases: generation (prefill + decode on vLLM's replicas, batch limits and KV cache from the plan), prm_scoring
+    (a learned PRM: one forward over the rows), old_logprobs (unless the update is on-policy: one epoch, one
+    mini-batch), reference (KL on), implicit_prm_scoring (its forward, and its reference's unless the KL's serves)
+    and implicit_prm_update (one epoch over the rows), update, weight_sync, save (amortised over
+    trainer.save_every). One-off: prm_labels (the policy's solutions and K completions per step prefix) and
+    prm_training (one epoch over the labelled solutions)."""
+    eff = eff or Efficiency()
+    a = assumptions or Assumptions()
+    from grpo_mega.plan.build import read_hf_config
+
+    dtype_bytes = 4 if cfg.parallel.device == "cpu" else 2  # fp32 on the CPU, bf16 on GPUs (the plan's dtype)
+    policy = _model(read_hf_config(cfg.model.hf_config, "model.hf_config"), dtype_bytes)
+    lengths = _lengths(cfg, a)
+    alg = cfg.algorithm
+    groups, group = alg.rollout_batch_size, alg.num_return_sequences_in_group
+    rows = groups * group
+    hw = plan.hardware
+    asynchronous = getattr(cfg.rollout, "mode", "colocated") == "async"
+    generators = int(cfg.rollout.async_ranks) if asynchronous else 0
+    train_gpus = hw.world_size - generators
+    layout = TrainLayout(plan.tensor, plan.pipeline, plan.data, hw.gpus_per_node)
+    rollout_gpus = generators or hw.world_size
+    notes = [f"assumed: mean prompt {lengths.prompt:.0f} tokens, mean response {lengths.response_mean:.0f}, longest "
+             f"{lengths.response_tail:.0f} (response cv {lengths.response_cv}), {a.sampling_rounds:g} sampling "
+             f"round(s) per step"]
+    generated = rows * a.sampling_rounds
+    if plan.vllm is not None:
+        v = plan.vllm
+        replicas, rtp = v.replicas, v.tensor_parallel
+        per_replica = generated / replicas
+        concurrent = concurrent_sequences(per_replica, v.limits.max_num_seqs, max(0, v.kv_cache), policy, rtp, lengths)
+    else:  # the hf engine: every model-parallel group generates its DP share of the rows at once
+        replicas, rtp = max(1, rollout_gpus // (plan.tensor * plan.pipeline)), plan.tensor
+        concurrent = generated / replicas
+    gen = generation_seconds(policy, lengths, sequences=generated, replicas=replicas, tp=rtp, concurrent=concurrent,
+                             device=device, eff=eff)
+    phases = {"generation": gen["prefill"] + gen["decode"]}
+    mini = alg.mini_batch_size or groups
+    optimizer_steps = alg.ppo_epochs * math.ceil(groups / mini)
+    micro = _micro_batches(cfg, mini * group / plan.data)
+    if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
+        prm = _model(plan.prm_hf_config, dtype_bytes)
+        prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
+        phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro)
+    elif cfg.process_reward.source == "prm":
+        notes.append("PRM unknown (no readable config.json): its scoring is not counted")
+    forward = forward_pass_seconds(policy, lengths, rows, layout, device, eff, micro_batches=micro)
+    if optimizer_steps > 1:
+        phases["old_logprobs"] = forward
+    if alg.use_kl_loss:
+        phases["reference"] = forward
+    if cfg.process_reward.source == "implicit":
+        passes = 1 + (0 if cfg.implicit_prm_shares_kl_reference() else 1)
+        phases["implicit_prm_scoring"] = passes * forward
+        phases["implicit_prm_update"] = update_seconds(
+            policy, lengths, rows, layout, device, eff, epochs=1, optimizer_steps=math.ceil(groups / mini),
+            micro_batches=micro, distributed_optimizer=plan.settings.distributed_optimizer,
+            recompute=plan.settings.recompute == "full")
+    phases["update"] = update_seconds(
+        policy, lengths, rows, layout, device, eff, epochs=alg.ppo_epochs, optimizer_steps=optimizer_steps,
+        micro_batches=micro, distributed_optimizer=plan.settings.distributed_optimizer,
+        recompute=plan.settings.recompute == "full")
+    phases["weight_sync"] = weight_sync_seconds(policy, device, eff, across_nodes=bool(generators))
+    phases["save"] = save_seconds(policy, device, nodes=max(1, math.ceil(train_gpus / hw.gpus_per_node)),
+                                  save_every=cfg.trainer.save_every)
+    step = combine(phases, asynchronous=asynchronous, gpus=hw.world_size, notes=notes)
+    one_off: dict[str, float] = {}
+    if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
+        one_off = process_one_off(policy, _model(plan.prm_hf_config, dtype_bytes), lengths, a, layout, replicas, rtp,
+                                  concurrent, device, eff, micro)
+        notes.append(f"one-off (a PRM trained here): {a.label_problems} problems x {a.label_solutions} solutions, "
+                     f"{a.label_steps} steps each, {a.label_rollouts} Monte-Carlo completions per step")
+    return step, one_off
+
+
+def process_one_off(policy: ModelCost, prm: ModelCost, lengths: Lengths, a: Assumptions, layout: TrainLayout,
+                    replicas: int, rtp: int, concurrent: float, device: DeviceProfile, eff: Efficiency,
+                    micro_batches: int) -> dict[str, float]:
+    """The one-off phases of a PRM trained by this project's pipeline: prm_labels = generation of the solutions
+    (problems x solutions) and of K completions from every step prefix (the prefix is prompt + on average half
+    the solution, each completion on average half a response), prm_training = one epoch of updates of the PRM
+    over the labelled solutions (every rank, the policy's layout)."""
+    solutions = a.label_problems * a.label_solutions
+    sample = generation_seconds(policy, lengths, sequences=solutions, replicas=replicas, tp=rtp,
+                                concurrent=concurrent, device=device, eff=eff)
+    half = Lengths(prompt=lengths.prompt + lengths.response_mean / 2, response_mean=lengths.response_mean / 2,
+                   response_tail=lengths.response_tail, response_cv=lengths.response_cv)
+    completions = solutions * a.label_steps * a.label_rollouts
+    rollouts = generation_seconds(policy, half, sequences=completions, replicas=replicas, tp=rtp,
+                                  concurrent=concurrent, device=device, eff=eff)
+    training = update_seconds(prm, lengths, solutions, layout, device, eff, epochs=1, optimizer_steps=1,
+                              micro_batches=micro_batches, distributed_optimizer=True)
+    return {"prm_labels": sum(sample.values()) + sum(rollouts.values()), "prm_training": training}
