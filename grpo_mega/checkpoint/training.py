@@ -54,6 +54,7 @@ from grpo_mega.checkpoint.training_files import (
 )
 from grpo_mega.checkpoint.write_results import keep_write_results_in_process
 from grpo_mega.run.checkpoints import newest_complete, step_dirs
+from grpo_mega.run.interrupts import ctrl_c_deferred, pause_point
 from grpo_mega.run.layout import (
     CHECKPOINTS_DIR,
     COMPLETE_FILE,
@@ -202,7 +203,12 @@ class CheckpointManager:
             if is_distributed():
                 dist.barrier()  # every rank's files are on disk before rank 0 lists them
             info = self._info(engine, step, with_optimizer)
-            rank0_decides(lambda: self._publish(staging, final, info, config_text))
+            pause_point("checkpoint.publish")  # tests: a Ctrl-C once every rank's files are written
+            # Once begun, publishing finishes (a Ctrl-C now, on any rank, ends the run after it): a checkpoint is
+            # published whole or, interrupted before this, its staging folder is discarded by the next save.
+            with ctrl_c_deferred():
+                pause_point("checkpoint.publishing")  # tests: a Ctrl-C while it publishes
+                rank0_decides(lambda: self._publish(staging, final, info, config_text))
         except BaseException as error:  # torch's CheckpointException is a BaseException
             error.add_note(f"while saving the checkpoint of step {step} into {staging}")
             full = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else full_disk_error(staging, step, error)
