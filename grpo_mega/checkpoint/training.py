@@ -56,17 +56,8 @@ from grpo_mega.checkpoint.training_files import (
     write_file_atomic,
 )
 from grpo_mega.checkpoint.write_results import keep_write_results_in_process
-from grpo_mega.run.checkpoints import (
-    CHECKSUM_ALGORITHM,
-    checksum_mismatch,
-    checksums_of,
-    file_checksum,
-    newest_complete,
-    read_listing,
-    recorded_checksums,
-    step_dirs,
-    writer_rank,
-)
+from grpo_mega.checkpoint.verify import content_problem, newest_verified, written_by_this_rank
+from grpo_mega.run.checkpoints import CHECKSUM_ALGORITHM, checksums_of, file_checksum, newest_complete, step_dirs
 from grpo_mega.run.interrupts import ctrl_c_deferred, pause_point
 from grpo_mega.run.layout import (
     CHECKPOINTS_DIR,
@@ -214,7 +205,7 @@ class CheckpointManager:
             for name, companion in (companions or {}).items():
                 save_companion(companion, staging / name)
             # Each rank checksums the files it wrote, still in its page cache, all ranks at once; rank 0 the rest.
-            checksums = checksums_of(staging, self._written_by_this_rank(staging))
+            checksums = checksums_of(staging, written_by_this_rank(staging))
             if is_distributed():  # also the barrier: every rank's files are on disk before rank 0 lists them
                 gathered: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, checksums)
@@ -250,13 +241,6 @@ class CheckpointManager:
             state["extra_state"] = extra_state
             keep_write_results_in_process()  # a synchronous save: no manager process for the write results
             dist_checkpointing.save(state, str(staging))
-
-    @staticmethod
-    def _written_by_this_rank(staging: Path) -> list[str]:
-        """The files of ``staging`` this rank wrote, as their names say (dist_checkpointing's data files)."""
-        rank = dist.get_rank() if is_distributed() else 0
-        names = (file.relative_to(staging).as_posix() for file in staging.rglob("*") if file.is_file())
-        return [name for name in names if writer_rank(name) == rank]
 
     @staticmethod
     def _info(engine, step: int, with_optimizer: bool) -> dict:
@@ -348,22 +332,7 @@ class CheckpointManager:
         if resume == "none":
             return None
         if resume == "auto":
-            refused: list[Path] = []
-            while True:
-                path = rank0_decides(lambda: newest_complete(self.run_dir, warn=logger.warning, skip=refused))
-                problem = self.content_problem(path) if path is not None and verify else None
-                if problem is None:
-                    break
-                if is_rank0():
-                    logger.warning("refusing checkpoint %s: %s; looking for an older one", path, problem)
-                refused.append(path)
-            if refused and path is None:
-                raise ValueError(f"no checkpoint of {self.run_dir} can be resumed: every complete one was altered "
-                                 f"after its save (the newest: {refused[0].name}); restore them or start a new run")
-            if refused and is_rank0():
-                logger.warning("resuming from %s, the newest checkpoint whose files match their checksums (refused: "
-                               "%s)", path, ", ".join(p.name for p in refused))
-            return path
+            return newest_verified(self.run_dir, verify=verify)
 
         def check_explicit() -> Path:
             problem = checkpoint_problem(resume)
@@ -372,36 +341,10 @@ class CheckpointManager:
             return Path(resume)
 
         path = rank0_decides(check_explicit)
-        problem = self.content_problem(path) if verify else None
+        problem = content_problem(path) if verify else None
         if problem is not None:
             raise ValueError(f"trainer.resume={resume!r} is refused: {problem}")
         return path
-
-    @staticmethod
-    def content_problem(path: Path) -> str | None:
-        """Whether a file of the complete checkpoint ``path`` no longer matches the checksum ``complete.json``
-        records, in one line (file, expected, found); None when all match. Collective: the files are shared among
-        the ranks by size, each reads its share, so a resume reads the checkpoint once, all ranks at once. A
-        checkpoint saved before checksums passes with a note (its sizes were checked)."""
-        recorded, sizes = rank0_decides(lambda: (recorded_checksums(path), read_listing(path)))
-        if recorded is None:
-            if is_rank0():
-                logger.warning("%s records no checksums (saved before they were added): its files were checked by "
-                               "size only", path)
-            return None
-        ranks = dist.get_world_size() if is_distributed() else 1
-        share, load = [[] for _ in range(ranks)], [0] * ranks
-        for name in sorted(recorded, key=lambda name: (-sizes.get(name, 0), name)):  # largest first, to the least
-            least = load.index(min(load))                                                # loaded rank
-            share[least].append(name)
-            load[least] += sizes.get(name, 0)
-        mine = share[dist.get_rank() if is_distributed() else 0]
-        problems = [problem for name in mine if (problem := checksum_mismatch(path, name, recorded[name]))]
-        if is_distributed():
-            gathered: list[Any] = [None] * ranks
-            dist.all_gather_object(gathered, problems)
-            problems = [problem for part in gathered for problem in part]
-        return min(problems) if problems else None
 
     def newest_complete(self, skip: Collection[Path] = ()) -> Path | None:
         """The checkpoint ``latest`` names if complete, else the newest complete ``step_N``, passing over ``skip``;
