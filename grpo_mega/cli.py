@@ -23,6 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
+from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
 from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
 from grpo_mega.run.library_warnings import quiet_libraries
 
@@ -156,15 +157,45 @@ def _run_training(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    catch_ctrl_c()  # first: a process started with SIGINT ignored (a script's background job) must still stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    name = "prm " + args.prm_command if args.command == "prm" else args.command
     problem = _bad_count(args)
     if problem:
-        name = "prm " + args.prm_command if args.command == "prm" else args.command
         print(f"grpo-mega {name}: error: {problem}", file=sys.stderr)
         return 2
+    try:
+        pause_point(f"cli.{name.replace(' ', '.')}")  # tests: a Ctrl-C while the command starts (imports)
+        return _run_command(args, argv)
+    except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
+        if _launch_rank() == 0:
+            print(f"grpo-mega {name}: interrupted; {_how_to_continue(args)}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _launch_rank() -> int:
+    """This process's rank in a job its launcher started; 0 otherwise (the rank that speaks for the job)."""
+    import os
+
+    for variable in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(variable, "").isdigit():
+            return int(os.environ[variable])
+    return 0
+
+
+def _how_to_continue(args) -> str:
+    """What the interrupted command ``args`` kept, and the command that goes on from there."""
+    if args.command == "quickstart":
+        return f"{args.run_dir} keeps what finished (the same command continues)"
+    if args.command in ("train", "sft") or getattr(args, "prm_command", None) == "train":
+        return "the same command resumes from the run's last checkpoint (or starts it, if it has none)"
+    return "nothing was written: run the same command again"
+
+
+def _run_command(args, argv: list[str]) -> int:
     if args.command == "prm":
         from prm.cli import run_prm_command
 
@@ -174,15 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grpo-mega prm {args.prm_command}: {error}", file=sys.stderr)
             return 2
     if args.command == "quickstart":
-        try:
-            from grpo_mega.quickstart.pipeline import run_quickstart
+        from grpo_mega.quickstart.pipeline import run_quickstart
 
-            return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
-                                  oracle=not args.no_oracle, iterations=args.iterations, implicit=args.implicit)
-        except KeyboardInterrupt:  # the child command's own line says where it stopped; no traceback here
-            print(f"grpo-mega quickstart: interrupted; {args.run_dir} keeps what finished (the same command "
-                  "continues)", file=sys.stderr)
-            return 130
+        # a Ctrl-C ends here as in the other commands (main): the child command's own line is in its log
+        return run_quickstart(args.run_dir, regime=args.regime, fast=args.fast, outcome_only=args.outcome_only,
+                              oracle=not args.no_oracle, iterations=args.iterations, implicit=args.implicit)
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "eval":

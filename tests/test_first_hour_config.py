@@ -165,17 +165,29 @@ def test_quickstart_refuses_zero_iterations_in_one_line(tmp_path):
 
 
 def test_ctrl_c_on_quickstart_is_one_line_and_exit_130(tmp_path):
-    """Ctrl-C reaches the terminal's whole process group: the quickstart and the command it runs."""
-    child = subprocess.Popen([sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--run-dir",
-                              str(tmp_path / "qs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "qs" / "sft.log").exists() and time.monotonic() < deadline:  # in its first command
-        time.sleep(0.5)
-    time.sleep(3)
+    """Ctrl-C reaches the terminal's whole process group: the quickstart and the command it runs. The signal is put
+    in its window deterministically: the SFT command's launcher waits at its start (``pause_point("launcher")``,
+    before it imports torch) until the test sends it. The quickstart starts with SIGINT ignored, as a background job
+    of a non-interactive shell (a CI runner's) does: inherited so, it once made the quickstart run on to its end
+    (exit 0) after the SIGINT. tests/test_ctrl_c_windows.py puts it in the other windows."""
+    from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV
+
+    ignoring_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                       "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    pauses = tmp_path / "pauses"
+    child = subprocess.Popen([sys.executable, "-c", ignoring_sigint, "-m", "grpo_mega.cli", "quickstart", "--fast",
+                              "--run-dir", str(tmp_path / "qs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=REPO, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "launcher",
+                                  PAUSE_DIR_ENV: str(pauses)})
+    deadline = time.monotonic() + 240  # the data and tokenizer first: seconds, more on a loaded machine
+    while not list(pauses.glob("launcher.*")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(pauses.glob("launcher.*")), f"the SFT command's launcher never started (exit {child.poll()})"
     os.killpg(child.pid, signal.SIGINT)
-    # the SFT ranks end their step first: on a machine loaded by a second test run that took over 120 s
-    _, stderr = child.communicate(timeout=400)
+    _, stderr = child.communicate(timeout=300)
     assert child.returncode == 130, stderr[-3000:]
     assert stderr.strip().splitlines() == [f"grpo-mega quickstart: interrupted; {tmp_path / 'qs'} keeps what "
                                            "finished (the same command continues)"], stderr[-3000:]
+    assert (tmp_path / "qs" / "sft.log").read_text().strip().splitlines()[-1] == (
+        "grpo-mega launcher (torchrun): interrupted before the ranks started; run the same command again")

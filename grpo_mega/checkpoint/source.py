@@ -19,6 +19,7 @@ the engine knows its format; this layer never imports the engines.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,10 @@ from grpo_mega.checkpoint.collective import rank0_decides
 from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info
 from grpo_mega.checkpoint.training import CheckpointManager
 from grpo_mega.checkpoint.training_files import DEEPSPEED_METADATA, read_checkpoint_state, weights_format
+from grpo_mega.run.checkpoints import checkpoint_problem, checksum_problem
 from grpo_mega.run.layout import CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_KINDS = ("training_checkpoint", "training_run")
 """The kinds that are grpo-mega training checkpoints (a run directory stands for its newest one)."""
@@ -79,14 +83,26 @@ class ModelSource:
 
 def find_checkpoint_folder(path: str | os.PathLike) -> Path:
     """The complete checkpoint folder meant by ``path``: the folder itself, or a run directory's newest complete
-    checkpoint; in this process only (:func:`locate_checkpoint` is the collective one). ValueError when there is
-    none."""
+    checkpoint whose files match their checksums (an altered one is refused, with a warning, for the one before);
+    in this process only (:func:`locate_checkpoint` is the collective one). ValueError when there is none, or when
+    the folder named is altered (file, expected, found)."""
     path = Path(path)
     if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
-        newest = CheckpointManager(path).newest_complete()
-        if newest is None:
-            raise ValueError(f"run directory {path} holds no complete checkpoint")
-        return newest
+        refused: list[Path] = []
+        while (newest := CheckpointManager(path).newest_complete(skip=refused)) is not None:
+            problem = checksum_problem(newest)
+            if problem is None:
+                if refused:
+                    logger.warning("using %s, the newest checkpoint of %s whose files match their checksums "
+                                   "(refused: %s)", newest, path, ", ".join(p.name for p in refused))
+                return newest
+            logger.warning("refusing checkpoint %s: %s; looking for an older one", newest, problem)
+            refused.append(newest)
+        altered = f" that verifies (altered: {', '.join(p.name for p in refused)})" if refused else ""
+        raise ValueError(f"run directory {path} holds no complete checkpoint{altered}")
+    problem = checksum_problem(path) if checkpoint_problem(path) is None else None  # content before reading any
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is refused: {problem}")
     read_checkpoint_state(path)
     return path
 

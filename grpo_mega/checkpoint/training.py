@@ -3,8 +3,10 @@
 A save writes everything into ``<run_dir>/checkpoints/.tmp-step_N`` (megatron dist_checkpointing, torch_dist
 format, plus the files of ``training_files``); after every rank has finished, rank 0 writes ``complete.json``,
 renames the folder to ``step_N``, replaces ``latest`` and prunes to ``keep_last``. A crash at any moment leaves
-the previous checkpoint untouched and ``latest`` naming a complete checkpoint. Resuming checks ``complete.json``
-against the files on disk and never loads a checkpoint that fails the check.
+the previous checkpoint untouched and ``latest`` naming a complete checkpoint. ``complete.json`` records every
+file's size and CRC-32 (each rank checksums the files it wrote, right after writing them). Resuming checks it
+against the files on disk, sizes first, then content (the ranks share the reading), and never loads a checkpoint
+that fails the check: ``auto`` falls back to the newest one that passes, saying so.
 
 Model and optimizer tensors are stored with their global shapes, so a checkpoint loads at any TP / PP / DP
 (the padded vocabulary is the same at every TP, see ``grpo_mega.model.config_map.padded_vocab_size``), with or
@@ -27,6 +29,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -53,7 +56,9 @@ from grpo_mega.checkpoint.training_files import (
     write_file_atomic,
 )
 from grpo_mega.checkpoint.write_results import keep_write_results_in_process
-from grpo_mega.run.checkpoints import newest_complete, step_dirs
+from grpo_mega.checkpoint.verify import content_problem, newest_verified, written_by_this_rank
+from grpo_mega.run.checkpoints import CHECKSUM_ALGORITHM, checksums_of, file_checksum, newest_complete, step_dirs
+from grpo_mega.run.interrupts import ctrl_c_deferred, pause_point
 from grpo_mega.run.layout import (
     CHECKPOINTS_DIR,
     COMPLETE_FILE,
@@ -199,10 +204,19 @@ class CheckpointManager:
             self._write(engine, staging, with_optimizer=with_optimizer, rng_state=rng_state, extra_state=extra_state)
             for name, companion in (companions or {}).items():
                 save_companion(companion, staging / name)
-            if is_distributed():
-                dist.barrier()  # every rank's files are on disk before rank 0 lists them
+            # Each rank checksums the files it wrote, still in its page cache, all ranks at once; rank 0 the rest.
+            checksums = checksums_of(staging, written_by_this_rank(staging))
+            if is_distributed():  # also the barrier: every rank's files are on disk before rank 0 lists them
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, checksums)
+                checksums = {name: value for part in gathered for name, value in part.items()}
             info = self._info(engine, step, with_optimizer)
-            rank0_decides(lambda: self._publish(staging, final, info, config_text))
+            pause_point("checkpoint.publish")  # tests: a Ctrl-C once every rank's files are written
+            # Once begun, publishing finishes (a Ctrl-C now, on any rank, ends the run after it): a checkpoint is
+            # published whole or, interrupted before this, its staging folder is discarded by the next save.
+            with ctrl_c_deferred():
+                pause_point("checkpoint.publishing")  # tests: a Ctrl-C while it publishes
+                rank0_decides(lambda: self._publish(staging, final, info, config_text, checksums))
         except BaseException as error:  # torch's CheckpointException is a BaseException
             error.add_note(f"while saving the checkpoint of step {step} into {staging}")
             full = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else full_disk_error(staging, step, error)
@@ -257,12 +271,15 @@ class CheckpointManager:
                 leftover.unlink()
         staging.mkdir()
 
-    def _publish(self, staging: Path, final: Path, info: dict, config_text: str) -> None:
-        """Rank 0: side files, completion marker (last), rename, ``latest``, pruning."""
+    def _publish(self, staging: Path, final: Path, info: dict, config_text: str, checksums: dict[str, str]) -> None:
+        """Rank 0: side files, completion marker (last, with every file's size and checksum: those the ranks
+        computed of their own files, rank 0's of the rest), rename, ``latest``, pruning."""
         (staging / STATE_FILE).write_text(json.dumps(info, indent=2) + "\n")
         (staging / CONFIG_FILE).write_text(config_text)
         files = list_files(staging)
-        complete = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": info["step"], "files": files}
+        complete = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": info["step"], "files": files,
+                    "checksum_algorithm": CHECKSUM_ALGORITHM,
+                    "checksums": {name: checksums.get(name) or file_checksum(staging / name) for name in files}}
         write_file_atomic(staging / COMPLETE_FILE, json.dumps(complete, indent=2) + "\n")
         if final.exists():
             # Saving a step again (a run resumed from an earlier checkpoint): set the old folder aside first.
@@ -300,19 +317,22 @@ class CheckpointManager:
             )
 
     # ------------------------------------------------------------------------- resume
-    def find_resume(self, resume: str) -> Path | None:
-        """The checkpoint to resume from, per ``trainer.resume``.
+    def find_resume(self, resume: str, *, verify: bool = True) -> Path | None:
+        """The checkpoint to resume from, per ``trainer.resume``; collective.
 
-        ``none``: None. ``auto``: the checkpoint ``latest`` names if it is complete, else the newest complete
-        ``step_N`` folder (each skipped folder is logged as a warning with the reason), else None.
-        Anything else is a checkpoint folder, which must be complete (ValueError with the reason otherwise).
+        ``none``: None. ``auto``: the checkpoint ``latest`` names if it is complete and its files match their
+        checksums, else the newest ``step_N`` folder that is and does (each skipped folder is logged as a warning
+        with the reason; resuming from an older one than the newest says so), else None; ValueError when every
+        complete checkpoint was altered (starting over would hide it). Anything else is a checkpoint folder, which
+        must be complete and match its checksums (ValueError with the reason otherwise). ``verify=False``: sizes
+        only (the run's own end, naming its newest checkpoint).
         """
         if not isinstance(resume, str) or not resume:
             raise ValueError(f"trainer.resume must be 'auto', 'none' or a checkpoint folder, got {resume!r}")
         if resume == "none":
             return None
         if resume == "auto":
-            return rank0_decides(self.newest_complete)
+            return newest_verified(self.run_dir, verify=verify)
 
         def check_explicit() -> Path:
             problem = checkpoint_problem(resume)
@@ -320,12 +340,17 @@ class CheckpointManager:
                 raise ValueError(f"trainer.resume={resume!r} is not a complete training checkpoint: {problem}")
             return Path(resume)
 
-        return rank0_decides(check_explicit)
+        path = rank0_decides(check_explicit)
+        problem = content_problem(path) if verify else None
+        if problem is not None:
+            raise ValueError(f"trainer.resume={resume!r} is refused: {problem}")
+        return path
 
-    def newest_complete(self) -> Path | None:
-        """The checkpoint ``latest`` names if complete, else the newest complete ``step_N``; in this process only
-        (``find_resume`` is the collective one). Each skipped folder is logged with the reason."""
-        return newest_complete(self.run_dir, warn=logger.warning)
+    def newest_complete(self, skip: Collection[Path] = ()) -> Path | None:
+        """The checkpoint ``latest`` names if complete, else the newest complete ``step_N``, passing over ``skip``;
+        in this process only, sizes only (``find_resume`` is the collective one, which checks the checksums too).
+        Each skipped incomplete folder is logged with the reason."""
+        return newest_complete(self.run_dir, warn=logger.warning, skip=skip)
 
     def load(self, engine, path: str | os.PathLike, *, seed: int, companions: dict | None = None) -> LoadedCheckpoint:
         """Restore ``engine`` from the checkpoint at ``path`` (at this job's TP / PP / DP), and each of

@@ -172,7 +172,7 @@ class RunHarness:
         if before_shutdown is not None:
             before_shutdown()
         destroy_distributed()
-        newest = self.last_checkpoint if self.last_checkpoint is not None else self.checkpoints.find_resume("auto")
+        newest = self.last_checkpoint if self.last_checkpoint is not None else self.checkpoints.find_resume("auto", verify=False)
         if self.metrics_log.progress is not None:
             command_start = self.startup.start - self.startup.seconds.get("launch", 0.0)
             print(self.metrics_log.progress.summary(self.command, wall_seconds=time.time() - command_start,

@@ -12,11 +12,14 @@ live line per command, read from what the command writes as it goes:
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from grpo_mega.run.interrupts import pause_point
 
 INTERRUPTED_EXITS = (130, -2)
 """A command's exit status after SIGINT: 130 (its own handler, 128 + SIGINT), -2 (killed by the signal)."""
@@ -127,6 +130,37 @@ class _LiveLine:
             self.bar.close()
 
 
+STOP_GRACE_S = 60.0
+"""How long a command stopped by Ctrl-C (or by its pipeline's error) has to say what it did and end before it is
+terminated: torchrun gives its ranks 30 s, and a rank that lost a peer waits a few seconds more before it names it."""
+
+
+def stop_command(child: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """End ``child`` as Ctrl-C would: SIGINT (it may have had it from the terminal already: a copy within
+    ``grpo_mega.run.interrupts.REPEAT_WINDOW_S`` is let pass), ``grace_s`` to end, then SIGTERM, then SIGKILL. A
+    Ctrl-C while it waits kills it at once."""
+    if child.poll() is not None:
+        return
+    try:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            child.terminate()
+        try:
+            child.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    except KeyboardInterrupt:  # Ctrl-C again: no more waiting
+        child.kill()
+        child.wait()
+        raise
+    child.kill()
+    child.wait()
+
+
 def run_command(argv: list[str], log_path: Path, progress: CommandProgress | None = None, *, show: bool = True,
                 poll_seconds: float = 1.0) -> float:
     """Run ``grpo-mega <argv>`` with its output in ``log_path``, showing ``progress`` live; returns wall seconds.
@@ -142,6 +176,7 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
         follower.new_rows()  # rows of an earlier, interrupted run of this command
     line = _LiveLine(progress, show)
     start = time.perf_counter()
+    pause_point(f"command.{argv[0]}")  # tests: a Ctrl-C between two commands (none running)
     try:
         with log_path.open("w") as log:
             child = subprocess.Popen([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log,
@@ -159,8 +194,7 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
                     if code is not None:
                         break
             except BaseException:
-                child.terminate()
-                child.wait()
+                stop_command(child)
                 raise
     finally:
         line.close()

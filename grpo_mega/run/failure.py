@@ -227,8 +227,13 @@ def failure_line(command: str, record: dict, path: Path | None) -> str:
     """The one stderr line of a failure; ``failed (cause=...)`` is what the SLURM scripts read."""
     where = f"at step {record['step']}" if record["step"] is not None else "before the first step"
     written = f"; {path}" if path is not None else ""
+    what = record['exception'].splitlines()[0][:LINE_CHARS]
+    if record["cause"] == "interrupted":  # no error to show: say how to go on instead
+        resume = record.get("resume_from")
+        what = ("Ctrl-C (SIGINT); the same command resumes from " +
+                (f"the checkpoint {resume}" if resume else "the start (no checkpoint was saved yet)"))
     return (f"{command}: rank {record['rank']} on {record['host']} failed (cause={record['cause']}) {where} "
-            f"({record['phase']}): {record['exception'].splitlines()[0][:LINE_CHARS]}{written}")
+            f"({record['phase']}): {what}{written}")
 
 
 def set_aside_failure(run_dir: str | Path) -> Path | None:
@@ -277,6 +282,11 @@ def report_failure(command: str, run_dir: str | Path | None, error: BaseExceptio
         record, path = failure_record(error), None
     else:
         record, path = record_failure(run_dir, error)
+        if record["cause"] == "interrupted":
+            from grpo_mega.run.checkpoints import newest_complete
+
+            resume = newest_complete(run_dir)
+            record["resume_from"] = str(resume) if resume is not None else None
         saved = save_traceback(run_dir, record)
         if path is None and _already_named(run_dir, record):
             return record

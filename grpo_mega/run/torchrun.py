@@ -13,7 +13,8 @@ failure themselves (``grpo_mega.run.failure``: one line, the traceback in the ru
   one line in the ranks' form, ``<launcher> on HOST failed (cause=peer_lost) ...``, which the SLURM scripts read as
   a transient fault (``launch/slurm/common.sh``), exit status 1;
 - a stop signal to the agent (a scheduler's SIGTERM, Ctrl-C): the ranks got it too and said what they did; exit
-  status 128 + the signal.
+  status 128 + the signal; a Ctrl-C before the ranks started (the agent importing torch, its rendezvous): one line,
+  exit status 130.
 
 The agent's own log lines (``Sending process ... closing signal``, ``failed (exitcode: 1)``) are left out unless
 ``LOGLEVEL`` is set (torch's variable for them: ``LOGLEVEL=INFO`` shows the rendezvous too).
@@ -25,6 +26,8 @@ import os
 import signal
 import socket
 import sys
+
+from grpo_mega.run.interrupts import EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, pause_point
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
 
@@ -77,7 +80,39 @@ def _agent_failed(error: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    catch_ctrl_c()  # also when started with SIGINT ignored; exec gives the ranks SIGINT at its default again
+    try:
+        pause_point("launcher")  # tests: a Ctrl-C while the launcher imports torch
+        return _launch(argv)
+    except KeyboardInterrupt:  # before the agent's own handler (then: SignalException) took over
+        print(f"{LAUNCHER}: interrupted before the ranks started; run the same command again", file=sys.stderr,
+              flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _stop_signals_once() -> None:
+    """Make torchrun's agent take a repeat of the same stop signal within ``REPEAT_WINDOW_S`` as the same stop:
+    one Ctrl-C reaches it twice when a pipeline forwards it to its command, and the second SignalException would
+    cut short the agent's shutdown of the ranks (they would be left to end on their own, after it exited)."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    original, first = api._terminate_process_handler, {}
+
+    def terminate_once(signum, frame):
+        now = time.monotonic()
+        if signum in first and now - first[signum] < REPEAT_WINDOW_S:
+            return
+        first[signum] = now
+        original(signum, frame)
+
+    api._terminate_process_handler = terminate_once  # looked up when the agent starts the ranks
+
+
+def _launch(argv: list[str] | None) -> int:
     _quiet_agent_logs()
+    _stop_signals_once()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,0 +1,102 @@
+"""Ctrl-C (SIGINT) stops every ``grpo-mega`` process, in every window of its life, with one line and exit 130.
+
+Why a handler of our own: a process that starts with SIGINT *ignored* keeps ignoring it, and so do its children.
+A shell without job control starts its background jobs that way (``cmd &`` in a script, many CI runners), and
+Python then does not install its KeyboardInterrupt handler: ``grpo-mega quickstart`` started so ran to the end after
+a SIGINT to its process group (the fresh-clone CI failure of ``test_ctrl_c_on_quickstart_is_one_line_and_exit_130``),
+or ended with exit 1 when only torchrun, which installs its own handler, saw it. :func:`catch_ctrl_c` (the first
+call of the CLI and of the launcher) installs the handler whatever the process inherited; a child started after it
+inherits SIGINT at its default again (exec resets a caught signal), so it stops from its first instruction.
+
+One Ctrl-C reaches a job several times: the terminal sends it to the whole process group, then the pipeline
+forwards it to its command and torchrun to its ranks. The first raises KeyboardInterrupt; repeats within
+:data:`REPEAT_WINDOW_S` are the same Ctrl-C and are let pass, so the clean-up (the failure record, the one line)
+is not itself interrupted; a Ctrl-C after that raises KeyboardInterrupt again (a user pressing it twice).
+
+:func:`pause_point` is how the tests put a signal in a given window deterministically: a process reaching a named
+point (``GRPO_MEGA_PAUSE_AT``) writes a marker file and waits there for the signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+EXIT_INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+REPEAT_WINDOW_S = 2.0
+"""SIGINTs within this many seconds of the first are copies of the same Ctrl-C (forwarded by a parent)."""
+PAUSE_AT_ENV = "GRPO_MEGA_PAUSE_AT"
+"""Test hook: comma-separated names of :func:`pause_point` calls at which this process waits."""
+PAUSE_DIR_ENV = "GRPO_MEGA_PAUSE_DIR"
+"""Test hook: the folder where a paused process writes its marker ``<name>.<pid>`` (default: the working one)."""
+PAUSE_S = 120.0
+"""How long a paused process waits for its signal before it goes on."""
+
+_first_sigint: float | None = None
+
+
+def _on_sigint(signum, frame) -> None:
+    global _first_sigint
+    now = time.monotonic()
+    if _first_sigint is not None and now - _first_sigint < REPEAT_WINDOW_S:
+        return  # the same Ctrl-C again, forwarded by a parent: the clean-up of the first goes on
+    _first_sigint = now
+    raise KeyboardInterrupt
+
+
+def catch_ctrl_c() -> None:
+    """Make SIGINT raise KeyboardInterrupt in this process (main thread only), even when it started ignored."""
+    global _first_sigint
+    if threading.current_thread() is threading.main_thread():
+        _first_sigint = None
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives during the block until its end (then KeyboardInterrupt): for work that must
+    finish whole once begun, such as publishing a checkpoint (renames, ``latest``). Main thread only; elsewhere a
+    no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    global _held
+    held_before, _held = _held, False
+    previous = signal.signal(signal.SIGINT, _hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        received, _held = _held, held_before
+    if received:
+        raise KeyboardInterrupt
+
+
+_held = False
+"""Whether a Ctrl-C arrived during the innermost :func:`ctrl_c_deferred` block."""
+
+
+def _hold(signum, frame) -> None:
+    global _held
+    _held = True
+
+
+def pause_point(name: str) -> None:
+    """Test hook: when ``name`` is in ``GRPO_MEGA_PAUSE_AT``, write ``<GRPO_MEGA_PAUSE_DIR>/<name>.<pid>`` and
+    wait there (at most :data:`PAUSE_S`; inside :func:`ctrl_c_deferred`, until the Ctrl-C it holds), so that a test
+    sends its signal while this process is at that point. Does nothing otherwise (one dictionary look-up)."""
+    names = os.environ.get(PAUSE_AT_ENV)
+    if not names or name not in names.split(","):
+        return
+    folder = Path(os.environ.get(PAUSE_DIR_ENV, "."))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.{os.getpid()}").write_text(str(time.time()))
+    deadline = time.monotonic() + PAUSE_S
+    while time.monotonic() < deadline and not _held:
+        time.sleep(0.05)
