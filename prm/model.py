@@ -88,7 +88,7 @@ class LoadedPRM:
     """Where it was opened from, with the settings it was trained with (``prm.spec.PRMChoices.render_settings``)."""
 
 
-def _load_tokenizer(folder: str | os.PathLike, what: str):
+def load_prm_tokenizer(folder: str | os.PathLike, what: str):
     from transformers import AutoTokenizer
 
     try:
@@ -125,7 +125,7 @@ def open_prm(
         raise ValueError(f"{path}: the checkpoint's config model.hf_config ({hf_dir!r}) has no config.json")
     spec = spec_with_overrides(trained_spec(source, overrides.get("layout")), overrides)
     what = f"{path}: model.tokenizer" if source.is_checkpoint else str(path)
-    tokenizer = _load_tokenizer(source.tokenizer_folder, what)
+    tokenizer = load_prm_tokenizer(source.tokenizer_folder, what)
     engine = build_prm_forward_engine(source.hf_config, spec, tokenizer,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
                                       deepspeed=deepspeed)

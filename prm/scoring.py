@@ -176,6 +176,13 @@ def add_prm_arguments(parser) -> None:
                         help="forward engine of the PRM (deepspeed: --tp 1 --pp 1, processes = --nproc)")
     parser.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
                         help="--engine deepspeed: ZeRO stage (3 keeps the PRM's parameters partitioned)")
+    parser.add_argument("--scorer", default="engine", choices=("engine", "vllm"),
+                        help="what runs the PRM: engine (a forward-only copy on --engine, at --tp / --pp) or vllm "
+                             "(vLLM's pooling runner; --prm must be an HF folder with weights; docs/prm.md)")
+    parser.add_argument("--vllm-tensor-parallel", type=int, default=1,
+                        help="--scorer vllm: ranks per vLLM replica (processes = --nproc, replicas split the rows)")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.2,
+                        help="--scorer vllm: share of each GPU for the PRM's weights and KV cache")
 
 
 def add_data_arguments(parser, *, required: bool = True) -> None:
@@ -195,6 +202,9 @@ def open_scorer(args):
     from grpo_mega.config import DeepSpeedConfig
     from prm.spec import PRMChoices, check_layout_is_known
 
+    if args.scorer == "vllm" and (args.tp, args.pp, args.engine) != (1, 1, "megatron"):
+        raise ValueError("--scorer vllm takes its layout from --vllm-tensor-parallel and --nproc: leave --tp, --pp "
+                         f"and --engine at their defaults (got --tp {args.tp} --pp {args.pp} --engine {args.engine})")
     if args.engine == "deepspeed" and (args.tp, args.pp) != (1, 1):
         raise ValueError(f"--engine deepspeed runs data parallel only: use --tp 1 --pp 1 (got {args.tp}, {args.pp})")
     if args.layout is None:
@@ -220,11 +230,20 @@ def open_step_scorer(
     ``engine_kind`` ``megatron`` or ``deepspeed`` with ``deepspeed`` settings) and its ``StepScorer``; returns
     (loaded PRM, scorer). ``choices`` (``prm.spec.PRMChoices``, default none) override how the PRM reads solutions;
     a None keeps the PRM's own setting: its tag and label tokens, and for a grpo-mega PRM the chat-template settings
-    it was trained with (off for an HF PRM folder). The PRM's source is read once, by ``open_prm``."""
+    it was trained with (off for an HF PRM folder). The PRM's source is read once, by ``open_prm``.
+
+    ``choices.scorer="vllm"``: the PRM on vLLM's pooling runner instead (``prm.vllm_scoring.open_vllm_step_scorer``;
+    the loaded PRM's ``engine`` is then None), the same ``score_steps``."""
     from prm.model import open_prm
     from prm.spec import PRMChoices
 
     choices = choices or PRMChoices()
+    if choices.scorer == "vllm":
+        from prm.vllm_scoring import open_vllm_step_scorer
+
+        return open_vllm_step_scorer(path, choices, max_length=max_length)
+    if choices.scorer not in (None, "engine"):
+        raise ValueError(f"scorer must be 'engine' or 'vllm', got {choices.scorer!r}")
     loaded = open_prm(path, spec_overrides=choices.spec_overrides(),
                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
                       deepspeed=deepspeed)
