@@ -163,3 +163,43 @@ def test_the_answer_guard_cut_reaches_the_scorer_unchanged():
     rewards = PRMStepRewards(scorer, settings, AnswerGuard())
     rewards(["Q"], ["a\nb\nThe answer is 3.\nc\n"], [1.0], [{}])
     assert "".join(scorer.steps[0]) == "a\nb\nThe answer is 3."
+
+
+@pytest.mark.slow
+def test_process_supervised_grpo_and_prm_score_with_the_vllm_scorer(prms, rows, tmp_path):
+    """``process_reward.scorer=vllm`` in a 2-process GRPO run (colocated: every rank builds its vLLM PRM, the two
+    replicas split the rows), and ``grpo-mega prm score --scorer vllm`` writes the scores megatron gives."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_task import tiny_run_overrides
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"
+    task = (prms["policy_config"], prms["policy_config"].parent / "data" / "train.jsonl")
+    run_dir = tmp_path / "grpo"
+    command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(config), "--nproc", "2",
+               *tiny_run_overrides(task, run_dir), "parallel.tensor=1", "trainer.total_steps=1",
+               "algorithm.supervision=process", "process_reward.source=prm", f"process_reward.prm={prms['classifier']}",
+               "process_reward.step_tag= ки", "process_reward.scorer=vllm"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 < row["prm/score_mean"] < 1.0 and row["timing_s/prm"] > 0 and row["prm/failures"] == 0
+
+    from prm.data import write_stepwise
+    from prm.examples import StepExample
+
+    data = tmp_path / "rows.jsonl"
+    prompts, steps = rows
+    write_stepwise(data, [StepExample(prompt=p, steps=s, labels=[True] * len(s)) for p, s in zip(prompts, steps) if s])
+    scored = {}
+    for scorer in ("engine", "vllm"):
+        out = tmp_path / f"{scorer}.jsonl"
+        score = [sys.executable, "-m", "grpo_mega.cli", "prm", "score", "--prm", str(prms["classifier"]), "--data",
+                 str(data), "--step-tag", " ки", "--scorer", scorer, "--out", str(out)]
+        result = subprocess.run(score, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1] == str(out)
+        scored[scorer] = [json.loads(line)["step_scores"] for line in out.read_text().splitlines()]
+    _check({"expected": scored["engine"], "got": scored["vllm"]}, [s for s in steps if s])
