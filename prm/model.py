@@ -104,6 +104,7 @@ def open_prm(
     max_tokens_per_micro_batch: int = 4096,
     engine_kind: str = "megatron",
     deepspeed=None,
+    share_prompt_prefix: bool = True,
 ) -> LoadedPRM:
     """A forward-only PRM from ``path``; collective, after ``grpo_mega.parallel.init_distributed`` (any TP/PP/DP;
     ``engine_kind="deepspeed"``: TP = PP = 1, a DeepSpeed forward engine with ``deepspeed``, any of the formats).
@@ -113,6 +114,8 @@ def open_prm(
     run directory (HF config, tokenizer and spec from its saved config: ``model.hf_config``, ``model.tokenizer``,
     ``prm``), or with ``spec_overrides={"layout": "likelihood", ...}`` a policy's training checkpoint.
     ``spec_overrides`` replaces spec fields (e.g. ``{"step_tag": "\\n\\n"}``; ``prm.spec.spec_with_overrides``).
+    ``share_prompt_prefix`` (Megatron): rows that share a prompt carry one copy of it through the layers
+    (``prm.engines.build_prm_forward_engine``).
     Raises ValueError for an unknown override, a layout the config contradicts, or a folder that is none of these.
     """
     try:
@@ -128,6 +131,6 @@ def open_prm(
     tokenizer = load_prm_tokenizer(source.tokenizer_folder, what)
     engine = build_prm_forward_engine(source.hf_config, spec, tokenizer,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
-                                      deepspeed=deepspeed)
+                                      deepspeed=deepspeed, share_prompt_prefix=share_prompt_prefix)
     engine.load_model_source(source)
     return LoadedPRM(engine=engine, spec=spec, tokenizer=tokenizer, hf_config=source.hf_config, source=source)

@@ -203,3 +203,40 @@ def test_process_supervised_grpo_and_prm_score_with_the_vllm_scorer(prms, rows, 
         assert result.stdout.strip().splitlines()[-1] == str(out)
         scored[scorer] = [json.loads(line)["step_scores"] for line in out.read_text().splitlines()]
     _check({"expected": scored["engine"], "got": scored["vllm"]}, [s for s in steps if s])
+
+
+def _packed_and_unpacked(folders: dict, prompts, steps):
+    """One rank: megatron's scores of every layout with the prompt once per group and row by row, and the tokens
+    each way."""
+    from grpo_mega.engine.shared_prefix import prompt_groups, rank_shared_prefix_micro_batches
+    from grpo_mega.parallel import init_distributed
+    from prm.scoring import open_step_scorer, rendered_batch
+    from prm.spec import PRMChoices
+
+    init_distributed(1, 1, seed=0)
+    results = {}
+    for layout, folder in folders.items():
+        scores = {}
+        for packed in (True, False):
+            _, scorer = open_step_scorer(folder, PRMChoices(layout=layout), share_prompt_prefix=packed)
+            assert scorer.engine.share_prompt_prefix is packed
+            scores[packed] = scorer.score_steps(prompts, steps)
+        rendered = [scorer.render(p, s) for p, s in zip(prompts, steps) if s]
+        batch = rendered_batch(rendered, scorer.pad_id, step_ids=True, prompt_lengths=True)
+        micro, _ = rank_shared_prefix_micro_batches(batch, 8192, 0, 1)
+        results[layout] = {"expected": scores[False], "got": scores[True],
+                           "tokens": int(batch["attention_mask"].sum()),
+                           "packed_tokens": sum(len(m["packed_source"]) for m in micro),
+                           "groups": len(prompt_groups(batch["input_ids"], batch["prompt_lengths"]))}
+    return results
+
+
+def test_the_megatron_scorer_carries_a_groups_prompt_once_with_the_same_scores(prms, rows):
+    prompts, steps = rows
+    folders = {layout: str(prms[layout]) for layout in LAYOUTS}
+    (results,) = run_distributed(_packed_and_unpacked, 1, folders, prompts, steps, timeout=600)
+    for layout, result in results.items():
+        _check(result, steps, log=layout == "likelihood")
+        # every prompt's rows found their shared prompt tokens, and 3 of a group's 4 rows with steps skip them
+        assert result["groups"] == len(set(prompts))
+        assert result["packed_tokens"] < 0.9 * result["tokens"], result
