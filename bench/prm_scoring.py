@@ -126,7 +126,7 @@ def build_scorer_inputs(folder: Path, groups: int, group_size: int, sizes: list[
     completions contiguous (each with its own planted error, ``planted_error_examples`` with seed k)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     from grpo_mega.data.synthetic import read_jsonl
     from grpo_mega.quickstart.pipeline import QuickstartPlan, build_data_and_model
@@ -140,9 +140,9 @@ def build_scorer_inputs(folder: Path, groups: int, group_size: int, sizes: list[
     examples = [per_seed[k][i] for i in range(len(problems)) for k in range(group_size)]
     dirs = {}
     for size in sizes:
-        config = AutoConfig.from_pretrained(model_dir)
-        for key, value in SIZES[size].items():
-            setattr(config, key, value)
+        fields = {**AutoConfig.from_pretrained(model_dir).to_dict(), **SIZES[size]}
+        fields.pop("layer_types", None)  # per layer: derived again for the new depth
+        config = Qwen2Config(**fields)
         causal = folder / f"{size}_causal"
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(causal)

@@ -11,7 +11,8 @@ How each layout runs on vLLM 0.32 (read from its source; ``docs/prm.md`` says wh
   on the causal LM indexes hidden-state dimensions in 0.32, FINDINGS.)
 - ``likelihood``: the generate runner's prompt log-probs (``SamplingParams(prompt_logprobs=0, max_tokens=1)``):
   log p(token t | tokens before) of every rendered token, reduced to a step's minimum by the same function as the
-  Megatron head (``prm.heads.step_likelihood_outputs``).
+  Megatron head (``prm.heads.step_likelihood_outputs``). These requests pay their whole prompt: vLLM skips the
+  prefix cache for prompt log-probs by default, and reading it returns fewer entries.
 
 Pooling: ``ALL`` token pooling, not ``STEP``. vLLM turns prefix caching off for every STEP-pooled model
 (``ModelConfig.is_prefix_caching_supported``), so the G completions of a prompt would each pay the prompt, and STEP
@@ -92,6 +93,18 @@ def likelihood_step_scores(example: RenderedExample, token_logprobs: Sequence[fl
     values = torch.tensor([list(token_logprobs)], dtype=torch.float32)
     good = step_likelihood_outputs(values, step_ids, counted if example.counted is not None else None)["good_logprob"]
     return torch.exp(good[0, torch.tensor(example.tag_positions, dtype=torch.long)]).tolist()
+
+
+def group_leaders(examples: Sequence[RenderedExample]) -> tuple[list[int], list[int]]:
+    """(indices of each prompt's first row, the other rows): rows share a prompt when their tokens before the
+    first step are equal."""
+    seen: set[tuple[int, ...]] = set()
+    leaders, followers = [], []
+    for index, example in enumerate(examples):
+        prompt = tuple(example.input_ids[: example.step_starts[0]] if example.step_starts else example.input_ids)
+        (followers if prompt in seen else leaders).append(index)
+        seen.add(prompt)
+    return leaders, followers
 
 
 def _replicas(tensor_parallel_size: int) -> tuple[int, int, bool]:
@@ -221,7 +234,14 @@ class VLLMStepScorer:
     def _score_unique(self, examples: list[RenderedExample]) -> list[list[float]]:
         if self.layout == "likelihood":
             return self._likelihood(examples)
-        scores = self._pooled(examples, read_cache=self.prefix_cache)
+        if not self.prefix_cache:
+            scores = self._pooled(examples, read_cache=False)
+        else:  # vLLM schedules one call's rows together: a group's first row caches the prompt for a second call
+            leaders, followers = group_leaders(examples)
+            scores = [None] * len(examples)
+            for part in (leaders, followers):
+                for i, row in zip(part, self._pooled([examples[i] for i in part], read_cache=True) if part else []):
+                    scores[i] = row
         missing = [i for i, row in enumerate(scores) if row is None]
         self.last_rescored = len(missing)
         if missing:  # a tag inside a cached block: score those rows from their first token
@@ -245,6 +265,8 @@ class VLLMStepScorer:
         return scores
 
     def _likelihood(self, examples: list[RenderedExample]) -> list[list[float]]:
+        """Prompt log-probs of every token; these requests do not read the prefix cache (vLLM's default for
+        prompt log-probs: with cached blocks it returns fewer entries, in an order not worked out here)."""
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
         outputs = self.llm.generate(self._prompts(examples), params, use_tqdm=False)
         scores = []
