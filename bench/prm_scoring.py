@@ -20,10 +20,11 @@ batches: ``--groups`` prompts x ``--group-size`` completions (the held-out probl
 planted error), at two PRM sizes (``--sizes``: ``small`` the quickstart shape, ``large`` 2x wider and 2x deeper),
 each PRM layout, packed and not: the engine with the prompt once per group (``share_prompt_prefix``) or row by
 row, vLLM with its prefix cache read (``skip_reading_prefix_cache=False``, 32-token blocks: the CPU backend's
-default 128 holds no prompt of these rows) or off. Both load the same random weights from an HF folder; the
-record is bench/results/prm_scorers.json.
+default 128 holds no prompt of these rows) or not. Both load the same random weights from an HF folder; one
+process per (size, layout) times the variants in turn in every pass (``_score_alternating``); the record is
+bench/results/prm_scorers.json.
 
-    python bench/prm_scoring.py --scorers engine vllm --groups 24 --repeats 2    # 16 rows, ~10 min on 2 cores
+    python bench/prm_scoring.py --scorers engine vllm --groups 24 --repeats 5    # 16 rows, ~10 min on 2 cores
 """
 
 from __future__ import annotations
@@ -155,39 +156,53 @@ def build_scorer_inputs(folder: Path, groups: int, group_size: int, sizes: list[
     return dirs, examples
 
 
-def _score_with(prm_dir: str, prm_layout: str, examples: list, scorer_kind: str, packed: bool, repeats: int) -> dict:
-    """One process: open the PRM with ``scorer_kind`` (packed or not), warm up, time ``repeats`` passes."""
+def _score_alternating(prm_dir: str, prm_layout: str, examples: list, scorer_kinds: list, repeats: int) -> dict:
+    """One process: the PRM on each scorer, packed and not, every pass timing each variant in turn (the load of a
+    shared machine then weighs on all alike). vLLM's unpacked variant is the same engine not reading its prefix
+    cache (``skip_reading_prefix_cache=True``), the cache reset before every pass."""
     from grpo_mega.parallel import init_distributed
     from prm.scoring import open_step_scorer
     from prm.spec import PRMChoices
 
     init_distributed(1, 1, seed=0)
-    start = time.perf_counter()
-    choices = PRMChoices(layout=prm_layout, step_tag=PRM_LAYOUTS[prm_layout] or None, scorer=scorer_kind)
-    if scorer_kind == "vllm":
-        from prm.vllm_scoring import open_vllm_step_scorer
+    variants, startup = {}, {}
+    for kind in scorer_kinds:
+        choices = PRMChoices(layout=prm_layout, step_tag=PRM_LAYOUTS[prm_layout] or None, scorer=kind)
+        for packed in (False, True):
+            start = time.perf_counter()
+            if kind == "vllm":
+                from prm.vllm_scoring import open_vllm_step_scorer
 
-        _, scorer = open_vllm_step_scorer(prm_dir, choices, max_length=MAX_LENGTH, prefix_cache=packed,
-                                          block_size=VLLM_BLOCK_SIZE)
-    else:
-        _, scorer = open_step_scorer(prm_dir, choices, max_length=MAX_LENGTH, share_prompt_prefix=packed,
-                                     max_tokens_per_micro_batch=MAX_TOKENS_PER_MICRO_BATCH)
-    startup = time.perf_counter() - start
-    scorer.score_examples(examples[:32])  # warm-up
-    seconds, all_scores = [], None
+                if packed:  # one vLLM engine, read with and without its cache
+                    variants[(kind, True)] = variants[(kind, False)]
+                    continue
+                _, scorer = open_vllm_step_scorer(prm_dir, choices, max_length=MAX_LENGTH, block_size=VLLM_BLOCK_SIZE)
+            else:
+                _, scorer = open_step_scorer(prm_dir, choices, max_length=MAX_LENGTH, share_prompt_prefix=packed,
+                                             max_tokens_per_micro_batch=MAX_TOKENS_PER_MICRO_BATCH)
+            startup[(kind, packed)] = time.perf_counter() - start
+            variants[(kind, packed)] = scorer
+            scorer.score_examples(examples[:32])  # warm-up
+    seconds = {key: [] for key in variants}
+    scores = {}
     for _ in range(repeats):
-        if scorer_kind == "vllm":  # a GRPO step's completions are new: no block of an earlier pass may be read
-            scorer.llm.reset_prefix_cache()
-        all_scores = scorer.score_examples(examples)
-        seconds.append(scorer.last_seconds)
-    return {"seconds": seconds, "startup_seconds": startup, "scores": all_scores,
-            "tokens": sum(len(scorer.render(e.prompt, e.steps).input_ids) for e in examples),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        for (kind, packed), scorer in variants.items():
+            if kind == "vllm":  # a GRPO step's completions are new: no block of an earlier pass may be read
+                scorer.prefix_cache = packed
+                scorer.llm.reset_prefix_cache()
+            scores[(kind, packed)] = scorer.score_examples(examples)
+            seconds[(kind, packed)].append(scorer.last_seconds)
+    tokens = sum(len(variants[(scorer_kinds[0], False)].render(e.prompt, e.steps).input_ids) for e in examples)
+    return {"variants": [{"scorer": kind, "packed": packed, "seconds": seconds[(kind, packed)],
+                          "startup_seconds": startup.get((kind, packed), startup.get((kind, False))),
+                          "scores": scores[(kind, packed)]} for kind, packed in variants],
+            "tokens": tokens, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 SCORER_COLUMNS = [("size", "size", ""), ("prm", "prm", ""), ("scorer", "scorer", ""), ("packed", "packed", ""),
                   ("completions", "completions", "d"), ("steps", "steps", "d"), ("pass s", "seconds", ".3f"),
-                  ("s/256x6", "seconds_per_256x6", ".3f"), ("vs row-by-row engine", "speedup", ".2f"),
+                  ("fastest s", "fastest_seconds", ".3f"), ("s/256x6", "seconds_per_256x6", ".3f"),
+                  ("vs row-by-row engine", "speedup", ".2f"),
                   ("max |diff|", "max_score_diff", ".1e"), ("startup s", "startup_seconds", ".1f"),
                   ("RSS MiB", "peak_rss_mb", ".0f")]
 
@@ -202,22 +217,24 @@ def compare_scorers(args) -> None:
     rows = []
     for size in args.sizes:
         for prm_layout in args.prm_layouts:
-            reference = None
-            for scorer_kind in sorted(args.scorers):  # engine first: the reference
-                for packed in (False, True):
-                    (result,) = spawn_local_ranks(
-                        _score_with, 1, (str(dirs[(size, prm_layout)]), prm_layout, examples, scorer_kind, packed,
-                                         args.repeats), threads=2, timeout=1800)
-                    flat = [v for row in result["scores"] for v in row]
-                    reference = reference or (flat, statistics.median(result["seconds"]))
-                    median = statistics.median(result["seconds"])
-                    rows.append({"size": size, "prm": prm_layout, "scorer": scorer_kind,
-                                 "packed": "yes" if packed else "no", "completions": len(examples), "steps": steps,
-                                 "tokens": result["tokens"], "pass_seconds": result["seconds"], "seconds": median,
-                                 "seconds_per_256x6": median * 256 * 6 / steps, "speedup": reference[1] / median,
-                                 "max_score_diff": max(abs(a - b) for a, b in zip(flat, reference[0])),
-                                 "startup_seconds": result["startup_seconds"], "peak_rss_mb": result["peak_rss_mb"]})
-                    print(f"{size} {prm_layout} {scorer_kind} packed={packed}: {median:.3f} s", flush=True)
+            (result,) = spawn_local_ranks(
+                _score_alternating, 1, (str(dirs[(size, prm_layout)]), prm_layout, examples, sorted(args.scorers),
+                                        args.repeats), threads=2, timeout=1800)
+            reference = result["variants"][0]  # the first scorer (engine), row by row
+            base = [v for row in reference["scores"] for v in row]
+            for variant in result["variants"]:
+                median = statistics.median(variant["seconds"])
+                flat = [v for row in variant["scores"] for v in row]
+                rows.append({"size": size, "prm": prm_layout, "scorer": variant["scorer"],
+                             "packed": "yes" if variant["packed"] else "no", "completions": len(examples),
+                             "steps": steps, "tokens": result["tokens"], "pass_seconds": variant["seconds"],
+                             "seconds": median, "seconds_per_256x6": median * 256 * 6 / steps,
+                             "fastest_seconds": min(variant["seconds"]),
+                             "speedup": statistics.median(reference["seconds"]) / median,
+                             "max_score_diff": max(abs(a - b) for a, b in zip(flat, base)),
+                             "startup_seconds": variant["startup_seconds"], "peak_rss_mb": result["peak_rss_mb"]})
+                print(f"{size} {prm_layout} {variant['scorer']} packed={variant['packed']}: {median:.3f} s",
+                      flush=True)
     record = build_record({
         "prm": {"sizes": {size: SIZES[size] for size in args.sizes}, "shape": "grpo_mega.quickstart.pipeline."
                 "POLICY_SHAPE with the size's changes", "layouts": {k: {"step_tag": PRM_LAYOUTS[k]}

@@ -165,6 +165,10 @@ class VLLMStepScorer:
                                                                     getattr(torch, self.dtype))
         joins = dist.is_initialized()
         joining = _joining_the_job() if joins else contextlib.nullcontext()
+        if cpu and joins and tensor_parallel_size > 1:  # what a killed job left (grpo_mega.rollout.vllm_launch)
+            from grpo_mega.rollout.vllm_launch import remove_stale_cpu_shm
+
+            remove_stale_cpu_shm(dist.get_rank(), tensor_parallel_size)
         with _process_state_kept(), joining:
             self.llm = vllm.LLM(
                 model=str(model_path), tokenizer=str(model_path), dtype=self.dtype,

@@ -124,10 +124,12 @@ def test_vllm_scores_equal_the_megatron_forward(prms, rows, layout):
         assert result["rescored"] > 0
 
 
-def test_two_replicas_split_the_rows_and_every_rank_gets_all_scores(prms, rows):
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_two_processes_score_every_row_on_every_rank(prms, rows, tensor_parallel):
+    """Two replicas split the rows (vllm_tensor_parallel=1), or one TP=2 replica scores them all."""
     prompts, steps = rows
-    results = run_distributed(_both_scorers, 2, str(prms["classifier"]), "classifier", prompts, steps, 1,
-                              timeout=600)
+    results = run_distributed(_both_scorers, 2, str(prms["classifier"]), "classifier", prompts, steps,
+                              tensor_parallel, timeout=600)
     for result in results:
         _check(result, steps)
     assert results[0]["got"] == results[1]["got"]
