@@ -99,9 +99,12 @@ def build_prm_forward_engine(
     engine_kind: str = "megatron",
     deepspeed=None,
     sequence_parallel: bool | None = None,
+    share_prompt_prefix: bool = True,
 ):
     """The same model on a forward-only engine (scoring): a :class:`~grpo_mega.engine.MegatronForwardEngine`
-    (``sequence_parallel``: ``parallel.sequence_parallel``, None = on whenever TP > 1), or a
+    (``sequence_parallel``: ``parallel.sequence_parallel``, None = on whenever TP > 1; ``share_prompt_prefix``:
+    rows of a batch with ``prompt_lengths`` that share a prompt carry one copy of it through the layers,
+    ``grpo_mega.engine.shared_prefix``, exact), or a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedForwardEngine` with ``engine_kind="deepspeed"``."""
     from grpo_mega.engine.factory import build_forward_engine
 
@@ -113,7 +116,7 @@ def build_prm_forward_engine(
     return build_forward_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch, dtype=dtype, lm_output=lm_output,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, share_prompt_prefix=share_prompt_prefix,
     )
 
 

@@ -88,7 +88,7 @@ class LoadedPRM:
     """Where it was opened from, with the settings it was trained with (``prm.spec.PRMChoices.render_settings``)."""
 
 
-def _load_tokenizer(folder: str | os.PathLike, what: str):
+def load_prm_tokenizer(folder: str | os.PathLike, what: str):
     from transformers import AutoTokenizer
 
     try:
@@ -104,6 +104,7 @@ def open_prm(
     max_tokens_per_micro_batch: int = 4096,
     engine_kind: str = "megatron",
     deepspeed=None,
+    share_prompt_prefix: bool = True,
 ) -> LoadedPRM:
     """A forward-only PRM from ``path``; collective, after ``grpo_mega.parallel.init_distributed`` (any TP/PP/DP;
     ``engine_kind="deepspeed"``: TP = PP = 1, a DeepSpeed forward engine with ``deepspeed``, any of the formats).
@@ -113,6 +114,8 @@ def open_prm(
     run directory (HF config, tokenizer and spec from its saved config: ``model.hf_config``, ``model.tokenizer``,
     ``prm``), or with ``spec_overrides={"layout": "likelihood", ...}`` a policy's training checkpoint.
     ``spec_overrides`` replaces spec fields (e.g. ``{"step_tag": "\\n\\n"}``; ``prm.spec.spec_with_overrides``).
+    ``share_prompt_prefix`` (Megatron): rows that share a prompt carry one copy of it through the layers
+    (``prm.engines.build_prm_forward_engine``).
     Raises ValueError for an unknown override, a layout the config contradicts, or a folder that is none of these.
     """
     try:
@@ -125,9 +128,9 @@ def open_prm(
         raise ValueError(f"{path}: the checkpoint's config model.hf_config ({hf_dir!r}) has no config.json")
     spec = spec_with_overrides(trained_spec(source, overrides.get("layout")), overrides)
     what = f"{path}: model.tokenizer" if source.is_checkpoint else str(path)
-    tokenizer = _load_tokenizer(source.tokenizer_folder, what)
+    tokenizer = load_prm_tokenizer(source.tokenizer_folder, what)
     engine = build_prm_forward_engine(source.hf_config, spec, tokenizer,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
-                                      deepspeed=deepspeed)
+                                      deepspeed=deepspeed, share_prompt_prefix=share_prompt_prefix)
     engine.load_model_source(source)
     return LoadedPRM(engine=engine, spec=spec, tokenizer=tokenizer, hf_config=source.hf_config, source=source)

@@ -34,13 +34,16 @@ DEFAULT_ROWS_PER_CALL = 512
 
 def rendered_batch(
     rendered: Sequence[RenderedExample], pad_id: int, targets: Sequence[Sequence[float]] | None = None, *,
-    step_ids: bool = False,
+    step_ids: bool = False, prompt_lengths: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The engine batch of rendered examples: right-padded ``input_ids``, ``attention_mask``, ``loss_mask`` (1 at
     each step's tag position) and, with ``targets`` (one per step), ``targets`` [B, L] (the step's label there).
     ``step_ids`` (the ``likelihood`` layout): also ``step_ids`` [B, L], k + 1 on the tokens of step k (from its first
     token to its tag position), 0 elsewhere, and, for examples rendered with ``likelihood_tokens="result"``,
-    ``step_counted`` [B, L]: 1 on the tokens a step's score is read from."""
+    ``step_counted`` [B, L]: 1 on the tokens a step's score is read from. ``prompt_lengths``: also
+    ``prompt_lengths`` [B], the tokens before each example's first step (at least 1), so that a Megatron engine with
+    ``share_prompt_prefix`` carries a prompt once for the rows that share it (``grpo_mega.engine.shared_prefix``
+    groups rows by those tokens: rows whose prompt tokenized differently are simply not grouped)."""
     import torch
 
     if not rendered:
@@ -77,6 +80,11 @@ def rendered_batch(
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
     if targets is not None:
         batch["targets"] = target_values
+    if prompt_lengths:
+        if any(example.step_starts is None for example in rendered):
+            raise ValueError("prompt_lengths needs the rendered examples' step_starts (render them with prm.rendering)")
+        batch["prompt_lengths"] = torch.tensor([max(example.step_starts[0], 1) if example.step_starts else 1
+                                                for example in rendered], dtype=torch.long)
     if step_ids:
         batch["step_ids"] = step_numbers
         if any_counted:
@@ -126,7 +134,9 @@ class StepScorer:
         scores: list[list[float]] = []
         for start in range(0, len(rendered), self.rows_per_call):
             chunk = list(rendered[start : start + self.rows_per_call])
-            outputs = self.engine.forward(rendered_batch(chunk, self.pad_id, step_ids=not self.settings.step_tag))
+            batch = rendered_batch(chunk, self.pad_id, step_ids=not self.settings.step_tag,
+                                   prompt_lengths=getattr(self.engine, "share_prompt_prefix", False))
+            outputs = self.engine.forward(batch)
             scores.extend(scores_at_tags(outputs["good_logprob"], chunk))
         return scores
 
@@ -176,6 +186,13 @@ def add_prm_arguments(parser) -> None:
                         help="forward engine of the PRM (deepspeed: --tp 1 --pp 1, processes = --nproc)")
     parser.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
                         help="--engine deepspeed: ZeRO stage (3 keeps the PRM's parameters partitioned)")
+    parser.add_argument("--scorer", default="engine", choices=("engine", "vllm"),
+                        help="what runs the PRM: engine (a forward-only copy on --engine, at --tp / --pp) or vllm "
+                             "(vLLM's pooling runner; --prm must be an HF folder with weights; docs/prm.md)")
+    parser.add_argument("--vllm-tensor-parallel", type=int, default=1,
+                        help="--scorer vllm: ranks per vLLM replica (processes = --nproc, replicas split the rows)")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.2,
+                        help="--scorer vllm: share of each GPU for the PRM's weights and KV cache")
 
 
 def add_data_arguments(parser, *, required: bool = True) -> None:
@@ -195,6 +212,9 @@ def open_scorer(args):
     from grpo_mega.config import DeepSpeedConfig
     from prm.spec import PRMChoices, check_layout_is_known
 
+    if args.scorer == "vllm" and (args.tp, args.pp, args.engine) != (1, 1, "megatron"):
+        raise ValueError("--scorer vllm takes its layout from --vllm-tensor-parallel and --nproc: leave --tp, --pp "
+                         f"and --engine at their defaults (got --tp {args.tp} --pp {args.pp} --engine {args.engine})")
     if args.engine == "deepspeed" and (args.tp, args.pp) != (1, 1):
         raise ValueError(f"--engine deepspeed runs data parallel only: use --tp 1 --pp 1 (got {args.tp}, {args.pp})")
     if args.layout is None:
@@ -215,19 +235,30 @@ def open_step_scorer(
     max_tokens_per_micro_batch: int = 8192,
     engine_kind: str = "megatron",
     deepspeed=None,
+    share_prompt_prefix: bool = True,
 ):
     """Open the PRM at ``path`` on a forward-only engine (``prm.model.open_prm``; after ``init_distributed``; the
     ``engine_kind`` ``megatron`` or ``deepspeed`` with ``deepspeed`` settings) and its ``StepScorer``; returns
     (loaded PRM, scorer). ``choices`` (``prm.spec.PRMChoices``, default none) override how the PRM reads solutions;
     a None keeps the PRM's own setting: its tag and label tokens, and for a grpo-mega PRM the chat-template settings
-    it was trained with (off for an HF PRM folder). The PRM's source is read once, by ``open_prm``."""
+    it was trained with (off for an HF PRM folder). The PRM's source is read once, by ``open_prm``.
+
+    ``choices.scorer="vllm"``: the PRM on vLLM's pooling runner instead (``prm.vllm_scoring.open_vllm_step_scorer``;
+    the loaded PRM's ``engine`` is then None), the same ``score_steps``. ``share_prompt_prefix`` (Megatron): the
+    rows of a group carry their prompt through the layers once (``prm.model.open_prm``)."""
     from prm.model import open_prm
     from prm.spec import PRMChoices
 
     choices = choices or PRMChoices()
+    if choices.scorer == "vllm":
+        from prm.vllm_scoring import open_vllm_step_scorer
+
+        return open_vllm_step_scorer(path, choices, max_length=max_length)
+    if choices.scorer not in (None, "engine"):
+        raise ValueError(f"scorer must be 'engine' or 'vllm', got {choices.scorer!r}")
     loaded = open_prm(path, spec_overrides=choices.spec_overrides(),
                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, engine_kind=engine_kind,
-                      deepspeed=deepspeed)
+                      deepspeed=deepspeed, share_prompt_prefix=share_prompt_prefix)
     settings = choices.render_settings(loaded.spec, loaded.source)
     return loaded, StepScorer(loaded.engine, loaded.tokenizer, settings, max_length=max_length)
 

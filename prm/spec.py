@@ -277,11 +277,19 @@ class PRMChoices:
     chat_template: bool | None = None
     system_prompt: str | None = None
     likelihood_tokens: str | None = None
+    scorer: str | None = None
+    """What runs the PRM: ``engine`` (None: a forward-only copy on the trainer's engine) or ``vllm``
+    (``prm.vllm_scoring``)."""
+    vllm_tensor_parallel: int | None = None
+    """``scorer: vllm``: ranks per vLLM replica (None: 1)."""
+    vllm_gpu_memory_utilization: float | None = None
+    """``scorer: vllm``: share of each GPU for the PRM (None: 0.2)."""
 
     @classmethod
     def of(cls, settings: Any) -> PRMChoices:
-        """The choices of an object with these attributes: ``ProcessRewardConfig``, the ``prm score`` flags."""
-        return cls(**{field.name: getattr(settings, field.name) for field in dataclasses.fields(cls)})
+        """The choices of an object with these attributes: ``ProcessRewardConfig``, the ``prm score`` flags (an
+        attribute it lacks keeps the PRM's own)."""
+        return cls(**{field.name: getattr(settings, field.name, None) for field in dataclasses.fields(cls)})
 
     def spec_overrides(self) -> dict[str, str]:
         """The spec fields chosen (for ``spec_with_overrides``)."""

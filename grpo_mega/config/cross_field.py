@@ -68,6 +68,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     validate_answer_guard(cfg)
     check_choice(cfg.process_reward.source, PROCESS_REWARD_SOURCES, "process_reward.source")
     check_choice(cfg.process_reward.on_error, ("raise", "zero"), "process_reward.on_error")
+    validate_prm_scorer(cfg.process_reward)
     if cfg.process_reward.layout is not None:
         check_choice(cfg.process_reward.layout, ("classifier", "lm_tokens", "likelihood"), "process_reward.layout")
     if cfg.process_reward.source == "prm":
@@ -356,3 +357,16 @@ def validate_answer_guard(cfg: GRPOConfig) -> None:
                               f"expression: {error}") from None
     if not math.isfinite(settings.missing_answer_score):
         raise ConfigError(f"process_reward.missing_answer_score={settings.missing_answer_score} must be finite")
+
+
+def validate_prm_scorer(settings) -> None:
+    """``process_reward.scorer`` and its vLLM sizes (``prm.vllm_scoring``)."""
+    check_choice(settings.scorer, ("engine", "vllm"), "process_reward.scorer")
+    if settings.vllm_tensor_parallel < 1:
+        raise ConfigError(f"process_reward.vllm_tensor_parallel={settings.vllm_tensor_parallel} must be >= 1")
+    if not 0.0 < settings.vllm_gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"process_reward.vllm_gpu_memory_utilization={settings.vllm_gpu_memory_utilization} "
+                          "must be in (0, 1]")
+    if settings.scorer == "vllm" and settings.source != "prm":
+        raise ConfigError(f"process_reward.scorer=vllm runs a PRM: it needs process_reward.source=prm "
+                          f"(source is {settings.source!r})")
