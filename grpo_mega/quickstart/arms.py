@@ -51,6 +51,10 @@ TREE_PLANS = {"tree_222": ("[2, 2, 2], 24-token segments", ("tree_rollout.branch
                   "algorithm.num_return_sequences_in_group=16"))}
 for _arm, (_what, _overrides) in TREE_PLANS.items():
     ARMS[_arm] = (f"GRPO, tree credit (no reward model), {_what}", (*TREE, *_overrides))
+# [2, 2, 2] with DeepSeekMath's pooled per-step normalisation instead of the completion baseline: the value
+# differences' own spread scales the credit (larger than the outcomes' std: more gradient per step)
+ARMS["tree_222_pooled"] = (f"{ARMS['tree_222'][0]}, pooled per-step baseline",
+                           (*ARMS["tree_222"][1], "algorithm.step_baseline=pooled_steps"))
 # The step baseline (issue 57): the learned PRM's and the oracle's arms with the group's mean return subtracted once per
 # completion instead of from every step (algorithm.step_baseline: completion)
 COMPLETION_BASELINE = "algorithm.step_baseline=completion"
@@ -68,9 +72,10 @@ ARM_FOLDERS = {"outcome": "grpo", "process": "grpo_process", "oracle": "grpo_ora
 for _arm in ("implicit", *IMPLICIT_VARIANTS):
     SHOWN[_arm] = (*SHOWN["outcome"], ("PRM outcome acc", "implicit_prm/outcome_accuracy"))
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
-for _arm in TREE_PLANS:
+for _arm in (*TREE_PLANS, "tree_222_pooled"):
     SHOWN[_arm] = (*SHOWN["outcome"], ("tokens", "rollout/generated_tokens"))
-for _arm in (*TREE_PLANS, "process_completion", "process_delta_completion", "oracle_completion", "rft"):
+for _arm in (*TREE_PLANS, "tree_222_pooled", "process_completion", "process_delta_completion", "oracle_completion",
+             "rft"):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 
 

@@ -11,6 +11,7 @@ from grpo_mega.run.metrics import read_metrics
 ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "implicit",
             "implicit_all_groups": "implicit_all_groups", "implicit_token_steps": "implicit_token_steps",
             "tree_222": "tree_222", "tree_42": "tree_42", "tree_2222": "tree_2222",
+            "tree_222_pooled": "tree_222_pooled",
             "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
             "oracle_completion": "oracle_completion", "rft": "rft"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
@@ -19,7 +20,7 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "implicit_all_groups": "process supervision (implicit PRM, before dynamic sampling)",
               "implicit_token_steps": "process supervision (implicit PRM, one-token steps)",
               "tree_222": "tree credit [2, 2, 2]", "tree_42": "tree credit [4, 2]",
-              "tree_2222": "tree credit [2, 2, 2, 2]",
+              "tree_2222": "tree credit [2, 2, 2, 2]", "tree_222_pooled": "tree credit [2, 2, 2], pooled baseline",
               "process_completion": "process supervision (learned PRM, completion baseline)",
               "process_delta_completion": "process supervision (learned PRM, delta, completion baseline)",
               "oracle_completion": "process supervision (oracle, completion baseline)",
