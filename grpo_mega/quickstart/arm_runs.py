@@ -98,10 +98,11 @@ def add_arms(run_dir: str | Path, plan: QuickstartPlan, arms: list[str]) -> dict
     policy_dir = sft_dir if step is None else sft_checkpoint(sft_dir, step)
     prm_cost = max((report.get("prm_seconds", 0.0) for arm, report in summary["arms"].items() if learned_prm_arm(arm)),
                    default=0.0)
-    header = iter(range(1, len(arms) + 1))
+    announcements = len(arms) + arms.count("rft")  # the RFT arm announces its fine-tuning and its GRPO run
+    header = iter(range(1, announcements + 1))
     for arm in arms:
         folder = arm_settings(arm)[2]
-        announce = lambda text: print(f"[{next(header)}/{len(arms)}] {text}", flush=True)  # noqa: E731
+        announce = lambda text: print(f"[{next(header)}/{announcements}] {text}", flush=True)  # noqa: E731
         before = prm_cost if learned_prm_arm(arm) else 0.0
         if arm == "rft":
             rft_seconds, seconds = rft_arm(plan, run_dir, task, grpo, policy_dir,

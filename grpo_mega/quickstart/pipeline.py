@@ -165,7 +165,8 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
             *([f"{STEP_REWARD_ARM}{kind}" for kind in plan.step_reward_arms] if plan.process_supervision else []),
             *(["oracle"] if plan.oracle_arm else []), *(["implicit"] if plan.implicit_arm else [])]
     selects = plan.policy_max_pass_at_1 is not None
-    total = 2 + selects + (3 if plan.process_supervision else 0) + len(arms)
+    # announcements: data, SFT, the selection, the PRM's three commands, each arm (the RFT arm's fine-tuning too)
+    total = 2 + selects + (3 if plan.process_supervision else 0) + len(arms) + arms.count("rft")
     header = iter(range(1, total + 1))
 
     def announce(text: str) -> None:
