@@ -37,7 +37,7 @@ def test_every_arm_is_set_against_outcome_supervision():
     assert "os_minus_os" not in figures
 
 
-@pytest.mark.parametrize("arm", ["tree_222", "tree_42", "tree_2222", "tree_222_pooled", "process_completion",
+@pytest.mark.parametrize("arm", ["tree_222", "tree_42", "tree_2222", "tree_82", "tree_222_pooled", "process_completion",
                                  "process_delta_completion", "oracle_completion"])
 def test_the_tree_and_completion_baseline_arms_are_valid_runs_of_the_sparse_regime(arm, tmp_path):
     """Issue 57's arms on the quickstart config at the sparse regime's response length pass the config's checks

@@ -39,7 +39,7 @@ for _arm, (_what, _override) in IMPLICIT_VARIANTS.items():
 # model; PAV's progress with the completion baseline makes a token's advantage (o_i - V(its segment's parent)) / std(o)
 # (VinePPO's). The plans: [2, 2, 2] (8 leaves, the outcome arm's G, about two thirds of its tokens: branch points at 24
 # and 48 tokens of a five-step solution's ~80); [4, 2] (8 leaves, one branch point at 32 tokens); [2, 2, 2, 2] (16
-# leaves for about the outcome arm's tokens: branch points every 20 tokens).
+# leaves for about the outcome arm's tokens: branch points every 20 tokens); [8, 2] (16 leaves from 8 roots).
 TREE = ("algorithm.supervision=process", "process_reward.source=tree", "process_reward.step_reward=progress",
         "algorithm.step_baseline=completion")
 TREE_PLANS = {"tree_222": ("[2, 2, 2], 24-token segments", ("tree_rollout.branching=[2,2,2]",
@@ -48,6 +48,11 @@ TREE_PLANS = {"tree_222": ("[2, 2, 2], 24-token segments", ("tree_rollout.branch
                                                          "tree_rollout.segment_tokens=32")),
               "tree_2222": ("[2, 2, 2, 2], 20-token segments", (
                   "tree_rollout.branching=[2,2,2,2]", "tree_rollout.segment_tokens=20",
+                  "algorithm.num_return_sequences_in_group=16")),
+              # as many independent first segments as outcome supervision's chains, each continued twice from its
+              # midpoint (VinePPO's extra rollouts for the value, not fewer roots): 16 leaves
+              "tree_82": ("[8, 2], 40-token segments", (
+                  "tree_rollout.branching=[8,2]", "tree_rollout.segment_tokens=40",
                   "algorithm.num_return_sequences_in_group=16"))}
 for _arm, (_what, _overrides) in TREE_PLANS.items():
     ARMS[_arm] = (f"GRPO, tree credit (no reward model), {_what}", (*TREE, *_overrides))

@@ -11,7 +11,7 @@ from grpo_mega.run.metrics import read_metrics
 ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "implicit",
             "implicit_all_groups": "implicit_all_groups", "implicit_token_steps": "implicit_token_steps",
             "tree_222": "tree_222", "tree_42": "tree_42", "tree_2222": "tree_2222",
-            "tree_222_pooled": "tree_222_pooled",
+            "tree_222_pooled": "tree_222_pooled", "tree_82": "tree_82",
             "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
             "oracle_completion": "oracle_completion", "rft": "rft"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
@@ -21,6 +21,7 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "implicit_token_steps": "process supervision (implicit PRM, one-token steps)",
               "tree_222": "tree credit [2, 2, 2]", "tree_42": "tree credit [4, 2]",
               "tree_2222": "tree credit [2, 2, 2, 2]", "tree_222_pooled": "tree credit [2, 2, 2], pooled baseline",
+              "tree_82": "tree credit [8, 2]",
               "process_completion": "process supervision (learned PRM, completion baseline)",
               "process_delta_completion": "process supervision (learned PRM, delta, completion baseline)",
               "oracle_completion": "process supervision (oracle, completion baseline)",
