@@ -271,9 +271,11 @@ class CheckpointManager:
                 leftover.unlink()
         staging.mkdir()
 
-    def _publish(self, staging: Path, final: Path, info: dict, config_text: str, checksums: dict[str, str]) -> None:
+    def _publish(self, staging: Path, final: Path, info: dict, config_text: str,
+                 checksums: dict[str, str] | None = None) -> None:
         """Rank 0: side files, completion marker (last, with every file's size and checksum: those the ranks
-        computed of their own files, rank 0's of the rest), rename, ``latest``, pruning."""
+        computed of their own files, ``checksums``, rank 0's of the rest), rename, ``latest``, pruning."""
+        checksums = checksums or {}
         (staging / STATE_FILE).write_text(json.dumps(info, indent=2) + "\n")
         (staging / CONFIG_FILE).write_text(config_text)
         files = list_files(staging)
