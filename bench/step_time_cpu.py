@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -34,7 +34,6 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-FACTORS = ("mfu_train", "mfu_forward", "decode_bandwidth", "comm", "decode_step_overhead")
 BOUNDS = {"decode_step_overhead": (1e-5, 0.5)}
 
 
@@ -143,20 +142,10 @@ def log_error(items, device, eff) -> float:
 
 
 def fit(items, device, rounds: int = 8):
-    from grpo_mega.plan.step_time import Efficiency
+    from grpo_mega.plan.fitting import fit_efficiency
 
-    eff = Efficiency()
-    for _ in range(rounds):
-        for name in FACTORS:
-            lo, hi = (math.log(b) for b in BOUNDS.get(name, (0.005, 1.0)))
-            g = (math.sqrt(5) - 1) / 2
-            for _ in range(30):
-                x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
-                f1 = log_error(items, device, replace(eff, **{name: math.exp(x1)}))
-                f2 = log_error(items, device, replace(eff, **{name: math.exp(x2)}))
-                hi, lo = (x2, lo) if f1 < f2 else (hi, x1)
-            eff = replace(eff, **{name: math.exp((lo + hi) / 2)})
-    return eff
+    return fit_efficiency(lambda eff: log_error(items, device, eff), bounds=BOUNDS, default_bounds=(0.005, 1.0),
+                          rounds=rounds, searches=30)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,12 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from grpo_mega.plan.activations import Shapes  # noqa: E402
 from grpo_mega.plan.devices import PROFILES  # noqa: E402
+from grpo_mega.plan.fitting import fit_efficiency  # noqa: E402
 from grpo_mega.plan.step_time import (  # noqa: E402
     Efficiency, Lengths, ModelCost, TrainLayout, combine, concurrent_sequences, forward_pass_seconds,
     generation_seconds, update_seconds, weight_sync_seconds,
 )
 
-FACTORS = ("mfu_train", "mfu_forward", "decode_bandwidth", "comm", "decode_step_overhead")
 BOUNDS = {"decode_step_overhead": (1e-4, 0.05)}
 
 
@@ -176,22 +176,9 @@ def log_error(rows: list[Row], eff: Efficiency, a: dict) -> float:
 
 
 def fit(rows: list[Row], a: dict, rounds: int = 12) -> Efficiency:
-    """Coordinate descent on the five factors (golden-section search of each in log space within its bounds)."""
-    eff = Efficiency()
-    for _ in range(rounds):
-        for name in FACTORS:
-            lo, hi = (math.log(b) for b in BOUNDS.get(name, (0.02, 1.0)))
-            g = (math.sqrt(5) - 1) / 2
-            for _ in range(40):
-                x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
-                f1 = log_error(rows, replace(eff, **{name: math.exp(x1)}), a)
-                f2 = log_error(rows, replace(eff, **{name: math.exp(x2)}), a)
-                if f1 < f2:
-                    hi = x2
-                else:
-                    lo = x1
-            eff = replace(eff, **{name: math.exp((lo + hi) / 2)})
-    return eff
+    """Coordinate descent on the factors (golden-section search of each in log space within its bounds)."""
+    return fit_efficiency(lambda eff: log_error(rows, eff, a), bounds=BOUNDS, default_bounds=(0.02, 1.0),
+                          rounds=rounds, searches=40)
 
 
 def errors(row: Row, pred: dict) -> dict[str, float]:
