@@ -42,7 +42,7 @@ from grpo_mega.algo import STEP_REWARDS  # noqa: E402
 from grpo_mega.quickstart.arms import ARMS, arm_settings  # noqa: E402
 from grpo_mega.quickstart.arm_runs import add_arms  # noqa: E402
 from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
-from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures  # noqa: E402
+from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures, learned_prm_arm  # noqa: E402
 from grpo_mega.run.layout import metrics_path  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
@@ -150,21 +150,32 @@ def main() -> int:
 def with_recorded_arms(summary: dict, recorded_path: Path) -> dict:
     """``summary`` with the arms of the recorded run ``recorded_path`` that it lacks (their reports as recorded, marked
     ``recorded_from``), and their flat figures; refused unless both runs start from the same SFT checkpoint step
-    and held-out accuracy, and any arm both ran ended at the same accuracy (the same seed on the same kind of
-    machine repeats a run bit for bit; another machine's BLAS does not)."""
+    and held-out accuracy, and any arm both ran without a learned PRM ended at the same accuracy (the same seed on
+    the same kind of machine repeats a run bit for bit; another machine's BLAS does not). An arm scored by the
+    learned PRM may end elsewhere: since issue 59 the PRM's forward carries a group's prompt once, which rounds the
+    scores differently in the last bits and, over 60 steps, can change a sample; both accuracies are kept in
+    ``recorded_differences`` and printed."""
     recorded = json.loads(recorded_path.read_text())
     for key in ("regime", "seed", "policy_sft_step", "sft_accuracy"):
         if recorded.get(key) != summary.get(key):
             raise ValueError(f"{recorded_path}: {key}={recorded.get(key)!r} but this run has {summary.get(key)!r}: "
                              "not the same start, its arms cannot be compared with this run's")
-    for arm in set(recorded["arms"]) & set(summary["arms"]):
-        if recorded["arms"][arm]["accuracy"] != summary["arms"][arm]["accuracy"]:
-            raise ValueError(f"{recorded_path}: arm {arm} ended at {recorded['arms'][arm]['accuracy']} but at "
-                             f"{summary['arms'][arm]['accuracy']} here: the runs differ, the recorded arms do not "
-                             "stand for this machine's")
+    differences = {}
+    for arm in sorted(set(recorded["arms"]) & set(summary["arms"])):
+        was, now = recorded["arms"][arm]["accuracy"], summary["arms"][arm]["accuracy"]
+        if was == now:
+            continue
+        if not learned_prm_arm(arm):
+            raise ValueError(f"{recorded_path}: arm {arm} ended at {was} but at {now} here: the runs differ, the "
+                             "recorded arms do not stand for this machine's")
+        differences[arm] = {"recorded": was, "here": now}
+        print(f"   {arm}: {now} here, {was} in {recorded_path} (the learned PRM's scores round differently since "
+              "issue 59's prompt-once forward); this run's kept", flush=True)
     added = {arm: {**report, "recorded_from": str(recorded_path)} for arm, report in recorded["arms"].items()
              if arm not in summary["arms"]}
     summary = {**summary, "arms": {**summary["arms"], **added}}
+    if differences:
+        summary["recorded_differences"] = differences
     summary.update(flat_figures(summary["arms"]))
     return summary
 

@@ -110,3 +110,9 @@ def test_recorded_arms_join_a_seed_only_from_the_same_start(tmp_path):
     recorded.write_text(json.dumps({**start, "arms": {"outcome": arm(0.25, 2000)}}))
     with pytest.raises(ValueError, match="arm outcome ended at 0.25 but at 0.26 here"):
         with_recorded_arms(new, recorded)
+    # an arm the learned PRM scores may end elsewhere (its forward's rounding changed): both kept, this run's used
+    new["arms"]["process"] = arm(0.35, 2000)
+    recorded.write_text(json.dumps({**start, "arms": {"outcome": arm(0.26, 2000), "process": arm(0.36, 2000)}}))
+    joined = with_recorded_arms(new, recorded)
+    assert joined["recorded_differences"] == {"process": {"recorded": 0.36, "here": 0.35}}
+    assert joined["ps_accuracy"] == 0.35 and "recorded_from" not in joined["arms"]["process"]
