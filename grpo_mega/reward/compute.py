@@ -38,7 +38,7 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def _validate(value: Any, text_length: int) -> SampleReward | str:
+def check_result(value: Any, text_length: int) -> SampleReward | str:
     """A SampleReward from a reward function's return value, or the reason it is unusable."""
     if isinstance(value, StepRewards):
         score = _as_float(value.score)
@@ -51,6 +51,8 @@ def _validate(value: Any, text_length: int) -> SampleReward | str:
         if any(not isinstance(e, int) or not 0 < e <= text_length for e in ends) or ends != sorted(set(ends)):
             return f"expected step ends strictly increasing in (0, {text_length}]"
         return SampleReward(score, steps, ends)
+    if value is None:
+        return "None: no reward function applies to it (TRL's None), so it has no reward"
     number = _as_float(value)
     if number is None:
         return "expected a finite number or StepRewards"
@@ -67,7 +69,7 @@ def score_sample(
     name = getattr(fn, "__qualname__", repr(fn))
     try:
         value = fn(prompt, completion, answer, **dict(extra or {}))
-        result = _validate(value, len(completion))
+        result = check_result(value, len(completion))
     except Exception as error:
         message = f"reward function {name} raised on sample {index} (prompt {_preview(prompt)}): {error!r}"
         if on_error == "raise":
