@@ -3,7 +3,7 @@ checks them against the dataclasses, so an unknown key or a value of the wrong t
 named (and, for a near miss, the key meant); then the schema's own checks (``validator``).
 
 An override of a text key (``str`` or ``Optional[str]`` in the schema) takes its value as written:
-``process_reward.answer_pattern=#### -?\d+`` is that regex, not a YAML comment (null), and ``[.!?]\s`` is not a
+``process_reward.answer_pattern=#### -?\\d+`` is that regex, not a YAML comment (null), and ``[.!?]\\s`` is not a
 YAML list; ``key=null`` still unsets it and a quoted value is unquoted. Other values are read as YAML (numbers,
 booleans, lists), and one that does not parse is one line naming its key."""
 
