@@ -151,8 +151,8 @@ def test_config_takes_functions_with_weights_and_refuses_the_mixups():
     assert cfg.reward.functions == ["math_verify", "boxed_format"] and cfg.reward.weights == [1.0, 0.2]
     with pytest.raises(ConfigError, match="reward.weights has 1 values for 2 reward.functions"):
         _config("reward.functions=[math_verify, boxed_format]", "reward.weights=[1.0]")
-    with pytest.raises(ConfigError, match="are both set"):
-        _config("reward.function=synthetic", "reward.functions=[math_verify]")
+    replaced = _config("reward.function=synthetic", "reward.functions=[math_verify]")  # a config's, overridden
+    assert replaced.reward.function == "math_verify" and replaced.reward.functions == ["math_verify"]
     with pytest.raises(ConfigError, match="reward.weights=.* weighs reward.functions, which is empty"):
         _config("reward.weights=[2.0]")
     with pytest.raises(ConfigError, match="reward.functions='nope' is no registered reward"):

@@ -226,10 +226,11 @@ def validate_reward_functions(cfg: GRPOConfig) -> None:
     from grpo_mega.reward.registry import REWARD_FUNCTIONS, reward_specs
 
     reward = cfg.reward
-    if reward.functions and reward.function != type(reward)().function:
-        raise ConfigError(f"reward.function={reward.function!r} and reward.functions={list(reward.functions)} are both "
-                          "set: put every verifier in reward.functions (with reward.weights), or use reward.function "
-                          "alone")
+    if reward.functions and reward.function != type(reward)().function:  # a config's function, overridden
+        if _speaks():
+            logger.warning("ignoring reward.function=%s: reward.functions=%s replaces it", reward.function,
+                           list(reward.functions))
+        reward.function = type(reward)().function
     if reward.weights and not reward.functions:
         raise ConfigError(f"reward.weights={list(reward.weights)} weighs reward.functions, which is empty: list the "
                           "functions in reward.functions")

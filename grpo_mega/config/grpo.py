@@ -107,8 +107,8 @@ class RewardConfig:
     (``grpo_mega.reward.adapters``; docs/migrating.md)."""
     functions: list[str] = field(default_factory=list)
     """Several verifiers, as TRL's ``reward_funcs``: the reward is ``sum_i weights[i] * functions[i]`` (each spec as
-    ``function`` takes; a TRL function's None adds nothing). Non-empty: replaces ``function``, which must then be
-    left at its default."""
+    ``function`` takes; a TRL function's None adds nothing). Non-empty: replaces ``function`` (which is then
+    ignored, with a warning)."""
     weights: list[float] = field(default_factory=list)
     """One weight per ``functions`` entry (TRL's ``reward_weights``); empty: each 1."""
     format_function: str = "step_format"

@@ -24,11 +24,29 @@ class ConfigError(ValueError):
 
 
 class UnknownKeyError(ConfigError):
-    """A key the schema does not have; ``source`` is the config file's path, or None for an override."""
+    """A key the schema does not have (``key``); ``source`` is the config file's path, or None for an override."""
 
-    def __init__(self, message: str, source: str | None):
+    def __init__(self, message: str, key: str, source: str | None):
         super().__init__(message)
-        self.source = source
+        self.key, self.source = key, source
+
+
+def another_commands_config(error: ConfigError, schemas: dict[str, type]) -> ConfigError:
+    """``error`` itself, or, when it is an unknown key of a config file whose keys all belong to the schema of
+    another command (``schemas``: {command: schema}), a ConfigError that names that command: an SFT or PRM config
+    given to ``grpo-mega train`` is a mix-up of commands, not a broken config."""
+    if not isinstance(error, UnknownKeyError) or error.source is None:
+        return error
+    for command, schema in schemas.items():
+        try:
+            merge_config(schema, error.source)
+        except UnknownKeyError:
+            continue
+        except ConfigError:  # its keys are that schema's; a value is off, which that command will say
+            pass
+        return ConfigError(f"{error.source}: this looks like a `{command}` config (its keys, {error.key} among them, "
+                           f"are that command's): run `{command} --config {error.source}`")
+    return error
 
 
 def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:
@@ -69,8 +87,8 @@ def merge_config(schema: type, path: str | Path | None, overrides: list[str] = (
         return OmegaConf.merge(base, overrides_node(schema, overrides))
     except ConfigKeyError as error:
         key = str(getattr(error, "full_key", None) or "")
-        raise UnknownKeyError(f"{source}: unknown config key {_typed_key(key, typed)!r}"
-                              f"{did_you_mean(_typed_key(key, typed), schema)}",
+        key = _typed_key(key, typed)
+        raise UnknownKeyError(f"{source}: unknown config key {key!r}{did_you_mean(key, schema)}", key,
                               str(path) if source != "command-line overrides" else None) from None
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
