@@ -79,7 +79,7 @@ def test_a_trl_function_gets_lists_of_the_row_columns_and_its_none_is_not_applic
     assert fn("Q", "4", "4") == 1.0 and fn("Q", "5", "4") == 0.0 and fn("Q", "4", "n/a") is None
     results = score_samples(fn, ["Q", "Q"], ["4", "4"], ["4", "n/a"], on_error="zero")
     assert [r.score for r in results] == [1.0, 0.0] and [r.failed for r in results] == [False, True]
-    assert "TRL's None" in results[1].error
+    assert "None: no reward function applies to it" in results[1].error
 
 
 def test_a_trl_function_on_conversation_rows_gets_messages():

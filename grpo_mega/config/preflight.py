@@ -156,10 +156,11 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
         for completion in (f"The answer is {answer}.", ""):
             for key, spec, function in functions:
                 try:
-                    problem = check_result(function(prompt, completion, answer, **extra), len(completion))
+                    value = function(prompt, completion, answer, **extra)
+                    problem = None if value is None else check_result(value, len(completion))
                 except Exception as error:
                     problem = f"{type(error).__name__}: {error}"
-                if isinstance(problem, str) and not problem.startswith("None"):
+                if isinstance(problem, str):
                     raise ConfigError(f"{key}={spec} cannot score {location} (completion {completion!r:.40}): "
                                       f"{problem}")
 

@@ -52,7 +52,7 @@ def check_result(value: Any, text_length: int) -> SampleReward | str:
             return f"expected step ends strictly increasing in (0, {text_length}]"
         return SampleReward(score, steps, ends)
     if value is None:
-        return "None: no reward function applies to it (TRL's None), so it has no reward"
+        return "expected a finite number or StepRewards (None: no reward function applies to it, TRL's convention)"
     number = _as_float(value)
     if number is None:
         return "expected a finite number or StepRewards"
