@@ -30,7 +30,7 @@ def evaluate_policy(cfg, policy: str | Path, *, samples: int = 1) -> dict:
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     progress = PhaseProgress("grpo-mega eval", speaks=not dist.is_initialized() or dist.get_rank() == 0)
-    progress.start(f"loading the policy {policy}", 1, "folder")
+    progress.start(f"loading the policy {policy}")
     rollout = load_policy_rollout(policy, generation_batch_size=cfg.rollout.generation_batch_size)
     prompts = eval_prompts(cfg, rollout.tokenizer)
     if not prompts:

@@ -44,8 +44,9 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
                         "continuations (default: --temperature); 0 with --n 1: the completer's greedy continuation "
                         "of each prefix")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify) "
-                        "or package.module:function; a score > 0.5 is a correct solution")
+    parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify, "
+                        "verl_default), package.module:function or path/to/file.py:function (grpo-mega's, verl's or "
+                        "TRL's signature, as reward.function); a score > 0.5 is a correct solution")
     parser.add_argument("--on-reward-error", choices=("raise", "zero"), default="raise",
                         help="a verifier call that fails: stop (raise) or count it as incorrect (zero)")
     parser.add_argument("--step-pattern", default=None, help="regex ending each step (default: the synthetic "
@@ -149,7 +150,7 @@ def run_label(args: argparse.Namespace) -> Path:
     init_distributed(args.tp, 1, seed=args.seed, device=args.device)
     progress = PhaseProgress("grpo-mega prm label", speaks=dist.get_rank() == 0)
     try:
-        progress.start(f"loading the policy {args.policy}", 1, "folder")
+        progress.start(f"loading the policy {args.policy}")
         policy = load_policy_rollout(args.policy, generation_batch_size=args.generation_batch_size)
         policy.engine.on_progress = progress
         records = load_prompt_dataset(

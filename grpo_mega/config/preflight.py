@@ -162,7 +162,7 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
                     problem = f"{type(error).__name__}: {error}"
                 if isinstance(problem, str):
                     raise ConfigError(f"{key}={spec} cannot score {location} (completion {completion!r:.40}): "
-                                      f"{problem}")
+                                      f"{problem} (the row's other columns: {sorted(extra)})")
 
 
 def _first_rows(data: Any, count: int):

@@ -95,11 +95,11 @@ class PhaseProgress:
         self.phase, self.unit = "", "items"
         self._started = self._last = time.perf_counter()
 
-    def start(self, phase: str, total: int, unit: str) -> None:
-        """A new phase of ``total`` ``unit`` (one line)."""
+    def start(self, phase: str, total: int | None = None, unit: str = "items") -> None:
+        """A new phase, of ``total`` ``unit`` when given (one line)."""
         self.phase, self.unit = phase, unit
         self._started = self._last = time.perf_counter()
-        self._say(f"{phase}: {total} {unit}")
+        self._say(phase if total is None else f"{phase}: {total} {unit}")
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
