@@ -154,7 +154,8 @@ class RolloutStage:
                 break
         kept = kept.first_groups(alg.rollout_batch_size)
         every_sample = torch.cat(sampled_scores)
-        stop_if_every_reward_failed(self._verifier_failures, len(every_sample), step)
+        with phase("reward scoring"):
+            stop_if_every_reward_failed(self._verifier_failures, len(every_sample), step)
         lengths = torch.tensor(sampled_lengths, dtype=torch.float32)
         metrics = {
             # critic/score/* and response_length/* describe the trained batch (after dynamic sampling, as in verl);
