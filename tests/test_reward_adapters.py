@@ -167,3 +167,30 @@ def test_process_supervision_from_the_function_refuses_a_verl_or_trl_function(tm
     with pytest.raises(ConfigError, match="returns one score per completion \\(verl's signature"):
         _config("algorithm.supervision=process", "process_reward.source=function",
                 f"reward.function={reward_file}:compute_score")
+
+
+CALLS = []
+
+
+def trl_recording(completions, solution, **kwargs):
+    """TRL's form, recording the size of each call; raises on a completion "boom"."""
+    CALLS.append(len(completions))
+    if "boom" in completions:
+        raise RuntimeError("verifier down")
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def test_a_trl_function_scores_a_batch_in_one_call_and_a_failing_batch_sample_by_sample():
+    fn = get_reward_function(f"{__name__}:trl_recording", RowLayout(answer_field="solution"))
+    CALLS.clear()
+    results = score_samples(fn, ["Q"] * 4, ["4", "5", "4", "4"], ["4", "4", "4", "n"], [{"k": 1}] * 4)
+    assert CALLS == [4] and [r.score for r in results] == [1.0, 0.0, 1.0, 0.0]
+    CALLS.clear()
+    results = score_samples(fn, ["Q"] * 3, ["4", "boom", "4"], ["4"] * 3, on_error="zero", indices=[6, 7, 8])
+    assert CALLS == [3, 1, 1, 1] and [r.failed for r in results] == [False, True, False]
+    assert "raised on sample 7" in results[1].error and "verifier down" in results[1].error
+    weighted = build_reward_function("math_verify", [f"{__name__}:trl_recording", f"{__name__}:native"], [2.0, 1.0],
+                                     RowLayout(answer_field="solution"))
+    CALLS.clear()
+    assert [r.score for r in score_samples(weighted, ["Q"] * 2, ["4", "5"], ["4", "4"])] == [3.0, 1.0]
+    assert CALLS == [2]

@@ -10,11 +10,12 @@ Users bring the reward code they already have. The three signatures are told apa
   nested value of the row); the row's other columns too when it takes ``**kwargs`` or names them. It returns a
   number, or a dict whose ``"score"`` is the reward (verl's other keys are its extra logging, not used here).
 - **TRL** (``GRPOTrainer(reward_funcs=...)``): ``reward(completions, **kwargs) -> list[float]``, any function with
-  a ``completions`` parameter. Called with lists of one: ``prompts``, ``completions`` and every column of the row as
-  TRL passes them (the answer column under its own name, ``data.answer_field``); for conversation rows
+  a ``completions`` parameter. Called with lists: ``prompts``, ``completions`` and every column of the rows as TRL
+  passes them (the answer column under its own name, ``data.answer_field``); for conversation rows
   (``data.messages_field``) the completion is ``[{"role": "assistant", "content": text}]`` and the prompt
   ``[{"role": "user", "content": prompt}]``. A None in the returned list means "not applicable to this sample", as
-  in TRL. Not passed: ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric``, ``environments``; a
+  in TRL. The samples a rank scores go to it in one call, as TRL calls it (``score_batch``); when that call raises,
+  they go one at a time, so that the error names the sample. Not passed: ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric``, ``environments``; a
   function that requires one is refused when it is loaded.
 - **grpo-mega**: anything else that takes ``(prompt, completion, answer)`` positionally.
 """
@@ -131,21 +132,26 @@ def _trl_reward(fn: Callable, spec: str, layout: RowLayout) -> Callable:
                          f"(it passes prompts, completions and the row's columns): give {required[0]} a default")
     answer_field = layout.answer_field if layout.answer_field and "." not in layout.answer_field else None
 
-    def trl_reward(prompt: str, completion: str, answer: str | None, **extra) -> float | None:
-        columns = {key: [value] for key, value in extra.items() if key not in ("prompts", "completions")}
+    def score_batch(prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None],
+                    extras: Sequence[dict]) -> list:
+        """TRL's call: every sample at once, each column a list (a row without a column gives None)."""
+        names = dict.fromkeys(key for extra in extras for key in extra if key not in ("prompts", "completions"))
+        columns = {key: [extra.get(key) for extra in extras] for key in names}
         if answer_field is not None and answer_field not in columns:
-            columns[answer_field] = [answer]
+            columns[answer_field] = list(answers)
         if layout.conversational:
-            prompts, completions = [[{"role": "user", "content": prompt}]], [[{"role": "assistant",
-                                                                                "content": completion}]]
-        else:
-            prompts, completions = [prompt], [completion]
-        values = fn(prompts=prompts, completions=completions, **columns)
-        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != 1:
-            raise ValueError(f"reward function {spec!r} returned {values!r:.80} for one completion: TRL's form is a "
-                             "list with one reward (or None) per completion")
-        return values[0]
+            prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
+            completions = [[{"role": "assistant", "content": completion}] for completion in completions]
+        values = fn(prompts=list(prompts), completions=list(completions), **columns)
+        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != len(completions):
+            raise ValueError(f"reward function {spec!r} returned {values!r:.80} for {len(completions)} "
+                             f"completion(s): TRL's form is a list with one reward (or None) per completion")
+        return list(values)
 
+    def trl_reward(prompt: str, completion: str, answer: str | None, **extra) -> float | None:
+        return score_batch([prompt], [completion], [answer], [extra])[0]
+
+    trl_reward.score_batch = score_batch
     return _named(fn, spec, "TRL", trl_reward)
 
 
@@ -158,24 +164,43 @@ def weighted_sum(functions: Sequence[tuple[str, Callable]], weights: Sequence[fl
         raise ValueError(f"{len(functions)} reward functions but {len(weights)} weights")
 
     def weighted(prompt: str, completion: str, answer: str | None, **extra) -> float | None:
-        total, applicable = 0.0, False
-        for (name, fn), weight in zip(functions, weights):
+        values = []
+        for name, fn in functions:
             try:
-                value = fn(prompt, completion, answer, **extra)
+                values.append((name, fn(prompt, completion, answer, **extra)))
             except Exception as error:
                 if not _rebuildable(error):
                     raise
                 raise type(error)(f"{name}: {error}") from error
-            if value is None:
-                continue
-            value = value.score if isinstance(value, StepRewards) else value
-            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise ValueError(f"{name} returned {value!r:.80}: expected a finite number (or None: not applicable)")
-            total, applicable = total + weight * float(value), True
-        return total if applicable else None
+        return _weighted_value(values, weights)
+
+    def score_batch(prompts, completions, answers, extras) -> list:
+        """Every function on the whole batch (a TRL function in one call), summed per sample as above."""
+        per_function = [
+            fn.score_batch(prompts, completions, answers, extras) if hasattr(fn, "score_batch")
+            else [fn(p, c, a, **e) for p, c, a, e in zip(prompts, completions, answers, extras)]
+            for _, fn in functions]
+        return [_weighted_value([(name, values[i]) for (name, _), values in zip(functions, per_function)], weights)
+                for i in range(len(completions))]
 
     weighted.__qualname__ = " + ".join(f"{weight:g} x {name}" for (name, _), weight in zip(functions, weights))
+    if any(hasattr(fn, "score_batch") for _, fn in functions):
+        weighted.score_batch = score_batch
     return weighted
+
+
+def _weighted_value(values: Sequence[tuple[str, Any]], weights: Sequence[float]) -> float | None:
+    """``sum_i weights[i] * values[i]`` over the values that are not None (None when all are); ValueError naming
+    the function of a value that is no finite number."""
+    total, applicable = 0.0, False
+    for (name, value), weight in zip(values, weights):
+        if value is None:
+            continue
+        value = value.score if isinstance(value, StepRewards) else value
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise ValueError(f"{name} returned {value!r:.80}: expected a finite number (or None: not applicable)")
+        total, applicable = total + weight * float(value), True
+    return total if applicable else None
 
 
 def _rebuildable(error: Exception) -> bool:
