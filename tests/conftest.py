@@ -39,6 +39,7 @@ SLOW_FILES = {
     "test_checkpoint_checksums.py": 30,
     "test_training_checkpoint.py": 19,
     "test_reward_preflight.py": 80,
+    "test_config_overrides.py": 55,
 }
 
 
