@@ -67,6 +67,17 @@ def test_verl_default_on_a_source_it_cannot_verify_names_it_and_the_row(tmp_path
         check_reward_on_rows(_cfg(rows, "verl_default", answer_field="reward_model.ground_truth"))
 
 
+def test_a_nested_answer_field_leaves_its_column_to_the_function(tmp_path):
+    rows = _rows(tmp_path / "train.jsonl", [{"prompt": "p", "data_source": "openai/gsm8k",
+                                             "reward_model": {"style": "rule", "ground_truth": "4"}}])
+    module = _write(tmp_path / "r.py", """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+            assert ground_truth == "4" and kwargs["reward_model"]["style"] == "rule", (ground_truth, kwargs)
+            return 1.0
+    """)
+    check_reward_on_rows(_cfg(rows, f"{module}:compute_score", answer_field="reward_model.ground_truth"))
+
+
 def test_rows_that_every_function_scores_pass_parquet_and_trl_none_included(tmp_path):
     pyarrow = pytest.importorskip("pyarrow")
     import pyarrow.parquet as parquet

@@ -176,7 +176,6 @@ def _first_rows(data: Any, count: int):
             return
         path = shards[0]
     source = data.messages_field or data.prompt_field
-    top_answer = data.answer_field.split(".")[0] if data.answer_field else None
     found = 0
     for location, row in _head(path, count * 4):
         if not isinstance(row, dict) or source not in row:
@@ -188,7 +187,8 @@ def _first_rows(data: Any, count: int):
         answer = _dotted(row, data.answer_field) if data.answer_field else None
         if not isinstance(prompt, str) or (data.answer_field and (answer is None or isinstance(answer, (dict, list)))):
             continue
-        extra = {key: value for key, value in row.items() if key not in (source, top_answer)}
+        # a nested answer field (reward_model.ground_truth) leaves its column among the others, as verl passes it
+        extra = {key: value for key, value in row.items() if key not in (source, data.answer_field)}
         yield location, prompt, None if answer is None else str(answer), extra
         found += 1
         if found == count:
