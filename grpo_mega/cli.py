@@ -13,7 +13,7 @@
                                                                 with --steps also seconds per phase and GPU-hours
 
 Under torchrun or srun the command runs as one rank of that job; otherwise ``--nproc N`` (default 1) starts N
-processes on this machine with torchrun.
+processes on this machine with torchrun. Options and ``key=value`` overrides may come in any order.
 """
 
 from __future__ import annotations
@@ -99,9 +99,36 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, its ``key=value`` overrides taken wherever they stand among the options (argparse takes
+    one run of them: ``a=b --nproc 2 c=d`` would leave ``c=d`` unrecognized)."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    strays = [item for item in rest if item.startswith("-") or not hasattr(args, "overrides")]
+    if strays:
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
+    return args
+
+
+def _other_command(error: Exception) -> Exception:
+    """``error``, or for a config file of another command (an SFT or PRM config given to ``train``) the error that
+    names that command (``grpo_mega.config.loading.another_commands_config``)."""
+    from grpo_mega.config import GRPOConfig, SFTConfig
+    from grpo_mega.config.loading import another_commands_config
+    from prm.config import PRMConfig
+
+    if not isinstance(error, ValueError):
+        return error
+    schemas = {"grpo-mega train": GRPOConfig, "grpo-mega sft": SFTConfig, "grpo-mega prm train": PRMConfig}
+    return another_commands_config(error, schemas)
+
+
 def _config_error(command: str, error: Exception) -> int:
     """A config mistake: one line and exit status 2. Under a launcher the rank's failure line (with cause=config:
     the SLURM scripts do not requeue it); in the command's own process, before any rank started, the error alone."""
+    error = _other_command(error)
     if under_launcher():
         from grpo_mega.run.failure import report_failure
 
@@ -161,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     name = "prm " + args.prm_command if args.command == "prm" else args.command
     problem = _bad_count(args)
     if problem:
@@ -247,7 +274,7 @@ def _run_eval(args, argv: list[str]) -> int:
             raise ConfigError(f"--policy {args.policy}: no such folder (an HF folder, a converted megatron folder, "
                               "a grpo-mega checkpoint or run directory)")
     except ConfigError as error:
-        print(f"grpo-mega eval: error: {error}", file=sys.stderr)
+        print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
@@ -285,7 +312,7 @@ def _run_plan(args) -> int:
                            prm_shape=documented_prm_shape(args.config))
         timed = _plan_step_time(args, cfg, plan) if args.steps is not None else None
     except (ConfigError, ValueError) as error:
-        print(f"grpo-mega plan: {error}", file=sys.stderr)
+        print(f"grpo-mega plan: {_other_command(error)}", file=sys.stderr)
         return 2
     if args.json:
         out = to_dict(plan)

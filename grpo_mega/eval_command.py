@@ -7,7 +7,8 @@ The settings come from a GRPO config, so a run's own config evaluates what it wo
 ``algorithm.response_length``, ``rollout.stop``, ``trainer.eval_temperature`` (0: greedy) and ``parallel.seed``.
 Sample ``k`` of ``--samples K`` draws with seed ``parallel.seed + k``, the seed the trainer's evaluation after step
 ``k`` uses; at a temperature above 0 the mean over the samples is the sampled pass@1 with its spread. The hf rollout
-engine generates (``prm.policy``); with ``--nproc N`` the ranks split the prompts.
+engine generates (``prm.policy``); with ``--nproc N`` the ranks split the prompts. Rank 0 says on stderr what it
+is doing as it goes (``grpo_mega.run.progress.PhaseProgress``: a line per sample, one every 10 s while generating).
 """
 
 from __future__ import annotations
@@ -20,16 +21,27 @@ from pathlib import Path
 def evaluate_policy(cfg, policy: str | Path, *, samples: int = 1) -> dict:
     """The held-out figures of ``policy`` under ``cfg`` (a ``GRPOConfig``); collective (every rank of the job calls
     it, after ``init_distributed``). Returns the report (the same on every rank)."""
+    import torch.distributed as dist
+
+    from grpo_mega.run.progress import PhaseProgress
     from grpo_mega.stages.rollout_setup import eval_prompts, run_evaluation
     from prm.policy import load_policy_rollout
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
+    progress = PhaseProgress("grpo-mega eval", speaks=not dist.is_initialized() or dist.get_rank() == 0)
+    progress.start(f"loading the policy {policy}")
     rollout = load_policy_rollout(policy, generation_batch_size=cfg.rollout.generation_batch_size)
     prompts = eval_prompts(cfg, rollout.tokenizer)
     if not prompts:
         raise ValueError(f"data.eval_file={cfg.data.eval_file}: no usable prompt")
-    runs = [run_evaluation(cfg, rollout.engine, prompts, version) for version in range(samples)]
+    progress.finish(f"loaded ({rollout.weights_format})")
+    rollout.engine.on_progress = progress
+    runs = []
+    for version in range(samples):
+        progress.start(f"sample {version + 1}/{samples}", len(prompts), "prompts to generate and score")
+        runs.append(run_evaluation(cfg, rollout.engine, prompts, version))
+        progress.finish(f"accuracy {runs[-1]['eval/accuracy']:.3f}")
     accuracies = [run["eval/accuracy"] for run in runs]
     return {
         "policy": str(policy), "weights_format": rollout.weights_format, "eval_file": str(cfg.data.eval_file),

@@ -42,7 +42,7 @@ from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import generating_version
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
-                                            load_prompts, run_evaluation, step_reward_source)
+                                            load_prompts, row_layout_of, run_evaluation, step_reward_source)
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     decode = functools.partial(decode_response, tokenizer)
     stage = RolloutStage(engine, prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
                          decode=decode, step_reward_source=step_reward_source(cfg, decode),
-                         answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern)
+                         answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
+                         row_layout=row_layout_of(cfg))
     link = RolloutLink(split, engine)
     k, total = cfg.rollout.max_staleness, run.total_steps
 

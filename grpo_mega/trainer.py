@@ -49,7 +49,8 @@ from grpo_mega.stages.implicit_prm import build_implicit_prm, implicit_prm_sourc
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import RolloutFeed
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
-                                            load_prompts, run_evaluation, settle_rollout_engine, step_reward_source)
+                                            load_prompts, row_layout_of, run_evaluation, settle_rollout_engine,
+                                            step_reward_source)
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     rollout = None if feed is not None else RolloutStage(
         rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
         decode=decode, step_reward_source=step_reward_source(cfg, decode),
-        answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
+        answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern, row_layout=row_layout_of(cfg),
         batch_step_rewards=(implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling
                             else None))
     updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)

@@ -44,8 +44,9 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
                         "continuations (default: --temperature); 0 with --n 1: the completer's greedy continuation "
                         "of each prefix")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify) "
-                        "or package.module:function; a score > 0.5 is a correct solution")
+    parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify, "
+                        "verl_default), package.module:function or path/to/file.py:function (grpo-mega's, verl's or "
+                        "TRL's signature, as reward.function); a score > 0.5 is a correct solution")
     parser.add_argument("--on-reward-error", choices=("raise", "zero"), default="raise",
                         help="a verifier call that fails: stop (raise) or count it as incorrect (zero)")
     parser.add_argument("--step-pattern", default=None, help="regex ending each step (default: the synthetic "
@@ -133,6 +134,7 @@ def run_label(args: argparse.Namespace) -> Path:
     from grpo_mega.parallel import destroy_distributed, init_distributed
     from grpo_mega.reward import get_reward_function
     from grpo_mega.rollout.base import SamplingConfig, derive_seed
+    from grpo_mega.run.progress import PhaseProgress
     from prm.data import write_stepwise
     from prm.perturb import check_fraction, perturbed_solutions, plan_perturbations
 
@@ -146,8 +148,11 @@ def run_label(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     started = time.perf_counter()
     init_distributed(args.tp, 1, seed=args.seed, device=args.device)
+    progress = PhaseProgress("grpo-mega prm label", speaks=dist.get_rank() == 0)
     try:
+        progress.start(f"loading the policy {args.policy}")
         policy = load_policy_rollout(args.policy, generation_batch_size=args.generation_batch_size)
+        policy.engine.on_progress = progress
         records = load_prompt_dataset(
             args.data, policy.tokenizer, prompt_length=args.prompt_length, prompt_field=args.prompt_field,
             answer_field=args.answer_field, use_chat_template=args.chat_template,
@@ -155,6 +160,8 @@ def run_label(args: argparse.Namespace) -> Path:
         step_pattern = args.step_pattern or default_step_pattern(r.extra for r in records)
         sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
         loaded = time.perf_counter()
+        progress.finish(f"loaded, {len(records)} prompts")
+        progress.start("sampling solutions", len(records) * args.samples_per_prompt, "solutions")
         solutions = sample_solutions(policy.engine, records, samples_per_prompt=args.samples_per_prompt,
                                      sampling=sampling, step_pattern=step_pattern, seed=derive_seed(args.seed, 0))
         plans = plan_perturbations([item.steps for item in solutions.items], args.perturb_fraction,
@@ -163,13 +170,18 @@ def run_label(args: argparse.Namespace) -> Path:
             policy.engine, policy.tokenizer, solutions.items, plans, sampling=sampling, step_pattern=step_pattern,
             seed=derive_seed(args.seed, 3))
         sampled = time.perf_counter()
+        progress.finish(f"{len(items)} solutions ({len(plans)} of them perturbed copies)")
         continuation = sampling if args.completer_temperature is None else dataclasses.replace(
             sampling, temperature=args.completer_temperature)
         completer = policy if args.completer is None else load_completer(args.completer, policy, args)
+        completer.engine.on_progress = progress
+        prefixes = sum(len(item.steps) - 1 for item in items)
+        progress.start(f"labelling: {args.n} continuations of each step prefix", prefixes, "prefixes")
         examples = monte_carlo_labels(completer.engine, completer.tokenizer, items, n=args.n, sampling=continuation,
                                       reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
                                       on_error=args.on_reward_error)
         labelled = time.perf_counter()
+        progress.finish(f"{sum(len(e.steps) for e in examples)} steps labelled")
         for item, example in zip(items, examples):
             truths = true_labels_of(item.extra, item.steps, item.source)
             if truths is not None:

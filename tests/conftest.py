@@ -38,6 +38,8 @@ SLOW_FILES = {
     "test_plan_engine.py": 25,
     "test_checkpoint_checksums.py": 30,
     "test_training_checkpoint.py": 19,
+    "test_reward_preflight.py": 80,
+    "test_config_overrides.py": 55,
 }
 
 

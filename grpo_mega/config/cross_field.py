@@ -219,32 +219,53 @@ def _speaks() -> bool:
 
 
 def validate_reward_functions(cfg: GRPOConfig) -> None:
-    """``reward.function`` (and ``reward.format_function`` when weighted) name a known reward; with process
-    supervision from the reward function (``process_reward.source=function``), one that returns step rewards
-    (its return annotation: a ``float`` gives one score per completion)."""
-    from grpo_mega.reward.registry import REWARD_FUNCTIONS
+    """``reward.function`` (or ``reward.functions`` with ``reward.weights``; ``reward.format_function`` when
+    weighted) name a known reward; with process supervision from the reward function
+    (``process_reward.source=function``), one function that returns step rewards (its return annotation: a
+    ``float`` gives one score per completion, and so do verl's and TRL's signatures)."""
+    from grpo_mega.reward.registry import REWARD_FUNCTIONS, reward_specs
 
-    named = [("reward.function", cfg.reward.function)]
-    if cfg.reward.format_weight:
-        named.append(("reward.format_function", cfg.reward.format_function))
+    reward = cfg.reward
+    if reward.functions and reward.function != type(reward)().function:  # a config's function, overridden
+        if _speaks():
+            logger.warning("ignoring reward.function=%s: reward.functions=%s replaces it", reward.function,
+                           list(reward.functions))
+        reward.function = type(reward)().function
+    if reward.weights and not reward.functions:
+        raise ConfigError(f"reward.weights={list(reward.weights)} weighs reward.functions, which is empty: list the "
+                          "functions in reward.functions")
+    try:
+        specs = reward_specs(reward.function, reward.functions, reward.weights)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    key = "reward.functions" if reward.functions else "reward.function"
+    named = [(key, spec) for spec, _ in specs]
+    if reward.format_weight:
+        named.append(("reward.format_function", reward.format_function))
     for key, spec in named:
         if ":" not in spec and spec not in REWARD_FUNCTIONS:
-            raise ConfigError(f"{key}={spec!r} is no registered reward: use one of {sorted(REWARD_FUNCTIONS)} or "
-                              "'package.module:function'")
+            raise ConfigError(f"{key}={spec!r} is no registered reward: use one of {sorted(REWARD_FUNCTIONS)}, "
+                              "'package.module:function' or 'path/to/file.py:function'")
     if cfg.algorithm.supervision != "process" or cfg.process_reward.source != "function":
         return
+    if reward.functions:
+        raise ConfigError("algorithm.supervision=process with process_reward.source=function takes its step rewards "
+                          "from one reward.function returning StepRewards; reward.functions sums scores: set "
+                          "process_reward.source=prm (or tree, implicit), where reward.functions gives the outcome")
     from grpo_mega.reward.registry import get_reward_function
 
     try:
-        function = get_reward_function(cfg.reward.function)
+        function = get_reward_function(reward.function)
     except (ImportError, AttributeError, TypeError, ValueError) as error:
         raise ConfigError(f"reward.function: {error}") from None
     returns = getattr(function, "__annotations__", {}).get("return")
-    if getattr(returns, "__name__", returns) in ("float", "int", "bool"):
+    adapted = getattr(function, "signature_kind", None)
+    if adapted is not None or getattr(returns, "__name__", returns) in ("float", "int", "bool"):
+        what = f"{adapted}'s signature returns a score" if adapted is not None else str(returns)
         raise ConfigError(
             f"algorithm.supervision=process with process_reward.source=function takes its step rewards from "
-            f"reward.function, but reward.function={cfg.reward.function!r} returns one score per completion "
-            f"({returns}): set reward.function=synthetic_steps (the synthetic task's step checker) or a function "
+            f"reward.function, but reward.function={reward.function!r} returns one score per completion "
+            f"({what}): set reward.function=synthetic_steps (the synthetic task's step checker) or a function "
             "returning StepRewards, or process_reward.source=prm with process_reward.prm=PATH, or "
             "algorithm.supervision=outcome")
 

@@ -98,7 +98,19 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     function: str = "math_verify"
-    """The verifier: a registered reward (``math_verify``, ``synthetic``) or ``package.module:function``."""
+    """The verifier: a registered reward (``math_verify``, ``synthetic``, ``synthetic_steps``, ``verl_default``: verl's
+    default by the row's ``data_source``, its math sources), ``package.module:function`` (the current folder is
+    searched too) or a file, ``path/to/file.py:function`` (verl's ``custom_reward_function.path`` and ``.name``).
+    The function may have grpo-mega's signature ``fn(prompt, completion, answer, **extra)``, verl's
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` or TRL's
+    ``reward(completions, **kwargs) -> list[float]``, told apart by their parameter names
+    (``grpo_mega.reward.adapters``; docs/migrating.md)."""
+    functions: list[str] = field(default_factory=list)
+    """Several verifiers, as TRL's ``reward_funcs``: the reward is ``sum_i weights[i] * functions[i]`` (each spec as
+    ``function`` takes; a TRL function's None adds nothing). Non-empty: replaces ``function`` (which is then
+    ignored, with a warning)."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per ``functions`` entry (TRL's ``reward_weights``); empty: each 1."""
     format_function: str = "step_format"
     """Format reward (``step_format``, ``boxed_format`` or ``module:function``), used when format_weight != 0."""
     format_weight: float = 0.0

@@ -1,10 +1,17 @@
 """Loading a run config: the schema's defaults, a YAML file and ``key=value`` overrides merged by OmegaConf, which
 checks them against the dataclasses, so an unknown key or a value of the wrong type fails at start-up with the key
-named (and, for a near miss, the key meant); then the schema's own checks (``validator``)."""
+named (and, for a near miss, the key meant); then the schema's own checks (``validator``).
+
+An override of a text key (``str`` or ``Optional[str]`` in the schema) takes its value as written:
+``process_reward.answer_pattern=#### -?\\d+`` is that regex, not a YAML comment (null), and ``[.!?]\\s`` is not a
+YAML list; ``key=null`` still unsets it and a quoted value is unquoted. Other values are read as YAML (numbers,
+booleans, lists), and one that does not parse is one line naming its key."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +21,32 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be used; the message names the key."""
+
+
+class UnknownKeyError(ConfigError):
+    """A key the schema does not have (``key``); ``source`` is the config file's path, or None for an override."""
+
+    def __init__(self, message: str, key: str, source: str | None):
+        super().__init__(message)
+        self.key, self.source = key, source
+
+
+def another_commands_config(error: ConfigError, schemas: dict[str, type]) -> ConfigError:
+    """``error`` itself, or, when it is an unknown key of a config file whose keys all belong to the schema of
+    another command (``schemas``: {command: schema}), a ConfigError that names that command: an SFT or PRM config
+    given to ``grpo-mega train`` is a mix-up of commands, not a broken config."""
+    if not isinstance(error, UnknownKeyError) or error.source is None:
+        return error
+    for command, schema in schemas.items():
+        try:
+            merge_config(schema, error.source)
+        except UnknownKeyError:
+            continue
+        except ConfigError:  # its keys are that schema's; a value is off, which that command will say
+            pass
+        return ConfigError(f"{error.source}: this looks like a `{command}` config (its keys, {error.key} among them, "
+                           f"are that command's): run `{command} --config {error.source}`")
+    return error
 
 
 def load_config(schema: type, path: str | Path | None, overrides: list[str] = (), validator=None) -> Any:
@@ -51,11 +84,12 @@ def merge_config(schema: type, path: str | Path | None, overrides: list[str] = (
             base = OmegaConf.merge(base, loaded)
         source = "command-line overrides"
         typed = [item.split("=", 1)[0].strip() for item in overrides]
-        return OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
+        return OmegaConf.merge(base, overrides_node(schema, overrides))
     except ConfigKeyError as error:
         key = str(getattr(error, "full_key", None) or "")
-        raise ConfigError(f"{source}: unknown config key {_typed_key(key, typed)!r}"
-                          f"{did_you_mean(_typed_key(key, typed), schema)}") from None
+        key = _typed_key(key, typed)
+        raise UnknownKeyError(f"{source}: unknown config key {key!r}{did_you_mean(key, schema)}", key,
+                              str(path) if source != "command-line overrides" else None) from None
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)
         reason = str(error).splitlines()[0]
@@ -101,6 +135,44 @@ def check_overrides(overrides: list[str]) -> None:
         if not equals or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value: write {item}=VALUE "
                               f"({item}=null to unset it)" if not equals else f"override {item!r} names no key")
+
+
+def overrides_node(schema: type, overrides: list[str]):
+    """The overrides as one OmegaConf node: a text key's value as written (module docstring), any other read as
+    YAML; ConfigError naming the key of a value that does not parse."""
+    import yaml
+
+    node = OmegaConf.create()
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
+        if value != "null" and not quoted and _text_key(schema, key):
+            OmegaConf.update(node, key, value, merge=True)
+            continue
+        try:
+            node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError(f"override {key}={value}: the value is not valid YAML ({problem}): quote it, "
+                              f"'{key}=\"...\"'") from None
+    return node
+
+
+def _text_key(schema: type, key: str) -> bool:
+    """Whether ``key`` (dotted) names a ``str`` or ``Optional[str]`` field of the dataclass ``schema``."""
+    kind: Any = schema
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(kind):
+            return False
+        fields = {f.name for f in dataclasses.fields(kind)}
+        if part not in fields:
+            return False
+        kind = typing.get_type_hints(kind)[part]
+        arguments = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(arguments) == 1:
+            kind = arguments[0]
+    return kind is str
 
 
 def read_yaml(path: str | Path):

@@ -25,6 +25,8 @@ def load_checked(schema: type, validator: Callable, path: str, overrides: list[s
     ``world_size`` processes (None: the launcher's; 0: not known) and with its paths checked."""
     cfg = load_config(schema, path, overrides, functools.partial(validator, world_size=world_size))
     check_paths(cfg)
+    if world_size is not None:  # the command's own process: once, not again in every rank
+        check_reward_on_rows(cfg)
     return cfg
 
 
@@ -117,3 +119,110 @@ def launch_rank() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+REWARD_CHECK_ROWS = 3
+"""Rows of the train file that ``check_reward_on_rows`` scores before launch."""
+
+
+def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
+    """Call every reward function of a GRPO config (``reward.function`` / ``reward.functions``, the weighted
+    ``reward.format_function``) on the first ``rows`` rows of ``data.train_file`` with two made-up completions
+    (the row's answer said plainly, and an empty one), as the ranks will call it: a function with the wrong
+    signature, a column the rows lack, a verl_default ``data_source`` it has no verifier for, or a return value
+    that is no reward fails here, in the command's own process, instead of at every step of a launched run (where
+    ``reward.on_error=zero`` would train on zeros). A None (TRL: not applicable) is accepted. ConfigError naming the
+    key, the function, the row (file:line) and the error. Configs without rewards (SFT) are not checked."""
+    reward, data = getattr(cfg, "reward", None), getattr(cfg, "data", None)
+    if reward is None or data is None or not getattr(data, "train_file", None):
+        return
+    from grpo_mega.reward.adapters import RowLayout
+    from grpo_mega.reward.compute import check_result
+    from grpo_mega.reward.registry import get_reward_function, reward_specs
+
+    named = [("reward.functions" if reward.functions else "reward.function", spec)
+             for spec, _ in reward_specs(reward.function, reward.functions, reward.weights)]
+    if reward.format_weight:
+        named.append(("reward.format_function", reward.format_function))
+    layout, functions = RowLayout(data.answer_field, data.messages_field is not None), []
+    for key, spec in named:
+        try:
+            functions.append((key, spec, get_reward_function(spec, layout)))
+        except (ImportError, AttributeError, TypeError, ValueError) as error:
+            raise ConfigError(f"{key}: {error}") from None
+        except Exception as error:  # its module raised on import
+            raise ConfigError(f"{key}={spec}: importing it raised {type(error).__name__}: {error}") from None
+    for location, prompt, answer, extra in _first_rows(data, rows):
+        for completion in (f"The answer is {answer}.", ""):
+            for key, spec, function in functions:
+                try:
+                    value = function(prompt, completion, answer, **extra)
+                    problem = None if value is None else check_result(value, len(completion))
+                except Exception as error:
+                    problem = f"{type(error).__name__}: {error}"
+                if isinstance(problem, str):
+                    raise ConfigError(f"{key}={spec} cannot score {location} (completion {completion!r:.40}): "
+                                      f"{problem} (the row's other columns: {sorted(extra)})")
+
+
+def _first_rows(data: Any, count: int):
+    """(file:line, prompt, answer, other columns) of the first ``count`` rows of ``data.train_file`` (a folder: its
+    first .jsonl / .parquet file) that hold a prompt and an answer; what is malformed is the data check's to
+    report, and is passed over here."""
+    path = Path(data.train_file)
+    if path.is_dir():
+        shards = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
+        if not shards:
+            return
+        path = shards[0]
+    source = data.messages_field or data.prompt_field
+    found = 0
+    for location, row in _head(path, count * 4):
+        if not isinstance(row, dict) or source not in row:
+            continue
+        prompt = row[source]
+        if data.messages_field is not None:  # a conversation: the reward function gets its last user turn
+            last = prompt[-1] if isinstance(prompt, list) and prompt else None
+            prompt = last.get("content") if isinstance(last, dict) else None
+        answer = _dotted(row, data.answer_field) if data.answer_field else None
+        if not isinstance(prompt, str) or (data.answer_field and (answer is None or isinstance(answer, (dict, list)))):
+            continue
+        # a nested answer field (reward_model.ground_truth) leaves its column among the others, as verl passes it
+        extra = {key: value for key, value in row.items() if key not in (source, data.answer_field)}
+        yield location, prompt, None if answer is None else str(answer), extra
+        found += 1
+        if found == count:
+            return
+
+
+def _head(path: Path, count: int):
+    """(file:line or file:row N, row) of the first ``count`` rows of a .jsonl or .parquet file, without reading the
+    rest of it."""
+    import json
+
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as parquet
+
+        for batch in parquet.ParquetFile(path).iter_batches(batch_size=count):
+            for number, row in enumerate(batch.to_pylist(), start=1):
+                yield f"{path}:row {number}", row
+            return
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if number > count:
+                return
+            try:
+                yield f"{path}:{number}", json.loads(line)
+            except ValueError:
+                continue
+
+
+def _dotted(row: dict, key: str) -> Any:
+    """``row``'s value at ``key``, a nested field ``a.b`` walked through dicts (verl's reward_model.ground_truth);
+    None when it is absent."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value

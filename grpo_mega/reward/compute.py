@@ -38,7 +38,7 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def _validate(value: Any, text_length: int) -> SampleReward | str:
+def check_result(value: Any, text_length: int) -> SampleReward | str:
     """A SampleReward from a reward function's return value, or the reason it is unusable."""
     if isinstance(value, StepRewards):
         score = _as_float(value.score)
@@ -51,6 +51,8 @@ def _validate(value: Any, text_length: int) -> SampleReward | str:
         if any(not isinstance(e, int) or not 0 < e <= text_length for e in ends) or ends != sorted(set(ends)):
             return f"expected step ends strictly increasing in (0, {text_length}]"
         return SampleReward(score, steps, ends)
+    if value is None:
+        return "expected a finite number or StepRewards (None: no reward function applies to it, TRL's convention)"
     number = _as_float(value)
     if number is None:
         return "expected a finite number or StepRewards"
@@ -67,12 +69,20 @@ def score_sample(
     name = getattr(fn, "__qualname__", repr(fn))
     try:
         value = fn(prompt, completion, answer, **dict(extra or {}))
-        result = _validate(value, len(completion))
     except Exception as error:
         message = f"reward function {name} raised on sample {index} (prompt {_preview(prompt)}): {error!r}"
         if on_error == "raise":
             raise RewardError(message) from error
         return SampleReward(0.0, failed=True, error=message)
+    return _checked(name, index, prompt, completion, value, on_error)
+
+
+def _checked(name: str, index: int, prompt: str, completion: str, value: Any, on_error: str) -> SampleReward:
+    """The SampleReward of a reward function's return ``value``, or its failure (raised under ``on_error="raise"``)."""
+    try:
+        result = check_result(value, len(completion))
+    except Exception as error:  # a StepRewards whose fields are not sequences
+        result = f"{error!r}"
     if isinstance(result, SampleReward):
         return result
     message = f"reward function {name} returned {value!r} for sample {index} (prompt {_preview(prompt)}); {result}"
@@ -99,6 +109,17 @@ def score_samples(
             + (f", {len(extras)} extras" if extras is not None else "")
         )
     indices = range(size) if indices is None else indices
+    batch = getattr(fn, "score_batch", None)
+    if batch is not None and size:  # TRL's form: the whole batch in one call, as TRL calls it
+        if on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"reward.on_error={on_error!r}: expected one of {ON_ERROR_CHOICES}")
+        try:
+            values = batch(prompts, completions, answers, [dict(extras[i] or {}) if extras else {} for i in range(size)])
+        except Exception:  # called again one sample at a time below, which names the sample that fails
+            values = None
+        if values is not None:
+            name = getattr(fn, "__qualname__", repr(fn))
+            return [_checked(name, indices[i], prompts[i], completions[i], values[i], on_error) for i in range(size)]
     return [
         score_sample(fn, indices[i], prompts[i], completions[i], answers[i], extras[i] if extras else None,
                      on_error=on_error)

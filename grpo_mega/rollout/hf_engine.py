@@ -16,7 +16,7 @@ unset values with top_k=50), keeping only its EOS ids, for any caller of the mod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from transformers import (
@@ -150,6 +150,9 @@ class HFRolloutEngine:
         self._weights_ready = weights_ready
         self.weight_version = 0
         """Complete weight updates received so far."""
+        self.on_progress: Callable[[int, int], None] | None = None
+        """Called after each generated batch of a ``generate`` call with (prompts done, prompts in the call): the
+        progress lines of the commands that generate for minutes (``grpo-mega eval``, ``prm label``)."""
 
     @classmethod
     def from_pretrained(
@@ -209,9 +212,13 @@ class HFRolloutEngine:
                 torch.random.default_generator.manual_seed(seed)
             by_prompt: list[list[Completion]] = [[] for _ in prompt_ids]
             lengths = [len(p) for p in prompt_ids]
+            done = 0
             for batch in length_batches(lengths, self.generation_batch_size, MIN_BUCKET_PROMPTS):
                 for index, group in zip(batch, self._generate_chunk([prompt_ids[i] for i in batch], batch, sampling)):
                     by_prompt[index] = group
+                done += len(batch)
+                if self.on_progress is not None:
+                    self.on_progress(done, len(prompt_ids))
         return [completion for group in by_prompt for completion in group]
 
     def _check_length(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:

@@ -78,3 +78,39 @@ class StepProgress:
                             for label, at, value in latest)
         where = f"last checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint"
         return f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
+
+
+class PhaseProgress:
+    """The progress lines of a command that works for minutes outside a training loop (``grpo-mega eval``, ``prm
+    label``): a line when a phase starts, then at most one every ``every_s`` seconds as its items are done, on rank
+    0 (``speaks``)::
+
+        grpo-mega eval: sample 1/1: generating 200 prompts
+        grpo-mega eval: sample 1/1: 128/200 prompts, 61 s
+
+    Called as ``progress(done, total)`` (the hf rollout engine's ``on_progress``)."""
+
+    def __init__(self, command: str, *, every_s: float = 10.0, speaks: bool = True, out: TextIO | None = None):
+        self.command, self.every_s, self.speaks, self.out = command, every_s, speaks, out
+        self.phase, self.unit = "", "items"
+        self._started = self._last = time.perf_counter()
+
+    def start(self, phase: str, total: int | None = None, unit: str = "items") -> None:
+        """A new phase, of ``total`` ``unit`` when given (one line)."""
+        self.phase, self.unit = phase, unit
+        self._started = self._last = time.perf_counter()
+        self._say(phase if total is None else f"{phase}: {total} {unit}")
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self._last >= self.every_s and done < total:
+            self._last = now
+            self._say(f"{self.phase}: {done}/{total} {self.unit}, {now - self._started:.0f} s")
+
+    def finish(self, what: str) -> None:
+        """The phase's end (one line, with its seconds)."""
+        self._say(f"{self.phase}: {what}, {time.perf_counter() - self._started:.0f} s")
+
+    def _say(self, text: str) -> None:
+        if self.speaks:
+            print(f"{self.command}: {text}", file=self.out or sys.stderr, flush=True)

@@ -18,7 +18,9 @@ from grpo_mega.algo import overlong_penalty
 from grpo_mega.config import AlgorithmConfig, RewardConfig
 from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.data.step_split import default_step_pattern, split_steps
-from grpo_mega.reward import SampleReward, get_reward_function, score_across_ranks
+from grpo_mega.reward import RewardError, SampleReward, get_reward_function, score_across_ranks
+from grpo_mega.reward.adapters import RowLayout
+from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
@@ -100,6 +102,7 @@ class RolloutStage:
         algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
         answer_guard: AnswerGuard | None = None, step_pattern: str | None = None,
         batch_step_rewards: Callable[[RolloutBatch], tuple[RolloutBatch, dict[str, float]]] | None = None,
+        row_layout: RowLayout = RowLayout(),
     ):
         """``step_reward_source``: where process supervision's step rewards come from
         (``grpo_mega.stages.step_sources``; e.g. ``grpo_mega.stages.process_reward.PRMStepRewards``) called as
@@ -111,24 +114,26 @@ class RolloutStage:
         ``step_pattern``: the steps counted in ``rollout/pieces_per_completion`` (None: the default of the rows).
         ``batch_step_rewards``: step rewards made from each sampling round's whole scored batch, before dynamic
         sampling (the implicit PRM, ``implicit_prm.before_dynamic_sampling``): ``batch -> (batch with step rewards,
-        metrics)``."""
+        metrics)``.
+        ``row_layout``: what a TRL reward function needs to know of the rows (``rollout_setup.row_layout_of``)."""
         self.engine, self.prompts, self.sampling = engine, prompts, sampling
         self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
-        self.reward_fn = get_reward_function(reward.function)
-        self.format_fn = get_reward_function(reward.format_function) if reward.format_weight else None
+        self.reward_fn = build_reward_function(reward.function, reward.functions, reward.weights, row_layout)
+        self.format_fn = get_reward_function(reward.format_function, row_layout) if reward.format_weight else None
         self.step_reward_source = step_reward_source
         self.sampler = getattr(step_reward_source, "sampler", None)
         self.answer_guard = answer_guard
         self.step_pattern = step_pattern
         self.batch_step_rewards = batch_step_rewards
         self._step_metrics: list[dict[str, float]] = []
+        self._verifier_failures: list[str] = []  # this step's failed verifier calls, their messages
 
     def run(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Up to ``rollout_batch_size`` groups; with dynamic sampling only groups whose rewards differ, sampling
         more prompts for up to ``max_sampling_rounds`` rounds."""
         alg, G = self.algorithm, self.sampling.n
         kept, sampled_scores, sampled_lengths, failures, generated_tokens = None, [], [], 0, 0
-        self._step_metrics = []
+        self._step_metrics, self._verifier_failures = [], []
         rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
         for round_index in range(rounds):
             records = next(self.prompts)
@@ -149,6 +154,8 @@ class RolloutStage:
                 break
         kept = kept.first_groups(alg.rollout_batch_size)
         every_sample = torch.cat(sampled_scores)
+        with phase("reward scoring"):
+            stop_if_every_reward_failed(self._verifier_failures, len(every_sample), step)
         lengths = torch.tensor(sampled_lengths, dtype=torch.float32)
         metrics = {
             # critic/score/* and response_length/* describe the trained batch (after dynamic sampling, as in verl);
@@ -205,6 +212,7 @@ class RolloutStage:
             results = [dataclasses.replace(r, step_rewards=rewards, step_ends=ends)
                        for r, rewards, ends in zip(results, step_rewards, step_ends)]
             self._step_metrics.append(step_metrics)
+        self._verifier_failures += [r.error for r in results if r.failed]
         failures = sum(r.failed for r in results)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         rewards = scores.clone()
@@ -232,6 +240,15 @@ class RolloutStage:
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends
+
+
+def stop_if_every_reward_failed(errors: Sequence[str], samples: int, step: int) -> None:
+    """RewardError when the verifier failed on every one of a step's ``samples`` (``errors``: one per failed
+    call): under ``reward.on_error=zero`` the step would train on rewards that are all 0, and so would every step
+    after it (a wrong signature, a column the rows lack), ending "done" having learnt nothing."""
+    if samples and len(errors) >= samples:
+        raise RewardError(f"the reward function failed on all {samples} completions of step {step} (reward.on_error="
+                          f"zero would train on rewards of 0 alone); the first: {errors[0]}")
 
 
 def answer_metrics(texts: Sequence[str], guard: AnswerGuard | None, step_pattern: str) -> dict[str, float]:

@@ -9,7 +9,8 @@ import logging
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
 from grpo_mega.data.prompts import load_prompt_dataset
 from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_env
-from grpo_mega.reward import get_reward_function
+from grpo_mega.reward.adapters import RowLayout
+from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
 from grpo_mega.stages.answer_guard import answer_guard_of
@@ -81,13 +82,24 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
                                 dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
 
 
+def row_layout_of(cfg: GRPOConfig) -> RowLayout:
+    """What a TRL reward function needs to know of the rows: the answer column's name, whether they are
+    conversations."""
+    return RowLayout(cfg.data.answer_field, cfg.data.messages_field is not None)
+
+
+def reward_function_of(cfg: GRPOConfig):
+    """The run's verifier: ``reward.function``, or the weighted sum of ``reward.functions``."""
+    return build_reward_function(cfg.reward.function, cfg.reward.functions, cfg.reward.weights, row_layout_of(cfg))
+
+
 def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int, *,
                    on_completions=None) -> dict[str, float]:
     """The held-out evaluation of the weights after step ``version`` (collective; {} without eval prompts);
     ``on_completions``: more metrics of the evaluated completions (``grpo_mega.stages.evaluation.evaluate``)."""
     if not prompts:
         return {}
-    return evaluate(rollout_engine, prompts, get_reward_function(cfg.reward.function),
+    return evaluate(rollout_engine, prompts, reward_function_of(cfg),
                     max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
                     temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
                     on_error=cfg.reward.on_error, on_completions=on_completions)
