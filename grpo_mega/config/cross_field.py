@@ -250,8 +250,14 @@ def validate_reward_functions(cfg: GRPOConfig) -> None:
 
 
 def validate_prompt_fields(cfg: GRPOConfig) -> None:
-    """``data.messages_field`` (conversation rows) needs the chat template, as SFT's does."""
-    if cfg.data.messages_field is not None and not cfg.data.chat_template:
+    """``data.format`` / ``data.eval_format`` are known formats; ``data.messages_field`` (conversation rows) is not
+    read with the chat template turned off."""
+    from grpo_mega.data.formats import FORMATS
+
+    check_choice(cfg.data.format, FORMATS, "data.format")
+    if cfg.data.eval_format is not None:
+        check_choice(cfg.data.eval_format, FORMATS, "data.eval_format")
+    if cfg.data.messages_field is not None and cfg.data.chat_template is False:
         raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
                           "template can render: set data.chat_template=true (or data.messages_field=null for "
                           "prompt rows)")

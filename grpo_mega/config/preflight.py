@@ -1,13 +1,16 @@
 """What a command checks in its own process before it starts any rank (``grpo-mega train``, ``sft``, ``eval``,
-``prm train``): the config loaded and validated against the job's process count, the paths it names, and the run
-folder (``grpo_mega.run.folder``: never two runs mixed in one). A mistake is one :class:`ConfigError` naming the key;
+``prm train``): the config loaded and validated against the job's process count, the paths it names, a GRPO run's
+prompt files (every row's fields, each file in its own format), and the run folder (``grpo_mega.run.folder``: never
+two runs mixed in one). A mistake is one :class:`ConfigError` naming the key;
 the commands print it as one line and exit 2 before torchrun starts anything. Under a launcher (torchrun, srun)
-every rank checks the same before it builds anything, so a job started without the CLI's own check is refused too.
+every rank checks the same before it builds anything, so a job started without the CLI's own check is refused too
+(the prompt files' rows excepted: the ranks' loader refuses the same rows with the same words, cause ``data``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from dataclasses import asdict
@@ -15,16 +18,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpo_mega.config.loading import ConfigError, load_config, printable_config
+from grpo_mega.data.sources import DataSourceError, resolve_source
 from grpo_mega.run.failure import set_aside_failure
 from grpo_mega.run.folder import RunFolderError, RunFolderVerdict, check_run_folder
+from grpo_mega.run.launcher import under_launcher
+
+logger = logging.getLogger(__name__)
 
 
 def load_checked(schema: type, validator: Callable, path: str, overrides: list[str], *,
                  world_size: int | None) -> Any:
     """The config of ``path`` and ``overrides``, validated (``validator(cfg, world_size=...)``) for a job of
-    ``world_size`` processes (None: the launcher's; 0: not known) and with its paths checked."""
+    ``world_size`` processes (None: the launcher's; 0: not known) and with its paths checked; outside a launcher
+    a GRPO config's prompt files too (:func:`check_prompt_files`)."""
     cfg = load_config(schema, path, overrides, functools.partial(validator, world_size=world_size))
     check_paths(cfg)
+    if hasattr(cfg.data, "eval_format") and not under_launcher():  # a GRPO config, in the command's own process
+        check_prompt_files(cfg)
     return cfg
 
 
@@ -61,8 +71,11 @@ def check_paths(cfg: Any) -> None:
         _check_weights_folder("model.init_from", model.init_from)
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key, None)
-        if value is not None and not Path(value).is_file():
-            raise ConfigError(f"data.{key}={value}: no such file")
+        if value is not None:
+            try:
+                resolve_source(value)
+            except (FileNotFoundError, DataSourceError) as error:
+                raise ConfigError(f"data.{key}={value}: {str(error).removeprefix(f'{value}: ')}") from None
     process_reward = getattr(cfg, "process_reward", None)
     if process_reward is not None and process_reward.source == "prm" and not Path(process_reward.prm).exists():
         raise ConfigError(f"process_reward.prm={process_reward.prm}: no such folder (a grpo-mega PRM checkpoint or run "
@@ -73,6 +86,27 @@ def check_paths(cfg: Any) -> None:
             raise ConfigError(f"implicit_prm.init_from={implicit.init_from}: no such folder (what model.init_from "
                               "takes; null: model.init_from)")
         _check_weights_folder("implicit_prm.init_from", implicit.init_from)
+
+
+def check_prompt_files(cfg: Any) -> None:
+    """A GRPO config's prompt files (``data.train_file``, ``data.eval_file``), each read with its own format
+    (``data.format`` / ``data.eval_format``; ``auto``: detected from its own rows) and every row's fields checked, as
+    the ranks' loader checks them but without a tokenizer (a prompt over ``data.prompt_length`` tokens is the ranks'
+    to find). ConfigError naming the key, the file, the row and the field when the first bad row stops the run
+    (``data.on_bad_row=error``) or no row is usable; one log line per file says how it is read."""
+    from grpo_mega.data.formats import field_settings
+    from grpo_mega.data.prompt_rows import BadRowError, scan_prompt_file
+
+    for key in ("train_file", "eval_file"):
+        path = getattr(cfg.data, key)
+        if path is None:
+            continue
+        try:
+            scan = scan_prompt_file(path, field_settings(cfg.data, eval_file=key == "eval_file"), cfg.data.on_bad_row)
+        except (BadRowError, DataSourceError, FileNotFoundError) as error:
+            raise ConfigError(f"data.{key}={path}: {error}") from None
+        skipped = f"; {len(scan.bad)} bad rows to skip, first: {scan.bad[0]}" if scan.bad else ""
+        logger.info("data.%s=%s: %s; %d rows%s", key, path, scan.layout.describe(), scan.usable, skipped)
 
 
 def _check_weights_folder(key: str, folder: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
+from grpo_mega.data.formats import field_settings
 from grpo_mega.data.prompts import load_prompt_dataset
 from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_env
 from grpo_mega.reward import get_reward_function
@@ -39,18 +40,21 @@ def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
     return choice
 
 
-def load_prompts(cfg: GRPOConfig, tokenizer, path: str):
-    """The usable prompt records of ``path`` (``data.*``)."""
+def load_prompts(cfg: GRPOConfig, tokenizer, path: str, *, eval_file: bool = False):
+    """The usable prompt records of ``path`` (``data.*``; ``eval_file``: read with ``data.eval_format``)."""
+    data = cfg.data
     return load_prompt_dataset(
-        path, tokenizer, prompt_length=cfg.data.prompt_length, prompt_field=cfg.data.prompt_field,
-        answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row, use_chat_template=cfg.data.chat_template,
-        messages_field=cfg.data.messages_field,
+        path, tokenizer, prompt_length=data.prompt_length, prompt_field=data.prompt_field,
+        answer_field=data.answer_field, on_bad_row=data.on_bad_row, use_chat_template=data.chat_template,
+        messages_field=data.messages_field, format=field_settings(data, eval_file=eval_file).format,
     ).records
 
 
 def eval_prompts(cfg: GRPOConfig, tokenizer) -> list:
     """The held-out prompts (``data.eval_file``, at most ``data.max_eval_prompts``); none without an eval file."""
-    return load_prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
+    if not cfg.data.eval_file:
+        return []
+    return load_prompts(cfg, tokenizer, cfg.data.eval_file, eval_file=True)[: cfg.data.max_eval_prompts]
 
 
 def step_reward_source(cfg: GRPOConfig, decode):
