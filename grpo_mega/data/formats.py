@@ -13,10 +13,12 @@ Formats (field names are dotted paths, ``grpo_mega.data.fields``):
   (conversational); the answer in ``answer_field``.
 - ``auto`` (the default): from the first row that is an object, in this order: ``messages_field`` (when set) holds a
   conversation -> ``chat``; ``prompt_field`` holds a text -> ``plain``; ``prompt_field`` holds a conversation ->
-  ``verl`` when the row has verl's ``reward_model.ground_truth`` and no ``answer_field``, else ``trl``
-  (conversational); a ``messages`` field holds a conversation -> ``chat``; else ``chat`` when ``messages_field`` is
-  set, ``plain`` when not (whose rows then fail naming the fields they have). The answer is ``answer_field`` when the row has it, else verl's
-  ``reward_model.ground_truth`` when the row has that.
+  ``verl`` when the answer is verl's ``reward_model.ground_truth``, else ``trl`` (conversational); a ``messages``
+  field holds a conversation (``prompt_field`` left at ``prompt``) -> ``chat``; else ``chat`` when
+  ``messages_field`` is set, ``plain`` when not (whose rows then fail naming the fields they have). The answer is
+  ``answer_field`` when the row has it or when it is not the default ``answer``, else the first of
+  ``KNOWN_ANSWERS`` the row has (verl's ``reward_model.ground_truth``, TRL's ``solution``): a field the user named
+  is never replaced by a guess.
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ from typing import Any
 from grpo_mega.data.fields import field_value, has_field
 
 FORMATS = ("auto", "plain", "chat", "verl", "trl")
+DEFAULT_PROMPT, DEFAULT_ANSWER = "prompt", "answer"
 VERL_ANSWER = "reward_model.ground_truth"
 """Where verl's RL parquet files keep the reference answer (``reward_model: {style: rule, ground_truth: ...}``)."""
+KNOWN_ANSWERS = (VERL_ANSWER, "solution")
+"""Where ``auto`` looks for the answer of a row without ``answer_field``, in order: verl's, then TRL's (its math
+datasets and ``accuracy_reward(completions, solution)`` name the column ``solution``)."""
 
 
 @dataclass(frozen=True)
@@ -36,9 +42,9 @@ class FieldSettings:
     """The ``data.*`` keys that say how rows are read."""
 
     format: str = "auto"
-    prompt_field: str = "prompt"
+    prompt_field: str = DEFAULT_PROMPT
     messages_field: str | None = None
-    answer_field: str | None = "answer"
+    answer_field: str | None = DEFAULT_ANSWER
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -93,15 +99,15 @@ def choose_layout(settings: FieldSettings, first_row: Any) -> RowLayout:
     prompt = _value(row, settings.prompt_field)
     if settings.format == "trl":
         return RowLayout("trl", settings.prompt_field, looks_like_conversation(prompt), answer)
-    if answer is not None and not has_field(row, answer) and has_field(row, VERL_ANSWER):
-        answer = VERL_ANSWER
+    if answer == DEFAULT_ANSWER and not has_field(row, answer):  # a field the user named is never replaced
+        answer = next((known for known in KNOWN_ANSWERS if has_field(row, known)), answer)
     if settings.messages_field is not None and looks_like_conversation(_value(row, settings.messages_field)):
         return RowLayout("chat", settings.messages_field, True, answer, detected=True)
     if isinstance(prompt, str):
         return RowLayout("plain", settings.prompt_field, False, answer, detected=True)
     if looks_like_conversation(prompt):
         return RowLayout("verl" if answer == VERL_ANSWER else "trl", settings.prompt_field, True, answer, detected=True)
-    if looks_like_conversation(_value(row, "messages")):
+    if settings.prompt_field == DEFAULT_PROMPT and looks_like_conversation(_value(row, "messages")):
         return RowLayout("chat", "messages", True, answer, detected=True)
     if settings.messages_field is not None:  # rows without it then say that the messages field is missing
         return RowLayout("chat", settings.messages_field, True, answer, detected=True)
