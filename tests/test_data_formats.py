@@ -261,7 +261,7 @@ def test_each_file_is_read_in_its_own_format(tmp_path, chat_tokenizer):
     # set explicitly, a format reads every file that way: a plain eval file then fails before launch
     cfg = grpo_config(tmp_path, f"data.train_file={chat}", f"data.eval_file={plain}", "data.format=chat",
                       "data.messages_field=messages")
-    with pytest.raises(ConfigError, match=rf"data.eval_file={plain}: no usable rows in {plain} \(2 bad; first: "
+    with pytest.raises(ConfigError, match=rf"data.eval_file={plain}: none of its 2 rows is usable; the first: "
                                           rf"{plain}:1: missing messages field 'messages'; set data.messages_field"):
         check_prompt_files(cfg)
     check_prompt_files(grpo_config(tmp_path, f"data.train_file={chat}", f"data.eval_file={plain}", "data.format=chat",
@@ -281,8 +281,9 @@ def test_the_pre_launch_check_is_one_line_naming_the_key_file_row_and_field(tmp_
     # skip (the default): the bad row is left for the ranks to skip and report; a file of no usable row stops here
     check_prompt_files(grpo_config(tmp_path, f"data.train_file={good}", f"data.eval_file={broken}"))
     cfg = grpo_config(tmp_path, f"data.train_file={good}", "data.answer_field=reward_model.truth")
-    with pytest.raises(ConfigError, match=rf"data.train_file={good}: no usable rows .* first: {good}:row 1: missing "
-                                          r"answer field 'reward_model.truth' \(no field 'reward_model.truth'"):
+    with pytest.raises(ConfigError, match=rf"data.train_file={good}: none of its 3 rows is usable; the first: "
+                                          rf"{good}:row 1: missing answer field 'reward_model.truth' \(no field "
+                                          r"'reward_model.truth'"):
         check_prompt_files(cfg)
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(ConfigError, match=rf"data.train_file={tmp_path}/x.csv: unsupported suffix '.csv' of x.csv"):
@@ -291,3 +292,16 @@ def test_the_pre_launch_check_is_one_line_naming_the_key_file_row_and_field(tmp_
         check_paths(grpo_config(tmp_path, f"data.train_file={good}", f"data.eval_file={tmp_path / 'absent'}"))
     with pytest.raises(ConfigError, match=r"data.format='alpaca': expected one of"):
         grpo_config(tmp_path, f"data.train_file={good}", "data.format=alpaca")
+
+
+def test_conversations_with_the_chat_template_on_need_a_tokenizer_that_has_one(tmp_path):
+    chat = write_jsonl([{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}],
+                       tmp_path / "trl.jsonl")
+    cfg = grpo_config(tmp_path, f"data.train_file={chat}", "data.chat_template=true")
+    with pytest.raises(ConfigError, match=rf"data.train_file={chat} holds conversations \(trl \(detected\): "
+                                          rf"conversation in 'prompt', answer in 'answer'\) and data.chat_template=true, "
+                                          rf"but the tokenizer in {cfg.model.hf_config} has no chat template"):
+        check_prompt_files(cfg)
+    check_prompt_files(grpo_config(tmp_path, f"data.train_file={chat}"))  # null: the one turn is given as its text
+    (Path(cfg.model.hf_config) / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+    check_prompt_files(cfg)

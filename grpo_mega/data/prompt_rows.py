@@ -70,7 +70,8 @@ def scan_prompt_file(path: str | Path, settings: FieldSettings, on_bad_row: str)
             raise BadRowError(f"{item.location}: {item.error}")
         scan.bad.append(f"{item.location}: {item.error}")
     if not scan.usable:
-        raise BadRowError(f"no usable rows in {path} ({len(scan.bad)} bad; first: {scan.bad[0] if scan.bad else '-'})")
+        raise BadRowError(f"none of its {len(scan.bad)} rows is usable; the first: {scan.bad[0]}" if scan.bad
+                          else "it holds no rows")
     return scan
 
 
