@@ -193,7 +193,7 @@ def test_folders_that_name_no_single_dataset_are_refused_naming_the_fix(tmp_path
     splits = tmp_path / "splits"
     write_jsonl([{"prompt": "a", "answer": 1}], splits / "train-00000-of-00001.jsonl")
     write_jsonl([{"prompt": "b", "answer": 2}], splits / "test-00000-of-00001.jsonl")
-    with pytest.raises(DataSourceError, match=rf"several splits \(test, train\); name one, e.g. {splits}/test-\*.jsonl"):
+    with pytest.raises(DataSourceError, match=rf"several splits \(test, train\); name one, e.g. {splits}/train-\*.jsonl"):
         resolve_source(splits)
     gap = tmp_path / "gap"
     for index in (0, 2):
@@ -232,7 +232,7 @@ def test_save_to_disk_folders_are_read_with_pyarrow(tmp_path, chat_tokenizer):
     both = tmp_path / "dict"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
                           "test": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(both))
-    with pytest.raises(DataSourceError, match=rf"a DatasetDict saved with save_to_disk \(splits \['train', 'test'\]\); "
+    with pytest.raises(DataSourceError, match=rf"{both}: a DatasetDict saved with save_to_disk \(splits \['train', 'test'\]\); "
                                               rf"name one split's folder, e.g. {both}/train"):
         resolve_source(both)
     assert len(load(both / "test", chat_tokenizer)) == 2

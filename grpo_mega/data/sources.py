@@ -120,7 +120,7 @@ def _shards(folder: Path, files: list[Path], given: str) -> tuple[Path, ...]:
         if match:
             splits.setdefault(match["split"], []).append((int(match["index"]), int(match["count"])))
     if len(splits) > 1:
-        first = sorted(splits)[0]
+        first = "train" if "train" in splits else sorted(splits)[0]
         raise DataSourceError(f"{given}: holds the shards of several splits ({', '.join(sorted(splits))}); name one, "
                               f"e.g. {folder / (first + '-*' + kinds[0])}")
     for split, numbers in splits.items():
@@ -156,8 +156,8 @@ def _dataset_dict_message(folder: Path) -> str:
         splits = list(json.loads((folder / "dataset_dict.json").read_text())["splits"])
     except (json.JSONDecodeError, KeyError, TypeError):
         splits = sorted(p.name for p in folder.iterdir() if p.is_dir())
-    example = folder / (splits[0] if splits else "train")
-    return (f"{folder} is a DatasetDict saved with save_to_disk (splits {splits}); name one split's folder, e.g. "
+    example = folder / ("train" if "train" in splits or not splits else splits[0])
+    return (f"{folder}: a DatasetDict saved with save_to_disk (splits {splits}); name one split's folder, e.g. "
             f"{example}")
 
 
