@@ -10,6 +10,7 @@ read in its own format; a missing or wrongly nested field is one line naming the
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow
@@ -305,3 +306,19 @@ def test_conversations_with_the_chat_template_on_need_a_tokenizer_that_has_one(t
     check_prompt_files(grpo_config(tmp_path, f"data.train_file={chat}"))  # null: the one turn is given as its text
     (Path(cfg.model.hf_config) / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     check_prompt_files(cfg)
+
+
+def test_without_a_chat_template_only_one_turn_conversations_are_read_before_and_after_launch(tmp_path,
+                                                                                              plain_tokenizer):
+    system = {"role": "system", "content": "Solve it."}
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"},
+            {"prompt": [system, {"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
+    path = write_jsonl(rows, tmp_path / "trl.jsonl")
+    why = (f"{path}:2: prompt: a conversation of 2 turns (system, user) is rendered by a chat template, and the "
+           "tokenizer has none")
+    with pytest.raises(BadRowError, match=re.escape(why)):
+        load(path, plain_tokenizer)  # the ranks' loader
+    with pytest.raises(ConfigError, match=re.escape(f"data.train_file={path}: {why}")):
+        check_prompt_files(grpo_config(tmp_path, f"data.train_file={path}", "data.on_bad_row=error"))
+    [record] = load_prompt_dataset(path, plain_tokenizer, prompt_length=400, use_chat_template=None).records
+    assert record.prompt == "What is 2 + 3?"

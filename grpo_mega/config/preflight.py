@@ -93,22 +93,25 @@ def check_prompt_files(cfg: Any) -> None:
     (``data.format`` / ``data.eval_format``; ``auto``: detected from its own rows) and every row's fields checked, as
     the ranks' loader checks them but without a tokenizer (a prompt over ``data.prompt_length`` tokens is the ranks'
     to find). ConfigError naming the key, the file, the row and the field when the first bad row stops the run
-    (``data.on_bad_row=error``) or no row is usable, and for a file of conversations with ``data.chat_template=true``
-    and a tokenizer without a chat template; one log line per file says how it is read."""
+    (``data.on_bad_row=error``) or no row is usable (without a chat template, a conversation of more than one turn is
+    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template;
+    one log line per file says how it is read."""
     from grpo_mega.data.formats import field_settings
     from grpo_mega.data.prompt_rows import BadRowError, scan_prompt_file
     from grpo_mega.data.tokenizer import has_chat_template
 
+    tokenizer = cfg.model.tokenizer or cfg.model.hf_config
+    templated = cfg.data.chat_template is not False and has_chat_template(tokenizer)
     for key in ("train_file", "eval_file"):
         path = getattr(cfg.data, key)
         if path is None:
             continue
         try:
-            scan = scan_prompt_file(path, field_settings(cfg.data, eval_file=key == "eval_file"), cfg.data.on_bad_row)
+            scan = scan_prompt_file(path, field_settings(cfg.data, eval_file=key == "eval_file"), cfg.data.on_bad_row,
+                                    one_turn=not templated and cfg.data.chat_template is not True)
         except (BadRowError, DataSourceError, FileNotFoundError) as error:
             raise ConfigError(f"data.{key}={path}: {error}") from None
-        tokenizer = cfg.model.tokenizer or cfg.model.hf_config
-        if scan.layout.conversation and cfg.data.chat_template and not has_chat_template(tokenizer):
+        if scan.layout.conversation and cfg.data.chat_template and not templated:
             raise ConfigError(f"data.{key}={path} holds conversations ({scan.layout.describe()}) and "
                               f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
                               "data.chat_template=null (a one-turn conversation is then given as its text) or "

@@ -35,15 +35,16 @@ class LayoutRow:
     error: str | None
 
 
-def layout_rows(path: str | Path, settings: FieldSettings) -> Iterator[LayoutRow]:
+def layout_rows(path: str | Path, settings: FieldSettings, *, one_turn: bool = False) -> Iterator[LayoutRow]:
     """Every row of ``path`` (a file, a folder of shards, a save_to_disk folder: ``grpo_mega.data.sources``) with
-    the layout chosen from its first object row, checked."""
+    the layout chosen from its first object row, checked; ``one_turn``: conversations are rendered without a chat
+    template, so only those of one user turn are usable."""
     layout: RowLayout | None = None
     for location, row, error in read_rows(path):
         if layout is None and error is None and isinstance(row, dict):
             layout = choose_layout(settings, row)
         if error is None:
-            error = check_layout_row(row, layout) if layout is not None else _not_an_object(row)
+            error = check_layout_row(row, layout, one_turn=one_turn) if layout is not None else _not_an_object(row)
         yield LayoutRow(location, row, layout, error)
 
 
@@ -56,12 +57,13 @@ class FileScan:
     bad: list[str] = field(default_factory=list)
 
 
-def scan_prompt_file(path: str | Path, settings: FieldSettings, on_bad_row: str) -> FileScan:
-    """Read and check every row of ``path`` without a tokenizer (the CLI's check before launch): BadRowError at the
-    first bad row under ``on_bad_row='error'`` or when no row is usable; otherwise the count of usable rows and the
-    bad ones (which the ranks skip and report)."""
+def scan_prompt_file(path: str | Path, settings: FieldSettings, on_bad_row: str, *,
+                     one_turn: bool = False) -> FileScan:
+    """Read and check every row of ``path`` without a tokenizer (the CLI's check before launch; ``one_turn`` as for
+    :func:`layout_rows`): BadRowError at the first bad row under ``on_bad_row='error'`` or when no row is usable;
+    otherwise the count of usable rows and the bad ones (which the ranks skip and report)."""
     scan = FileScan(layout=None)
-    for item in layout_rows(path, settings):
+    for item in layout_rows(path, settings, one_turn=one_turn):
         scan.layout = scan.layout or item.layout
         if item.error is None:
             scan.usable += 1
@@ -75,11 +77,18 @@ def scan_prompt_file(path: str | Path, settings: FieldSettings, on_bad_row: str)
     return scan
 
 
-def check_layout_row(row: Any, layout: RowLayout) -> str | None:
-    """Why ``row`` is unusable as a row of ``layout``, or None."""
-    if layout.conversation:
-        return check_conversation_row(row, layout.prompt_field, layout.answer_field)
-    return check_row(row, layout.prompt_field, layout.answer_field)
+def check_layout_row(row: Any, layout: RowLayout, *, one_turn: bool = False) -> str | None:
+    """Why ``row`` is unusable as a row of ``layout`` (with ``one_turn``: a conversation of more than one turn too),
+    or None."""
+    if not layout.conversation:
+        return check_row(row, layout.prompt_field, layout.answer_field)
+    error = check_conversation_row(row, layout.prompt_field, layout.answer_field)
+    if error is None and one_turn and len(messages := field_value(row, layout.prompt_field)) > 1:
+        error = (f"{layout.prompt_field}: a conversation of {len(messages)} turns "
+                 f"({', '.join(m['role'] for m in messages)}) is rendered by a chat template, and the tokenizer has "
+                 "none (or data.chat_template=false); without one only a conversation of one user turn is read, as "
+                 "its text")
+    return error
 
 
 def _not_an_object(row: Any) -> str | None:

@@ -142,7 +142,7 @@ def load_prompt_dataset(
     records: list[PromptRecord] = []
     for path in paths:
         layout = None
-        for item in layout_rows(path, settings):
+        for item in layout_rows(path, settings, one_turn=not formatters[True].uses_chat_template):
             if item.layout is not None and layout is None:
                 layout = item.layout
                 _check_template(layout, formatters[True], use_chat_template, path)
