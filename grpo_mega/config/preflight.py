@@ -10,7 +10,6 @@ every rank checks the same before it builds anything, so a job started without t
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 from dataclasses import asdict
@@ -22,8 +21,6 @@ from grpo_mega.data.sources import DataSourceError, resolve_source
 from grpo_mega.run.failure import set_aside_failure
 from grpo_mega.run.folder import RunFolderError, RunFolderVerdict, check_run_folder
 from grpo_mega.run.launcher import under_launcher
-
-logger = logging.getLogger(__name__)
 
 
 def load_checked(schema: type, validator: Callable, path: str, overrides: list[str], *,
@@ -94,8 +91,8 @@ def check_prompt_files(cfg: Any) -> None:
     the ranks' loader checks them but without a tokenizer (a prompt over ``data.prompt_length`` tokens is the ranks'
     to find). ConfigError naming the key, the file, the row and the field when the first bad row stops the run
     (``data.on_bad_row=error``) or no row is usable (without a chat template, a conversation of more than one turn is
-    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template;
-    one log line per file says how it is read."""
+    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template.
+    Nothing is printed for a usable file (the ranks' loader logs how it reads each, and the rows it skips)."""
     from grpo_mega.data.formats import field_settings
     from grpo_mega.data.prompt_rows import BadRowError, scan_prompt_file
     from grpo_mega.data.tokenizer import has_chat_template
@@ -116,8 +113,6 @@ def check_prompt_files(cfg: Any) -> None:
                               f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
                               "data.chat_template=null (a one-turn conversation is then given as its text) or "
                               "model.tokenizer to a tokenizer folder that has one")
-        skipped = f"; {len(scan.bad)} bad rows to skip, first: {scan.bad[0]}" if scan.bad else ""
-        logger.info("data.%s=%s: %s; %d rows%s", key, path, scan.layout.describe(), scan.usable, skipped)
 
 
 def _check_weights_folder(key: str, folder: str) -> None:
