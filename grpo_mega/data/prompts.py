@@ -146,7 +146,7 @@ def load_prompt_dataset(
             if item.layout is not None and layout is None:
                 layout = item.layout
                 _check_template(layout, formatters[True], use_chat_template, path)
-                logger.info("%s: %s", path, layout.describe())
+                logger.debug("%s: %s", path, layout.describe())
             error, text, ids = item.error, "", []
             if error is None:
                 try:
