@@ -23,7 +23,7 @@ class DataConfig:
     verl's parquet, TRL's standard or conversational prompts, chat rows with ``messages_field``, plain prompt rows),
     ``plain`` (``prompt_field`` text, ``answer_field``), ``chat`` (``messages_field`` conversation, ``answer_field``),
     ``verl`` (``prompt_field`` conversation, answer ``reward_model.ground_truth``) or ``trl`` (``prompt_field`` text or
-    conversation, ``answer_field``)."""
+    conversation, ``answer_field`` or ``solution``). docs/training.md, "Prompt data"."""
     eval_format: Optional[str] = None
     """How the rows of ``eval_file`` are read, as ``format``; None: ``format`` (with ``auto`` each file is detected
     from its own rows, so a chat train file and a plain eval file both work)."""
@@ -37,8 +37,9 @@ class DataConfig:
     ``prompt_field`` or ``messages``."""
     answer_field: str = "answer"
     """Field of a row holding the reference answer the reward function checks; a dotted path reaches into nested
-    objects (``reward_model.ground_truth``, where verl keeps it: ``auto`` reads it there when a row has no
-    ``answer_field``)."""
+    objects (``reward_model.ground_truth``). Left at ``answer``, a row without it is read from verl's
+    ``reward_model.ground_truth`` or TRL's ``solution`` when it has one (``format: auto`` or ``trl``); a field
+    named otherwise is always the one read."""
     chat_template: Optional[bool] = None
     """Wrap prompts with the tokenizer's chat template (its generation prompt included): true for every prompt,
     false for none; None: conversations with it (a tokenizer without one renders a one-turn conversation as its

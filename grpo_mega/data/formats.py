@@ -10,7 +10,7 @@ Formats (field names are dotted paths, ``grpo_mega.data.fields``):
   ``prompt_field`` (verl's ``prompt``), the answer in ``reward_model.ground_truth``; ``data_source``, ``ability``,
   ``reward_model`` and ``extra_info`` stay in the record's extra fields.
 - ``trl``: TRL's prompt-only datasets: ``prompt_field`` (``prompt``) holds a text (standard) or a conversation
-  (conversational); the answer in ``answer_field``.
+  (conversational); the answer in ``answer_field``, or TRL's ``solution`` as for ``auto``.
 - ``auto`` (the default): from the first row that is an object, in this order: ``messages_field`` (when set) holds a
   conversation -> ``chat``; ``prompt_field`` holds a text -> ``plain``; ``prompt_field`` holds a conversation ->
   ``verl`` when the answer is verl's ``reward_model.ground_truth``, else ``trl`` (conversational); a ``messages``
@@ -74,7 +74,7 @@ class RowLayout:
     """Chosen by ``auto`` from the file's first row."""
 
     def describe(self) -> str:
-        """``"verl (conversation in 'prompt', answer in 'reward_model.ground_truth')"``."""
+        """``"verl (detected): conversation in 'prompt', answer in 'reward_model.ground_truth'"``."""
         what = "conversation" if self.conversation else "prompt text"
         answer = f"answer in {self.answer_field!r}" if self.answer_field is not None else "no answer field"
         return f"{self.format}{' (detected)' if self.detected else ''}: {what} in {self.prompt_field!r}, {answer}"
@@ -97,10 +97,10 @@ def choose_layout(settings: FieldSettings, first_row: Any) -> RowLayout:
         return RowLayout("verl", settings.prompt_field, True, VERL_ANSWER)
     row = first_row if isinstance(first_row, dict) else {}
     prompt = _value(row, settings.prompt_field)
-    if settings.format == "trl":
-        return RowLayout("trl", settings.prompt_field, looks_like_conversation(prompt), answer)
     if answer == DEFAULT_ANSWER and not has_field(row, answer):  # a field the user named is never replaced
         answer = next((known for known in KNOWN_ANSWERS if has_field(row, known)), answer)
+    if settings.format == "trl":
+        return RowLayout("trl", settings.prompt_field, looks_like_conversation(prompt), answer)
     if settings.messages_field is not None and looks_like_conversation(_value(row, settings.messages_field)):
         return RowLayout("chat", settings.messages_field, True, answer, detected=True)
     if isinstance(prompt, str):
