@@ -322,3 +322,17 @@ def test_without_a_chat_template_only_one_turn_conversations_are_read_before_and
         check_prompt_files(grpo_config(tmp_path, f"data.train_file={path}", "data.on_bad_row=error"))
     [record] = load_prompt_dataset(path, plain_tokenizer, prompt_length=400, use_chat_template=None).records
     assert record.prompt == "What is 2 + 3?"
+
+
+def test_sft_rows_take_dotted_fields_and_folders_too(tmp_path):
+    from grpo_mega.config.sft import SFTDataConfig
+    from grpo_mega.sft import check_sft_row, sft_messages
+
+    data = SFTDataConfig(train_file=str(tmp_path), prompt_field="q.text", response_field="a.text")
+    row = {"q": {"text": "What is 2 + 3?"}, "a": {"text": "5"}}
+    assert check_sft_row(row, data) is None
+    assert sft_messages(row, data) == [{"role": "user", "content": "What is 2 + 3?"},
+                                       {"role": "assistant", "content": "5"}]
+    assert "response field 'a.text' must be a string, got 5" in check_sft_row({**row, "a": {"text": 5}}, data)
+    assert "missing response field 'a.text' (no field 'a.text': 'a' has the fields ['txt'])" in check_sft_row(
+        {**row, "a": {"txt": "5"}}, data)
