@@ -33,7 +33,7 @@ class DataConfig:
     messages_field: Optional[str] = None
     """Conversation rows (as SFT's ``data.messages_field``): the field holding a ``[{role, content}, ...]`` list of
     system / user turns ending with a user turn, rendered with the tokenizer's chat template and its generation
-    prompt; the reward function gets the last user turn as its ``prompt``. None: ``format`` finds conversations in
+    prompt (``PromptRecord.raw_prompt`` keeps the last user turn). None: ``format`` finds conversations in
     ``prompt_field`` or ``messages``."""
     answer_field: str = "answer"
     """Field of a row holding the reference answer the reward function checks; a dotted path reaches into nested
