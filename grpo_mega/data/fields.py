@@ -45,7 +45,3 @@ def has_field(row: Any, path: str) -> bool:
         return False
     return True
 
-
-def top_level(path: str, row: dict) -> str:
-    """The top-level column ``path`` starts in (``reward_model`` for ``reward_model.ground_truth``)."""
-    return path if path in row else path.split(".", 1)[0]
