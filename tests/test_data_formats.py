@@ -267,6 +267,17 @@ def test_each_file_is_read_in_its_own_format(tmp_path, chat_tokenizer):
         check_prompt_files(cfg)
     check_prompt_files(grpo_config(tmp_path, f"data.train_file={chat}", f"data.eval_file={plain}", "data.format=chat",
                                    "data.eval_format=plain", "data.messages_field=messages"))
+    # auto: an eval file of another layout is told what it lacks in its own terms (one override reads it)
+    questions = write_jsonl([{"question": "What is 2 + 2?", "answer": "4"}], tmp_path / "questions.jsonl")
+    cfg = grpo_config(tmp_path, f"data.train_file={chat}", f"data.eval_file={questions}",
+                      "data.messages_field=messages")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"data.eval_file={questions}: none of its 1 rows is usable; the first: {questions}:1: missing prompt "
+            "field 'prompt'; set data.prompt_field to the field that holds the prompt text (this row has ['answer', "
+            "'question'])")):
+        check_prompt_files(cfg)
+    check_prompt_files(grpo_config(tmp_path, f"data.train_file={chat}", f"data.eval_file={questions}",
+                                   "data.messages_field=messages", "data.prompt_field=question"))
 
 
 def test_the_pre_launch_check_is_one_line_naming_the_key_file_row_and_field(tmp_path):

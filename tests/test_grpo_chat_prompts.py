@@ -75,6 +75,11 @@ def test_a_messages_row_read_as_a_prompt_row_names_the_options_that_read_it(chat
     plain = _write(tmp_path / "plain.jsonl", [{"question": "2 + 2?", "answer": "4"}])
     with pytest.raises(BadRowError, match="data.messages_field=null data.prompt_field=question"):
         load_prompt_dataset(plain, tokenizer, prompt_length=512, messages_field="messages", use_chat_template=True,
+                            on_bad_row="error", format="chat")
+    # data.format=auto reads each file in its own layout: a plain row lacks only its prompt field's name
+    with pytest.raises(BadRowError, match=r"missing prompt field 'prompt'; set data.prompt_field .* \['answer', "
+                                          r"'question'\]"):
+        load_prompt_dataset(plain, tokenizer, prompt_length=512, messages_field="messages", use_chat_template=True,
                             on_bad_row="error")
     bad_turns = _write(tmp_path / "turns.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                                  {"role": "assistant", "content": "4"}],

@@ -14,8 +14,8 @@ Formats (field names are dotted paths, ``grpo_mega.data.fields``):
 - ``auto`` (the default): from the first row that is an object, in this order: ``messages_field`` (when set) holds a
   conversation -> ``chat``; ``prompt_field`` holds a text -> ``plain``; ``prompt_field`` holds a conversation ->
   ``verl`` when the answer is verl's ``reward_model.ground_truth``, else ``trl`` (conversational); a ``messages``
-  field holds a conversation (``prompt_field`` left at ``prompt``) -> ``chat``; else ``chat`` when
-  ``messages_field`` is set, ``plain`` when not (whose rows then fail naming the fields they have). The answer is
+  field holds a conversation (``prompt_field`` left at ``prompt``) -> ``chat``; else ``plain`` (whose rows then
+  fail naming the fields they have). The answer is
   ``answer_field`` when the row has it or when it is not the default ``answer``, else the first of
   ``KNOWN_ANSWERS`` the row has (verl's ``reward_model.ground_truth``, TRL's ``solution``): a field the user named
   is never replaced by a guess.
@@ -109,8 +109,8 @@ def choose_layout(settings: FieldSettings, first_row: Any) -> RowLayout:
         return RowLayout("verl" if answer == VERL_ANSWER else "trl", settings.prompt_field, True, answer, detected=True)
     if settings.prompt_field == DEFAULT_PROMPT and looks_like_conversation(_value(row, "messages")):
         return RowLayout("chat", "messages", True, answer, detected=True)
-    if settings.messages_field is not None:  # rows without it then say that the messages field is missing
-        return RowLayout("chat", settings.messages_field, True, answer, detected=True)
+    # no conversation where one was looked for: the rows then say that the prompt field is missing, naming the fields
+    # they have (and a field holding a conversation, if one does)
     return RowLayout("plain", settings.prompt_field, False, answer, detected=True)
 
 
