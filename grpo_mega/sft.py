@@ -21,6 +21,7 @@ from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.config import SFTConfig, SFTDataConfig
 from grpo_mega.data.batch import sequences_to_batch
 from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages
+from grpo_mega.data.fields import field_value
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import LossScale, build_policy_engine
@@ -43,8 +44,8 @@ def sft_messages(row: dict, data: SFTDataConfig) -> list[dict]:
     assistant = response field."""
     if data.messages_field is not None:
         return row[data.messages_field]
-    return [{"role": "user", "content": row[data.prompt_field]},
-            {"role": "assistant", "content": row[data.response_field]}]
+    return [{"role": "user", "content": field_value(row, data.prompt_field)},
+            {"role": "assistant", "content": field_value(row, data.response_field)}]
 
 
 def check_sft_row(row, data: SFTDataConfig) -> str | None:
@@ -52,8 +53,9 @@ def check_sft_row(row, data: SFTDataConfig) -> str | None:
     if data.messages_field is None:
         error = check_row(row, data.prompt_field, data.response_field, answer_key="data.response_field",
                           answer_kind="response")
-        if error is None and not isinstance(row[data.response_field], str):
-            error = f"response field {data.response_field!r} must be a string, got {row[data.response_field]!r:.60}"
+        response = field_value(row, data.response_field) if error is None else None
+        if error is None and not isinstance(response, str):
+            error = f"response field {data.response_field!r} must be a string, got {response!r:.60}"
         return error
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"

@@ -40,6 +40,7 @@ SLOW_FILES = {
     "test_training_checkpoint.py": 19,
     "test_reward_preflight.py": 80,
     "test_config_overrides.py": 55,
+    "test_data_formats_cli.py": 60,
 }
 
 

@@ -109,7 +109,9 @@ def test_a_rank_killed_without_a_word_is_named_in_one_line(tmp_path):
 def test_a_bad_data_row_under_nproc_2_is_one_line_with_the_traceback_in_the_run_folder(tmp_path):
     model_dir, train_file = build_tiny_task(tmp_path / "task")
     rows = train_file.read_text().splitlines()
-    rows.insert(5, json.dumps({"prompt": 3}))
+    # a prompt over data.prompt_length (64 tokens): a bad row only the ranks find (they tokenize; the CLI's check
+    # before launch reads fields, and would stop a row without a text prompt itself: tests/test_data_formats_cli.py)
+    rows.insert(5, json.dumps({"prompt": "Q: Start with 2." + " Add 3." * 40 + " A:", "answer": "122"}))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(rows) + "\n")
     run_dir = tmp_path / "run"

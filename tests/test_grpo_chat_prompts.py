@@ -64,14 +64,21 @@ def test_a_messages_row_read_as_a_prompt_row_names_the_options_that_read_it(chat
     data = _write(tmp_path / "chat.jsonl", [{"messages": _conversation("2 + 2?"), "answer": "4"}])
     tokenizer = load_tokenizer(chat_tokenizer_dir)
     with pytest.raises(BadRowError, match="set data.messages_field=messages data.chat_template=true"):
-        load_prompt_dataset(data, tokenizer, prompt_length=512, on_bad_row="error")
+        load_prompt_dataset(data, tokenizer, prompt_length=512, on_bad_row="error", format="plain")
+    # data.format=auto (the default) reads it as the conversation it is (tests/test_data_formats.py)
+    assert load_prompt_dataset(data, tokenizer, prompt_length=512).records[0].raw_prompt == "2 + 2?"
     trl = _write(tmp_path / "trl.jsonl", [{"prompt": _conversation("2 + 2?"), "answer": "4"}])  # TRL's own key
     with pytest.raises(BadRowError, match="must be a non-empty string.*data.messages_field=prompt"):
-        load_prompt_dataset(trl, tokenizer, prompt_length=512, on_bad_row="error")
+        load_prompt_dataset(trl, tokenizer, prompt_length=512, on_bad_row="error", format="plain")
     records = load_prompt_dataset(trl, tokenizer, prompt_length=512, messages_field="prompt", use_chat_template=True)
     assert records.records[0].raw_prompt == "2 + 2?"
     plain = _write(tmp_path / "plain.jsonl", [{"question": "2 + 2?", "answer": "4"}])
     with pytest.raises(BadRowError, match="data.messages_field=null data.prompt_field=question"):
+        load_prompt_dataset(plain, tokenizer, prompt_length=512, messages_field="messages", use_chat_template=True,
+                            on_bad_row="error", format="chat")
+    # data.format=auto reads each file in its own layout: a plain row lacks only its prompt field's name
+    with pytest.raises(BadRowError, match=r"missing prompt field 'prompt'; set data.prompt_field .* \['answer', "
+                                          r"'question'\]"):
         load_prompt_dataset(plain, tokenizer, prompt_length=512, messages_field="messages", use_chat_template=True,
                             on_bad_row="error")
     bad_turns = _write(tmp_path / "turns.jsonl", [{"messages": [{"role": "user", "content": "hi"},
@@ -82,10 +89,13 @@ def test_a_messages_row_read_as_a_prompt_row_names_the_options_that_read_it(chat
                             use_chat_template=True, on_bad_row="error")
 
 
-def test_messages_field_needs_the_chat_template():
+def test_messages_field_is_not_read_with_the_chat_template_turned_off():
     with pytest.raises(ConfigError, match="data.messages_field='messages' .* set data.chat_template=true"):
-        load_config(GRPOConfig, None, ["data.train_file=x.jsonl", "model.hf_config=m", "data.messages_field=messages"],
-                    validate)
+        load_config(GRPOConfig, None, ["data.train_file=x.jsonl", "model.hf_config=m", "data.messages_field=messages",
+                                       "data.chat_template=false"], validate)
+    # unset (null), conversations are rendered with the chat template and prompt texts without it
+    load_config(GRPOConfig, None, ["data.train_file=x.jsonl", "model.hf_config=m", "data.messages_field=messages"],
+                validate)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 from grpo_mega.reward import RewardError, score_samples
-from grpo_mega.reward.adapters import RowLayout, signature_kind
+from grpo_mega.reward.adapters import RewardRows, signature_kind
 from grpo_mega.reward.registry import build_reward_function, get_reward_function
 
 VERL_ROW = {"data_source": "openai/gsm8k", "extra_info": {"index": 7, "split": "train"},
@@ -74,7 +74,7 @@ def test_a_verl_dict_without_score_is_a_failure_naming_the_form():
 
 
 def test_a_trl_function_gets_lists_of_the_row_columns_and_its_none_is_not_applicable():
-    layout = RowLayout(answer_field="solution")
+    layout = RewardRows(answer_field="solution")
     fn = get_reward_function(f"{__name__}:trl_accuracy", layout)
     assert fn("Q", "4", "4") == 1.0 and fn("Q", "5", "4") == 0.0 and fn("Q", "4", "n/a") is None
     results = score_samples(fn, ["Q", "Q"], ["4", "4"], ["4", "n/a"], on_error="zero")
@@ -83,7 +83,7 @@ def test_a_trl_function_gets_lists_of_the_row_columns_and_its_none_is_not_applic
 
 
 def test_a_trl_function_on_conversation_rows_gets_messages():
-    fn = get_reward_function(f"{__name__}:trl_conversational", RowLayout(conversational=True))
+    fn = get_reward_function(f"{__name__}:trl_conversational", RewardRows(conversational=True))
     assert fn("2 + 2?", "hi", "4") == 1.0
 
 
@@ -104,7 +104,7 @@ def test_a_function_of_no_known_signature_is_refused_naming_the_three():
 
 def test_several_functions_sum_with_their_weights_and_none_adds_nothing():
     fn = build_reward_function("math_verify", [f"{__name__}:trl_accuracy", f"{__name__}:native"], [2.0, 0.5],
-                               RowLayout(answer_field="solution"))
+                               RewardRows(answer_field="solution"))
     assert fn("Q", "4", "4") == 2.5 and fn("Q", "5", "4") == 0.5 and fn("Q", "4", "n/a") == 0.5
     with pytest.raises(ValueError, match="2 values for 1 reward.functions"):
         build_reward_function("math_verify", ["synthetic"], [1.0, 2.0])
@@ -181,7 +181,7 @@ def trl_recording(completions, solution, **kwargs):
 
 
 def test_a_trl_function_scores_a_batch_in_one_call_and_a_failing_batch_sample_by_sample():
-    fn = get_reward_function(f"{__name__}:trl_recording", RowLayout(answer_field="solution"))
+    fn = get_reward_function(f"{__name__}:trl_recording", RewardRows(answer_field="solution"))
     CALLS.clear()
     results = score_samples(fn, ["Q"] * 4, ["4", "5", "4", "4"], ["4", "4", "4", "n"], [{"k": 1}] * 4)
     assert CALLS == [4] and [r.score for r in results] == [1.0, 0.0, 1.0, 0.0]
@@ -190,7 +190,7 @@ def test_a_trl_function_scores_a_batch_in_one_call_and_a_failing_batch_sample_by
     assert CALLS == [3, 1, 1, 1] and [r.failed for r in results] == [False, True, False]
     assert "raised on sample 7" in results[1].error and "verifier down" in results[1].error
     weighted = build_reward_function("math_verify", [f"{__name__}:trl_recording", f"{__name__}:native"], [2.0, 1.0],
-                                     RowLayout(answer_field="solution"))
+                                     RewardRows(answer_field="solution"))
     CALLS.clear()
     assert [r.score for r in score_samples(weighted, ["Q"] * 2, ["4", "5"], ["4", "4"])] == [3.0, 1.0]
     assert CALLS == [2]

@@ -111,11 +111,10 @@ def test_a_new_attempt_sets_the_earlier_failure_aside_when_it_starts(task, tmp_p
     run_dir.mkdir()
     earlier = {"cause": "peer_lost", "phase": "update", "step": 7}
     (run_dir / "failure.json").write_text(json.dumps(earlier))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("not json\n")
-    model_dir, _ = task
-    result = grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={empty}",
-                       f"trainer.run_dir={run_dir}", *ONE_PROCESS)
+    model_dir, train_file = task
+    # every prompt over data.prompt_length: a cause only the ranks find (they tokenize; the CLI's check reads rows)
+    result = grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
+                       "data.prompt_length=1", f"trainer.run_dir={run_dir}", *ONE_PROCESS)
     assert result.returncode != 0
     [kept] = run_dir.glob("failure.*.json")
     assert json.loads(kept.read_text()) == earlier

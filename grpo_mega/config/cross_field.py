@@ -28,6 +28,7 @@ from grpo_mega.config.checks import (
 from grpo_mega.config.grpo import PROCESS_REWARD_SOURCES, STEP_CREDITS, GRPOConfig
 from grpo_mega.config.loading import ConfigError
 from grpo_mega.config.sft import SFTConfig
+from grpo_mega.data.formats import FORMATS as DATA_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +272,14 @@ def validate_reward_functions(cfg: GRPOConfig) -> None:
 
 
 def validate_prompt_fields(cfg: GRPOConfig) -> None:
-    """``data.messages_field`` (conversation rows) needs the chat template, as SFT's does."""
-    if cfg.data.messages_field is not None and not cfg.data.chat_template:
+    """``data.format`` / ``data.eval_format`` are known formats; ``data.messages_field`` (conversation rows) is not
+    read with the chat template turned off."""
+    # not check_choice: tools/config_reference.py would list these values under the PRM config's data.format too
+    for key in ("format", "eval_format"):
+        value = getattr(cfg.data, key)
+        if value is not None and value not in DATA_FORMATS:
+            raise ConfigError(f"data.{key}={value!r}: expected one of {DATA_FORMATS}")
+    if cfg.data.messages_field is not None and cfg.data.chat_template is False:
         raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
                           "template can render: set data.chat_template=true (or data.messages_field=null for "
                           "prompt rows)")

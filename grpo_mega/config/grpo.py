@@ -12,20 +12,38 @@ from grpo_mega.config.sections import DeepSpeedConfig, ModelConfig, OptimConfig,
 @dataclass
 class DataConfig:
     train_file: str = "???"
-    """Prompt dataset: .jsonl or .parquet."""
+    """Prompt dataset: a .jsonl or .parquet file, a folder of such shards (read in name order), a glob of them
+    (``data/train-*.parquet``), or a Hugging Face ``datasets`` folder written by ``save_to_disk``
+    (``grpo_mega.data.sources``)."""
     eval_file: Optional[str] = None
-    """Held-out prompts evaluated on schedule and at the end."""
+    """Held-out prompts evaluated on schedule and at the end: what ``train_file`` takes, read with its own format
+    (``eval_format``)."""
+    format: str = "auto"
+    """How the rows of ``train_file`` are read (``grpo_mega.data.formats``): ``auto`` (from the file's first row:
+    verl's parquet, TRL's standard or conversational prompts, chat rows with ``messages_field``, plain prompt rows),
+    ``plain`` (``prompt_field`` text, ``answer_field``), ``chat`` (``messages_field`` conversation, ``answer_field``),
+    ``verl`` (``prompt_field`` conversation, answer ``reward_model.ground_truth``) or ``trl`` (``prompt_field`` text or
+    conversation, ``answer_field`` or ``solution``). docs/training.md, "Prompt data"."""
+    eval_format: Optional[str] = None
+    """How the rows of ``eval_file`` are read, as ``format``; None: ``format`` (with ``auto`` each file is detected
+    from its own rows, so a chat train file and a plain eval file both work)."""
     prompt_field: str = "prompt"
-    """Field of a row holding the prompt text (rows of plain prompts; see ``messages_field`` for conversations)."""
+    """Field of a row holding the prompt text (or, for verl / TRL conversational rows, the conversation); a dotted
+    path reaches into nested objects."""
     messages_field: Optional[str] = None
-    """Conversation rows (TRL's conversational prompts, as SFT's ``data.messages_field``): the field holding a
-    ``[{role, content}, ...]`` list of system / user turns ending with a user turn, rendered with the tokenizer's
-    chat template and its generation prompt; the reward function gets the last user turn as its ``prompt``. Needs
-    ``chat_template: true``. None: ``prompt_field`` holds the prompt text."""
+    """Conversation rows (as SFT's ``data.messages_field``): the field holding a ``[{role, content}, ...]`` list of
+    system / user turns ending with a user turn, rendered with the tokenizer's chat template and its generation
+    prompt (``PromptRecord.raw_prompt`` keeps the last user turn). None: ``format`` finds conversations in
+    ``prompt_field`` or ``messages``."""
     answer_field: str = "answer"
-    """Field of a row holding the reference answer the reward function checks."""
-    chat_template: bool = False
-    """Wrap prompts with the tokenizer's chat template (its generation prompt included)."""
+    """Field of a row holding the reference answer the reward function checks; a dotted path reaches into nested
+    objects (``reward_model.ground_truth``). Left at ``answer``, a row without it is read from verl's
+    ``reward_model.ground_truth`` or TRL's ``solution`` when it has one (``format: auto`` or ``trl``); a field
+    named otherwise is always the one read."""
+    chat_template: Optional[bool] = None
+    """Wrap prompts with the tokenizer's chat template (its generation prompt included): true for every prompt,
+    false for none; None: conversations with it (a tokenizer without one renders a one-turn conversation as its
+    text), prompt texts without."""
     prompt_length: int = 256
     """Longest prompt in tokens; longer rows are reported and handled per ``on_bad_row``."""
     on_bad_row: str = "skip"

@@ -1,8 +1,10 @@
 """What a command checks in its own process before it starts any rank (``grpo-mega train``, ``sft``, ``eval``,
-``prm train``): the config loaded and validated against the job's process count, the paths it names, and the run
-folder (``grpo_mega.run.folder``: never two runs mixed in one). A mistake is one :class:`ConfigError` naming the key;
+``prm train``): the config loaded and validated against the job's process count, the paths it names, a GRPO run's
+prompt files (every row's fields, each file in its own format), and the run folder (``grpo_mega.run.folder``: never
+two runs mixed in one). A mistake is one :class:`ConfigError` naming the key;
 the commands print it as one line and exit 2 before torchrun starts anything. Under a launcher (torchrun, srun)
-every rank checks the same before it builds anything, so a job started without the CLI's own check is refused too.
+every rank checks the same before it builds anything, so a job started without the CLI's own check is refused too
+(the prompt files' rows excepted: the ranks' loader refuses the same rows with the same words, cause ``data``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpo_mega.config.loading import ConfigError, load_config, printable_config
+from grpo_mega.data.sources import DataSourceError, resolve_source
 from grpo_mega.run.failure import set_aside_failure
 from grpo_mega.run.folder import RunFolderError, RunFolderVerdict, check_run_folder
+from grpo_mega.run.launcher import under_launcher
 
 
 def load_checked(schema: type, validator: Callable, path: str, overrides: list[str], *,
                  world_size: int | None) -> Any:
     """The config of ``path`` and ``overrides``, validated (``validator(cfg, world_size=...)``) for a job of
-    ``world_size`` processes (None: the launcher's; 0: not known) and with its paths checked."""
+    ``world_size`` processes (None: the launcher's; 0: not known) and with its paths checked; outside a launcher
+    a GRPO config's prompt files too (:func:`check_prompt_files`)."""
     cfg = load_config(schema, path, overrides, functools.partial(validator, world_size=world_size))
     check_paths(cfg)
-    if world_size is not None:  # the command's own process: once, not again in every rank
+    if hasattr(cfg.data, "eval_format") and not under_launcher():  # a GRPO config, in the command's own process
+        check_prompt_files(cfg)
         check_reward_on_rows(cfg)
     return cfg
 
@@ -63,8 +69,11 @@ def check_paths(cfg: Any) -> None:
         _check_weights_folder("model.init_from", model.init_from)
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key, None)
-        if value is not None and not Path(value).is_file():
-            raise ConfigError(f"data.{key}={value}: no such file")
+        if value is not None:
+            try:
+                resolve_source(value)
+            except (FileNotFoundError, DataSourceError) as error:
+                raise ConfigError(f"data.{key}={value}: {str(error).removeprefix(f'{value}: ')}") from None
     process_reward = getattr(cfg, "process_reward", None)
     if process_reward is not None and process_reward.source == "prm" and not Path(process_reward.prm).exists():
         raise ConfigError(f"process_reward.prm={process_reward.prm}: no such folder (a grpo-mega PRM checkpoint or run "
@@ -75,6 +84,36 @@ def check_paths(cfg: Any) -> None:
             raise ConfigError(f"implicit_prm.init_from={implicit.init_from}: no such folder (what model.init_from "
                               "takes; null: model.init_from)")
         _check_weights_folder("implicit_prm.init_from", implicit.init_from)
+
+
+def check_prompt_files(cfg: Any) -> None:
+    """A GRPO config's prompt files (``data.train_file``, ``data.eval_file``), each read with its own format
+    (``data.format`` / ``data.eval_format``; ``auto``: detected from its own rows) and every row's fields checked, as
+    the ranks' loader checks them but without a tokenizer (a prompt over ``data.prompt_length`` tokens is the ranks'
+    to find). ConfigError naming the key, the file, the row and the field when the first bad row stops the run
+    (``data.on_bad_row=error``) or no row is usable (without a chat template, a conversation of more than one turn is
+    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template.
+    Nothing is printed for a usable file (the ranks' loader logs how it reads each, and the rows it skips)."""
+    from grpo_mega.data.formats import field_settings
+    from grpo_mega.data.prompt_rows import BadRowError, scan_prompt_file
+    from grpo_mega.data.tokenizer import has_chat_template
+
+    tokenizer = cfg.model.tokenizer or cfg.model.hf_config
+    templated = cfg.data.chat_template is not False and has_chat_template(tokenizer)
+    for key in ("train_file", "eval_file"):
+        path = getattr(cfg.data, key)
+        if path is None:
+            continue
+        try:
+            scan = scan_prompt_file(path, field_settings(cfg.data, eval_file=key == "eval_file"), cfg.data.on_bad_row,
+                                    one_turn=not templated and cfg.data.chat_template is not True)
+        except (BadRowError, DataSourceError, FileNotFoundError) as error:
+            raise ConfigError(f"data.{key}={path}: {error}") from None
+        if scan.layout.conversation and cfg.data.chat_template and not templated:
+            raise ConfigError(f"data.{key}={path} holds conversations ({scan.layout.describe()}) and "
+                              f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
+                              "data.chat_template=null (a one-turn conversation is then given as its text) or "
+                              "model.tokenizer to a tokenizer folder that has one")
 
 
 def _check_weights_folder(key: str, folder: str) -> None:
@@ -136,7 +175,7 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
     reward, data = getattr(cfg, "reward", None), getattr(cfg, "data", None)
     if reward is None or data is None or not getattr(data, "train_file", None):
         return
-    from grpo_mega.reward.adapters import RowLayout
+    from grpo_mega.reward.adapters import reward_rows_of
     from grpo_mega.reward.compute import check_result
     from grpo_mega.reward.registry import get_reward_function, reward_specs
 
@@ -144,7 +183,7 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
              for spec, _ in reward_specs(reward.function, reward.functions, reward.weights)]
     if reward.format_weight:
         named.append(("reward.format_function", reward.format_function))
-    layout, functions = RowLayout(data.answer_field, data.messages_field is not None), []
+    layout, functions = reward_rows_of(data), []
     for key, spec in named:
         try:
             functions.append((key, spec, get_reward_function(spec, layout)))
@@ -166,63 +205,9 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
 
 
 def _first_rows(data: Any, count: int):
-    """(file:line, prompt, answer, other columns) of the first ``count`` rows of ``data.train_file`` (a folder: its
-    first .jsonl / .parquet file) that hold a prompt and an answer; what is malformed is the data check's to
-    report, and is passed over here."""
-    path = Path(data.train_file)
-    if path.is_dir():
-        shards = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
-        if not shards:
-            return
-        path = shards[0]
-    source = data.messages_field or data.prompt_field
-    found = 0
-    for location, row in _head(path, count * 4):
-        if not isinstance(row, dict) or source not in row:
-            continue
-        prompt = row[source]
-        if data.messages_field is not None:  # a conversation: the reward function gets its last user turn
-            last = prompt[-1] if isinstance(prompt, list) and prompt else None
-            prompt = last.get("content") if isinstance(last, dict) else None
-        answer = _dotted(row, data.answer_field) if data.answer_field else None
-        if not isinstance(prompt, str) or (data.answer_field and (answer is None or isinstance(answer, (dict, list)))):
-            continue
-        # a nested answer field (reward_model.ground_truth) leaves its column among the others, as verl passes it
-        extra = {key: value for key, value in row.items() if key not in (source, data.answer_field)}
-        yield location, prompt, None if answer is None else str(answer), extra
-        found += 1
-        if found == count:
-            return
+    """(file:line, prompt, answer, other columns) of the first ``count`` usable rows of ``data.train_file``, read
+    with its layout as the ranks read it (``grpo_mega.data.prompt_rows``)."""
+    from grpo_mega.data.formats import field_settings
+    from grpo_mega.data.prompt_rows import usable_rows
 
-
-def _head(path: Path, count: int):
-    """(file:line or file:row N, row) of the first ``count`` rows of a .jsonl or .parquet file, without reading the
-    rest of it."""
-    import json
-
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as parquet
-
-        for batch in parquet.ParquetFile(path).iter_batches(batch_size=count):
-            for number, row in enumerate(batch.to_pylist(), start=1):
-                yield f"{path}:row {number}", row
-            return
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if number > count:
-                return
-            try:
-                yield f"{path}:{number}", json.loads(line)
-            except ValueError:
-                continue
-
-
-def _dotted(row: dict, key: str) -> Any:
-    """``row``'s value at ``key``, a nested field ``a.b`` walked through dicts (verl's reward_model.ground_truth);
-    None when it is absent."""
-    value: Any = row
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
+    yield from usable_rows(data.train_file, field_settings(data), count)

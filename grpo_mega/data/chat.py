@@ -48,8 +48,10 @@ class ChatFormat:
             text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
             return text, self._ids(text, special=False)
         if len(messages) != 1:
+            fix = ("the tokenizer has no chat template: use a tokenizer that has one (model.tokenizer)"
+                   if self.use_chat_template else "set data.chat_template=true for conversations")
             raise ChatFormatError(f"a plain prompt_format renders one user turn, got roles "
-                                  f"{[m['role'] for m in messages]}: set data.chat_template=true for conversations")
+                                  f"{[m['role'] for m in messages]}: {fix}")
         text = self.prompt_format.format(prompt=messages[0]["content"])
         return text, self._ids(text, special=True)
 

@@ -1,23 +1,29 @@
-"""Prompt datasets for GRPO: rows from jsonl or parquet files, formatted, tokenized, checked; resumable batches.
+"""Prompt datasets for GRPO: rows read (``sources``: files, folders of shards, save_to_disk folders) with each
+file's layout (``formats``: plain prompts, chat conversations, verl's and TRL's datasets), checked
+(``prompt_rows``), formatted, tokenized; resumable batches.
 
-A row needs a prompt field, or a messages field holding a conversation (TRL's conversational prompts:
-``[{role, content}, ...]`` of system / user turns ending with a user turn), and (unless ``answer_field`` is None) an
-answer field; every other field is kept in ``PromptRecord.extra`` for reward functions. Prompts are formatted with
-the tokenizer's chat template and its generation prompt when it has one (and ``use_chat_template`` is on), otherwise
-with a plain format string such as ``"Q: {prompt} A:"``.
+A row needs a prompt (a text, or a conversation: ``[{role, content}, ...]`` of system / user turns ending with a user
+turn) and (unless ``answer_field`` is None) an answer; every other top-level column is kept in
+``PromptRecord.extra`` for reward functions. Prompts are formatted with the tokenizer's chat template and its
+generation prompt when it has one (and ``use_chat_template`` asks for it), otherwise with a plain format string such
+as ``"Q: {prompt} A:"``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages, user_turn
+from grpo_mega.data.chat import ChatFormat, ChatFormatError, user_turn
+from grpo_mega.data.fields import field_value
+from grpo_mega.data.formats import FieldSettings, RowLayout
+from grpo_mega.data.prompt_rows import (BadRowError, check_answer, check_conversation_row, check_row,  # noqa: F401
+                                        layout_rows)
+from grpo_mega.data.sources import read_rows  # noqa: F401  (the readers of SFT and the PRM import it from here)
 
 logger = logging.getLogger(__name__)
 
@@ -52,45 +58,6 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.records)
-
-
-class BadRowError(ValueError):
-    """A row of a prompt dataset is malformed or too long (raised when ``on_bad_row='error'``)."""
-
-
-def _rows_from_jsonl(path: Path) -> Iterator[tuple[str, Any, str | None]]:
-    """(location, row or None, parse error or None) for every non-blank line."""
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            location = f"{path}:{line_number}"
-            try:
-                yield location, json.loads(line), None
-            except json.JSONDecodeError as error:
-                yield location, None, f"invalid JSON ({error.msg} at column {error.colno})"
-
-
-def _rows_from_parquet(path: Path) -> Iterator[tuple[str, Any, str | None]]:
-    """(location, row, None) for every row of a parquet file; needs pyarrow."""
-    try:
-        import pyarrow.parquet as parquet
-    except ImportError as error:
-        raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from error
-    for row_number, row in enumerate(parquet.read_table(path).to_pylist(), start=1):
-        yield f"{path}:row {row_number}", row, None
-
-
-def read_rows(path: str | Path) -> Iterator[tuple[str, Any, str | None]]:
-    """Rows of a ``.jsonl`` or ``.parquet`` file as (location, row, error); other suffixes raise ValueError."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt dataset file {path} does not exist")
-    if path.suffix == ".jsonl":
-        return _rows_from_jsonl(path)
-    if path.suffix == ".parquet":
-        return _rows_from_parquet(path)
-    raise ValueError(f"prompt dataset file {path}: unsupported suffix {path.suffix!r}; expected .jsonl or .parquet")
 
 
 class PromptFormatter:
@@ -133,59 +100,7 @@ class BadRows:
             logger.warning("skipped %d of %d rows in %s", len(self.skipped), len(self.skipped) + kept, source)
         if not kept:
             first = self.skipped[:1]
-            raise ValueError(f"no usable rows in {source} ({len(self.skipped)} skipped; first: {first})")
-
-
-def check_row(row: Any, prompt_field: str, answer_field: str | None, *, answer_key: str = "data.answer_field",
-              answer_kind: str = "answer") -> str | None:
-    """Why the row is unusable (not an object, no non-empty string prompt, no scalar answer), or None. A missing
-    field's message names the config key that chooses it (``data.prompt_field``, ``answer_key``) and the row's
-    fields, so the fix is one override away."""
-    if not isinstance(row, dict):
-        return f"expected a JSON object, got {type(row).__name__}"
-    conversations = [name for name, value in row.items() if _looks_like_conversation(value)]
-    read_as_chat = (f"; to read its conversation set data.messages_field={conversations[0]} data.chat_template=true"
-                    if conversations else "")
-    if prompt_field not in row:
-        return (f"missing prompt field {prompt_field!r}; set data.prompt_field to the field that holds the prompt "
-                f"text (this row has {sorted(row)}){read_as_chat}")
-    if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
-        return (f"prompt field {prompt_field!r} must be a non-empty string, got {row[prompt_field]!r:.60}"
-                f"{read_as_chat}")
-    return check_answer(row, answer_field, answer_key=answer_key, answer_kind=answer_kind)
-
-
-def check_conversation_row(row: Any, messages_field: str, answer_field: str | None) -> str | None:
-    """Why a conversation row is unusable (no ``messages_field`` list of system / user turns ending with a user
-    turn, no scalar answer), or None; a missing field's message names the options that would read the row."""
-    if not isinstance(row, dict):
-        return f"expected a JSON object, got {type(row).__name__}"
-    if messages_field not in row:
-        texts = [name for name, value in row.items() if isinstance(value, str) and name != answer_field]
-        plain = f", or data.messages_field=null data.prompt_field={texts[0]} for a prompt text" if texts else ""
-        return (f"missing messages field {messages_field!r}; set data.messages_field to the field that holds the "
-                f"conversation{plain} (this row has {sorted(row)})")
-    try:
-        check_messages(row[messages_field], final_role="user")
-    except ChatFormatError as error:
-        return f"{messages_field}: {error} (a prompt conversation ends with the user's turn)"
-    return check_answer(row, answer_field)
-
-
-def _looks_like_conversation(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-def check_answer(row: dict, answer_field: str | None, *, answer_key: str = "data.answer_field",
-                 answer_kind: str = "answer") -> str | None:
-    """Why ``row``'s answer field is unusable (missing, not a string or number), or None."""
-    if answer_field is not None:
-        if answer_field not in row:
-            return (f"missing {answer_kind} field {answer_field!r}; set {answer_key} to the field that holds the "
-                    f"{answer_kind} (this row has {sorted(row)})")
-        if row[answer_field] is None or isinstance(row[answer_field], (dict, list)):
-            return f"{answer_kind} field {answer_field!r} must be a string or number, got {row[answer_field]!r:.60}"
-    return None
+            raise BadRowError(f"no usable rows in {source} ({len(self.skipped)} skipped; first: {first})")
 
 
 def load_prompt_dataset(
@@ -196,12 +111,19 @@ def load_prompt_dataset(
     prompt_field: str = "prompt",
     answer_field: str | None = "answer",
     on_bad_row: str = "skip",
-    use_chat_template: bool = True,
+    use_chat_template: bool | None = True,
     prompt_format: str = "{prompt}",
     messages_field: str | None = None,
+    format: str = "auto",
 ) -> PromptDataset:
-    """Read, format and tokenize prompt rows from jsonl/parquet files: the text of ``prompt_field``, or with
-    ``messages_field`` the conversation it holds (system / user turns ending with a user turn).
+    """Read, format and tokenize prompt rows from files, folders of shards or save_to_disk folders
+    (``grpo_mega.data.sources``), each file with the layout ``format`` chooses from its first row
+    (``grpo_mega.data.formats``: the text of ``prompt_field``, or a conversation of system / user turns ending with
+    a user turn; the answer of ``answer_field``; fields are dotted paths).
+
+    ``use_chat_template``: True renders every prompt with the tokenizer's chat template (conversations need one);
+    None renders conversations with it (when the tokenizer has one; else a one-turn conversation as
+    ``prompt_format``) and prompt texts with ``prompt_format``; False never uses it.
 
     A row is bad when it is not valid JSON, not an object, lacks the prompt (or messages) or answer field, or its
     formatted prompt is longer than ``prompt_length`` tokens. With ``on_bad_row='error'`` the first bad row raises
@@ -213,29 +135,49 @@ def load_prompt_dataset(
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise ValueError("load_prompt_dataset: no files given")
-    formatter = PromptFormatter(tokenizer, use_chat_template, prompt_format)
-    if messages_field is not None and not formatter.uses_chat_template:
-        raise ValueError(f"messages_field={messages_field!r}: conversations are rendered with the tokenizer's chat "
-                         "template, and the tokenizer has none (or the chat template is off)")
-    source_field = prompt_field if messages_field is None else messages_field
+    settings = FieldSettings(format, prompt_field, messages_field, answer_field)
+    formatters = {conversation: PromptFormatter(tokenizer, conversation if use_chat_template is None
+                                                else use_chat_template, prompt_format)
+                  for conversation in (False, True)}
     records: list[PromptRecord] = []
     for path in paths:
-        for location, row, error in read_rows(path):
-            error = error or (check_row(row, prompt_field, answer_field) if messages_field is None
-                              else check_conversation_row(row, messages_field, answer_field))
+        layout = None
+        for item in layout_rows(path, settings, one_turn=not formatters[True].uses_chat_template):
+            if item.layout is not None and layout is None:
+                layout = item.layout
+                _check_template(layout, formatters[True], use_chat_template, path)
+                logger.debug("%s: %s", path, layout.describe())
+            error, text, ids = item.error, "", []
             if error is None:
-                text, ids = formatter(row[source_field])
-                if len(ids) > prompt_length:
-                    error = f"prompt has {len(ids)} tokens, more than prompt_length={prompt_length}"
+                try:
+                    text, ids = formatters[layout.conversation](field_value(item.row, layout.prompt_field))
+                except ChatFormatError as bad:
+                    error = f"{layout.prompt_field}: {bad}"
+            if error is None and len(ids) > prompt_length:
+                error = f"prompt has {len(ids)} tokens, more than prompt_length={prompt_length}"
             if error is not None:
-                bad_rows.reject(location, error)
+                bad_rows.reject(item.location, error)
                 continue
-            answer = None if answer_field is None else str(row[answer_field])
-            extra = {k: v for k, v in row.items() if k not in (source_field, answer_field)}
-            raw = row[source_field] if messages_field is None else row[source_field][-1]["content"]
-            records.append(PromptRecord(text, ids, answer, raw, location, extra))
+            records.append(_record(item.row, layout, text, ids, item.location))
     bad_rows.finish(len(records), ", ".join(map(str, paths)))
     return PromptDataset(records=records, skipped=bad_rows.skipped)
+
+
+def _check_template(layout: RowLayout, formatter: PromptFormatter, use_chat_template: bool | None, path) -> None:
+    """A conversation file with ``use_chat_template=True`` needs a tokenizer that has a chat template."""
+    if layout.conversation and use_chat_template and not formatter.uses_chat_template:
+        raise ValueError(f"{path}: {layout.describe()}: conversations are rendered with the tokenizer's chat "
+                         "template, and the tokenizer has none (or the chat template is off)")
+
+
+def _record(row: dict, layout: RowLayout, text: str, ids: list[int], location: str) -> PromptRecord:
+    """The record of a checked row: the answer as text, the row's other top-level columns in ``extra`` (a nested
+    answer's column, e.g. verl's ``reward_model``, stays there whole)."""
+    prompt = field_value(row, layout.prompt_field)
+    answer = None if layout.answer_field is None else str(field_value(row, layout.answer_field))
+    extra = {k: v for k, v in row.items() if k not in (layout.prompt_field, layout.answer_field)}
+    raw = prompt[-1]["content"] if layout.conversation else prompt
+    return PromptRecord(text, ids, answer, raw, location, extra)
 
 
 class PromptBatches:

@@ -107,6 +107,21 @@ def train_tokenizer(texts: Sequence[str], folder: str | Path, vocab_size: int = 
     return load_tokenizer(folder, probes=probes)
 
 
+def has_chat_template(folder: str | Path) -> bool:
+    """Whether the tokenizer saved in ``folder`` has a chat template (``chat_template.jinja``, ``chat_template.json``
+    or ``tokenizer_config.json``'s ``chat_template``), read from its files without loading it."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        try:
+            if json.loads((folder / name).read_text()).get("chat_template"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
 def load_tokenizer(folder: str | Path, probes: Sequence[str] = (ROUND_TRIP_PROBE,)):
     """``AutoTokenizer.from_pretrained(folder)``, checked to round-trip ``probes`` and to have EOS and PAD tokens.
 

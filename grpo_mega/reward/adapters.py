@@ -37,12 +37,24 @@ state, its logging hooks, its environments)."""
 
 
 @dataclass(frozen=True)
-class RowLayout:
+class RewardRows:
     """What an adapter must know of the dataset to call a TRL function as TRL would: the answer column's name
     (``data.answer_field``) and whether rows are conversations (``data.messages_field`` set)."""
 
     answer_field: str | None = "answer"
     conversational: bool = False
+
+
+def reward_rows_of(data: Any) -> RewardRows:
+    """The :class:`RewardRows` of a config's ``data`` section: the train file's layout (``data.format``; ``auto``:
+    from its first row, ``grpo_mega.data.formats``), else what its keys say."""
+    from grpo_mega.data.formats import field_settings
+    from grpo_mega.data.prompt_rows import file_layout
+
+    layout = file_layout(data.train_file, field_settings(data))
+    if layout is None:
+        return RewardRows(data.answer_field, data.messages_field is not None)
+    return RewardRows(layout.answer_field, layout.conversation)
 
 
 def signature_kind(fn: Callable) -> str:
@@ -59,7 +71,7 @@ def signature_kind(fn: Callable) -> str:
     return "native"
 
 
-def adapt(fn: Callable, spec: str, layout: RowLayout = RowLayout()) -> Callable:
+def adapt(fn: Callable, spec: str, layout: RewardRows = RewardRows()) -> Callable:
     """``fn`` (found by ``spec``) as a grpo-mega reward function; ValueError naming ``spec`` when its signature is
     none of the three (the message shows it and the forms accepted)."""
     kind = signature_kind(fn)
@@ -122,7 +134,7 @@ def _verl_reward(fn: Callable, spec: str) -> Callable:
     return _named(fn, spec, "verl", verl_reward)
 
 
-def _trl_reward(fn: Callable, spec: str, layout: RowLayout) -> Callable:
+def _trl_reward(fn: Callable, spec: str, layout: RewardRows) -> Callable:
     signature = inspect.signature(fn)
     required = [name for name, p in signature.parameters.items()
                 if name in TRL_NOT_PASSED and p.default is inspect.Parameter.empty

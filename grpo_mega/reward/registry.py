@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from grpo_mega.reward.adapters import RowLayout, adapt, weighted_sum
+from grpo_mega.reward.adapters import RewardRows, adapt, weighted_sum
 from grpo_mega.reward.format import boxed_format_reward, step_format_reward
 from grpo_mega.reward.math_answer import math_verify_reward
 from grpo_mega.reward.synthetic import synthetic_reward, synthetic_step_reward
@@ -91,7 +91,7 @@ def _import_user_function(spec: str) -> Callable:
     return target
 
 
-def get_reward_function(spec: str, layout: RowLayout = RowLayout()) -> RewardFunction:
+def get_reward_function(spec: str, layout: RewardRows = RewardRows()) -> RewardFunction:
     """A built-in reward by name (see ``REWARD_FUNCTIONS``) or a user function (``"package.module:function"``,
     ``"path/to/file.py:function"``), verl's and TRL's signatures adapted (``layout``: what TRL's needs to know of
     the rows).
@@ -123,7 +123,7 @@ def reward_specs(function: str, functions: Sequence[str], weights: Sequence[floa
 
 
 def build_reward_function(function: str, functions: Sequence[str] = (), weights: Sequence[float] = (),
-                          layout: RowLayout = RowLayout()) -> RewardFunction:
+                          layout: RewardRows = RewardRows()) -> RewardFunction:
     """The run's verifier: the one function (its step rewards kept), or the weighted sum of several
     (``grpo_mega.reward.adapters.weighted_sum``)."""
     specs = reward_specs(function, functions, weights)

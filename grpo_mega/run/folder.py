@@ -30,7 +30,7 @@ IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "data.", "rewar
                  "process_reward.", "prm.", "algorithm.supervision", "algorithm.step_credit", "algorithm.use_kl_loss",
                  "algorithm.kl_loss_coef", "algorithm.kl_estimator")
 """The settings that change what a run trains (a dotted key, or a section with its dot): a resumed run keeps them."""
-FREE_KEYS = ("data.eval_file", "data.max_eval_prompts", "data.on_bad_row")
+FREE_KEYS = ("data.eval_file", "data.eval_format", "data.max_eval_prompts", "data.on_bad_row")
 """Settings under :data:`IDENTITY_KEYS` that only evaluate or report, which a resumed run may change."""
 
 

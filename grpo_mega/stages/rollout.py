@@ -19,7 +19,7 @@ from grpo_mega.config import AlgorithmConfig, RewardConfig
 from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.data.step_split import default_step_pattern, split_steps
 from grpo_mega.reward import RewardError, SampleReward, get_reward_function, score_across_ranks
-from grpo_mega.reward.adapters import RowLayout
+from grpo_mega.reward.adapters import RewardRows
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
@@ -102,7 +102,7 @@ class RolloutStage:
         algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
         answer_guard: AnswerGuard | None = None, step_pattern: str | None = None,
         batch_step_rewards: Callable[[RolloutBatch], tuple[RolloutBatch, dict[str, float]]] | None = None,
-        row_layout: RowLayout = RowLayout(),
+        row_layout: RewardRows = RewardRows(),
     ):
         """``step_reward_source``: where process supervision's step rewards come from
         (``grpo_mega.stages.step_sources``; e.g. ``grpo_mega.stages.process_reward.PRMStepRewards``) called as

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
+from grpo_mega.data.formats import field_settings
 from grpo_mega.data.prompts import load_prompt_dataset
 from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_env
-from grpo_mega.reward.adapters import RowLayout
+from grpo_mega.reward.adapters import RewardRows, reward_rows_of
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
@@ -40,18 +41,21 @@ def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
     return choice
 
 
-def load_prompts(cfg: GRPOConfig, tokenizer, path: str):
-    """The usable prompt records of ``path`` (``data.*``)."""
+def load_prompts(cfg: GRPOConfig, tokenizer, path: str, *, eval_file: bool = False):
+    """The usable prompt records of ``path`` (``data.*``; ``eval_file``: read with ``data.eval_format``)."""
+    data = cfg.data
     return load_prompt_dataset(
-        path, tokenizer, prompt_length=cfg.data.prompt_length, prompt_field=cfg.data.prompt_field,
-        answer_field=cfg.data.answer_field, on_bad_row=cfg.data.on_bad_row, use_chat_template=cfg.data.chat_template,
-        messages_field=cfg.data.messages_field,
+        path, tokenizer, prompt_length=data.prompt_length, prompt_field=data.prompt_field,
+        answer_field=data.answer_field, on_bad_row=data.on_bad_row, use_chat_template=data.chat_template,
+        messages_field=data.messages_field, format=field_settings(data, eval_file=eval_file).format,
     ).records
 
 
 def eval_prompts(cfg: GRPOConfig, tokenizer) -> list:
     """The held-out prompts (``data.eval_file``, at most ``data.max_eval_prompts``); none without an eval file."""
-    return load_prompts(cfg, tokenizer, cfg.data.eval_file)[: cfg.data.max_eval_prompts] if cfg.data.eval_file else []
+    if not cfg.data.eval_file:
+        return []
+    return load_prompts(cfg, tokenizer, cfg.data.eval_file, eval_file=True)[: cfg.data.max_eval_prompts]
 
 
 def step_reward_source(cfg: GRPOConfig, decode):
@@ -82,10 +86,10 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
                                 dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
 
 
-def row_layout_of(cfg: GRPOConfig) -> RowLayout:
-    """What a TRL reward function needs to know of the rows: the answer column's name, whether they are
-    conversations."""
-    return RowLayout(cfg.data.answer_field, cfg.data.messages_field is not None)
+def row_layout_of(cfg: GRPOConfig) -> RewardRows:
+    """What a TRL reward function needs to know of the rows: the answer column's name and whether the prompts are
+    conversations, as the train file's layout says (``data.format``; ``auto``: from its first row)."""
+    return reward_rows_of(cfg.data)
 
 
 def reward_function_of(cfg: GRPOConfig):
