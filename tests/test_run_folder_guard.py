@@ -119,3 +119,18 @@ def test_a_new_attempt_sets_the_earlier_failure_aside_when_it_starts(task, tmp_p
     [kept] = run_dir.glob("failure.*.json")
     assert json.loads(kept.read_text()) == earlier
     assert json.loads((run_dir / "failure.json").read_text())["cause"] != "peer_lost"
+
+
+def test_settings_added_since_a_run_started_do_not_refuse_its_resume(tmp_path):
+    """A run saved before data.format existed (and with data.chat_template false, the default then) resumes under
+    today's defaults; a setting it saved and that changed is still named."""
+    from grpo_mega.run.folder import changed_identity
+
+    previous = {"data": {"train_file": "t.jsonl", "chat_template": False}, "reward": {"function": "math_verify"}}
+    current = {"data": {"train_file": "t.jsonl", "chat_template": None, "format": "auto", "eval_format": None},
+               "reward": {"function": "math_verify", "functions": None}}
+    assert changed_identity(previous, current, tmp_path) == []
+    current["data"]["chat_template"] = True
+    current["reward"]["function"] = "synthetic"
+    assert changed_identity(previous, current, tmp_path) == [("data.chat_template", False, True),
+                                                             ("reward.function", "math_verify", "synthetic")]

@@ -34,6 +34,11 @@ FREE_KEYS = ("data.eval_file", "data.eval_format", "data.max_eval_prompts", "dat
 """Settings under :data:`IDENTITY_KEYS` that only evaluate or report, which a resumed run may change."""
 
 
+EQUIVALENT = {"data.chat_template": (False, None)}
+"""Values of one setting that train the same: a run saved before ``data.chat_template`` defaulted to null saved
+false, and both render prompt texts without the chat template (conversations needed true then)."""
+
+
 class RunFolderError(ValueError):
     """The run folder holds another run (or this run with other settings); the message names the fix."""
 
@@ -97,7 +102,9 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
 
 
 def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple[str, Any, Any]]:
-    """(key, previous value, current value) of every :data:`IDENTITY_KEYS` setting that differs. An unset
+    """(key, previous value, current value) of every :data:`IDENTITY_KEYS` setting that differs; a key the previous
+    config lacks (a setting added since that run started, whose default keeps the behaviour it had) is not compared,
+    nor two values :data:`EQUIVALENT` names. An unset
     ``model.tokenizer`` is ``model.hf_config``'s; a previous value that is a path inside ``run_dir`` was derived by
     the run itself (a PRM's config written beside its checkpoints) and is not compared."""
     old, new = _flatten(previous), _flatten(current)
@@ -108,7 +115,8 @@ def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple
                   if any(key == name or (name.endswith(".") and key.startswith(name)) for name in IDENTITY_KEYS)
                   and key not in FREE_KEYS
                   and not (isinstance(old.get(key), str) and "/" in old[key] and _inside(Path(old[key]), run_dir)))
-    return [(key, old.get(key), new.get(key)) for key in keys if not _same(old.get(key), new.get(key))]
+    return [(key, old.get(key), new.get(key)) for key in keys
+            if key in old and not _same(old.get(key), new.get(key)) and not _equivalent(key, old[key], new.get(key))]
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -166,6 +174,11 @@ def _same(old: Any, new: Any) -> bool:
     if isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new):
         return os.path.samefile(old, new)
     return False
+
+
+def _equivalent(key: str, old: Any, new: Any) -> bool:
+    values = EQUIVALENT.get(key, ())
+    return old in values and new in values
 
 
 def _show(value: Any) -> str:
