@@ -70,6 +70,10 @@ def run_prm_command(args, argv: list[str]) -> int:
             check_paths(cfg)
             verdict = start_attempt(cfg, act=launch_rank() == 0)
         except ConfigError as error:  # one line (with cause=config under a launcher: SLURM does not requeue it)
+            from grpo_mega.config import GRPOConfig, SFTConfig
+            from grpo_mega.config.loading import another_commands_config
+
+            error = another_commands_config(error, {"grpo-mega train": GRPOConfig, "grpo-mega sft": SFTConfig})
             if launched:
                 from grpo_mega.run.failure import report_failure
 

@@ -62,6 +62,8 @@ def test_an_unreadable_override_is_one_line_and_exit_2():
     (["train"], "quickstart_sft.yaml", "grpo-mega sft"),
     (["plan", "--gpus-per-node", "8", "--gpu-memory-gib", "79.6"], "small-model_sft.yaml", "grpo-mega sft"),
     (["sft"], "quickstart_grpo.yaml", "grpo-mega train"),
+    (["prm", "train"], "quickstart_grpo.yaml", "grpo-mega train"),
+    (["prm", "train"], "quickstart_sft.yaml", "grpo-mega sft"),
 ])
 def test_a_config_of_another_command_is_named_as_such(command, config, owner):
     result = _grpo_mega(*command, "--config", str(CONFIGS / config))
