@@ -4,6 +4,7 @@
 #   python3 -m pip install --no-index --no-deps --target /tmp/site WHEEL_DIR/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   python3 bench/gpu_check.py --out gpu_check.json
 # Usage: bench/gpu_wheels.sh [WHEEL_DIR (default .whl)] [PYTHON_VERSION of the GPU machine (default 3.12)]
+# PIP_PYTHON: the Python whose pip downloads here (default python3; e.g. .venv/bin/python where python3 has no pip)
 # megatron-core is pinned as in pyproject.toml; omegaconf needs antlr4-python3-runtime 4.9.x, which PyPI has as a
 # source archive only, so it is built into a wheel here (pure Python).
 set -euo pipefail
@@ -12,10 +13,10 @@ py=${2:-3.12}
 mkdir -p "$out"
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform any)
-python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
+"${PIP_PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
     "${platforms[@]}" -d "$out" megatron-core==0.16.1 omegaconf==2.3.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0
 sdist=$(mktemp -d)
-python3 -m pip download --quiet --no-deps --no-binary=:all: -d "$sdist" antlr4-python3-runtime==4.9.3
-python3 -m pip wheel --quiet --no-deps -w "$out" "$sdist"/antlr4*
+"${PIP_PYTHON:-python3}" -m pip download --quiet --no-deps --no-binary=:all: -d "$sdist" antlr4-python3-runtime==4.9.3
+"${PIP_PYTHON:-python3}" -m pip wheel --quiet --no-deps -w "$out" "$sdist"/antlr4*
 rm -rf "$sdist"
 ls "$out"
