@@ -347,3 +347,31 @@ def test_sft_rows_take_dotted_fields_and_folders_too(tmp_path):
     assert "response field 'a.text' must be a string, got 5" in check_sft_row({**row, "a": {"text": 5}}, data)
     assert "missing response field 'a.text' (no field 'a.text': 'a' has the fields ['txt'])" in check_sft_row(
         {**row, "a": {"txt": "5"}}, data)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow_stream", "arrow_file"])
+def test_tables_are_read_a_batch_at_a_time_with_rows_numbered_across_batches(tmp_path, monkeypatch, kind):
+    """Rows are read a record batch at a time (2 rows here): their numbers run on across batches and row groups, so
+    the row an error names is the file's row, and a reader that takes the first rows gets them."""
+    import itertools
+
+    import pyarrow.ipc as ipc
+
+    from grpo_mega.data import sources
+
+    monkeypatch.setattr(sources, "TABLE_BATCH_ROWS", 2)
+    table = pyarrow.Table.from_pylist([{"prompt": f"p{i}", "answer": i} for i in range(7)])
+    path = tmp_path / ("data.parquet" if kind == "parquet" else "data.arrow")
+    if kind == "parquet":
+        parquet.write_table(table, path, row_group_size=3)
+    else:
+        with pyarrow.OSFile(str(path), "wb") as sink:
+            writer = (ipc.new_stream if kind == "arrow_stream" else ipc.new_file)(sink, table.schema)
+            for batch in table.to_batches(max_chunksize=3):
+                writer.write_batch(batch)
+            writer.close()
+    rows = list(sources.read_rows(path))
+    assert [location for location, _, _ in rows] == [f"{path}:row {n}" for n in range(1, 8)]
+    assert [row["answer"] for _, row, _ in rows] == list(range(7))
+    first = list(itertools.islice(sources.read_rows(path), 2))
+    assert [row["prompt"] for _, row, _ in first] == ["p0", "p1"]

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FILE_KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+TABLE_BATCH_ROWS = 1024
+"""Rows per record batch read from a parquet or Arrow file."""
 """Suffixes of the files rows are read from, and how each is read."""
 _SHARD_NAME = re.compile(r"^(?P<split>.*?)-(?P<index>\d+)-of-(?P<count>\d+)$")
 _GLOB_CHARS = set("*?[")
@@ -176,20 +178,30 @@ def _rows_from_jsonl(path: Path) -> Iterator[Row]:
 
 def _rows_from_table(path: Path, kind: str) -> Iterator[Row]:
     """(location, row, None) for every row of a parquet file or an Arrow IPC file (save_to_disk's stream format, or
-    the random-access file format); needs pyarrow."""
+    the random-access file format), read a record batch at a time (a reader that stops after a few rows, such as a
+    config check, reads no more of a large file than it needs); needs pyarrow."""
     try:
         import pyarrow
         import pyarrow.ipc as ipc
         import pyarrow.parquet as parquet
     except ImportError as error:
         raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from error
+    row_number = 0
     if kind == "parquet":
-        table = parquet.read_table(path)
-    else:
-        with pyarrow.memory_map(str(path)) as stream:
-            try:
-                table = ipc.open_stream(stream).read_all()
-            except pyarrow.ArrowInvalid:
-                table = ipc.open_file(stream).read_all()
-    for row_number, row in enumerate(table.to_pylist(), start=1):
-        yield f"{path}:row {row_number}", row, None
+        batches = parquet.ParquetFile(path).iter_batches(batch_size=TABLE_BATCH_ROWS)
+        for batch in batches:
+            for row in batch.to_pylist():
+                row_number += 1
+                yield f"{path}:row {row_number}", row, None
+        return
+    with pyarrow.memory_map(str(path)) as stream:
+        try:
+            reader = ipc.open_stream(stream)
+            batches = iter(reader)
+        except pyarrow.ArrowInvalid:
+            reader = ipc.open_file(stream)
+            batches = (reader.get_batch(index) for index in range(reader.num_record_batches))
+        for batch in batches:
+            for row in batch.to_pylist():
+                row_number += 1
+                yield f"{path}:row {row_number}", row, None
