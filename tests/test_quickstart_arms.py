@@ -168,9 +168,11 @@ def test_the_dense_demo_ends_saying_where_a_prm_pays(regime, capsys):
     arm = {"start_accuracy": 0.9, "accuracy": 0.96, "gain": 0.06, "zero_signal_group_fraction": 0.8, "seconds": 90.0}
     print_table({"regime": regime, "steps": 60, "seed": 1, "arms": {"outcome": arm}, "stage_seconds": {"sft": 1.0},
                  "wall_seconds": 100.0, "plot": "runs/quickstart/plot.png"})
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    if regime == "dense":  # make demo: the comparison says nothing about a PRM here, and the line says where it does
-        assert last.startswith("where a PRM pays: not here") and "--regime sparse" in last and "README" in last
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = lines[-1]
+    if regime == "dense":  # make demo: the comparison says nothing about a PRM here; the lines say where it does
+        assert lines[-2].startswith("where a PRM pays: not here") and "--regime sparse" in lines[-2]
+        assert "README" in lines[-2] and last.startswith("process credit without a trained PRM did not pay there")
     else:
         assert last == "plot: runs/quickstart/plot.png"
 
@@ -194,6 +196,12 @@ def test_the_demo_s_sparse_figures_are_the_recorded_verdict():
     assert f"{steps[0]} (score) to {steps[1]} (delta) points per step, SE {errors[0]}-{errors[1]}" in DENSE_REGIME_NOTE
     assert f"trailed by {counted} with" in DENSE_REGIME_NOTE
     assert f"led by {100 * set_aside[0]:+.1f} to {100 * set_aside[-1]:+.1f} with them set aside" in DENSE_REGIME_NOTE
+    tree = json.loads((Path(__file__).resolve().parents[1] / "bench/results/pipeline_seeds_sparse_tree.json").read_text())
+    tree_points = lambda key: f"{100 * tree[key]['mean']:+.1f}"  # noqa: E731
+    assert tree["seeds"] == [1, 2, 3, 4, 5]
+    assert (f"(best plan [8, 2]) {tree_points('tree_82_minus_os')} points per step and "
+            f"{tree_points('tree_82_minus_os_equal_seconds')} per second") in DENSE_REGIME_NOTE
+    assert f"the implicit PRM {points('implicit_minus_os')} per step, RFT {tree_points('rft_minus_os')}" in DENSE_REGIME_NOTE
 
 
 def test_rft_fine_tunes_on_the_labelled_solutions_that_were_right_for_the_prm_trainings_seconds(tmp_path):

@@ -171,9 +171,13 @@ DENSE_REGIME_NOTE = (
     "rewards are sparse, `grpo-mega quickstart --regime sparse` (about 45 minutes on 2 cores), over 5 seeds: the "
     "learned PRM's step credit led outcome supervision by +6.0 (score) to +6.9 (delta) points per step, SE 2.6-2.8; "
     "per second it trailed by 6.0 with the PRM's labels and training charged to one run, and led by +4.0 to +5.5 with "
-    "them set aside (bench/results/pipeline_seeds_sparse.json; the README's \"Does a PRM pay?\", docs/results.md)")
-"""The demo's last line (``make demo`` runs the dense regime): where the comparison of its arms says nothing, and
-the measured sparse verdict (tests/test_quickstart_arms.py checks its figures against the result file)."""
+    "them set aside (bench/results/pipeline_seeds_sparse.json; the README's \"Does a PRM pay?\", docs/results.md)\n"
+    "process credit without a trained PRM did not pay there: tree credit from the policy's own rollouts (best plan "
+    "[8, 2]) -0.4 points per step and -2.2 per second, the implicit PRM +0.1 per step, RFT -9.1 "
+    "(bench/results/pipeline_seeds_sparse_tree.json)")
+"""The demo's last lines (``make demo`` runs the dense regime): where the comparison of its arms says nothing, and
+the measured sparse verdicts: where each form of process credit paid (tests/test_quickstart_arms.py checks their
+figures against the result files)."""
 
 
 def print_table(summary: dict) -> None:
