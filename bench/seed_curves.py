@@ -65,31 +65,54 @@ def gain_curve(curve: Sequence[Sequence[float]]) -> list[list[float]]:
     return [[step, seconds, accuracy - curve[0][2]] for step, seconds, accuracy in curve]
 
 
+def line_style(label: str) -> str:
+    """A family's line style, so that 15 arms stay apart where colours alone repeat: tree credit dashed, the oracle
+    dotted, the implicit PRM dash-dot, the rest (outcome, learned PRM, RFT) solid."""
+    if label.startswith("tree"):
+        return "--"
+    if "oracle" in label:
+        return ":"
+    if "implicit" in label:
+        return "-."
+    return "-"
+
+
+def arm_styles(labels: Sequence[str]) -> list[dict]:
+    """matplotlib line settings for each arm: a colour per arm (tab10, or tab20 past 10 arms) and its family's
+    ``line_style``."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if len(labels) <= 10 else "tab20"].colors
+    return [dict(color=palette[index % len(palette)], linestyle=line_style(label), marker="o", markersize=3)
+            for index, label in enumerate(labels)]
+
+
 def plot_seed_curves(runs: Sequence[dict], titles: dict[str, str], out_png: Path, title: str) -> Path:
     """Two panels: every arm's mean held-out accuracy gain over its start, over the seeds, against GRPO step (the
-    band: the seeds' range) and against mean seconds (PRM cost included)."""
+    band: the seeds' range) and against mean seconds (PRM cost included); a colour per arm (from 20 where more than
+    10 arms), a line style per family (``line_style``), the legend beside the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (by_step, by_seconds) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for arm, label in titles.items():
+    for (arm, label), style in zip(titles.items(), arm_styles(list(titles.values()))):
         rows = mean_curve([gain_curve(run["arms"][arm]["curve"]) for run in runs])
         steps, seconds, means, lows, highs = zip(*rows)
-        line, = by_step.plot(steps, means, "o-", label=label, markersize=3)
-        by_step.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.12)
-        by_seconds.plot(seconds, means, "o-", color=line.get_color(), markersize=3)
+        by_step.plot(steps, means, label=label, **style)
+        by_step.fill_between(steps, lows, highs, color=style["color"], alpha=0.08)
+        by_seconds.plot(seconds, means, **style)
     by_step.set_xlabel("GRPO step")
     by_seconds.set_xlabel("seconds (mean over seeds; a learned PRM's labels and training first)")
     by_step.set_ylabel(f"held-out accuracy gain (mean of {len(runs)} seeds; band: their range)")
-    by_step.legend(fontsize=8)
+    figure.legend(*by_step.get_legend_handles_labels(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     for axis in (by_step, by_seconds):
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_png, dpi=90)
+    figure.savefig(out_png, dpi=90, bbox_inches="tight")
     plt.close(figure)
     return out_png

@@ -116,3 +116,22 @@ def test_recorded_arms_join_a_seed_only_from_the_same_start(tmp_path):
     joined = with_recorded_arms(new, recorded)
     assert joined["recorded_differences"] == {"process": {"recorded": 0.36, "here": 0.35}}
     assert joined["ps_accuracy"] == 0.35 and "recorded_from" not in joined["arms"]["process"]
+
+
+
+def test_every_arm_of_the_tree_verdict_is_drawn_apart():
+    """The 5-seed tree verdict plots 15 arms: matplotlib's default 10-colour cycle drew five pairs alike."""
+    import json
+    from pathlib import Path
+
+    from bench.seed_curves import arm_styles
+    from grpo_mega.quickstart.report import arm_title
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "bench/results/pipeline_seeds_sparse_tree.json").read_text())
+    labels = [arm_title(arm) for arm in result["arm_figures"]]
+    assert len(labels) == 15
+    drawn = [(style["color"], style["linestyle"]) for style in arm_styles(labels)]
+    assert len(set(drawn)) == len(drawn)
+    styles = {label: style["linestyle"] for label, style in zip(labels, arm_styles(labels))}
+    assert styles[arm_title("tree_82")] == "--" and styles[arm_title("oracle")] == ":"
+    assert styles[arm_title("implicit")] == "-." and styles[arm_title("outcome")] == "-"
