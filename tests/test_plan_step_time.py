@@ -234,3 +234,22 @@ def test_the_hf_rollout_engine_generates_on_every_model_parallel_group_at_once(c
     assert main([*base, "--device", "CPU"]) in (0, 1)
     cpu = json.loads(capsys.readouterr().out)["step_time"]
     assert cpu["device"]["name"] == "CPU" and any("not fitted" in note for note in cpu["notes"])
+
+
+def test_the_step_time_says_where_the_one_gpu_measurement_falsified_it(tmp_path, capsys):
+    """The first GPU run (0.5B, hf rollouts, one H200) was 24x slower than the model: a plan of the hf engine on a
+    GPU, of a small policy on a GPU, and of tree sampling (not modelled) says so; vLLM at 7B does not."""
+    from grpo_mega.cli import main
+
+    base = ["plan", "--config", "configs/qwen2.5-math-1.5b_grpo.yaml", "--steps", "10", "--json"]
+    assert main([*base, "rollout.engine=hf", "process_reward.source=tree", "algorithm.supervision=process",
+                 "tree_rollout.branching=[4,2]"]) in (0, 1)
+    notes = json.loads(capsys.readouterr().out)["step_time"]["notes"]
+    assert any(note.startswith("rollout.engine=hf on a GPU") and "gpu_check_h200.json" in note for note in notes)
+    assert any(note.startswith("process_reward.source=tree") for note in notes)
+    assert main(["plan", "--config", "configs/qwen2.5-math-7b_grpo.yaml", "--steps", "10", "--json"]) in (0, 1)
+    notes = json.loads(capsys.readouterr().out)["step_time"]["notes"]
+    assert not any("gpu_check_h200" in note or "tree" in note for note in notes)
+    assert main([*base, "rollout.engine=hf", "--device", "CPU"]) in (0, 1)
+    notes = json.loads(capsys.readouterr().out)["step_time"]["notes"]
+    assert not any("gpu_check_h200" in note for note in notes)

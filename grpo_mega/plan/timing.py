@@ -52,6 +52,13 @@ def _lengths(cfg, a: Assumptions) -> Lengths:
     return Lengths(prompt=prompt, response_mean=mean, response_tail=tail)
 
 
+GPU_MEASUREMENT = "a 0.5B policy on one H200, bench/results/gpu_check_h200.json"
+"""The only GPU run the model has been compared with (docs/performance.md, "The first GPU run")."""
+
+SMALL_MODEL_PARAMS = 1e9
+"""Below this many matmul parameters a GPU step is bound by launches and Python, which the model has no term for."""
+
+
 def _model(hf: dict, dtype_bytes: int) -> ModelCost:
     from grpo_mega.model.config_map import padded_vocab_size
 
@@ -103,6 +110,17 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     else:  # the hf engine: every model-parallel group generates its DP share of the rows at once
         replicas, rtp = max(1, rollout_gpus // (plan.tensor * plan.pipeline)), plan.tensor
         concurrent = generated / replicas
+        if device.name != "CPU":
+            notes.append("rollout.engine=hf on a GPU: generation priced as bandwidth-bound decoding, a floor; the one "
+                         f"GPU measurement ({GPU_MEASUREMENT}) generated 25x slower than this model, bound by launches "
+                         "and Python: use rollout.engine=vllm on GPUs")
+    if device.name != "CPU" and policy.matmul_params < SMALL_MODEL_PARAMS:
+        notes.append(f"a policy under {SMALL_MODEL_PARAMS / 1e9:g}B matmul parameters on a GPU: its kernels are too "
+                     f"small for the fitted efficiencies; the one GPU measurement ({GPU_MEASUREMENT}) ran its update "
+                     "20x slower than this model")
+    if cfg.process_reward.source == "tree":
+        notes.append("process_reward.source=tree: sampled as G independent chains (the tree's shared prefixes and "
+                     "its extra generation passes, one per level, are not modelled)")
     gen = generation_seconds(policy, lengths, sequences=generated, replicas=replicas, tp=rtp, concurrent=concurrent,
                              device=device, eff=eff)
     phases = {"generation": gen["prefill"] + gen["decode"]}
