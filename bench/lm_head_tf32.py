@@ -84,13 +84,14 @@ def heads_agree(report: dict) -> str | None:
     return "; ".join(problems) or None
 
 
-def fp64_gradients(hidden, weight, labels, chunk_size: int):
-    """(dL/dh, dL/dW) in fp64 of L = sum log p(label) + 0.1 sum entropy, the loss ``compare_tf32_head`` trains
-    on, ``chunk_size`` tokens at a time."""
+def fp64_head(hidden, weight, labels, chunk_size: int):
+    """(log p(label), dL/dh, dL/dW) in fp64, with L = sum log p(label) + 0.1 sum entropy, the loss
+    ``compare_tf32_head`` trains on, ``chunk_size`` tokens at a time."""
     import torch
 
     weight64 = weight.detach().double().requires_grad_(True)
     grad_hidden = torch.empty(hidden.shape, dtype=torch.float64, device=hidden.device)
+    logprobs = torch.empty(hidden.shape[0], dtype=torch.float64, device=hidden.device)
     for begin in range(0, hidden.shape[0], chunk_size):
         chunk = hidden[begin:begin + chunk_size].detach().double().requires_grad_(True)
         log_p = torch.log_softmax(chunk @ weight64.t(), dim=-1)
@@ -98,8 +99,9 @@ def fp64_gradients(hidden, weight, labels, chunk_size: int):
         picked = log_p.gather(-1, labels[begin:begin + chunk_size, None])
         (picked.sum() + 0.1 * entropy.sum()).backward()
         grad_hidden[begin:begin + chunk_size] = chunk.grad
+        logprobs[begin:begin + chunk_size] = picked.detach()[:, 0]
         del log_p, entropy, picked
-    return grad_hidden, weight64.grad
+    return logprobs, grad_hidden, weight64.grad
 
 
 def compare_tf32_head(device: str = "cuda", *, tokens: int = 4096, hidden_size: int = 3584,
@@ -158,9 +160,8 @@ def compare_tf32_head(device: str = "cuda", *, tokens: int = 4096, hidden_size: 
                 seconds[mode][name] = round(best_time(mode == "train"), 5)
             outputs[name] = call(True)
     n = min(reference_tokens, tokens)
-    exact_grads = fp64_gradients(hidden, weight, labels, chunk_size)
-    log_p64 = torch.log_softmax(hidden[:n].double() @ weight.double().t(), dim=-1)
-    reference = log_p64.gather(-1, labels[:n].unsqueeze(-1)).squeeze(-1)
+    exact_logprobs, *exact_grads = fp64_head(hidden, weight, labels, chunk_size)
+    reference = exact_logprobs[:n]
     fields = ("logprobs", "entropy", "grad_hidden", "grad_weight")
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

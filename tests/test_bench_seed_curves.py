@@ -118,7 +118,6 @@ def test_recorded_arms_join_a_seed_only_from_the_same_start(tmp_path):
     assert joined["ps_accuracy"] == 0.35 and "recorded_from" not in joined["arms"]["process"]
 
 
-
 def test_every_arm_of_the_tree_verdict_is_drawn_apart():
     """The 5-seed tree verdict plots 15 arms: matplotlib's default 10-colour cycle drew five pairs alike."""
     import json

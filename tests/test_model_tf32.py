@@ -144,11 +144,8 @@ def _logprob_job() -> dict:
             logprobs.tf32_if_exact = real
         result[name] = {"records": recorder.records, "restored": restored,
                         "bitwise_equal": [torch.equal(a, b) for a, b in zip(scoped, unscoped)]}
-    spec = importlib.util.spec_from_file_location("lm_head_tf32", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    result["bench"] = bench.compare_tf32_head("cpu", tokens=24, hidden_size=16, vocab_size=40, chunk_size=8,
-                                              repeats=1, reference_tokens=8)
+    result["bench"] = _load_bench().compare_tf32_head("cpu", tokens=24, hidden_size=16, vocab_size=40, chunk_size=8,
+                                                      repeats=1, reference_tokens=8)
     return result
 
 
@@ -197,7 +194,6 @@ def test_gpu_comparison_bench_runs_on_cpu(logprob_runs):
     assert report["fp32_precision_after"] == "ieee"  # as the job had set it
 
 
-
 def _load_bench():
     spec = importlib.util.spec_from_file_location("lm_head_tf32", BENCH)
     bench = importlib.util.module_from_spec(spec)
@@ -215,12 +211,12 @@ def _simulated_head_report(grad_logit_path: str) -> dict:
     weight = (torch.randn(4096, 64, generator=generator) * 3 / 64**0.5).bfloat16()
     labels = torch.randint(0, 4096, (64,), generator=generator)
 
-    def head(logits):
+    def head(logits, grad_logits_in_bf16: bool = False):
         log_p = torch.log_softmax(logits, dim=-1)
         entropy = -(log_p.exp() * log_p).sum(-1)
         grad_logits = -log_p.exp() * (1 + 0.1 * (log_p + entropy[:, None]))
         grad_logits[torch.arange(64), labels] += 1
-        if grad_logit_path == "bf16" and logits is not ieee_logits:
+        if grad_logits_in_bf16:
             grad_logits = grad_logits.bfloat16().float()
         return (log_p.gather(-1, labels[:, None])[:, 0], entropy,
                 (grad_logits @ weight.float()).bfloat16(), (grad_logits.t() @ hidden.float()).bfloat16())
@@ -229,9 +225,10 @@ def _simulated_head_report(grad_logit_path: str) -> dict:
     half = 32
     other_order = hidden[:, :half].float() @ weight[:, :half].float().t() + \
         hidden[:, half:].float() @ weight[:, half:].float().t()
-    outputs = {"tf32": head(other_order if grad_logit_path == "sum_order" else ieee_logits.clone()),
+    outputs = {"tf32": head(other_order if grad_logit_path == "sum_order" else ieee_logits,
+                            grad_logits_in_bf16=grad_logit_path == "bf16"),
                "ieee": head(ieee_logits)}
-    exact = bench.fp64_gradients(hidden, weight, labels, chunk_size=16)
+    _, *exact = bench.fp64_head(hidden, weight, labels, chunk_size=16)
     fields = ("logprobs", "entropy", "grad_hidden", "grad_weight")
     return bench, {
         "max_rel_diff": {f: bench._max_rel(a, b) for f, a, b in zip(fields, outputs["tf32"], outputs["ieee"])},
@@ -257,4 +254,3 @@ def test_gpu_check_rejects_a_less_accurate_gradient():
     assert problem is not None and "grad_hidden" in problem and "grad_weight" in problem, report["grad_error_vs_fp64"]
     report["max_rel_diff"]["entropy"] = 3e-4
     assert "entropy max relative difference 3.00e-04" in bench.heads_agree(report)
-

@@ -174,7 +174,7 @@ DENSE_REGIME_NOTE = (
     "them set aside (bench/results/pipeline_seeds_sparse.json; the README's \"Does a PRM pay?\", docs/results.md)\n"
     "process credit without a trained PRM did not pay there: tree credit from the policy's own rollouts (best plan "
     "[8, 2]) -0.4 points per step and -2.2 per second, the implicit PRM +0.1 per step, RFT -9.1 "
-    "(bench/results/pipeline_seeds_sparse_tree.json)")
+    "(bench/results/pipeline_seeds_sparse_tree.json; the implicit PRM's: pipeline_seeds_sparse.json)")
 """The demo's last lines (``make demo`` runs the dense regime): where the comparison of its arms says nothing, and
 the measured sparse verdicts: where each form of process credit paid (tests/test_quickstart_arms.py checks their
 figures against the result files)."""
