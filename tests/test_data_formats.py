@@ -375,3 +375,15 @@ def test_tables_are_read_a_batch_at_a_time_with_rows_numbered_across_batches(tmp
     assert [row["answer"] for _, row, _ in rows] == list(range(7))
     first = list(itertools.islice(sources.read_rows(path), 2))
     assert [row["prompt"] for _, row, _ in first] == ["p0", "p1"]
+
+
+@pytest.mark.parametrize("name", ["broken.parquet", "broken.arrow"])
+def test_a_file_that_is_no_table_is_one_error_naming_it(tmp_path, name):
+    """A damaged or mislabelled parquet / Arrow file: one DataSourceError naming the file (the command's preflight
+    prints it as one line), not pyarrow's traceback."""
+    from grpo_mega.data.sources import DataSourceError, read_rows
+
+    path = tmp_path / name
+    path.write_text("not a table")
+    with pytest.raises(DataSourceError, match=rf"{path}: not a readable (parquet|arrow) file \("):
+        list(read_rows(path))

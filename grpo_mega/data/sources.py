@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FILE_KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+"""Suffixes of the files rows are read from, and how each is read."""
 TABLE_BATCH_ROWS = 1024
 """Rows per record batch read from a parquet or Arrow file."""
-"""Suffixes of the files rows are read from, and how each is read."""
 _SHARD_NAME = re.compile(r"^(?P<split>.*?)-(?P<index>\d+)-of-(?P<count>\d+)$")
 _GLOB_CHARS = set("*?[")
 
@@ -186,22 +186,25 @@ def _rows_from_table(path: Path, kind: str) -> Iterator[Row]:
         import pyarrow.parquet as parquet
     except ImportError as error:
         raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from error
+    try:
+        if kind == "parquet":
+            yield from _numbered_rows(path, parquet.ParquetFile(path).iter_batches(batch_size=TABLE_BATCH_ROWS))
+            return
+        with pyarrow.memory_map(str(path)) as stream:
+            try:
+                batches = iter(ipc.open_stream(stream))
+            except pyarrow.ArrowInvalid:
+                reader = ipc.open_file(stream)
+                batches = (reader.get_batch(index) for index in range(reader.num_record_batches))
+            yield from _numbered_rows(path, batches)
+    except pyarrow.ArrowException as error:  # not a parquet / Arrow file, or a damaged one
+        raise DataSourceError(f"{path}: not a readable {kind} file ({error})") from None
+
+
+def _numbered_rows(path: Path, batches) -> Iterator[Row]:
+    """(location, row, None) for every row of ``batches`` (pyarrow record batches), numbered from 1 across them."""
     row_number = 0
-    if kind == "parquet":
-        batches = parquet.ParquetFile(path).iter_batches(batch_size=TABLE_BATCH_ROWS)
-        for batch in batches:
-            for row in batch.to_pylist():
-                row_number += 1
-                yield f"{path}:row {row_number}", row, None
-        return
-    with pyarrow.memory_map(str(path)) as stream:
-        try:
-            reader = ipc.open_stream(stream)
-            batches = iter(reader)
-        except pyarrow.ArrowInvalid:
-            reader = ipc.open_file(stream)
-            batches = (reader.get_batch(index) for index in range(reader.num_record_batches))
-        for batch in batches:
-            for row in batch.to_pylist():
-                row_number += 1
-                yield f"{path}:row {row_number}", row, None
+    for batch in batches:
+        for row in batch.to_pylist():
+            row_number += 1
+            yield f"{path}:row {row_number}", row, None
