@@ -8,13 +8,15 @@ batch, fp32) for ``--steps`` steps, the first a warm-up; a phase's measured figu
 path: the same overrides loaded into a ``GRPOConfig``, ``plan_config`` on 1 node x 2 "GPUs" (the processes), and
 ``grpo_mega.plan.timing.config_step_time`` on a CPU profile of one core (``bench/matmul_peak.py``'s 1-thread
 matmul peak and copy bandwidth, measured in the same run), with the measured mean prompt and response tokens as
-its assumptions (a user gives them the same way). The five factors of ``grpo_mega.plan.step_time.Efficiency`` are
+its assumptions (a user gives them the same way). The factors of ``grpo_mega.plan.step_time.Efficiency`` are
 fitted on the ``fit`` configs (least squares on log seconds over generation, update and the step) and the
 ``judge`` configs are predicted with them. The machine is shared: the load average before and after each run is
 recorded beside it, and a run under load measures the load as much as the code.
 
-    python bench/step_time_cpu.py                 # 8 configs x 4 steps; writes bench/results/step_time_cpu.json
+    python bench/step_time_cpu.py                 # 10 configs x 4 steps; writes bench/results/step_time_cpu.json
     python bench/step_time_cpu.py --only base     # one config, to check the harness
+    python bench/step_time_cpu.py --refit bench/results/step_time_cpu.json --out /tmp/refit.json
+                                                  # today's model on a record's measurements (nothing run)
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-BOUNDS = {"decode_step_overhead": (1e-5, 0.5)}
+BOUNDS = {"decode_step_overhead": (1e-5, 0.5), "layer_overhead": (1e-6, 0.05), "collective_latency": (1e-6, 0.05)}
+"""Seconds factors' ranges (the shares of peak search [0.005, 1])."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,33 @@ def predictor(c: CpuConfig, result: dict):
     return predict
 
 
+def recorded(path: Path, chosen: list[CpuConfig], work: Path):
+    """([(config, result)], the CPU profile, the matmul peak) of an earlier record's measurements, with the
+    workload rebuilt under ``work`` (the predictor reads the model's config.json and the prompt file)."""
+    from ours_grpo import write_prompt_file
+    from workload import build_workload
+
+    from grpo_mega.plan.devices import DeviceProfile
+
+    record = json.loads(path.read_text())
+    rows = {row["config"]: row for row in record["configs"]}
+    measured = []
+    for c in chosen:
+        row = rows.get(c.name)
+        if row is None or "tokens" not in row:
+            raise SystemExit(f"{path}: no measured tokens for config {c.name!r} (records before 2026-12-01 lack "
+                             "them: measure again)")
+        built = build_workload(work / "workload", c.size)
+        folder = work / c.name
+        folder.mkdir(parents=True, exist_ok=True)
+        prompt_file = write_prompt_file(built.train_file, c.prompts, folder / "prompts.jsonl")
+        measured.append((c, {"model_dir": str(built.model_dir), "prompt_file": str(prompt_file),
+                             "measured": row["measured"], "tokens": row["tokens"],
+                             "response_tokens": row["response_tokens"], "load_average": row["load_average"],
+                             "steps_measured": row.get("steps_measured")}))
+    return measured, DeviceProfile(**record["cpu_profile"]), record["matmul_peak_1_thread"]
+
+
 def log_error(items, device, eff) -> float:
     total = 0.0
     for predict, result in items:
@@ -154,22 +184,28 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="config names to run (default: all)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/grpo_mega_step_time_cpu"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/step_time_cpu.json")
+    parser.add_argument("--refit", type=Path, metavar="RECORD",
+                        help="fit and judge today's model on RECORD's measurements (its CPU profile, tokens and "
+                             "seconds) instead of measuring: the workloads are rebuilt, nothing is trained")
     args = parser.parse_args()
     from matmul_peak import matmul_peak, memory_bandwidth
 
     from grpo_mega.plan.devices import cpu_profile
 
     started = time.time()
-    peak = matmul_peak(1)
-    bandwidth = memory_bandwidth(1)
-    device = cpu_profile(peak["gflops"] * 1e9, bandwidth)
-    print(f"one core: {peak['gflops']} GFLOP/s, {bandwidth / 1e9:.2f} GB/s (load {peak['load_average']})")
     chosen = [c for c in CONFIGS if not args.only or c.name in args.only]
-    measured = []
-    for c in chosen:
-        result = measure(c, args.work, args.steps)
-        print(json.dumps({"config": c.name, **result["measured"], "load": result["load_average"]}))
-        measured.append((c, result))
+    if args.refit:
+        measured, device, peak = recorded(args.refit, chosen, args.work)
+    else:
+        peak = matmul_peak(1)
+        bandwidth = memory_bandwidth(1)
+        device = cpu_profile(peak["gflops"] * 1e9, bandwidth)
+        print(f"one core: {peak['gflops']} GFLOP/s, {bandwidth / 1e9:.2f} GB/s (load {peak['load_average']})")
+        measured = []
+        for c in chosen:
+            result = measure(c, args.work, args.steps)
+            print(json.dumps({"config": c.name, **result["measured"], "load": result["load_average"]}))
+            measured.append((c, result))
     items = {c.name: (predictor(c, r), r) for c, r in measured}
     fit_items = [items[c.name] for c, _ in measured if c.half == "fit"] or list(items.values())
     eff = fit(fit_items, device)
@@ -179,7 +215,8 @@ def main() -> None:
         errors = {k: round(pred[k] / v - 1, 3) for k, v in r["measured"].items() if v > 0 and k in pred}
         table.append({"config": c.name, "half": c.half, "measured": r["measured"],
                       "predicted": {k: round(v, 3) for k, v in pred.items()}, "error": errors,
-                      "load_average": r["load_average"]})
+                      "load_average": r["load_average"], "tokens": r["tokens"],
+                      "response_tokens": r["response_tokens"], "steps_measured": r["steps_measured"]})
         print(f"{c.name:<12}{c.half:<6}" + "".join(
             f"{k} {r['measured'][k]:.2f}/{pred[k]:.2f} ({errors.get(k, 0):+.0%})  "
             for k in ("generation", "update", "step")))
@@ -189,6 +226,7 @@ def main() -> None:
                                          for k in ("generation", "update")) if judged else None,
               "step_within_20pct": all(abs(row["error"]["step"]) <= 0.20 for row in judged) if judged else None}
     record = {"what": "step-time model vs measured CPU steps (fit on half, judged on the other half)",
+              "measured_in": str(args.refit) if args.refit else "this run",
               "command": "python bench/step_time_cpu.py " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine_shared": True, "cpu_profile": asdict(device), "matmul_peak_1_thread": peak,

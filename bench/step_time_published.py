@@ -13,7 +13,8 @@ Rows (seconds per step as published; ``gen`` / ``old_logprobs`` / ``update`` whe
 Every figure a source does not state is an assumption, written in ``ASSUMPTIONS`` and varied one at a time
 (``VARIANTS``): each variant refits and reruns the leave-one-out. The factors are fitted by least squares on log
 seconds over every published phase figure (steps only where the source gives no split), each factor in
-[0.02, 1] (the decode step overhead in [0.1, 50] ms), by coordinate descent; leave-one-out fits on all rows but one and predicts that one.
+[0.02, 1] (the decode step overhead in [0.1, 50] ms, the layer overhead and collective latency in [0.1 us, 1 ms]),
+by coordinate descent; leave-one-out fits on all rows but one and predicts that one.
 
     python bench/step_time_published.py          # seconds; writes bench/results/step_time_published.json
 """
@@ -41,7 +42,8 @@ from grpo_mega.plan.step_time import (  # noqa: E402
     generation_seconds, update_seconds, weight_sync_seconds,
 )
 
-BOUNDS = {"decode_step_overhead": (1e-4, 0.05)}
+BOUNDS = {"decode_step_overhead": (1e-4, 0.05), "layer_overhead": (1e-7, 1e-3), "collective_latency": (1e-7, 1e-3)}
+"""Seconds factors' ranges (the shares of peak search [0.02, 1])."""
 
 
 @dataclass(frozen=True)
@@ -152,14 +154,16 @@ def predict(row: Row, eff: Efficiency, a: dict) -> dict[str, float]:
     layout = TrainLayout(tp, 1, train_gpus // tp, 8)
     steps = a["verl_optimizer_steps"] if verl else a["nemo_optimizer_steps"]
     micro = max(1, math.ceil(rows / steps / layout.data / 2))
-    forward = forward_pass_seconds(model, lengths, rows, layout, device, eff, micro_batches=micro)
+    forward = forward_pass_seconds(model, lengths, rows, layout, device, eff, micro_batches=micro,
+                                   calls=micro * steps)
     phases = {"generation": gen["prefill"] + gen["decode"], "old_logprobs": forward}
     if not verl:
         phases["reference"] = forward
     phases["update"] = update_seconds(model, lengths, rows, layout, device, eff, epochs=1, optimizer_steps=steps,
                                       micro_batches=micro, distributed_optimizer=True,
                                       recompute=bool(verl and a["verl_recompute"]))
-    phases["weight_sync"] = weight_sync_seconds(model, device, eff, across_nodes=bool(row.rollout_gpus))
+    phases["weight_sync"] = weight_sync_seconds(model, device, eff, across_nodes=bool(row.rollout_gpus),
+                                                model_parallel=tp)
     step = combine(phases, asynchronous=bool(row.rollout_gpus), gpus=row.gpus)
     return {**phases, "step": step.seconds}
 
@@ -233,12 +237,16 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_time_published.json"))
+    parser.add_argument("--no-variants", action="store_true",
+                        help="only the base assumptions (no refits per varied assumption); prints, writes nothing")
     args = parser.parse_args()
     started = time.time()
     base = evaluate(ASSUMPTIONS)
     print(table(base))
     print(json.dumps({"factors": base["factors_all_rows"], "floors": base["floors"],
                       "max_abs_loo_error": base["max_abs_loo_error"]}, indent=1))
+    if args.no_variants:
+        return
     variants = []
     for key, values in VARIANTS.items():
         for value in values:

@@ -294,10 +294,11 @@ def _run_plan(args) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
     from grpo_mega.plan import plan_config
     from grpo_mega.plan.report import format_table, to_dict
-    from grpo_mega.plan.settings import documented_hardware, documented_prm_shape, parse_assume
+    from grpo_mega.plan.settings import documented_hardware, documented_prm_shape, parse_assume, planning_overrides
 
     try:
-        cfg = load_config(GRPOConfig, args.config, args.overrides, functools.partial(validate, world_size=0))
+        overrides, filled_notes = planning_overrides(args.config, args.overrides)
+        cfg = load_config(GRPOConfig, args.config, overrides, functools.partial(validate, world_size=0))
         documented = documented_hardware(args.config)
         gpus = args.gpus_per_node if args.gpus_per_node is not None else (
             documented.gpus_per_node if documented else None)
@@ -310,6 +311,7 @@ def _run_plan(args) -> int:
         plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes, gpu_name=args.gpu_name,
                            assume=parse_assume(args.assume), config_name=args.config,
                            prm_shape=documented_prm_shape(args.config))
+        plan.notes[:0] = filled_notes
         timed = _plan_step_time(args, cfg, plan) if args.steps is not None else None
     except (ConfigError, ValueError) as error:
         print(f"grpo-mega plan: {_other_command(error)}", file=sys.stderr)

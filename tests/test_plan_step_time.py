@@ -20,7 +20,8 @@ DEVICE = DeviceProfile("test", peak_flops=1e12, memory_bandwidth=1e11, intra_nod
                        inter_node_bandwidth=1e9, memory_gib=80, storage_bandwidth=1e9)
 MODEL = ModelCost(matmul_params=1e9, weight_bytes=2e9, layers=10, attention_width=1000, hidden=1000,
                   kv_bytes_per_token=4e4)
-PERFECT = Efficiency(mfu_train=1.0, mfu_forward=1.0, decode_bandwidth=1.0, comm=1.0, decode_step_overhead=0.0)
+PERFECT = Efficiency(mfu_train=1.0, mfu_forward=1.0, decode_bandwidth=1.0, comm=1.0, decode_step_overhead=0.0,
+                     layer_overhead=0.0, collective_latency=0.0)
 
 
 def test_model_cost_from_shapes_counts_matmul_parameters_and_kv_bytes():

@@ -116,18 +116,24 @@ def format_step_time(step, one_off: dict[str, float], steps: int, device, eff) -
             else "colocated: step = sum of phases")
     lines = [f"step time on {step.gpus} x {device.name} ({mode}); factors: mfu_train={eff.mfu_train:.3g} "
              f"mfu_forward={eff.mfu_forward:.3g} decode_bandwidth={eff.decode_bandwidth:.3g} comm={eff.comm:.3g} "
-             f"decode_step_overhead={eff.decode_step_overhead * 1000:.2g} ms",
+             f"decode_step_overhead={eff.decode_step_overhead * 1000:.2g} ms "
+             f"layer_overhead={eff.layer_overhead * 1e6:.3g} us collective_latency={eff.collective_latency * 1e6:.3g} us",
              f"{'phase':<22}{'s/step':>10}{'share':>8}"]
     for name, seconds in step.phases.items():
-        lines.append(f"{name:<22}{seconds:>10.1f}{step.share(name):>8.0%}")
+        lines.append(f"{name:<22}{_figure(seconds):>10}{step.share(name):>8.0%}")
     if step.asynchronous:
-        lines.append(f"{'(rollout side)':<22}{step.rollout_seconds:>10.1f}")
-        lines.append(f"{'(train side)':<22}{step.train_seconds:>10.1f}")
-    lines.append(f"{'step':<22}{step.seconds:>10.1f}")
-    lines.append(f"{steps} steps: {step.seconds * steps / 3600:.1f} h, {step.gpu_hours(steps):.0f} GPU-hours")
+        lines.append(f"{'(rollout side)':<22}{_figure(step.rollout_seconds):>10}")
+        lines.append(f"{'(train side)':<22}{_figure(step.train_seconds):>10}")
+    lines.append(f"{'step':<22}{_figure(step.seconds):>10}")
+    lines.append(f"{steps} steps: {_figure(step.seconds * steps / 3600)} h, {_figure(step.gpu_hours(steps))} GPU-hours")
     for name, seconds in one_off.items():
-        lines.append(f"one-off {name}: {seconds / 3600:.2f} h, {seconds * step.gpus / 3600:.0f} GPU-hours "
+        lines.append(f"one-off {name}: {_figure(seconds / 3600)} h, {_figure(seconds * step.gpus / 3600)} GPU-hours "
                      f"(= {seconds / step.seconds:.1f} steps)")
     lines.extend(f"note: {note}" for note in step.notes)
     lines.append("a model, not a measurement: docs/performance.md 'Step time' gives its validation")
     return "\n".join(lines)
+
+
+def _figure(value: float) -> str:
+    """A figure for the table: one decimal from 10 up (223.1, 11.3), three significant digits under it (0.0417)."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"

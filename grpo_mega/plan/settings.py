@@ -69,6 +69,49 @@ def documented_prm_shape(config_file: str | Path) -> str | None:
     return match.group(1) if match else None
 
 
+_PLAN_MODEL_LINE = re.compile(r"^#\s*plan-model:\s*(\S+)", re.MULTILINE)
+
+
+def documented_model_shape(config_file: str | Path) -> str | None:
+    """The folder a config's header names on a line ``# plan-model: configs/models/smollm2-135m``: the shipped
+    config.json of the policy it is written for, which the plan reads while ``model.hf_config`` is not set (a
+    config whose model path the user or the quickstart fills in); None without the line."""
+    match = _PLAN_MODEL_LINE.search(Path(config_file).read_text())
+    return match.group(1) if match else None
+
+
+UNREAD_BY_PLAN = "data.train_file"
+"""A required key the plan never reads (it counts memory and time, not data): left unset, it is not asked for."""
+
+
+def planning_overrides(config_file: str | Path, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(The overrides ``grpo-mega plan`` loads ``config_file`` with, the notes that say what it filled in): the
+    user's, then for a config that leaves them unset, ``data.train_file`` (not read by a plan) and
+    ``model.hf_config`` from the header's ``# plan-model:`` line, ``process_reward.prm`` (a process-supervised config)
+    from its ``# plan-prm:`` line. Any other required key stays required."""
+    from omegaconf import OmegaConf
+
+    from grpo_mega.config import GRPOConfig
+    from grpo_mega.config.loading import merge_config
+
+    merged = merge_config(GRPOConfig, config_file, overrides)
+    missing = set(OmegaConf.missing_keys(merged))
+    filled, notes = list(overrides), []
+    if UNREAD_BY_PLAN in missing:
+        filled.append(f"{UNREAD_BY_PLAN}=unread-by-plan")
+    shape = documented_model_shape(config_file)
+    if "model.hf_config" in missing and shape:
+        filled.append(f"model.hf_config={shape}")
+        notes.append(f"policy: model.hf_config is not set; planned with the shape the config's header names ({shape})")
+    prm_shape = documented_prm_shape(config_file)
+    if prm_shape and OmegaConf.select(merged, "process_reward.source") == "prm" and \
+            not OmegaConf.select(merged, "process_reward.prm", throw_on_missing=False):
+        filled.append(f"process_reward.prm={prm_shape}")  # the plan reads its shape (grpo_mega.plan.build)
+        notes.append(f"PRM: process_reward.prm is not set; planned with the shape the config's header names "
+                     f"({prm_shape})")
+    return filled, notes
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     """The engine settings that change how much memory a rank holds."""

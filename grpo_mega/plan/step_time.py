@@ -7,8 +7,11 @@ prompt tokens, L a response's tokens (mean Lm, tail Lt: the longest in the batch
 sequences per rollout replica, B the replica's concurrent sequences, F the device's peak FLOP/s, M its memory
 bytes/s.
 
-What a step really gets out of a device is five named factors (``Efficiency``), fitted on measured steps
-(``bench/step_time_published.py`` for GPUs) and the same for every config.
+What a step really gets out of a device is seven named factors (``Efficiency``), fitted on measured steps
+(``bench/step_time_published.py`` for GPUs, ``bench/step_time_cpu.py`` for this project's CPU) and the same for
+every config on that kind of device. Besides the roofline's shares of peak (four factors), three are fixed costs
+that no FLOP or byte count sees: per decode step of the engine, per layer of an eager pass (kernel launches and
+Python), and per collective call (its latency): what bounds a small model's step.
 """
 
 from __future__ import annotations
@@ -37,14 +40,26 @@ class Efficiency:
     decode_step_overhead: float = 0.0037
     """Seconds each decode token step costs beyond its roofline (the engine's scheduling, sampling and launch work
     per step): what keeps a tail-bound rollout from getting faster on more GPUs."""
+    layer_overhead: float = 0.0
+    """Seconds each layer costs per eager pass beyond its roofline (kernel launches, Python, small-kernel tails):
+    every forward or backward of a micro-batch through a rank's layers, and every decode step of the hf engine
+    (vLLM decodes through CUDA graphs: its per-step cost is decode_step_overhead's)."""
+    collective_latency: float = 0.0
+    """Seconds each collective call costs beyond its bytes over the link (the latency of a TP all-reduce: 2 per
+    layer per forward, backward or decode step at TP > 1)."""
+
+    SECONDS = ("decode_step_overhead", "layer_overhead", "collective_latency")
+    """The factors that are seconds (the others are shares of a peak)."""
 
     def __post_init__(self) -> None:
         for name in ("mfu_train", "mfu_forward", "decode_bandwidth", "comm"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"Efficiency.{name}={value}: expected a share in (0, 1]")
-        if not 0 <= self.decode_step_overhead < 1:
-            raise ValueError(f"Efficiency.decode_step_overhead={self.decode_step_overhead}: expected seconds in [0, 1)")
+        for name in self.SECONDS:
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"Efficiency.{name}={value}: expected seconds in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -139,11 +154,22 @@ def ring_seconds(bytes_: float, ranks: int, bandwidth: float, comm: float, *, al
     return share * bytes_ / (bandwidth * comm)
 
 
-def tensor_parallel_seconds(model: ModelCost, tokens_per_rank: float, tp: int, bandwidth: float, comm: float,
-                            passes: int) -> float:
+def tensor_parallel_seconds(model: ModelCost, tokens_per_rank: float, tp: int, bandwidth: float, eff: Efficiency,
+                            passes: int, *, calls_per_layer: float = 1.0, layers: float | None = None) -> float:
     """Megatron's TP activations traffic: 2 all-reduces (or reduce-scatter + all-gather, the same bytes) of
-    tokens x h x 2 bytes per layer and per pass (forward 1, backward 1 more)."""
-    return passes * 2 * model.layers * ring_seconds(tokens_per_rank * model.hidden * 2, tp, bandwidth, comm)
+    tokens x h x dtype bytes per layer and per pass (forward 1, backward 1 more), each call also paying
+    collective_latency: 2 x layers x passes x calls_per_layer calls (calls_per_layer: the micro-batches or
+    decode steps the tokens are sent in). ``layers``: a rank's layers (default all: PP splits them). 0 at TP1."""
+    if tp <= 1:
+        return 0.0
+    layers = model.layers if layers is None else layers
+    data = ring_seconds(tokens_per_rank * model.hidden * model.dtype_bytes, tp, bandwidth, eff.comm)
+    return passes * 2 * layers * (data + calls_per_layer * eff.collective_latency)
+
+
+def eager_layer_seconds(layers: float, passes: float, eff: Efficiency) -> float:
+    """layers x passes x layer_overhead: the fixed cost of running ``layers`` eager layers ``passes`` times."""
+    return layers * passes * eff.layer_overhead
 
 
 def decode_steps(sequences: float, concurrent: float, lengths: Lengths) -> float:
@@ -164,7 +190,8 @@ def concurrent_sequences(sequences: float, max_num_seqs: int, kv_cache_bytes: fl
 
 
 def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, replicas: int, tp: int,
-                       concurrent: float, device: DeviceProfile, eff: Efficiency) -> dict[str, float]:
+                       concurrent: float, device: DeviceProfile, eff: Efficiency,
+                       eager: bool = False) -> dict[str, float]:
     """{"prefill", "decode"} seconds of one rollout (every replica in parallel), S = sequences / replicas.
 
     prefill = 2 N S P / (tp F mfu_forward).
@@ -173,8 +200,9 @@ def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, 
     decode = max((Tf W + S k C) / (tp M decode_bandwidth), (2 N S Lm + 4 l a S C) / (tp F mfu_forward))
              + (T - Tf) W / (tp M decode_bandwidth) + T decode_step_overhead + TP traffic,
     C = P Lm + E[L^2] / 2 the context tokens a sequence's decode reads (every token reads its context's KV; every
-    step reads the weights once); TP traffic: 2 all-reduces per layer of every decoded token's h x 2 bytes
-    (S Lm tokens; the per-step latency is in decode_step_overhead)."""
+    step reads the weights once); TP traffic: 2 all-reduces per layer of every decoded token's h x dtype bytes
+    (S Lm tokens), each of the T x 2 l calls paying collective_latency. ``eager`` (the hf engine): every decode step
+    and the prefill also pay l x layer_overhead (vLLM's CUDA graphs do not)."""
     per_replica = sequences / replicas
     prefill = compute_seconds(2 * model.matmul_params * per_replica * lengths.prompt, tp, device, eff.mfu_forward)
     steps = decode_steps(per_replica, concurrent, lengths)
@@ -186,10 +214,13 @@ def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, 
         4 * model.layers * model.attention_width * context_reads
     compute = compute_seconds(flops, tp, device, eff.mfu_forward)
     tail = (steps - full) * model.weight_bytes / bandwidth
-    traffic = 2 * model.layers * ring_seconds(per_replica * lengths.response_mean * model.hidden * 2, tp,
-                                              device.intra_node_bandwidth, eff.comm)
+    traffic = tensor_parallel_seconds(model, per_replica * lengths.response_mean, tp, device.intra_node_bandwidth,
+                                      eff, 1, calls_per_layer=steps)
+    eager_steps = eager_layer_seconds(model.layers, steps, eff) if eager else 0.0
+    if eager:
+        prefill += eager_layer_seconds(model.layers, 1, eff)
     return {"prefill": prefill,
-            "decode": max(memory, compute) + tail + steps * eff.decode_step_overhead + traffic}
+            "decode": max(memory, compute) + tail + steps * eff.decode_step_overhead + eager_steps + traffic}
 
 
 @dataclass(frozen=True)
@@ -222,28 +253,41 @@ def rank_imbalance(lengths: Lengths, sequences_per_rank: float, ranks: int) -> f
 
 
 def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
-                         device: DeviceProfile, eff: Efficiency, *, micro_batches: int) -> float:
+                         device: DeviceProfile, eff: Efficiency, *, micro_batches: int,
+                         calls: int | None = None) -> float:
     """One forward pass over the step's rows on the training GPUs (log-probs, reference, PRM scoring):
-    forward_flops / (gpus F mfu_forward) x imbalance x (1 + bubble) + TP traffic (one pass)."""
+    (forward_flops / (gpus F mfu_forward) x imbalance + calls x l / PP x layer_overhead) x (1 + bubble) + TP
+    traffic (one pass, ``calls`` micro-batches). ``micro_batches``: per mini-batch and DP rank (the bubble's m);
+    ``calls``: the micro-batches a rank runs over all the rows (default ``micro_batches``)."""
+    calls = micro_batches if calls is None else calls
     compute = compute_seconds(forward_flops(model, lengths, sequences), layout.gpus, device, eff.mfu_forward) * \
         rank_imbalance(lengths, sequences / layout.data, layout.data)
+    stage_layers = model.layers / layout.pipeline
+    fixed = eager_layer_seconds(stage_layers, calls, eff)
     tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
-    traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm, 1)
-    return compute * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
+    traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff, 1,
+                                      calls_per_layer=calls, layers=stage_layers)
+    return (compute + fixed) * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
 
 
 def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
                    device: DeviceProfile, eff: Efficiency, *, epochs: int, optimizer_steps: int,
                    micro_batches: int, distributed_optimizer: bool, recompute: bool = False) -> float:
-    """epochs x (3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance x (1 + bubble) + TP traffic of forward
-    and backward) + optimizer_steps x DP gradient traffic: all-reduce of 4 bytes (fp32 gradients) per parameter of
-    a model-parallel rank, or with the distributed optimizer reduce-scatter of 4 bytes + all-gather of 2 bytes."""
+    """epochs x ((3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance + c x l / PP x 3 (4)
+    x layer_overhead) x (1 + bubble) + TP traffic of forward and backward) + optimizer_steps x DP gradient
+    traffic: all-reduce of 4 bytes (fp32 gradients) per parameter of a model-parallel rank, or with the
+    distributed optimizer reduce-scatter of 4 bytes + all-gather of dtype bytes. c = micro_batches x
+    optimizer_steps / epochs: the micro-batches a rank runs per epoch (a forward pass and a backward, which
+    launches about twice the forward's kernels)."""
     passes = 4 if recompute else 3
     compute = compute_seconds(passes * forward_flops(model, lengths, sequences), layout.gpus, device,
                               eff.mfu_train) * rank_imbalance(lengths, sequences / layout.data, layout.data)
+    calls = micro_batches * max(1, optimizer_steps // max(1, epochs))
+    stage_layers = model.layers / layout.pipeline
+    fixed = eager_layer_seconds(stage_layers, passes * calls, eff)
     tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
-    traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff.comm,
-                                      passes - 1)
+    traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff,
+                                      passes - 1, calls_per_layer=calls, layers=stage_layers)
     params_per_rank = model.parameters / (layout.tensor * layout.pipeline)
     bandwidth = layout.data_bandwidth(device)
     if distributed_optimizer:
@@ -252,14 +296,19 @@ def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout:
     else:
         grads = ring_seconds(4 * params_per_rank, layout.data, bandwidth, eff.comm)
     bubble = pipeline_bubble(layout.pipeline, micro_batches)
-    return epochs * (compute * (1 + bubble) + traffic) + optimizer_steps * grads
+    return epochs * ((compute + fixed) * (1 + bubble) + traffic) + optimizer_steps * grads
 
 
-def weight_sync_seconds(model: ModelCost, device: DeviceProfile, eff: Efficiency, *, across_nodes: bool) -> float:
-    """W / (link x comm): the weights gathered from the training layout and loaded by the rollout engine,
-    over NVLink when colocated, over the network (rollout GPUs of their own) otherwise."""
-    link = device.inter_node_bandwidth if across_nodes else device.intra_node_bandwidth
-    return model.weight_bytes / (link * eff.comm)
+def weight_sync_seconds(model: ModelCost, device: DeviceProfile, eff: Efficiency, *, across_nodes: bool,
+                        model_parallel: int = 1) -> float:
+    """The weights from the training layout into the rollout engine. Rollout GPUs of their own (``across_nodes``):
+    W / (network x comm). Colocated: each rank gathers the full weights from its ``model_parallel`` (TP x PP) group
+    over NVLink (an all-gather: (mp - 1) / mp x W, 0 at mp 1) and the engine copies them in at the memory
+    bandwidth (W / M)."""
+    if across_nodes:
+        return model.weight_bytes / (device.inter_node_bandwidth * eff.comm)
+    gather = ring_seconds(model.weight_bytes, model_parallel, device.intra_node_bandwidth, eff.comm, all_reduce=False)
+    return gather + model.weight_bytes / device.memory_bandwidth
 
 
 def save_seconds(model: ModelCost, device: DeviceProfile, *, nodes: int, save_every: int,

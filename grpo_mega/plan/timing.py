@@ -86,7 +86,7 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     a = assumptions or Assumptions()
     from grpo_mega.plan.build import read_hf_config
 
-    dtype_bytes = 4 if cfg.parallel.device == "cpu" else 2  # fp32 on the CPU, bf16 on GPUs (the plan's dtype)
+    dtype_bytes = 4 if cfg.parallel.device == "cpu" or device.name == "CPU" else 2  # fp32 on the CPU, bf16 on GPUs
     policy = _model(read_hf_config(cfg.model.hf_config, "model.hf_config"), dtype_bytes)
     lengths = _lengths(cfg, a)
     alg = cfg.algorithm
@@ -102,6 +102,7 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
              f"{lengths.response_tail:.0f} (response cv {lengths.response_cv}), {a.sampling_rounds:g} sampling "
              f"round(s) per step"]
     generated = rows * a.sampling_rounds
+    eager = plan.vllm is None  # the hf engine decodes eagerly; vLLM through CUDA graphs
     if plan.vllm is not None:
         v = plan.vllm
         replicas, rtp = v.replicas, v.tensor_parallel
@@ -122,18 +123,20 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         notes.append("process_reward.source=tree: sampled as G independent chains (the tree's shared prefixes and "
                      "its extra generation passes, one per level, are not modelled)")
     gen = generation_seconds(policy, lengths, sequences=generated, replicas=replicas, tp=rtp, concurrent=concurrent,
-                             device=device, eff=eff)
+                             device=device, eff=eff, eager=eager)
     phases = {"generation": gen["prefill"] + gen["decode"]}
     mini = alg.mini_batch_size or groups
     optimizer_steps = alg.ppo_epochs * math.ceil(groups / mini)
     micro = _micro_batches(cfg, mini * group / plan.data)
+    calls = _micro_batches(cfg, rows / plan.data)  # a forward pass over every row of the step
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
         prm = _model(plan.prm_hf_config, dtype_bytes)
         prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
-        phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro)
+        phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro,
+                                                     calls=_micro_batches(cfg, rows / prm_layout.data))
     elif cfg.process_reward.source == "prm":
         notes.append("PRM unknown (no readable config.json): its scoring is not counted")
-    forward = forward_pass_seconds(policy, lengths, rows, layout, device, eff, micro_batches=micro)
+    forward = forward_pass_seconds(policy, lengths, rows, layout, device, eff, micro_batches=micro, calls=calls)
     if optimizer_steps > 1:
         phases["old_logprobs"] = forward
     if alg.use_kl_loss:
@@ -149,14 +152,15 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         policy, lengths, rows, layout, device, eff, epochs=alg.ppo_epochs, optimizer_steps=optimizer_steps,
         micro_batches=micro, distributed_optimizer=plan.settings.distributed_optimizer,
         recompute=plan.settings.recompute == "full")
-    phases["weight_sync"] = weight_sync_seconds(policy, device, eff, across_nodes=bool(generators))
+    phases["weight_sync"] = weight_sync_seconds(policy, device, eff, across_nodes=bool(generators),
+                                                model_parallel=plan.tensor * plan.pipeline)
     phases["save"] = save_seconds(policy, device, nodes=max(1, math.ceil(train_gpus / hw.gpus_per_node)),
                                   save_every=cfg.trainer.save_every)
     step = combine(phases, asynchronous=asynchronous, gpus=hw.world_size, notes=notes)
     one_off: dict[str, float] = {}
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
         one_off = process_one_off(policy, _model(plan.prm_hf_config, dtype_bytes), lengths, a, layout, replicas, rtp,
-                                  concurrent, device, eff, micro)
+                                  concurrent, device, eff, micro, eager=eager)
         notes.append(f"one-off (a PRM trained here): {a.label_problems} problems x {a.label_solutions} solutions, "
                      f"{a.label_steps} steps each, {a.label_rollouts} Monte-Carlo completions per step")
     return step, one_off
@@ -164,19 +168,19 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
 
 def process_one_off(policy: ModelCost, prm: ModelCost, lengths: Lengths, a: Assumptions, layout: TrainLayout,
                     replicas: int, rtp: int, concurrent: float, device: DeviceProfile, eff: Efficiency,
-                    micro_batches: int) -> dict[str, float]:
+                    micro_batches: int, *, eager: bool = False) -> dict[str, float]:
     """The one-off phases of a PRM trained by this project's pipeline: prm_labels = generation of the solutions
     (problems x solutions) and of K completions from every step prefix (the prefix is prompt + on average half
     the solution, each completion on average half a response), prm_training = one epoch of updates of the PRM
     over the labelled solutions (every rank, the policy's layout)."""
     solutions = a.label_problems * a.label_solutions
     sample = generation_seconds(policy, lengths, sequences=solutions, replicas=replicas, tp=rtp,
-                                concurrent=concurrent, device=device, eff=eff)
+                                concurrent=concurrent, device=device, eff=eff, eager=eager)
     half = Lengths(prompt=lengths.prompt + lengths.response_mean / 2, response_mean=lengths.response_mean / 2,
                    response_tail=lengths.response_tail, response_cv=lengths.response_cv)
     completions = solutions * a.label_steps * a.label_rollouts
     rollouts = generation_seconds(policy, half, sequences=completions, replicas=replicas, tp=rtp,
-                                  concurrent=concurrent, device=device, eff=eff)
+                                  concurrent=concurrent, device=device, eff=eff, eager=eager)
     training = update_seconds(prm, lengths, solutions, layout, device, eff, epochs=1, optimizer_steps=1,
                               micro_batches=micro_batches, distributed_optimizer=True)
     return {"prm_labels": sum(sample.values()) + sum(rollouts.values()), "prm_training": training}
