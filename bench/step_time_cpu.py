@@ -229,7 +229,7 @@ def main() -> None:
               "measured_in": str(args.refit) if args.refit else "this run",
               "command": "python bench/step_time_cpu.py " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine_shared": True, "cpu_profile": asdict(device), "matmul_peak_1_thread": peak,
+              "machine_shared": True, "nice": os.nice(0), "cpu_profile": asdict(device), "matmul_peak_1_thread": peak,
               "factors": asdict(eff), "floors": floors, "configs": table,
               "wall_seconds": round(time.time() - started, 1)}
     args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -64,8 +64,7 @@ def score_sample(
     extra: Mapping[str, Any] | None, *, on_error: str = "raise",
 ) -> SampleReward:
     """``fn(prompt, completion, answer, **extra)`` validated; ``index`` only names the sample in errors."""
-    if on_error not in ON_ERROR_CHOICES:
-        raise ValueError(f"reward.on_error={on_error!r}: expected one of {ON_ERROR_CHOICES}")
+    _check_on_error(on_error)
     name = getattr(fn, "__qualname__", repr(fn))
     try:
         value = fn(prompt, completion, answer, **dict(extra or {}))
@@ -75,6 +74,11 @@ def score_sample(
             raise RewardError(message) from error
         return SampleReward(0.0, failed=True, error=message)
     return _checked(name, index, prompt, completion, value, on_error)
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR_CHOICES:
+        raise ValueError(f"reward.on_error={on_error!r}: expected one of {ON_ERROR_CHOICES}")
 
 
 def _checked(name: str, index: int, prompt: str, completion: str, value: Any, on_error: str) -> SampleReward:
@@ -111,8 +115,7 @@ def score_samples(
     indices = range(size) if indices is None else indices
     batch = getattr(fn, "score_batch", None)
     if batch is not None and size:  # TRL's form: the whole batch in one call, as TRL calls it
-        if on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"reward.on_error={on_error!r}: expected one of {ON_ERROR_CHOICES}")
+        _check_on_error(on_error)
         try:
             values = batch(prompts, completions, answers, [dict(extras[i] or {}) if extras else {} for i in range(size)])
         except Exception:  # called again one sample at a time below, which names the sample that fails
