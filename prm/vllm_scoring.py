@@ -23,6 +23,13 @@ of the row: a tag at position p is output row ``p - (len(ids) - len(output))``. 
 cached block (a completion that repeats another's steps) is scored again without reading the cache. Identical
 rendered rows are scored once.
 
+Memory: vLLM takes ``gpu_memory_utilization`` of the GPU for the PRM's weights, workspace and KV cache when it is
+built. Where its platform has sleep mode (CUDA, ROCm, XPU; not the CPU backend) the scorer sleeps at level 1 right
+after and after every ``score_steps`` (weights to pinned host memory, KV cache freed) and wakes before the next:
+a PRM's weights never change, so level 2's discard would only add a reload. No CUDA graphs (``enforce_eager``):
+pooling requests are prefill only, and vLLM keeps the graph pool on the GPU through a sleep. ``grpo-mega plan``
+counts this (``grpo_mega.plan.vllm.VllmPRMPlan``).
+
 Ranks: inside a job every rank builds its engine with vLLM's ``external_launcher`` as the rollout engine does
 (``grpo_mega.rollout.vllm_engine``); the world splits into replicas of ``tensor_parallel_size`` ranks, replica r
 scores rows r, r + replicas, ..., and the scores are all-gathered, so every rank gets every row's scores.
