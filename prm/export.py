@@ -173,7 +173,7 @@ def _write_weights(source: ModelSource, out: Path) -> None:
 
 def _publish(source: ModelSource, tokenizer: Any, staging: Path, target: Path) -> None:
     """Rank 0: the tokenizer and the manifest into ``staging``, then ``staging`` renamed to ``target`` (a stale
-    ``target`` removed first)."""
+    ``target`` removed first; when another job published a valid one meanwhile, that one is kept)."""
     tokenizer.save_pretrained(staging)
     files = {}
     for path in sorted(p for p in staging.rglob("*") if p.is_file()):
@@ -183,5 +183,11 @@ def _publish(source: ModelSource, tokenizer: Any, staging: Path, target: Path) -
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if target.exists():
         shutil.rmtree(target)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another job published the same export between the removal and the rename
+        if export_problem(target, source) is not None:
+            raise
+        shutil.rmtree(staging)
+        return
     logger.info("scorer=vllm: wrote the PRM export %s (%d files)", target, len(files))
