@@ -188,7 +188,8 @@ def add_prm_arguments(parser) -> None:
                         help="--engine deepspeed: ZeRO stage (3 keeps the PRM's parameters partitioned)")
     parser.add_argument("--scorer", default="engine", choices=("engine", "vllm"),
                         help="what runs the PRM: engine (a forward-only copy on --engine, at --tp / --pp) or vllm "
-                             "(vLLM's pooling runner; --prm must be an HF folder with weights; docs/prm.md)")
+                             "(vLLM's pooling runner; a grpo-mega checkpoint is exported for it once, into the checkpoint's "
+                             "hf_export/; docs/prm.md)")
     parser.add_argument("--vllm-tensor-parallel", type=int, default=1,
                         help="--scorer vllm: ranks per vLLM replica (processes = --nproc, replicas split the rows)")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.2,

@@ -23,6 +23,13 @@ of the row: a tag at position p is output row ``p - (len(ids) - len(output))``. 
 cached block (a completion that repeats another's steps) is scored again without reading the cache. Identical
 rendered rows are scored once.
 
+Memory: vLLM takes ``gpu_memory_utilization`` of the GPU for the PRM's weights, workspace and KV cache when it is
+built. Where its platform has sleep mode (CUDA, ROCm, XPU; not the CPU backend) the scorer sleeps at level 1 right
+after and after every ``score_steps`` (weights to pinned host memory, KV cache freed) and wakes before the next:
+a PRM's weights never change, so level 2's discard would only add a reload. No CUDA graphs (``enforce_eager``):
+pooling requests are prefill only, and vLLM keeps the graph pool on the GPU through a sleep. ``grpo-mega plan``
+counts this (``grpo_mega.plan.vllm.VllmPRMPlan``).
+
 Ranks: inside a job every rank builds its engine with vLLM's ``external_launcher`` as the rollout engine does
 (``grpo_mega.rollout.vllm_engine``); the world splits into replicas of ``tensor_parallel_size`` ranks, replica r
 scores rows r, r + replicas, ..., and the scores are all-gathered, so every rank gets every row's scores.
@@ -133,14 +140,17 @@ class VLLMStepScorer:
         gpu_memory_utilization: float = 0.3,
         prefix_cache: bool = True,
         max_model_len: int | None = None,
-        enforce_eager: bool | None = None,
+        enforce_eager: bool = True,
+        sleep: bool | None = None,
         seed: int = 0,
         **llm_kwargs: Any,
     ) -> None:
         """``model_path``: an HF folder with weights; ``settings``: the PRM's rendering; ``label_tokens``: the
         ``lm_tokens`` layout's (good, bad) as vocabulary entries; ``dtype`` None: float32 on the CPU backend,
         bfloat16 on a GPU; ``prefix_cache``: a row reads the blocks its group's earlier rows cached (module
-        docstring); ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``block_size``)."""
+        docstring); ``enforce_eager``: no CUDA graphs (module docstring, "Memory"); ``sleep``: sleep between
+        calls (None: where vLLM's platform has sleep mode, a GPU); ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
+        ``block_size``)."""
         from grpo_mega.rollout.vllm_engine import _joining_the_job, _process_state_kept, cpu_kv_cache_bytes, import_vllm
         from grpo_mega.rollout.vllm_settings import colocated_arguments
 
@@ -159,6 +169,11 @@ class VLLMStepScorer:
 
             arguments["pooler_config"] = PoolerConfig(**arguments["pooler_config"])
         cpu = current_platform.is_cpu()
+        available = current_platform.is_sleep_mode_available()
+        if sleep and not available:
+            raise ValueError(f"scorer=vllm: sleep mode is not supported on vLLM's {current_platform.device_type} "
+                             "backend (sleep=False)")
+        self.sleeps = available if sleep is None else sleep
         self.dtype = dtype or ("float32" if cpu else "bfloat16")
         if cpu:  # vLLM's CPU backend otherwise takes a share of the host's RAM for its KV cache
             arguments["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_path, max_model_len,
@@ -173,11 +188,14 @@ class VLLMStepScorer:
             self.llm = vllm.LLM(
                 model=str(model_path), tokenizer=str(model_path), dtype=self.dtype,
                 tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                max_model_len=max_model_len, enforce_eager=cpu if enforce_eager is None else enforce_eager,
+                max_model_len=max_model_len, enforce_eager=enforce_eager, enable_sleep_mode=self.sleeps,
                 enable_prefix_caching=prefix_cache, seed=seed, **colocated_arguments(joins_job=joins), **arguments,
                 **llm_kwargs,
             )
         self._vllm = vllm
+        self.asleep = False
+        """Whether the PRM's weights are on the host and its KV cache freed (between calls, with ``sleeps``)."""
+        self.release_memory()
         self.last_seconds = 0.0
         """Wall time of the last ``score_steps`` call."""
         self.last_rescored = 0
@@ -215,14 +233,35 @@ class VLLMStepScorer:
         scores: list[list[float]] = [[] for _ in prompts]
         if with_steps:
             rendered = [self.render(prompts[i], steps[i]) for i in with_steps]
-            for i, row_scores in zip(with_steps, self.score_rendered(rendered)):
-                scores[i] = row_scores
+            with self.awake():
+                for i, row_scores in zip(with_steps, self.score_rendered(rendered)):
+                    scores[i] = row_scores
         self.last_seconds = time.perf_counter() - start
         return scores
 
     def score_examples(self, examples: Sequence[StepExample]) -> list[list[float]]:
         """``score_steps`` of examples' prompts and steps."""
         return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
+
+    @contextlib.contextmanager
+    def awake(self):
+        """The PRM on the device for the calls inside (its weights back from the host, its KV cache allocated),
+        asleep again after them (:meth:`release_memory`)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        try:
+            yield
+        finally:
+            self.release_memory()
+
+    def release_memory(self) -> None:
+        """Sleep at level 1 (weights copied to pinned host memory, KV cache freed; vLLM also drops its prefix
+        cache) when ``sleeps``: a PRM's weights never change, so level 2's discard-and-reload would only add a
+        load. Nothing on the CPU backend, which has no sleep mode."""
+        if self.sleeps and not self.asleep and self.llm is not None:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     def close(self) -> None:
         """Shut vLLM down (its worker and KV cache); inside a job, vLLM's shutdown also ends the default process
@@ -286,10 +325,11 @@ class VLLMStepScorer:
 def open_vllm_step_scorer(path: str | Path, choices, *, max_length: int | None = None, **llm_kwargs: Any):
     """The PRM at ``path`` on vLLM (after ``init_distributed`` inside a job; collective): (``prm.model.LoadedPRM``
     with ``engine=None``, :class:`VLLMStepScorer`). The spec and rendering are read as ``prm.model.open_prm`` reads
-    them (``choices``: ``prm.spec.PRMChoices``). ``path`` must be a Hugging Face folder (with weights, as
-    ``resolve_model_source`` requires): vLLM loads nothing else. ValueError naming the folder and the export
-    command otherwise. ``llm_kwargs``: :class:`VLLMStepScorer`'s."""
+    them (``choices``: ``prm.spec.PRMChoices``). ``path``: whatever the engine scorer loads; vLLM reads a Hugging
+    Face folder as it is and a grpo-mega checkpoint, run directory or converted folder from its export, made once
+    (``prm.export.hf_folder_for_vllm``). ``llm_kwargs``: :class:`VLLMStepScorer`'s."""
     from grpo_mega.checkpoint.source import resolve_model_source
+    from prm.export import hf_folder_for_vllm
     from prm.model import LoadedPRM, load_prm_tokenizer
     from prm.spec import layout_and_label_ids, spec_with_overrides, trained_spec
 
@@ -297,18 +337,17 @@ def open_vllm_step_scorer(path: str | Path, choices, *, max_length: int | None =
         source = resolve_model_source(path)
     except ValueError as error:
         raise ValueError(f"PRM {path}: {str(error).removeprefix('init_from: ')}") from None
-    if source.kind != "hf":
-        raise ValueError(
-            f"scorer=vllm: the PRM {path} is a {source.kind} folder; vLLM loads a Hugging Face folder. Export it: "
-            f"python tools/convert_mcore_to_hf.py --ckpt {path} --out PRM_HF, then give PRM_HF as the PRM "
-            "(process_reward.prm / --prm) with the layout and tag it was trained with")
+    if source.hf_config is None:
+        hf_dir = source.model_settings.get("hf_config")
+        raise ValueError(f"{path}: the checkpoint's config model.hf_config ({hf_dir!r}) has no config.json")
     overrides = choices.spec_overrides()
     spec = spec_with_overrides(trained_spec(source, overrides.get("layout")), overrides)
     tokenizer = load_prm_tokenizer(source.tokenizer_folder, str(path))
     layout, label_ids = layout_and_label_ids(source.hf_config, spec, tokenizer)
     label_tokens = tokenizer.convert_ids_to_tokens(list(label_ids)) if label_ids else None
+    folder = hf_folder_for_vllm(source, tokenizer)
     scorer = VLLMStepScorer(
-        source.folder, tokenizer, choices.render_settings(spec, source), layout, label_tokens=label_tokens,
+        folder, tokenizer, choices.render_settings(spec, source), layout, label_tokens=label_tokens,
         max_length=max_length, tensor_parallel_size=choices.vllm_tensor_parallel or 1,
         gpu_memory_utilization=choices.vllm_gpu_memory_utilization or 0.2, **llm_kwargs,
     )

@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
     ("the PRM library on grpo_mega's infrastructure: heads, data, engines, opening, scoring, labels, metrics",
      frozenset({"prm.metrics", "prm.data", "prm.synthetic", "prm.heads", "prm.hf_model", "prm.engines",
                 "prm.model", "prm.config", "prm.scoring", "prm.policy", "prm.labeling", "prm.perturb",
-                "prm.evaluate", "prm.best_of_n", "prm.vllm_scoring"})),
+                "prm.evaluate", "prm.best_of_n", "prm.vllm_scoring", "prm.export"})),
     ("a training run's life above the engines: the run harness and resume (what each trainer's checkpoint holds)",
      frozenset({"grpo_mega.harness"})),
     ("the trainers and the GRPO step (its stages read PRM step rewards from the PRM library)",

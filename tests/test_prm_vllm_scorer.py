@@ -3,7 +3,7 @@ Megatron forward, on vLLM's CPU backend with random-weight PRMs of the quickstar
 (Qwen2.5-Math-PRM's classifier, Math-Shepherd's label tokens, the likelihood layout) gives the same step scores
 within 1e-4 in fp32, also for rows that repeat or extend another row of their group (the prefix cache then serves
 a tag, and the row is scored again), on 1 process and split over 2 replicas; the answer guard's cut reaches the
-scorer unchanged; and a folder vLLM cannot load is refused naming the export command."""
+scorer unchanged. A grpo-mega checkpoint or converted folder on vLLM (its export): tests/test_prm_vllm_export.py."""
 
 from __future__ import annotations
 
@@ -133,20 +133,6 @@ def test_two_processes_score_every_row_on_every_rank(prms, rows, tensor_parallel
     for result in results:
         _check(result, steps)
     assert results[0]["got"] == results[1]["got"]
-
-
-def test_a_folder_vllm_cannot_load_is_refused(prms, tmp_path, monkeypatch):
-    """A converted megatron folder (as a grpo-mega checkpoint) holds no HF weights: the error names the export."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
-    import convert_hf_to_mcore
-
-    from prm.spec import PRMChoices
-    from prm.vllm_scoring import open_vllm_step_scorer
-
-    convert_hf_to_mcore.main(["--hf", str(prms["classifier"]), "--out", str(tmp_path / "mcore")])
-    with pytest.raises(ValueError, match=r"scorer=vllm: the PRM .*/mcore is a mcore_model folder; vLLM loads a "
-                                         r"Hugging Face folder. Export it: python tools/convert_mcore_to_hf.py"):
-        open_vllm_step_scorer(tmp_path / "mcore", PRMChoices(scorer="vllm"))
 
 
 def test_the_answer_guard_cut_reaches_the_scorer_unchanged():

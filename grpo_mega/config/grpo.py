@@ -214,8 +214,8 @@ class ProcessRewardConfig:
     scorer: str = "engine"
     """What runs the PRM (``source: prm``): ``engine``, a forward-only copy on the trainer's own engine (``engine``:
     megatron or deepspeed, at the job's parallel layout); ``vllm``, vLLM's pooling runner in the trainer's processes
-    (``prm.vllm_scoring``; ``process_reward.prm`` must then be a Hugging Face folder with weights: export a grpo-mega
-    PRM checkpoint with ``tools/convert_mcore_to_hf.py``). Same scores either way (docs/prm.md, "Which scorer")."""
+    (``prm.vllm_scoring``; the same ``process_reward.prm`` paths: a grpo-mega checkpoint is exported once into its
+    ``hf_export/``, ``prm.export``). Same scores either way (docs/prm.md, "Which scorer")."""
     vllm_tensor_parallel: int = 1
     """``scorer: vllm``: ranks per vLLM PRM replica; the job's ranks form world / N replicas that split the rows."""
     vllm_gpu_memory_utilization: float = 0.2

@@ -17,7 +17,7 @@ from grpo_mega.plan.settings import (
     Hardware, data_parallel_size, memory_settings, rollout_ranks, rollout_tensor_parallel,
 )
 from grpo_mega.plan.static import checkpoint_save_bytes, forward_only_bytes, training_static_bytes
-from grpo_mega.plan.vllm import plan_vllm
+from grpo_mega.plan.vllm import plan_vllm, plan_vllm_prm
 from grpo_mega.rollout.vllm_settings import resolve_batch_limits
 
 
@@ -117,9 +117,14 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     if vllm:
         requests.append(ModelRequest(policy_hf, rollout_tp, 1, "bfloat16"))
     generators = rollout_ranks(cfg)  # rollout.mode=async: GPUs of their own generate (and score with the PRM)
-    # the rollout world builds the PRM at TP1 (grpo_mega.rollout_worker); colocated, it shares the policy's layout
+    # the rollout world builds the PRM at TP1 (grpo_mega.rollout_worker); colocated, it shares the policy's layout;
+    # on vLLM (process_reward.scorer: vllm) it runs at its own TP, in vLLM's dtype
+    vllm_prm = cfg.process_reward.scorer == "vllm"
     prm_tp, prm_pp = (1, 1) if generators else (tp, pp)
-    prm_request, prm_note, prm_shape_note = _prm_request(cfg, dtype, prm_tp, prm_pp, prm_shape)
+    if vllm_prm:
+        prm_tp, prm_pp = cfg.process_reward.vllm_tensor_parallel, 1
+    prm_request, prm_note, prm_shape_note = _prm_request(cfg, "bfloat16" if vllm_prm and not cpu else dtype, prm_tp,
+                                                         prm_pp, prm_shape)
     if prm_request is not None:
         requests.append(prm_request)
     counted = count_stage_params(requests)
@@ -149,7 +154,19 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     policy = statics[worst]
     reference = forward_only_bytes(policy_stages[worst]) if cfg.algorithm.use_kl_loss else 0
     prm = prm_activations = 0
-    if prm_request is not None:
+    prm_plan = None
+    if prm_request is not None and vllm_prm:
+        prm_hf = prm_request.hf_config
+        prm_plan = plan_vllm_prm(
+            shapes=Shapes.from_hf(prm_hf, int(prm_hf["vocab_size"])),
+            weight_elements=sum(p.numel for p in counted[-1][0]), tensor_parallel=prm_tp,
+            world_size=generators or hardware.world_size, gpu_bytes=hardware.gpu_bytes,
+            gpu_memory_utilization=cfg.process_reward.vllm_gpu_memory_utilization, sleeps=not cpu,
+            limits=resolve_batch_limits(None, None, gpu_bytes=hardware.gpu_bytes, gpu_name=hardware.gpu_name),
+            sampler=cfg.process_reward.layout == "likelihood")
+        notes.append(prm_plan.note)
+        prm = 0 if prm_plan.sleeps else prm_plan.budget  # asleep: nothing on the GPU outside its scoring
+    elif prm_request is not None:
         prm_stages = counted[-1]
         prm = max(forward_only_bytes(stage) for stage in prm_stages)
         prm_hf = prm_request.hf_config
@@ -170,7 +187,9 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     implicit_entries = {} if implicit_static is None else {
         "implicit PRM (weights, gradients, optimizer)": implicit_static.total,
         "implicit PRM reference": implicit_reference}
-    resident_others = {"reference (KL)": reference, "PRM weights": prm or 0, **implicit_entries}
+    # a sleeping vLLM PRM holds nothing outside prm_scoring; without sleep mode, its whole budget
+    prm_entry = {} if vllm_prm and not prm else {"vLLM PRM (no sleep mode)" if vllm_prm else "PRM weights": prm or 0}
+    resident_others = {"reference (KL)": reference, **prm_entry, **implicit_entries}
     if implicit_static is not None:
         notes.append("process_reward.source=implicit: the implicit PRM is a second policy-sized trained model, "
                      "resident in every phase; its update's activations are the policy update's (same model, same "
@@ -180,7 +199,7 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
         full_weights = sum(p.numel for stage in policy_stages for p in stage) * tp * dtype_bytes  # norms: x tp, ~
         copies_gib = (cfg.rollout.max_staleness + 1) * full_weights / 2**30
         resident_others = {"reference (KL)": reference, **implicit_entries}  # the implicit PRM trains here
-        rollout_base = {**device_base, "PRM weights": prm or 0}
+        rollout_base = {**device_base, **prm_entry}
         notes.append(
             f"rollout.mode=async: update and save are the {hardware.world_size - generators} training GPUs' (DP{dp}); "
             f"generation and prm_scoring the {generators} rollout GPUs' (the PRM at TP1). The weights cross in host "
@@ -223,11 +242,11 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
             notes.append(f"vLLM holds {vllm_plan.sequences_held} of the {vllm_plan.sequences_asked} full-length "
                          f"sequences a step asks of a replica: the rest wait for room (fine for memory, slower)")
         if prm_request is not None:
-            phases.append(Phase("prm_scoring", {**generation.items, "PRM activations": prm_activations}))
+            phases.append(Phase("prm_scoring", {**generation.items, **_scoring_items(prm_plan, prm_activations)}))
     elif prm_request is not None:
         holding = rollout_base if generators else {**base, "gradients": policy.grads, "optimizer": policy.optimizer,
                                                    **resident_others}
-        phases.append(Phase("prm_scoring", {**holding, "PRM activations": prm_activations}))
+        phases.append(Phase("prm_scoring", {**holding, **_scoring_items(prm_plan, prm_activations)}))
     # The save comes after the step's weight sync, which woke vLLM (weights and KV cache); the optimizer state is
     # on the device for it (an offloaded one is taken back), and the distributed optimizer gathers its state.
     save_bytes = checkpoint_save_bytes(policy_stages[worst], dp, settings.distributed_optimizer)
@@ -245,4 +264,12 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
                 head_tokens=head_tokens, activations=activations, logprob_buffers=logprobs, reference=reference,
                 prm=prm, prm_activations=prm_activations, vllm=vllm_plan, phases=phases, notes=notes,
                 save_host=save_host, unknown=[prm_note] if prm_note else [],
-                prm_hf_config=prm_request.hf_config if prm_request is not None else None)
+                prm_hf_config=prm_request.hf_config if prm_request is not None else None, vllm_prm=prm_plan)
+
+
+def _scoring_items(prm_plan, prm_activations: int) -> dict[str, int]:
+    """What the PRM adds while it scores: the engine's forward activations, or the vLLM PRM awake (its weights,
+    workspace and KV cache; without sleep mode already counted in every phase, under one name)."""
+    if prm_plan is None:
+        return {"PRM activations": prm_activations}
+    return prm_plan.resident if prm_plan.sleeps else {}

@@ -6,7 +6,9 @@ Phases, as the trainer runs them with vLLM colocated (``grpo_mega.trainer``):
   with ``parallel.offload_during_rollout``), the forward-only reference and PRM weights, and vLLM's whole budget
   (weights, workspace, KV cache).
 - ``prm_scoring`` (``process_reward.source: prm``): the PRM scores the steps inside the rollout stage, before vLLM
-  goes to sleep, so it is the generation phase plus the PRM's forward activations.
+  goes to sleep, so it is the generation phase plus the PRM's forward activations; with ``process_reward.scorer:
+  vllm``, plus the vLLM PRM awake (its weights, workspace and KV cache: its whole budget), which sleeps at level 1
+  in every other phase and holds nothing on the GPU there (``grpo_mega.plan.vllm.VllmPRMPlan``).
 - ``update``: the policy's static bytes, the reference and PRM weights, the activations of the largest
   micro-batch and the log-prob chunk buffers; vLLM asleep at level 2 holds only its CUDA-graph pool.
 - ``save`` (a checkpoint, after the step's weight sync): the policy's static bytes (an offloaded optimizer state
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from grpo_mega.plan.settings import Hardware, MemorySettings
 from grpo_mega.plan.static import StaticBytes
-from grpo_mega.plan.vllm import VllmPlan
+from grpo_mega.plan.vllm import VllmPlan, VllmPRMPlan
 
 CUDA_CONTEXT_BYTES = 2**30
 """CUDA context, cuBLAS / cuDNN workspaces and loaded kernels of one process. Not measured here (no GPU): the
@@ -89,6 +91,8 @@ class Plan:
     save_host: SaveHost | None = None
     prm_hf_config: dict | None = None
     """The PRM's HF config the plan counted (process_reward.source: prm); the step-time model reads its shape."""
+    vllm_prm: VllmPRMPlan | None = None
+    """The PRM on vLLM (``process_reward.scorer: vllm``); None for the engine scorer (``prm`` counts that one)."""
     unknown: list[str] = field(default_factory=list)
     """Parts the plan could not count (a PRM without a readable config), each saying what is missing; a plan with
     any is no verdict of FITS unless the user accepts them (``grpo-mega plan --accept-unknown``)."""
@@ -120,6 +124,10 @@ class Plan:
                 out.append("generation: vLLM's KV cache cannot hold one full-length sequence "
                            "(data.prompt_length + algorithm.response_length): raise rollout.gpu_memory_utilization "
                            "or rollout.tensor_parallel")
+        if self.vllm_prm is not None and self.vllm_prm.kv_cache <= 0:
+            out.append(f"prm_scoring: the vLLM PRM's budget ({self.vllm_prm.budget / 2**30:.1f} GiB) does not cover "
+                       "its weights and workspace: raise process_reward.vllm_gpu_memory_utilization or "
+                       "process_reward.vllm_tensor_parallel")
         return out
 
     @property

@@ -30,6 +30,7 @@ def to_dict(plan: Plan) -> dict:
         "prm": plan.prm,
         "prm_activations": plan.prm_activations,
         "vllm": asdict(plan.vllm) if plan.vllm else None,
+        "vllm_prm": asdict(plan.vllm_prm) if plan.vllm_prm else None,
         "phases": {p.name: {"items": p.items, "total": p.total, "headroom": plan.headroom(p)} for p in plan.phases},
         "fits": plan.fits,
         "problems": plan.problems,

@@ -53,13 +53,13 @@ class VllmPlan:
     """rollout_batch_size x G / replicas (one round of generation)."""
 
 
-def vllm_workspace_bytes(s: Shapes, tp: int, limits: BatchLimits) -> int:
-    """The profile run's peak: one batch of max_num_batched_tokens through a layer (QKV and fc1 outputs) plus the
-    sampler's fp32 logits of max_num_seqs rows, twice (logits and probabilities)."""
+def vllm_workspace_bytes(s: Shapes, tp: int, limits: BatchLimits, *, sampler: bool = True) -> int:
+    """The profile run's peak: one batch of max_num_batched_tokens through a layer (QKV and fc1 outputs) plus, with
+    ``sampler`` (a generate runner), the sampler's fp32 logits of max_num_seqs rows, twice (logits and
+    probabilities)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     layer = limits.max_num_batched_tokens * ((q + 2 * kv) + 2 * s.intermediate) // tp * VLLM_DTYPE_BYTES
-    sampler = 2 * limits.max_num_seqs * s.vocab * 4
-    return layer + sampler
+    return layer + (2 * limits.max_num_seqs * s.vocab * 4 if sampler else 0)
 
 
 def plan_vllm(*, shapes: Shapes, weight_elements: int, tensor_parallel: int, world_size: int, gpu_bytes: int,
@@ -84,3 +84,56 @@ def plan_vllm(*, shapes: Shapes, weight_elements: int, tensor_parallel: int, wor
                     kv_cache=kv_cache, kv_bytes_per_token=per_token,
                     sequence_tokens=sequence_tokens, sequences_held=int(held),
                     sequences_asked=math.ceil(rollout_sequences / replicas))
+
+
+@dataclass(frozen=True)
+class VllmPRMPlan:
+    """The vLLM PRM of one rank (``process_reward.scorer: vllm``, ``prm.vllm_scoring``), in bytes. Built with
+    ``process_reward.vllm_gpu_memory_utilization`` x the GPU for its weights, workspace and KV cache; on a GPU it
+    sleeps at level 1 between scorings (weights to pinned host memory, KV cache freed) and runs without CUDA
+    graphs, so outside the ``prm_scoring`` phase it holds nothing on the GPU. vLLM's CPU backend has no sleep
+    mode: there it stays resident in every phase."""
+
+    tensor_parallel: int
+    replicas: int
+    budget: int
+    weights: int
+    workspace: int
+    kv_cache: int
+    sleeps: bool
+    host_weights: int
+    """Pinned host memory its weights take while it sleeps (0 without sleep mode)."""
+
+    @property
+    def note(self) -> str:
+        """One line for the plan's notes."""
+        where = ("asleep at level 1 outside prm_scoring (nothing on the GPU; its weights in "
+                 f"{self.host_weights / 2**30:.1f} GiB of pinned host RAM)" if self.sleeps else
+                 "resident in every phase (vLLM's CPU backend has no sleep mode)")
+        return (f"PRM on vLLM (process_reward.scorer=vllm): {self.replicas} replicas x TP{self.tensor_parallel}, "
+                f"{self.budget / 2**30:.1f} GiB per rank (process_reward.vllm_gpu_memory_utilization: weights "
+                f"{self.weights / 2**30:.1f}, workspace {self.workspace / 2**30:.1f}, KV cache "
+                f"{max(0, self.kv_cache) / 2**30:.1f}); {where}")
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """What it holds on the device while it scores."""
+        return {"vLLM PRM weights": self.weights, "vLLM PRM workspace": self.workspace,
+                "vLLM PRM KV cache": max(0, self.kv_cache)}
+
+
+def plan_vllm_prm(*, shapes: Shapes, weight_elements: int, tensor_parallel: int, world_size: int, gpu_bytes: int,
+                  gpu_memory_utilization: float, limits: BatchLimits, sleeps: bool, sampler: bool) -> VllmPRMPlan:
+    """The vLLM PRM's share of one rank. ``weight_elements``: this rank's PRM parameter elements at its vLLM TP;
+    ``limits``: vLLM's defaults for the GPU (the scorer passes none). ``sampler``: the likelihood layout runs on
+    the generate runner (prompt log-probs), whose profile counts the sampler; the pooling runner's output is two
+    logits per token."""
+    if world_size % tensor_parallel:
+        raise ValueError(f"process_reward.vllm_tensor_parallel={tensor_parallel} does not divide the {world_size} "
+                         "GPUs that score")
+    budget = int(gpu_memory_utilization * gpu_bytes)
+    weights = weight_elements * VLLM_DTYPE_BYTES
+    workspace = vllm_workspace_bytes(shapes, tensor_parallel, limits, sampler=sampler)
+    return VllmPRMPlan(tensor_parallel=tensor_parallel, replicas=world_size // tensor_parallel, budget=budget,
+                       weights=weights, workspace=workspace, kv_cache=budget - weights - workspace, sleeps=sleeps,
+                       host_weights=weights if sleeps else 0)
