@@ -136,3 +136,19 @@ def test_the_quickstart_policy_shape_shipped_for_the_plan_is_the_one_the_quickst
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size", "tie_word_embeddings", "max_position_embeddings", "model_type")
     assert {k: shipped[k] for k in keys} == {k: built[k] for k in keys}
+
+
+def test_a_prm_on_vllm_is_priced_as_a_forward_on_its_replicas(capsys, monkeypatch):
+    """scorer=vllm: the PRM's forward on world / vllm_tensor_parallel replicas (TP1 replicas: 8 at once, faster than
+    the policy's TP4 layout with its all-reduces), its sleep / wake said not to be priced."""
+    from grpo_mega.cli import main
+
+    monkeypatch.chdir(ROOT)
+    base = ["plan", "--config", "configs/qwen2.5-math-7b_grpo_prm.yaml", "--steps", "10", "--json"]
+    assert main(base) in (0, 1)
+    engine = json.loads(capsys.readouterr().out)["step_time"]
+    assert main([*base, "process_reward.scorer=vllm", "process_reward.vllm_gpu_memory_utilization=0.25"]) in (0, 1)
+    vllm = json.loads(capsys.readouterr().out)["step_time"]
+    assert 0 < vllm["phases"]["prm_scoring"]["seconds"] < engine["phases"]["prm_scoring"]["seconds"]
+    assert any(note.startswith("process_reward.scorer=vllm") for note in vllm["notes"])
+    assert not any(note.startswith("process_reward.scorer=vllm") for note in engine["notes"])

@@ -131,7 +131,13 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     calls = _micro_batches(cfg, rows / plan.data)  # a forward pass over every row of the step
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
         prm = _model(plan.prm_hf_config, dtype_bytes)
-        prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
+        if cfg.process_reward.scorer == "vllm":  # replicas of vllm_tensor_parallel ranks split the rows
+            ptp = int(cfg.process_reward.vllm_tensor_parallel)
+            prm_layout = TrainLayout(ptp, 1, max(1, (generators or hw.world_size) // ptp), hw.gpus_per_node)
+            notes.append("process_reward.scorer=vllm: scoring priced as a forward on its replicas (the same FLOPs as "
+                         "the engine's); its sleep / wake between steps is not priced")
+        else:
+            prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
         phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro,
                                                      calls=_micro_batches(cfg, rows / prm_layout.data))
     elif cfg.process_reward.source == "prm":
