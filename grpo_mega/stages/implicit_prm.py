@@ -137,18 +137,26 @@ class ImplicitPRM:
     def run(self, groups: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """Update the implicit PRM on ``groups``' outcomes, then give every completion its step rewards and step
         ends (response token indices), replacing any the reward function gave. Returns the batch and the
-        ``implicit_prm/*`` metrics."""
+        ``implicit_prm/*`` metrics, with the seconds of its parts (``timing_s/implicit_prm_reference``, ``_update``,
+        ``_scoring``: the scoring forward, or under ``update: after`` the left-out rows' forward; ``_steps``)."""
+        begin = time.perf_counter()
         rows = self._rows(groups.completions)
         labels = outcome_labels(groups.scores)
         rows["ref_logprobs"], _ = self.reference.forward_logprobs(rows)
+        seconds = {"reference": time.perf_counter() - begin}
         if self.settings.update == "after":  # scored with the update's own forward: the PRM before this update
             metrics, prm_logprobs = self._update_after_scoring(rows, labels)
             token_rewards = implicit_token_rewards(prm_logprobs, rows["ref_logprobs"].float(), rows["loss_mask"],
                                                    self.settings.beta)
         else:
             metrics, _ = self._update(rows, labels)
+            begin = time.perf_counter()
             token_rewards = self._token_rewards(rows, rows["ref_logprobs"])
+            seconds["scoring"] = time.perf_counter() - begin
+        begin = time.perf_counter()
         step_rewards, step_ends = self._step_rewards(groups, token_rewards, rows["prompt_lengths"])
+        seconds["steps"] = time.perf_counter() - begin
+        metrics.update({f"timing_s/implicit_prm_{part}": value for part, value in seconds.items()})
         mask = rows["loss_mask"].bool()
         metrics["implicit_prm/token_reward_mean"] = float(token_rewards[mask].mean()) if mask.any() else 0.0
         metrics["implicit_prm/scored_outcome_accuracy"] = outcome_prediction_accuracy(token_rewards, labels)
@@ -212,9 +220,11 @@ class ImplicitPRM:
         if len(kept) == 0:
             return metrics, None
         batch = slice_rows({**rows, "outcome_labels": labels}, kept, rows["input_ids"].shape[1])
+        begin = time.perf_counter()
         self.engine.reload_from_host()  # parallel.offload_during_rollout moved its state off the device
         result, outputs = self.engine.train_step_with_outputs(batch, self.loss_fn,
                                                               ("logprobs",) if keep_logprobs else ())
+        metrics["timing_s/implicit_prm_update"] = time.perf_counter() - begin
         metrics.update({"implicit_prm/loss": result["loss"], "implicit_prm/grad_norm": result["grad_norm"],
                         "implicit_prm/lr": result["lr"],
                         "implicit_prm/outcome_accuracy": result.get("outcome_accuracy", 0.0)})
@@ -231,10 +241,13 @@ class ImplicitPRM:
         left_out[kept] = False
         length = rows["input_ids"].shape[1]
         logprobs = torch.zeros(rows["input_ids"].shape, dtype=torch.float32)
+        begin = time.perf_counter()
         if left_out.any():
             others = left_out.nonzero().flatten()
             logprobs[others] = self.engine.forward_logprobs(slice_rows(rows, others, length))[0].float()
+        scoring = time.perf_counter() - begin
         metrics, trained = self._update(rows, labels, keep_logprobs=True)
+        metrics["timing_s/implicit_prm_scoring"] = scoring
         if trained is not None:
             logprobs[kept] = trained
         return metrics, logprobs
