@@ -67,10 +67,16 @@ def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_pat
 
 
 @pytest.mark.slow
-def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path):
-    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *IMPLICIT, *KILL_RUN)
+@pytest.mark.parametrize("update", ["before", "after"])
+def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path, update):
+    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *IMPLICIT, *KILL_RUN,
+                                                        f"implicit_prm.update={update}")
     assert_runs_equal(straight, interrupted, 4)
     expected, got = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
+    # after: step 1 is scored by the PRM before any update (its reference: every reward 0), later steps are not
+    rewards = [row["implicit_prm/token_reward_mean"] for row in expected if row["step"] >= 1]
+    assert len(rewards) == 4
+    assert (abs(rewards[0]) < 1e-7) == (update == "after") and all(abs(reward) > 1e-6 for reward in rewards[1:])
     for name in ("implicit_prm/loss", "implicit_prm/grad_norm", "implicit_prm/token_reward_mean"):
         assert [row[name] for row in got] == pytest.approx([row[name] for row in expected], rel=1e-6, abs=1e-9), name
     import torch
@@ -92,6 +98,7 @@ def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path)
     (["engine=deepspeed", "parallel.tensor=1"], "process_reward.source=implicit needs engine=megatron"),
     (["implicit_prm.accuracy_low=0.9", "implicit_prm.accuracy_high=0.5"], "implicit_prm.accuracy_low=0.9 and"),
     (["implicit_prm.step_value=tokens"], "implicit_prm.step_value='tokens': expected one of"),
+    (["implicit_prm.update=later"], "implicit_prm.update='later': expected one of"),
     (["implicit_prm.init_from=/no/such/folder"], "implicit_prm.init_from=/no/such/folder: no such folder"),
 ])
 def test_the_cli_refuses_what_the_implicit_prm_cannot_run_in_one_line(task, tmp_path, capsys, overrides, message):

@@ -76,6 +76,9 @@ def step_sums(token_rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Ten
 
 IMPLICIT_STEP_VALUES = ("sum", "probability")
 IMPLICIT_STEPS = ("text", "tokens")
+IMPLICIT_UPDATE_ORDERS = ("before", "after")
+"""``implicit_prm.update``: the update before the scoring (scored by the updated PRM) or after it (scored with the
+log-probs of the update's own forward, the PRM before the update)."""
 """What the implicit PRM's step rewards are given to: the text's steps (``process_reward.step_pattern``), or every
 token through the answer as a step of its own (PRIME's token-level rewards)."""
 

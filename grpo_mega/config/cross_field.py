@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_BASELINES, STEP_REWARDS
-from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES, IMPLICIT_STEPS
+from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES, IMPLICIT_STEPS, IMPLICIT_UPDATE_ORDERS
 from grpo_mega.config.checks import (
     DECAY_STYLES,
     check_choice,
@@ -158,6 +158,7 @@ def validate_implicit_prm(cfg: GRPOConfig) -> None:
     settings = cfg.implicit_prm
     check_choice(settings.step_value, IMPLICIT_STEP_VALUES, "implicit_prm.step_value")
     check_choice(settings.steps, IMPLICIT_STEPS, "implicit_prm.steps")
+    check_choice(settings.update, IMPLICIT_UPDATE_ORDERS, "implicit_prm.update")
     if cfg.process_reward.source != "implicit":
         return
     if cfg.algorithm.supervision != "process":

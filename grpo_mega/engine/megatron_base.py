@@ -41,6 +41,30 @@ def layer_tokens(micro: dict[str, torch.Tensor]) -> int:
     return micro["input_ids"].numel()
 
 
+def row_buffers(names, batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Zeroed fp32 [B, L] buffers, one per head output in ``names``, for :func:`keep_rows`."""
+    rows, length = batch["input_ids"].shape
+    return {name: torch.zeros(rows, length, dtype=torch.float32, device=device) for name in names}
+
+
+def keep_rows(buffers: dict[str, torch.Tensor], head_out: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]):
+    """Copy a micro-batch's head outputs (detached, fp32) into the batch's rows of ``buffers`` (``row_index``; the
+    padding rows of aligned micro-batches are left out)."""
+    real = micro["row_index"] != PADDING_ROW
+    for name, buffer in buffers.items():
+        value = head_out[name].detach().float()
+        buffer[micro["row_index"][real], : value.shape[1]] = value[real]
+
+
+def assembled_rows(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole batch's outputs on every rank, on the CPU (collective). Each row was computed on one DP rank's last
+    pipeline stage and is zero elsewhere, so sums over the DP group, then the pipeline group, assemble the batch."""
+    for value in buffers.values():
+        dist.all_reduce(value, group=mpu.get_data_parallel_group())
+        dist.all_reduce(value, group=mpu.get_pipeline_model_parallel_group())
+    return {name: value.cpu() for name, value in buffers.items()}
+
+
 def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
     """Shift [B, S] values about the *next* token (position t predicts t + 1) right by one, so out[:, t] is
     about token t (the engine's convention); out[:, 0] = 0 (the first token has no prediction)."""
@@ -157,27 +181,18 @@ class MegatronStageEngine:
         """Head outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient)."""
         self.model.eval()
         micro_batches = self._micro_batches(batch)
-        rows, length = batch["input_ids"].shape
-        outputs = {name: torch.zeros(rows, length, dtype=torch.float32, device=self.device) for name in self.output_names}
+        outputs = row_buffers(self.output_names, batch, self.device)
 
         def loss_func_for(micro):
             def collect(hidden):
                 if not is_padding(micro):
-                    head_out = self._head(hidden, micro)
-                    real = micro["row_index"] != PADDING_ROW  # aligned micro-batches carry padding rows
-                    for name in self.output_names:
-                        value = head_out[name].float()
-                        outputs[name][micro["row_index"][real], : value.shape[1]] = value[real]
+                    keep_rows(outputs, self._head(hidden, micro), micro)
                 return torch.zeros((), device=self.device), {}
 
             return collect
 
         self._run_schedule(micro_batches, loss_func_for, forward_only=True)
-        # Each row was computed on one DP rank's last stage; zeros elsewhere, so sums assemble the batch.
-        for value in outputs.values():
-            dist.all_reduce(value, group=mpu.get_data_parallel_group())
-            dist.all_reduce(value, group=mpu.get_pipeline_model_parallel_group())
-        return {name: value.cpu() for name, value in outputs.items()}
+        return assembled_rows(outputs)
 
     def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies [B, L] of ``input_ids`` (needs a head with those outputs)."""

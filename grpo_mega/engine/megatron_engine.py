@@ -38,7 +38,9 @@ from grpo_mega.engine.lr_schedule import (
     build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
 )
 from grpo_mega.engine.offload import StorageOffload, device_bytes, megatron_grad_buffers, megatron_optimizer_state
-from grpo_mega.engine.megatron_base import MegatronStageEngine, StageModelProvider, layer_tokens
+from grpo_mega.engine.megatron_base import (
+    MegatronStageEngine, StageModelProvider, assembled_rows, keep_rows, layer_tokens, row_buffers,
+)
 from grpo_mega.engine.moe_metrics import RouterLoadProbe
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
@@ -128,6 +130,14 @@ class MegatronEngine(MegatronStageEngine):
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` with ``loss_fn`` at the current learning rate; metrics are summed
         over micro-batches / ranks. Raises NonFiniteError (nothing applied) for a NaN / Inf loss or grad norm."""
+        return self.train_step_with_outputs(batch, loss_fn, ())[0]
+
+    def train_step_with_outputs(self, batch: dict[str, torch.Tensor], loss_fn: LossFn,
+                                names: tuple[str, ...]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """:meth:`train_step`, and the head outputs ``names`` of the step's own forward pass (the weights before
+        the update), {name: [B, L] fp32 on the CPU} in the batch's row order, the same on every rank (gathered over
+        DP and from the last pipeline stage as :meth:`forward` gathers them). The implicit PRM's ``update: after``
+        scores with them instead of a forward of its own (``grpo_mega.stages.implicit_prm``)."""
         self.reload_from_host()
         self.model.train()
         start = time.perf_counter()
@@ -136,6 +146,7 @@ class MegatronEngine(MegatronStageEngine):
         # megatron divides each micro-batch loss by the number of micro-batches and averages gradients over DP
         # ranks; loss_fn returns shares of the global loss, so undo both averages.
         undo_average = len(micro_batches) * mpu.get_data_parallel_world_size()
+        kept = row_buffers(names, batch, self.device)
 
         def loss_func_for(micro):
             def compute(hidden):
@@ -143,7 +154,9 @@ class MegatronEngine(MegatronStageEngine):
                     # A DP rank without rows: its gradient must be exactly zero whatever loss_fn makes of an
                     # all-masked row, so the loss is tied to the stage output only, and it reports no metrics.
                     return hidden.float().sum() * 0.0, {}
-                loss, metrics = loss_fn(self._head(hidden, micro), micro, scale)
+                head_out = self._head(hidden, micro)
+                keep_rows(kept, head_out, micro)
+                loss, metrics = loss_fn(head_out, micro, scale)
                 record = micro_batch_record(loss, metrics)
                 record["layer_tokens"] = float(layer_tokens(micro))
                 return loss * undo_average, record
@@ -163,8 +176,9 @@ class MegatronEngine(MegatronStageEngine):
         lr = self.current_lr
         grad_norm = self._apply_update(metrics.get("loss", 0.0))
         self.steps_done += 1
+        outputs = assembled_rows(kept) if names else {}
         return finish_step_metrics(metrics, grad_norm=grad_norm, lr=lr, started=start,
-                                   padding_fraction=self.last_padding_fraction)
+                                   padding_fraction=self.last_padding_fraction), outputs
 
     def _sub_optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))

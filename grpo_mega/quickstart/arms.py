@@ -30,9 +30,11 @@ ARMS = {
 }
 # Variants of the implicit PRM's arm: inside the rollout stage (it learns from and scores every sampled group, and
 # dynamic sampling keeps the groups its step rewards split, as a learned PRM's do, not only those of mixed
-# outcomes); every token its own step (PRIME's token-level credit) instead of the text's steps
+# outcomes); every token its own step (PRIME's token-level credit) instead of the text's steps; scored with the
+# update's own forward (the PRM before the update: PRIME's other order, no third pass) instead of the updated PRM's
 IMPLICIT_VARIANTS = {"implicit_all_groups": ("before dynamic sampling", "implicit_prm.before_dynamic_sampling=true"),
-                     "implicit_token_steps": ("one-token steps", "implicit_prm.steps=tokens")}
+                     "implicit_token_steps": ("one-token steps", "implicit_prm.steps=tokens"),
+                     "implicit_after": ("scored before its update", "implicit_prm.update=after")}
 for _arm, (_what, _override) in IMPLICIT_VARIANTS.items():
     ARMS[_arm] = (f"{ARMS['implicit'][0]}, {_what}", (*ARMS["implicit"][1], _override))
 # Tree credit (issue 57): each group sampled as a tree and a segment's score its node's Monte-Carlo value, no reward

@@ -18,9 +18,11 @@ Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM
    implicit Q-value at its end: ``implicit_prm.step_value``); then ``process_reward.step_reward``, the weight and
    ``outcome_on_last_step`` exactly as for a learned PRM (``shape_step_rewards``).
 
-The update comes first, as verl's PRIME recipe does by default (``update: before``, the "double forward"): the
-rewards then come from a PRM that has seen this batch's outcomes, and the first step's rewards are not all 0 (a PRM
-equal to its reference gives r_t = 0 everywhere). Collective: every rank calls with the same batch. Every
+By default the update comes first, as verl's PRIME recipe does (``implicit_prm.update: before``, the "double
+forward"): the rewards then come from a PRM that has seen this batch's outcomes, and the first step's rewards are not
+all 0 (a PRM equal to its reference gives r_t = 0 everywhere). ``update: after`` is PRIME's other order: step 2 scores
+with the log-probs the update's own forward computed (the PRM before this batch's update;
+``MegatronEngine.train_step_with_outputs``), so no third pass runs. Collective: every rank calls with the same batch. Every
 evaluation also scores the held-out completions (:meth:`ImplicitPRM.evaluation_metrics`,
 ``grpo_mega.stages.implicit_prm_eval``).
 """
@@ -135,13 +137,26 @@ class ImplicitPRM:
     def run(self, groups: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """Update the implicit PRM on ``groups``' outcomes, then give every completion its step rewards and step
         ends (response token indices), replacing any the reward function gave. Returns the batch and the
-        ``implicit_prm/*`` metrics."""
+        ``implicit_prm/*`` metrics, with the seconds of its parts (``timing_s/implicit_prm_reference``, ``_update``,
+        ``_scoring``: the scoring forward, or under ``update: after`` the left-out rows' forward; ``_steps``)."""
+        begin = time.perf_counter()
         rows = self._rows(groups.completions)
         labels = outcome_labels(groups.scores)
         rows["ref_logprobs"], _ = self.reference.forward_logprobs(rows)
-        metrics = self._update(rows, labels)
-        token_rewards = self._token_rewards(rows, rows["ref_logprobs"])
+        seconds = {"reference": time.perf_counter() - begin}
+        if self.settings.update == "after":  # scored with the update's own forward: the PRM before this update
+            metrics, prm_logprobs = self._update_after_scoring(rows, labels)
+            token_rewards = implicit_token_rewards(prm_logprobs, rows["ref_logprobs"].float(), rows["loss_mask"],
+                                                   self.settings.beta)
+        else:
+            metrics, _ = self._update(rows, labels)
+            begin = time.perf_counter()
+            token_rewards = self._token_rewards(rows, rows["ref_logprobs"])
+            seconds["scoring"] = time.perf_counter() - begin
+        begin = time.perf_counter()
         step_rewards, step_ends = self._step_rewards(groups, token_rewards, rows["prompt_lengths"])
+        seconds["steps"] = time.perf_counter() - begin
+        metrics.update({f"timing_s/implicit_prm_{part}": value for part, value in seconds.items()})
         mask = rows["loss_mask"].bool()
         metrics["implicit_prm/token_reward_mean"] = float(token_rewards[mask].mean()) if mask.any() else 0.0
         metrics["implicit_prm/scored_outcome_accuracy"] = outcome_prediction_accuracy(token_rewards, labels)
@@ -187,24 +202,55 @@ class ImplicitPRM:
             truths.append(synthetic_truth(record.extra, pieces) if scores[-1] else [])
         return {**metrics, **step_detection(scores, truths, self.settings.step_value, seed=self.seed)}
 
-    def _update(self, rows: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on the rows the accuracy filter keeps (all without it); its metrics."""
+    def _kept_rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """The rows the update trains on: those of the groups the accuracy filter keeps (all without it)."""
         settings = self.settings
         if settings.accuracy_filter:
             keep = groups_within_accuracy(labels, self.group_size, settings.accuracy_low, settings.accuracy_high)
         else:
             keep = torch.ones_like(labels, dtype=torch.bool)
-        kept = keep.nonzero().flatten()
+        return keep.nonzero().flatten()
+
+    def _update(self, rows: dict[str, torch.Tensor], labels: torch.Tensor, *,
+                keep_logprobs: bool = False) -> tuple[dict[str, float], torch.Tensor | None]:
+        """One optimizer step on the rows the accuracy filter keeps; its metrics. ``keep_logprobs``: also the
+        log-probs its forward computed, [kept rows, L] (None when no row is kept)."""
+        kept = self._kept_rows(labels)
         metrics = {"implicit_prm/update_fraction": float(len(kept)) / max(len(labels), 1)}
         if len(kept) == 0:
-            return metrics
+            return metrics, None
         batch = slice_rows({**rows, "outcome_labels": labels}, kept, rows["input_ids"].shape[1])
+        begin = time.perf_counter()
         self.engine.reload_from_host()  # parallel.offload_during_rollout moved its state off the device
-        result = self.engine.train_step(batch, self.loss_fn)
+        result, outputs = self.engine.train_step_with_outputs(batch, self.loss_fn,
+                                                              ("logprobs",) if keep_logprobs else ())
+        metrics["timing_s/implicit_prm_update"] = time.perf_counter() - begin
         metrics.update({"implicit_prm/loss": result["loss"], "implicit_prm/grad_norm": result["grad_norm"],
                         "implicit_prm/lr": result["lr"],
                         "implicit_prm/outcome_accuracy": result.get("outcome_accuracy", 0.0)})
-        return metrics
+        return metrics, outputs.get("logprobs")
+
+    def _update_after_scoring(self, rows: dict[str, torch.Tensor],
+                              labels: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+        """``implicit_prm.update: after``: the update's metrics, and every row's log-probs under the PRM before the
+        update, [B, L] fp32: the update's forward gives the rows it trains on; the rows the accuracy filter leaves
+        out get a forward of their own, first (before the weights move). A forward of only those rows costs less
+        than carrying them through the update at zero loss weight, whose backward would still run over them."""
+        kept = self._kept_rows(labels)
+        left_out = torch.ones(len(labels), dtype=torch.bool)
+        left_out[kept] = False
+        length = rows["input_ids"].shape[1]
+        logprobs = torch.zeros(rows["input_ids"].shape, dtype=torch.float32)
+        begin = time.perf_counter()
+        if left_out.any():
+            others = left_out.nonzero().flatten()
+            logprobs[others] = self.engine.forward_logprobs(slice_rows(rows, others, length))[0].float()
+        scoring = time.perf_counter() - begin
+        metrics, trained = self._update(rows, labels, keep_logprobs=True)
+        metrics["timing_s/implicit_prm_scoring"] = scoring
+        if trained is not None:
+            logprobs[kept] = trained
+        return metrics, logprobs
 
     def _step_rewards(self, groups: RolloutBatch, token_rewards: torch.Tensor, prompt_lengths: torch.Tensor):
         """Per completion, its step rewards and the response index of each step's last token."""
