@@ -152,3 +152,21 @@ def test_a_prm_on_vllm_is_priced_as_a_forward_on_its_replicas(capsys, monkeypatc
     assert 0 < vllm["phases"]["prm_scoring"]["seconds"] < engine["phases"]["prm_scoring"]["seconds"]
     assert any(note.startswith("process_reward.scorer=vllm") for note in vllm["notes"])
     assert not any(note.startswith("process_reward.scorer=vllm") for note in engine["notes"])
+
+
+def test_the_implicit_prm_scoring_with_its_updates_forward_drops_one_forward(capsys, monkeypatch):
+    """implicit_prm.update: after scores with the log-probs its update's forward computed: one policy-sized forward
+    less in implicit_prm_scoring than update: before, the update itself unchanged."""
+    from grpo_mega.cli import main
+
+    monkeypatch.chdir(ROOT)
+    base = ["plan", "--config", "configs/qwen2.5-math-7b_grpo_implicit.yaml", "--steps", "10", "--json"]
+    phases = {}
+    for order in ("before", "after"):
+        assert main([*base, f"implicit_prm.update={order}"]) in (0, 1)
+        phases[order] = json.loads(capsys.readouterr().out)["step_time"]["phases"]
+    forward = phases["before"]["implicit_prm_scoring"]["seconds"] - phases["after"]["implicit_prm_scoring"]["seconds"]
+    assert forward > 0
+    assert phases["after"]["implicit_prm_update"]["seconds"] == phases["before"]["implicit_prm_update"]["seconds"]
+    if "old_logprobs" in phases["before"]:  # a policy forward over the same rows costs what the dropped one did
+        assert forward == pytest.approx(phases["before"]["old_logprobs"]["seconds"], rel=1e-6)

@@ -78,7 +78,8 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
 
     Phases: generation (prefill + decode on vLLM's replicas, batch limits and KV cache from the plan), prm_scoring
     (a learned PRM: one forward over the rows), old_logprobs (unless the update is on-policy: one epoch, one
-    mini-batch), reference (KL on), implicit_prm_scoring (its forward, and its reference's unless the KL's serves)
+    mini-batch), reference (KL on), implicit_prm_scoring (its forward unless ``implicit_prm.update: after`` scores
+    with its update's own, and its reference's unless the KL's serves)
     and implicit_prm_update (one epoch over the rows), update, weight_sync, save (amortised over
     trainer.save_every). One-off: prm_labels (the policy's solutions and K completions per step prefix) and
     prm_training (one epoch over the labelled solutions)."""
@@ -148,7 +149,9 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     if alg.use_kl_loss:
         phases["reference"] = forward
     if cfg.process_reward.source == "implicit":
-        passes = 1 + (0 if cfg.implicit_prm_shares_kl_reference() else 1)
+        # its reference's forward unless the KL's serves; its scoring forward unless it scores with its update's own
+        # (implicit_prm.update: after)
+        passes = (1 if cfg.implicit_prm.update == "before" else 0) + (0 if cfg.implicit_prm_shares_kl_reference() else 1)
         phases["implicit_prm_scoring"] = passes * forward
         phases["implicit_prm_update"] = update_seconds(
             policy, lengths, rows, layout, device, eff, epochs=1, optimizer_steps=math.ceil(groups / mini),
