@@ -1,15 +1,17 @@
 """One long GRPO run under many faults (issue 61): does it end bit-equal to an uninterrupted run of the same command?
 
-    .venv/bin/python bench/chaos.py [--seed 0] [--faults 20] [--steps 150] [--variant prm|async] \\
-        [--launcher local] [--timeout 15] [--save-every 3] [--reuse] [--work DIR] [--out bench/results/chaos.json]
+    .venv/bin/python bench/chaos.py [--seed 0] [--faults 20] [--steps 150] [--variant prm|async] [--kinds K,...] \\
+        [--launcher local] [--timeout 15] [--save-every 3] [--disk-mib 256] [--reuse] [--work DIR] \\
+        [--out bench/results/chaos.json]
 
 The run: ``grpo-mega train`` under torchrun (2 gloo ranks) through bench/fault_inject.py, the tiny synthetic task of
 bench/fault_setup.py with process supervision by a learned PRM (trained first, once); ``--variant async`` generates on
-the second rank (``rollout.mode=async``) and trains on the first. A checkpoint every ``--save-every`` steps (the
-default ``trainer.keep_last=2``), every prompt dumped (``trainer.dump_rollouts``). A seeded schedule of ``--faults``
-faults (bench/chaos_faults.py: kinds, triggers, ranks) is met one per attempt: the supervisor here starts the command,
-injects the fault at its trigger, waits for the job to end (every rank process gone), alters a checkpoint when the
-fault says so, and starts the same command again (the launcher's restart: ``trainer.resume=auto``), to the end.
+the second rank (``rollout.mode=async``) and trains on the first. A checkpoint every ``--save-every`` steps
+(``trainer.keep_last=2``, the default: an altered newest checkpoint leaves one to fall back to), every prompt dumped
+(``trainer.dump_rollouts``). A seeded schedule of ``--faults`` faults (bench/chaos_faults.py: kinds, triggers,
+ranks) is met one per attempt: the supervisor here starts the command, injects the fault at its trigger, waits for
+the job to end (every rank process gone), alters a checkpoint when the fault says so, and starts the same command
+again (the launcher's restart: ``trainer.resume=auto``), to the end.
 
 At the end (bench/chaos_checks.py), against ONE uninterrupted run of the same command: the final checkpoint's tensors
 bit-equal (policy, optimizer, RNG, companions), every metrics row equal (timings and memory aside), 0 prompts lost or
@@ -50,7 +52,7 @@ from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 GRACE_S = 10
 RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2", "algorithm.response_length=12",
        "algorithm.dynamic_sampling=false", "trainer.dump_rollouts=true", "trainer.progress_bar=false",
-       "trainer.tensorboard=false", "parallel.device=cpu", "trainer.eval_every=0",
+       "trainer.tensorboard=false", "parallel.device=cpu", "trainer.eval_every=0", "trainer.keep_last=2",
        "algorithm.supervision=process", "process_reward.source=prm"]
 VARIANTS = {"prm": ["parallel.tensor=2"],
             "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1"]}
@@ -149,10 +151,11 @@ class Supervisor:
         failure = json.loads(failure_path.read_text()) if failure_path.exists() else None
         if failure is not None and fault_at is not None and failure.get("unix_time", 0) < fault_at - 1:
             failure = None  # an earlier attempt's, not set aside: this attempt wrote none
+        stop = re.search(r"stopped after step \d+ \([^)]*\)", text)
         fault.record.update(attempt=self.attempts, trigger_used=trigger, exit_code=job.returncode, hang=hung,
                             failure=None if failure is None else {k: failure.get(k) for k in
                                                                   ("cause", "rank", "phase", "step", "unix_time")},
-                            stop_line=(m.group(0) if (m := re.search(r"stopped after step \d+ \([^)]*\)", text)) else None))
+                            stop_line=stop.group(0) if stop else None)
         if fault_at is None:
             fault.record["missed"] = "the attempt ended before the fault" if job.returncode is not None else "no rank"
             return

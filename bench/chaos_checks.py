@@ -13,10 +13,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from grpo_mega.run.layout import COMPLETE_FILE
+from grpo_mega.run.layout import COMPLETE_FILE, step_dir_name
 from grpo_mega.run.metrics import read_metrics
 
-NOT_COMPARED = ("timing_s/", "memory/", "perf/throughput", "time", "step_seconds")
+NOT_COMPARED = ("timing_s/", "memory/", "startup_s/", "perf/throughput", "perf/prm_fraction", "time", "step_seconds")
+"""Timings and memory: seconds, their ratios, and the start-up's seconds on the first step of every attempt."""
 
 
 def comparable_metrics(run_dir: Path) -> dict[int, dict]:
@@ -93,7 +94,7 @@ def compare_checkpoints(ours: Path, reference: Path) -> dict:
     sums = [json.loads((path / COMPLETE_FILE).read_text()).get("checksums") for path in (ours, reference)]
     return {"checkpoint": ours.name, "items": len(a), "tensors": sum(isinstance(v, torch.Tensor) for v in a.values()),
             "tensor_elements": sum(v.numel() for v in a.values() if isinstance(v, torch.Tensor)),
-            "companions": sorted({key.split("/")[0] for key in a if "/" in key and not key.startswith(".")} - {""}),
+            "companions": sorted(str(m.parent.relative_to(ours)) for m in ours.rglob(".metadata") if m.parent != ours),
             "bit_equal": not different and not missing, "different": different[:10], "only_in_one": missing[:10],
             "files_identical": sums[0] is not None and sums[0] == sums[1]}
 
@@ -105,7 +106,7 @@ def compare_runs(run_dir: Path, reference_dir: Path, final_step: int) -> dict:
     prompts, expected = prompts_by_step(run_dir), prompts_by_step(reference_dir)
     trained = [source for step in sorted(prompts) for source in prompts[step]]
     wanted = [source for step in sorted(expected) for source in expected[step]]
-    name = f"step_{final_step}"
+    name = step_dir_name(final_step)
     final, final_reference = run_dir / "checkpoints" / name, reference_dir / "checkpoints" / name
     weights = (compare_checkpoints(final, final_reference) if final.is_dir() and final_reference.is_dir()
                else {"bit_equal": False, "missing": f"{name} in {run_dir if not final.is_dir() else reference_dir}"})

@@ -16,6 +16,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import chaos  # noqa: E402  (bench/chaos.py)
 from chaos_checks import compare_checkpoints  # noqa: E402
+from grpo_mega.run.layout import step_dir_name  # noqa: E402
 
 KINDS = "altered,resume_kill,save_kill,prm_exception,usr1"
 STEPS = 12
@@ -41,6 +42,6 @@ def test_a_run_that_meets_five_faults_ends_bit_equal_to_an_uninterrupted_run(tmp
     # The check tells checkpoints apart: the final one against the reference's checkpoint two steps earlier.
     run_checkpoints = Path(record["checks"]["weights"]["checkpoint"])
     reference = tmp_path / "work" / f"reference-prm-{STEPS}-2" / "run" / "checkpoints"
-    assert run_checkpoints.name == f"step_{STEPS}"
-    earlier = compare_checkpoints(reference / f"step_{STEPS}", reference / f"step_{STEPS - 2}")
+    assert run_checkpoints.name == step_dir_name(STEPS)
+    earlier = compare_checkpoints(reference / step_dir_name(STEPS), reference / step_dir_name(STEPS - 2))
     assert not earlier["bit_equal"] and earlier["different"]
