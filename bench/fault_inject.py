@@ -7,6 +7,10 @@
                  colocated wake-up that hangs on a GPU; vLLM has no sleep mode on CPU, so the hang is planted
                  where ``VLLMRolloutEngine.begin_weight_update`` wakes the weights, inside the same bounded phase)
   prm_train_exception  a RuntimeError raised in PRM training step STEP on rank RANK
+  save_kill      rank RANK SIGKILLs itself in the first checkpoint save at step >= STEP, once its files are
+                 written and before the checkpoint is published (bench/chaos.py: a fault during a save)
+  resume_kill    rank RANK SIGKILLs itself as it starts loading the checkpoint it resumes from (STEP unused;
+                 bench/chaos.py: a fault during a resume)
 
 When the fault fires it writes the time to ``$GRPO_FAULT_MARK`` (the bench's fault-to-exit clock). Without
 ``GRPO_FAULT`` this is ``grpo-mega`` itself.
@@ -15,6 +19,7 @@ When the fault fires it writes the time to ``$GRPO_FAULT_MARK`` (the bench's fau
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,6 +61,42 @@ def _hang_in_wake(_self) -> None:
             time.sleep(1)
 
 
+def _kill_self(_self) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_in_checksums(step: int, due_from) -> None:
+    """SIGKILL this rank inside the save of the first checkpoint at step >= ``step``: ``checksums_of`` runs once
+    the rank's files are in the staging folder, before any rank publishes."""
+    from grpo_mega.checkpoint import training
+
+    original = training.checksums_of
+
+    def checksums_of(folder, names):
+        if due_from():
+            _mark()
+            _kill_self(None)
+        return original(folder, names)
+
+    training.checksums_of = checksums_of
+
+
+def _kill_in_resume(first_call) -> None:
+    """SIGKILL this rank as it starts loading a checkpoint of its own run (not a PRM or an initial policy that the
+    same loader reads)."""
+    from grpo_mega.checkpoint.training import CheckpointManager
+
+    original = CheckpointManager.load
+
+    def load(self, engine, path, **kwargs):
+        if Path(path).resolve().parent == Path(self.checkpoints_dir).resolve() and first_call():
+            _mark()
+            _kill_self(None)
+        return original(self, engine, path, **kwargs)
+
+    CheckpointManager.load = load
+
+
 def plant(kind: str, rank: int, step: int) -> None:
     from grpo_mega.run.failure import POSITION
 
@@ -65,6 +106,18 @@ def plant(kind: str, rank: int, step: int) -> None:
 
     def due() -> bool:  # once, at the step
         if POSITION["step"] == step and not fired:
+            fired.append(True)
+            return True
+        return False
+
+    def due_from() -> bool:  # once, at the step or the first after it that reaches the planted code
+        if POSITION["step"] is not None and POSITION["step"] >= step and not fired:
+            fired.append(True)
+            return True
+        return False
+
+    def first_call() -> bool:
+        if not fired:
             fired.append(True)
             return True
         return False
@@ -82,6 +135,10 @@ def plant(kind: str, rank: int, step: int) -> None:
     elif kind == "prm_train_exception":
         from grpo_mega.harness.lifecycle import RunHarness
         _wrap(RunHarness, "end_step", due, _raise(f"PRM training, {where}"))
+    elif kind == "save_kill":
+        _kill_in_checksums(step, due_from)
+    elif kind == "resume_kill":
+        _kill_in_resume(first_call)
     else:
         raise SystemExit(f"GRPO_FAULT: unknown kind {kind!r}")
 

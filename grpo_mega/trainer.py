@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
+from grpo_mega.checkpoint.rng import rng_state_kept
 from grpo_mega.checkpoint.source import resolve_model_source
 from grpo_mega.config import GRPOConfig
 from grpo_mega.data.prompts import PromptBatches
@@ -115,24 +116,28 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
                                initial_weights=lambda: _load_initial_weights(policy, source, implicit_prm, cfg),
                                shown=GRPO_SHOWN, companions=implicit_prm.companions() if implicit_prm else None)
-    if reference is not None:
-        load_initial_weights(reference, source)
-    offload = cfg.parallel.offload_during_rollout
-    if feed is not None:  # the rollout world starts from this version of the weights
-        feed.start(start_step, policy.export_hf_weights())
-    else:
-        if rollout_engine is None:
-            rollout_engine = build_rollout_engine_for(cfg, tokenizer)
-        _sync(policy, rollout_engine, cfg, offload=offload, implicit_prm=implicit_prm)
-    harness.startup.mark("rollout_engine")  # built (vLLM before the model: its seconds count here too) and synced
-    memory = PhaseMemory(get_device())
-    rollout = None if feed is not None else RolloutStage(
-        rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
-        decode=decode, step_reward_source=step_reward_source(cfg, decode),
-        answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern, row_layout=row_layout_of(cfg),
-        batch_step_rewards=(implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling
-                            else None))
-    updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
+    # Set-up after a resume restored the generators (engines built with a random initialisation) must not draw
+    # from them, or a resumed run's streams would differ from an uninterrupted one's (bench/chaos.py).
+    with rng_state_kept():
+        if reference is not None:
+            load_initial_weights(reference, source)
+        offload = cfg.parallel.offload_during_rollout
+        if feed is not None:  # the rollout world starts from this version of the weights
+            feed.start(start_step, policy.export_hf_weights())
+        else:
+            if rollout_engine is None:
+                rollout_engine = build_rollout_engine_for(cfg, tokenizer)
+            _sync(policy, rollout_engine, cfg, offload=offload, implicit_prm=implicit_prm)
+        harness.startup.mark("rollout_engine")  # built (vLLM before the model: its seconds count here too), synced
+        memory = PhaseMemory(get_device())
+        rollout = None if feed is not None else RolloutStage(
+            rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
+            decode=decode, step_reward_source=step_reward_source(cfg, decode),
+            answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
+            row_layout=row_layout_of(cfg),
+            batch_step_rewards=(implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling
+                                else None))
+        updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
 
     def run_eval(step: int) -> dict[str, float]:  # async: the rollout world's evaluation of this step's weights
         if feed is not None:
@@ -140,7 +145,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         return run_evaluation(cfg, rollout_engine, eval_records, step,
                               on_completions=implicit_prm.evaluation_metrics if implicit_prm is not None else None)
 
-    eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
+    with rng_state_kept():  # only an uninterrupted run evaluates before step 1
+        eval_metrics = run_eval(0) if start_step == 0 else {}  # a resumed run has its "before" already
     if eval_metrics:
         harness.metrics_log.log(0, eval_metrics, advance=False)
 

@@ -12,8 +12,9 @@ saved at (the training checkpoint checks that and reseeds otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -65,3 +66,18 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if saved_cuda:
         torch.cuda.set_rng_state(state["torch_cuda"])
     torch.set_rng_state(state["torch_cpu"])
+
+
+@contextlib.contextmanager
+def rng_state_kept() -> Iterator[None]:
+    """Every generator of this rank as it was before the block, after it: for set-up that runs after a resume has
+    restored them (building the rollout engine, the PRM scorer, a first evaluation). Such set-up draws from them (a
+    model's random initialisation before its weights are loaded), and it runs with the restored states in a
+    resumed run but before step 1 in an uninterrupted one: the checkpoints of the two would then differ by those
+    draws (measured by bench/chaos.py: torch's CPU generator), and so would anything that samples from them later
+    (dropout)."""
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_mega.run.checkpoints import newest_complete, step_dirs
-from grpo_mega.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE
+from grpo_mega.run.checkpoints import checksum_problem, newest_complete, recorded_checksums, step_dirs
+from grpo_mega.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, STATE_FILE
 
 IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "data.", "reward.",
                  "process_reward.", "prm.", "algorithm.supervision", "algorithm.step_credit", "algorithm.use_kl_loss",
@@ -83,7 +83,7 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
                 f"would mix a new run into it: set trainer.overwrite=true (with trainer.resume=none) to move it aside "
                 f"to {run_dir}.old-<time>, trainer.resume=auto to continue it, or another trainer.run_dir")
         return RunFolderVerdict(moved_to=move_aside(run_dir) if act else None)
-    checkpoint = Path(resume) if inside else newest_complete(run_dir)
+    checkpoint = Path(resume) if inside else newest_readable(run_dir)
     previous = _saved_config(checkpoint / CONFIG_FILE if checkpoint is not None else run_dir / CONFIG_FILE)
     changed = [] if previous is None else changed_identity(previous, config, run_dir)
     if changed and not allow_changes:
@@ -99,6 +99,21 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
             f"{run_dir} is complete: its checkpoint {checkpoint.name} is at trainer.total_steps="
             f"{trainer['total_steps']}; nothing to do (raise trainer.total_steps to train on)"))
     return RunFolderVerdict()
+
+
+def newest_readable(run_dir: Path) -> Path | None:
+    """The checkpoint ``trainer.resume=auto`` resumes from, as far as this process reads it: the newest complete one
+    whose config and trainer state (the files read here) match the checksums its ``complete.json`` records. An
+    altered one is passed over as the ranks pass it over (they verify every file before loading, say which, and may
+    fall back further); reading its config instead failed the command with a decoding traceback on every restart
+    (bench/chaos.py: a config.yaml with one byte flipped)."""
+    refused: list[Path] = []
+    while (checkpoint := newest_complete(run_dir, skip=refused)) is not None:
+        recorded = recorded_checksums(checkpoint) or {}
+        if checksum_problem(checkpoint, [name for name in (CONFIG_FILE, STATE_FILE) if name in recorded]) is None:
+            return checkpoint
+        refused.append(checkpoint)
+    return None
 
 
 def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple[str, Any, Any]]:
@@ -138,7 +153,7 @@ def _saved_config(path: Path) -> dict | None:
 
     try:
         loaded = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (an old checkpoint without checksums)
         return None
     return loaded if isinstance(loaded, dict) else None
 

@@ -1,0 +1,315 @@
+"""One long GRPO run under many faults (issue 61): does it end bit-equal to an uninterrupted run of the same command?
+
+    .venv/bin/python bench/chaos.py [--seed 0] [--faults 20] [--steps 150] [--variant prm|async] [--kinds K,...] \\
+        [--launcher local] [--timeout 15] [--save-every 3] [--disk-mib 256] [--reuse] [--work DIR] \\
+        [--out bench/results/chaos.json]
+
+The run: ``grpo-mega train`` under torchrun (2 gloo ranks) through bench/fault_inject.py, the tiny synthetic task of
+bench/fault_setup.py with process supervision by a learned PRM (trained first, once); ``--variant async`` generates on
+the second rank (``rollout.mode=async``) and trains on the first. A checkpoint every ``--save-every`` steps
+(``trainer.keep_last=2``, the default: an altered newest checkpoint leaves one to fall back to), every prompt dumped
+(``trainer.dump_rollouts``). A seeded schedule of ``--faults`` faults (bench/chaos_faults.py: kinds, triggers,
+ranks) is met one per attempt: the supervisor here starts the command, injects the fault at its trigger, waits for
+the job to end (every rank process gone), alters a checkpoint when the fault says so, and starts the same command
+again (the launcher's restart: ``trainer.resume=auto``), to the end.
+
+At the end (bench/chaos_checks.py), against ONE uninterrupted run of the same command: the final checkpoint's tensors
+bit-equal (policy, optimizer, RNG, companions), every metrics row equal (timings and memory aside), 0 prompts lost or
+repeated, every fault's cause named (failure.json, kept in the run's failure.json history; a preemption's stop line;
+an altered checkpoint refused by its checksum with the fallback said), and per fault the seconds from the fault to
+the job's exit and from the exit to the first step the restarted job logs. Results: ``--out`` (one record per
+schedule: variant, launcher, seed, faults, steps); ``--reuse`` keeps a finished schedule's record and does not rerun it.
+
+``disk_full`` needs the run on a file system of its own: the run folder is a tmpfs (``--disk-mib``), mounted here
+(root); without root the kind is left out of the schedule, and the record says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from chaos_checks import compare_runs  # noqa: E402
+from chaos_faults import (KINDS, PLANTED, STOPS, Fault, alter_newest, cause_named, draw_schedule,  # noqa: E402
+                          failure_history, inject, planted_env, rank_pid)
+from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
+
+GRACE_S = 10
+RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2", "algorithm.response_length=12",
+       "algorithm.dynamic_sampling=false", "trainer.dump_rollouts=true", "trainer.progress_bar=false",
+       "trainer.tensorboard=false", "parallel.device=cpu", "trainer.eval_every=0", "trainer.keep_last=2",
+       "algorithm.supervision=process", "process_reward.source=prm"]
+VARIANTS = {"prm": ["parallel.tensor=2"],
+            "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1"]}
+
+
+def command(task, run_dir: Path, args) -> list[str]:
+    overrides = [f"model.hf_config={task.model}", f"data.train_file={task.train_file}", f"trainer.run_dir={run_dir}",
+                 f"trainer.collective_timeout_s={args.timeout}", f"trainer.total_steps={args.steps}",
+                 f"trainer.save_every={args.save_every}", f"process_reward.prm={task.prm}", *RUN,
+                 *VARIANTS[args.variant]]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            str(ROOT / "bench" / "fault_inject.py"), "train", "--config", str(GRPO_CONFIG), *overrides]
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
+
+
+def rows_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+class Supervisor:
+    """Runs the command attempt after attempt in one run folder, one fault per attempt, and records each."""
+
+    def __init__(self, argv: list[str], run_dir: Path, logs: Path, env: dict, timeout: int, disk: Path | None):
+        self.argv, self.run_dir, self.logs, self.env, self.disk = argv, run_dir, logs, env, disk
+        self.limit = 2 * timeout + GRACE_S + 60
+        self.attempts = 0
+        self.first_step_at: list[float] = []  # per attempt: when it logged its first row (nan: none)
+
+    def start(self, extra_env: dict) -> tuple[subprocess.Popen, Path, int]:
+        self.attempts += 1
+        log = self.logs / f"attempt{self.attempts:02d}.log"
+        mark = self.logs / f"attempt{self.attempts:02d}.fault_at"
+        env = dict(self.env, GRPO_FAULT_MARK=str(mark), **extra_env)
+        job = subprocess.Popen(self.argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        return job, log, rows_logged(self.run_dir)
+
+    def wait_for(self, job: subprocess.Popen, rows_before: int, until) -> bool:
+        """Poll until ``until()`` or the job's end; notes the attempt's first logged row. True when ``until()``."""
+        noted = False
+        while True:
+            if not noted and rows_logged(self.run_dir) > rows_before:
+                self.first_step_at.append(time.time())
+                noted = True
+            if until():
+                return True
+            if job.poll() is not None:
+                if not noted:
+                    self.first_step_at.append(float("nan"))
+                return False
+            time.sleep(0.05)
+
+    def end(self, job: subprocess.Popen) -> tuple[float, bool]:
+        """Wait for the job and every rank process of the run to be gone (kill what outlives the limit); returns the
+        time the last one went and whether anything had to be killed."""
+        deadline, hung = time.monotonic() + self.limit, False
+        try:
+            job.wait(timeout=self.limit)
+        except subprocess.TimeoutExpired:
+            hung = True
+            job.kill()
+            job.wait()
+        while (pids := [p for p in (rank_pid(r, self.run_dir) for r in range(2)) if p]):
+            if time.monotonic() > deadline:
+                hung = True
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        return time.time(), hung
+
+    def attempt(self, fault: Fault, rng: random.Random) -> None:
+        """One attempt that meets ``fault``; the fault's record says what happened."""
+        # A trigger the run has passed already (an earlier fault's restart went further) moves to the next step.
+        trigger = None if fault.trigger is None else max(fault.trigger, last_step(self.run_dir) + 1)
+        job, log, before = self.start(planted_env(fault, trigger))
+        mark = log.with_suffix(".fault_at")
+        if fault.kind in PLANTED:
+            self.wait_for(job, before, lambda: False)
+            fault_at = float(mark.read_text()) if mark.exists() else None
+            ended, hung = self.end(job)
+        else:
+            reached = self.wait_for(job, before, lambda: last_step(self.run_dir) >= trigger)
+            fault_at = None
+            if reached:
+                time.sleep(fault.delay_s)
+                if job.poll() is None:
+                    fault_at = inject(fault, job.pid, self.run_dir, self.disk)
+            ended, hung = self.end(job)
+        text = log.read_text()
+        failure_path = self.run_dir / "failure.json"
+        failure = json.loads(failure_path.read_text()) if failure_path.exists() else None
+        if failure is not None and fault_at is not None and failure.get("unix_time", 0) < fault_at - 1:
+            failure = None  # an earlier attempt's, not set aside: this attempt wrote none
+        stop = re.search(r"stopped after step \d+ \([^)]*\)", text)
+        fault.record.update(attempt=self.attempts, trigger_used=trigger, exit_code=job.returncode, hang=hung,
+                            failure=None if failure is None else {k: failure.get(k) for k in
+                                                                  ("cause", "rank", "phase", "step", "unix_time")},
+                            stop_line=stop.group(0) if stop else None)
+        if fault_at is None:
+            fault.record["missed"] = "the attempt ended before the fault" if job.returncode is not None else "no rank"
+            return
+        fault.record.update(fault_at=fault_at, seconds_to_exit=round(ended - fault_at, 2), exited_at=ended)
+        if self.disk is not None:
+            (self.disk / "filler").unlink(missing_ok=True)
+        if fault.kind == "altered":
+            fault.record.update(alter_newest(self.run_dir, rng))
+
+
+def run_schedule(args, task, schedule: list[Fault], work: Path, env: dict, disk: Path | None) -> dict:
+    """The faulted run: every fault of ``schedule``, then the command again until it ends (exit 0)."""
+    run_dir = (disk or work) / "run"
+    logs = work / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    supervisor = Supervisor(command(task, run_dir, args), run_dir, logs, env, args.timeout, disk)
+    rng = random.Random(args.seed + 1000)
+    started = time.time()
+    for number, fault in enumerate(schedule):
+        supervisor.attempt(fault, rng)
+        print(f"fault {number + 1}/{len(schedule)} {fault.kind}: " + json.dumps(
+            {k: fault.record.get(k) for k in ("trigger_used", "exit_code", "seconds_to_exit", "failure", "missed",
+                                              "altered")}, default=str), flush=True)
+    finals = []
+    for _ in range(3):  # the restart after the last fault, to the end; again if it failed (recorded)
+        job, log, before = supervisor.start({})
+        supervisor.wait_for(job, before, lambda: False)
+        supervisor.end(job)
+        finals.append(job.returncode)
+        if job.returncode == 0:
+            break
+    for number, fault in enumerate(schedule):  # restart costs and causes, now that every attempt's log exists
+        record = fault.record
+        if "exited_at" in record:
+            later = [t for t in supervisor.first_step_at[record["attempt"]:] if t == t and t > record["exited_at"]]
+            record["seconds_to_next_step"] = round(later[0] - record["exited_at"], 2) if later else None
+        log = (logs / f"attempt{record['attempt']:02d}.log").read_text()
+        restart = logs / f"attempt{record['attempt'] + 1:02d}.log"
+        record["cause_named"], record["named_by"] = cause_named(
+            fault, record.get("failure"), log, restart.read_text() if restart.exists() else "")
+    history = failure_history(run_dir)
+    times = {round(r["unix_time"], 3) for r in history if "unix_time" in r}
+    for fault in schedule:
+        failure = fault.record.get("failure")
+        fault.record["in_failure_history"] = None if failure is None else round(failure["unix_time"], 3) in times
+    return {"run_dir": str(run_dir), "attempts": supervisor.attempts, "final_exit_codes": finals,
+            "seconds": round(time.time() - started, 1), "failure_history": len(history)}
+
+
+def reference(args, task, work: Path, env: dict) -> Path:
+    """The uninterrupted run of the same command (kept in ``work`` and reused by the schedules that share it)."""
+    run_dir = work / f"reference-{args.variant}-{args.steps}-{args.save_every}" / "run"
+    done = run_dir.parent / "done"
+    if not done.exists():
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+        run_dir.parent.mkdir(parents=True)
+        start = time.monotonic()
+        log = run_dir.parent / "reference.log"
+        code = subprocess.run(command(task, run_dir, args), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                              env=env, cwd=ROOT).returncode
+        if code != 0:
+            raise SystemExit(f"the uninterrupted run failed (exit {code}): see {log}")
+        done.write_text(f"{time.monotonic() - start:.1f}\n")
+    return run_dir
+
+
+def summarise(schedule: list[Fault], checks: dict, run: dict) -> dict:
+    met = [f for f in schedule if "seconds_to_exit" in f.record]
+    exits = [f.record["seconds_to_exit"] for f in met]
+    nexts = [f.record["seconds_to_next_step"] for f in met if f.record.get("seconds_to_next_step") is not None]
+    by_kind: dict[str, int] = {}
+    for fault in met:
+        by_kind[fault.kind] = by_kind.get(fault.kind, 0) + 1
+    failures = [f for f in met if f.kind not in STOPS]
+    return {"faults_met": len(met), "missed": len(schedule) - len(met), "by_kind": by_kind,
+            "bit_equal": checks["weights"].get("bit_equal", False), "metrics_equal": checks["metrics_equal"],
+            "prompts_lost": checks["prompts_lost"], "prompts_repeated": checks["prompts_repeated"],
+            "causes_named": sum(bool(f.record.get("cause_named")) for f in met),
+            "failures_in_history": sum(bool(f.record.get("in_failure_history")) for f in failures),
+            "failures": len(failures), "hangs": sum(bool(f.record.get("hang")) for f in met),
+            "ended": run["final_exit_codes"][-1:] == [0],
+            "seconds_to_exit_mean": round(sum(exits) / len(exits), 2) if exits else None,
+            "seconds_to_exit_max": max(exits, default=None),
+            "seconds_to_next_step_mean": round(sum(nexts) / len(nexts), 2) if nexts else None,
+            "seconds_to_next_step_max": max(nexts, default=None)}
+
+
+def _mount(disk: Path, mib: int) -> bool:
+    disk.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(disk)],
+                          capture_output=True).returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0, help="draws the schedule: kinds, order, steps, ranks, moments")
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="the kinds the schedule draws from")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="prm")
+    parser.add_argument("--launcher", choices=["local"], default="local",
+                        help="local: torchrun restarted by this supervisor (the SLURM requeue is not built here yet)")
+    parser.add_argument("--timeout", type=int, default=15, help="trainer.collective_timeout_s of the runs")
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--disk-mib", type=int, default=256, help="size of the tmpfs the run folder is on (disk_full)")
+    parser.add_argument("--reuse", action="store_true", help="keep a finished schedule's record; do not rerun it")
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
+    args = parser.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    key = f"{args.variant}-{args.launcher}-seed{args.seed}-faults{args.faults}-steps{args.steps}"
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    schedules = results.setdefault("schedules", {})
+    if args.reuse and schedules.get(key, {}).get("finished"):
+        print(f"{key}: kept from {schedules[key]['date']} (--reuse)")
+        return 0
+    work = args.work or Path(tempfile.mkdtemp(prefix="grpo-chaos-"))
+    env = dict(os.environ, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(GRACE_S), OMP_NUM_THREADS="1")
+    task = build_fault_task(work / "task", needs_prm=True, env=env)
+    load_before = os.getloadavg()
+    reference_dir = reference(args, task, work, env)
+    disk = work / key / "disk" if "disk_full" in kinds else None
+    note = None
+    if disk is not None and not _mount(disk, args.disk_mib):
+        kinds.remove("disk_full")
+        disk, note = None, "disk_full left out: mounting a tmpfs needs root"
+    schedule = draw_schedule(random.Random(args.seed), kinds, args.faults, args.steps, args.save_every)
+    try:
+        run = run_schedule(args, task, schedule, work / key, env, disk)
+        checks = compare_runs(Path(run["run_dir"]), reference_dir, args.steps)
+    finally:
+        if disk is not None:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    record = {"summary": summarise(schedule, checks, run), "checks": checks, "run": run,
+              "faults": [fault.as_dict() for fault in schedule], "note": note,
+              "finished": run["final_exit_codes"][-1:] == [0], "reference_seconds": float(
+                  (reference_dir.parent / "done").read_text()),
+              "load_average_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)],
+              "command": "python bench/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}  # another schedule may have written
+    results.setdefault("schedules", {})[key] = record
+    results.update(machine=f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+                   torchrun_grace_s=GRACE_S)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(key, json.dumps(record["summary"]), flush=True)
+    print(args.out)
+    return 0 if record["summary"]["bit_equal"] and record["summary"]["metrics_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The faults of bench/chaos.py: how each is put into the running job, and how its cause must be named.
+
+A fault is a :class:`Fault` (kind, trigger step, rank); the supervisor in bench/chaos.py starts one attempt of the
+run per fault, waits for the trigger (a step row in metrics.jsonl), injects it, waits for the job to end, and
+restarts. The kinds:
+
+  sigkill        SIGKILL of a rank (the OOM killer, a crashed driver)
+  sigstop        SIGSTOP of a rank (a hang: the process lives, holds its sockets, answers nothing)
+  store_lost     the store's node lost: torchrun's agent (which hosts the c10d store) and rank 0 SIGKILLed at once
+  disk_full      the run's file system (a tmpfs) filled to 2 MiB free: the next save finds it full
+  prm_exception  the PRM scorer raising on one rank, mid-step (bench/fault_inject.py)
+  sigterm        preemption: SIGTERM to torchrun, as a scheduler sends it; the ranks save the step and stop
+  usr1           the scheduler's warning before the time limit: SIGUSR1 to one rank (``srun --signal``)
+  save_kill      SIGKILL of a rank inside a checkpoint save, its files written, before publishing (fault_inject.py)
+  resume_kill    SIGKILL of a rank as it loads the checkpoint it resumes from (fault_inject.py; right after
+                 another fault's exit, on the restart)
+  altered        SIGKILL of a rank, then one byte of a file of the newest checkpoint that verifies flipped (same
+                 size) before the restart: the restart must refuse it by its checksum and fall back to an older one
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from grpo_mega.run.checkpoints import checksum_problem, checkpoint_problem, read_listing, step_dirs
+from grpo_mega.run.failure import TRANSIENT_CAUSES
+
+KINDS = ("sigkill", "sigstop", "store_lost", "disk_full", "prm_exception", "sigterm", "usr1", "save_kill",
+         "resume_kill", "altered")
+PLANTED = ("prm_exception", "save_kill", "resume_kill")
+"""Kinds bench/fault_inject.py plants inside a rank (``GRPO_FAULT``); the others are sent from outside."""
+STOPS = {"sigterm": "SIGTERM", "usr1": "SIGUSR1"}
+"""Preemption: the run saves the step in flight and stops (no failure: the cause is the stop line's signal)."""
+EXPECTED_CAUSES = {
+    "sigkill": set(TRANSIENT_CAUSES), "store_lost": set(TRANSIENT_CAUSES), "save_kill": set(TRANSIENT_CAUSES),
+    "resume_kill": set(TRANSIENT_CAUSES), "altered": set(TRANSIENT_CAUSES),
+    "sigstop": {"collective_timeout", "phase_timeout"}, "disk_full": {"disk_full"}, "prm_exception": {"error"},
+}
+FREE_AFTER_FILL = 2 * 2**20
+PROGRAM = b"fault_inject.py"
+
+
+@dataclass
+class Fault:
+    """One fault of a schedule: ``trigger``: the step after whose metrics row it is injected (planted kinds: the
+    step they fire in; ``resume_kill``: none, it fires in the restart after the fault before it)."""
+    kind: str
+    trigger: int | None
+    rank: int
+    delay_s: float = 0.0
+    """Seconds after the trigger's row before an external fault is sent (a random moment of the next step)."""
+    record: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def draw_schedule(rng: random.Random, kinds: list[str], faults: int, steps: int, save_every: int) -> list[Fault]:
+    """``faults`` faults of ``kinds`` (each kind at least once when there are enough), in a seeded order, their
+    trigger steps increasing over the run. The first comes after two saves (an altered checkpoint and a fault
+    during a resume need a checkpoint to act on) and none is the kind ``resume_kill`` (nothing to resume yet)."""
+    order = [kinds[i % len(kinds)] for i in range(faults)]
+    rng.shuffle(order)
+    while order[0] == "resume_kill" and len(set(order)) > 1:
+        rng.shuffle(order)
+    triggered = sum(kind != "resume_kill" for kind in order)
+    first = 2 * save_every + 1
+    if steps - 2 - first < triggered:
+        raise SystemExit(f"--steps {steps} leaves too few steps for {triggered} triggered faults after step {first}")
+    triggers = iter(sorted(rng.sample(range(first, steps - 2), triggered)))
+    return [Fault(kind, None if kind == "resume_kill" else next(triggers), rng.randrange(2), rng.uniform(0, 1))
+            for kind in order]
+
+
+def rank_pid(rank: int, run_dir: Path) -> int | None:
+    """The pid of the process of ``rank`` (not torchrun itself) running the fault-injecting CLI for ``run_dir``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (PROGRAM in cmdline and str(run_dir).encode() in cmdline
+                and b"torch.distributed.run" not in cmdline and f"RANK={rank}".encode() in environ):
+            return int(pid)
+    return None
+
+
+def planted_env(fault: Fault, step: int | None) -> dict[str, str]:
+    """``GRPO_FAULT`` for a planted kind, to fire at ``step`` (empty for the others)."""
+    if fault.kind not in PLANTED:
+        return {}
+    return {"GRPO_FAULT": f"{fault.kind}:{fault.rank}:{step or 0}"}
+
+
+def inject(fault: Fault, agent_pid: int, run_dir: Path, disk: Path | None) -> float | None:
+    """Send an external fault to the running job; returns its time (None: its rank was already gone)."""
+    kind = fault.kind
+    if kind == "disk_full":
+        if disk is None:
+            raise SystemExit("a disk_full fault needs the run on its own file system (bench/chaos.py mounts a tmpfs)")
+        with open(disk / "filler", "wb") as out:
+            os.posix_fallocate(out.fileno(), 0, max(1, shutil.disk_usage(disk).free - FREE_AFTER_FILL))
+        return time.time()
+    if kind == "sigterm":
+        os.kill(agent_pid, signal.SIGTERM)
+        return time.time()
+    rank = 0 if kind == "store_lost" else fault.rank
+    pid = rank_pid(rank, run_dir)
+    if pid is None:
+        return None
+    if kind == "store_lost":  # the node that hosts the store: its agent and its rank together
+        os.kill(agent_pid, signal.SIGKILL)
+    os.kill(pid, {"sigstop": signal.SIGSTOP, "usr1": signal.SIGUSR1}.get(kind, signal.SIGKILL))
+    return time.time()
+
+
+def alter_newest(run_dir: Path, rng: random.Random) -> dict:
+    """Flip one byte in the middle of a file (drawn by ``rng``) of the newest checkpoint whose files still match
+    their checksums, when an older one that matches is left to fall back to; returns what was altered."""
+    verified = [path for _, path in step_dirs(run_dir)
+                if checkpoint_problem(path) is None and checksum_problem(path) is None]
+    if len(verified) < 2:
+        return {"altered": None, "why_not": f"{len(verified)} checkpoint(s) verify: none left to fall back to"}
+    target = verified[0]
+    names = sorted(name for name, size in read_listing(target).items() if size > 0)
+    name = rng.choice(names)
+    file = target / name
+    offset = file.stat().st_size // 2
+    with open(file, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    return {"altered": str(file.relative_to(run_dir)), "checkpoint": target.name, "offset": offset,
+            "fallback_expected": verified[1].name}
+
+
+def failure_history(run_dir: Path) -> list[dict]:
+    """Every failure record of the run (failure.json and the earlier attempts' failure.<time>.json), oldest first."""
+    records = []
+    for path in run_dir.glob("failure*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda record: record.get("unix_time", 0))
+
+
+def cause_named(fault: Fault, failure: dict | None, log: str, restart_log: str) -> tuple[bool, str]:
+    """Whether the fault's cause is named where it must be, and what named it (one line)."""
+    kind = fault.kind
+    if kind in STOPS:
+        line = re.search(r"stopped after step \d+ \(([^)]*)\)", log)
+        said = line.group(1) if line else None
+        return bool(said and (STOPS[kind] in said or "another rank" in said)), f"stop line: {said}"
+    if failure is None:
+        return False, "no failure.json"
+    named = f"failure.json: cause={failure.get('cause')} rank={failure.get('rank')} phase={failure.get('phase')}"
+    right = failure.get("cause") in EXPECTED_CAUSES[kind]
+    if kind == "prm_exception":
+        right = right and failure.get("phase") == "prm scoring" and failure.get("rank") == fault.rank
+    if kind == "altered" and fault.record.get("altered"):
+        altered = fault.record["altered"]
+        file_named = re.search(rf"refusing checkpoint \S*{re.escape(fault.record['checkpoint'])}: \S*"
+                               rf"{re.escape(altered.split('/', 2)[-1])}: crc32", restart_log)
+        fell_back = re.search(rf"resuming from \S*{re.escape(fault.record['fallback_expected'])}", restart_log)
+        right = right and bool(file_named) and bool(fell_back)
+        named += f"; restart refused it: {bool(file_named)}, fell back to {fault.record['fallback_expected']}: " \
+                 f"{bool(fell_back)}"
+    return right, named
