@@ -28,6 +28,7 @@ SLOW_FILES = {
     "test_hf_conversion.py": 90,
     "test_sft_preemption.py": 83,
     "test_ctrl_c_windows.py": 80,  # measured under a second test run's load: 121 s
+    "test_chaos.py": 90,  # the short chaos schedule (issue 61 part 1): its author's estimate, not yet measured here
     "test_rollout_vllm.py": 74,
     "test_engine_deepspeed.py": 69,
     "test_gpu_install.py": 54,
