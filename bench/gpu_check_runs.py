@@ -140,7 +140,7 @@ def time_against_model(run_dir: Path, device: str, row: dict) -> dict:
 
     from grpo_mega.config import ConfigError, GRPOConfig, load_config
     from grpo_mega.plan.devices import device_profile
-    from grpo_mega.plan.step_time import Efficiency
+    from grpo_mega.plan.step_time import fitted_efficiency
     from grpo_mega.plan.timing import Assumptions, config_step_time
 
     name = torch.cuda.get_device_properties(0).name if device == "cuda" else "CPU"
@@ -152,7 +152,7 @@ def time_against_model(run_dir: Path, device: str, row: dict) -> dict:
     rows = cfg.algorithm.rollout_batch_size * cfg.algorithm.num_return_sequences_in_group
     response = row["perf/num_response_tokens"] / rows
     prompt = (row["perf/num_tokens"] - row["perf/num_response_tokens"]) / rows
-    step, _ = config_step_time(cfg, _plan_of_run(run_dir, device), profile, Efficiency(), Assumptions(
+    step, _ = config_step_time(cfg, _plan_of_run(run_dir, device), profile, fitted_efficiency(profile), Assumptions(
         mean_prompt=min(prompt, cfg.data.prompt_length), mean_response=min(response, cfg.algorithm.response_length)))
     measured = {"generation": row.get("timing_s/gen"), "update": row.get("timing_s/update"),
                 "old_logprobs": row.get("timing_s/old_logprob"), "weight_sync": row.get("timing_s/sync"),

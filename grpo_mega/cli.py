@@ -333,7 +333,7 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
     from grpo_mega.config import ConfigError
     from grpo_mega.plan.devices import PROFILES, device_profile
     from grpo_mega.plan.report import format_step_time, step_time_dict
-    from grpo_mega.plan.step_time import Efficiency
+    from grpo_mega.plan.step_time import fitted_efficiency
     from grpo_mega.plan.timing import Assumptions, config_step_time
 
     if args.steps < 1:
@@ -344,12 +344,12 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
         device = device_profile(args.gpu_name)
     else:
         device = device_profile("CPU" if cfg.parallel.device == "cpu" else "H100")
-    eff = Efficiency()
+    eff = fitted_efficiency(device)
     step, one_off = config_step_time(cfg, plan, device, eff, Assumptions(
         mean_prompt=args.mean_prompt, mean_response=args.mean_response, sampling_rounds=args.sampling_rounds))
     if device.name == "CPU":
-        step.notes.append("the factors are the ones fitted on published GPU runs; on a CPU they are not fitted "
-                          "(bench/step_time_cpu.py measures and fits them)")
+        step.notes.append("the factors fitted on this project's 2-core CPU (bench/results/step_time_cpu.json; "
+                          "held-out steps +6 to +41 %, the 25M model's the worst): another CPU measures its own")
     return (format_step_time(step, one_off, args.steps, device, eff),
             step_time_dict(step, one_off, args.steps, device, eff))
 

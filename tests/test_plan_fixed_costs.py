@@ -170,3 +170,17 @@ def test_the_implicit_prm_scoring_with_its_updates_forward_drops_one_forward(cap
     assert phases["after"]["implicit_prm_update"]["seconds"] == phases["before"]["implicit_prm_update"]["seconds"]
     if "old_logprobs" in phases["before"]:  # a policy forward over the same rows costs what the dropped one did
         assert forward == pytest.approx(phases["before"]["old_logprobs"]["seconds"], rel=1e-6)
+
+
+def test_the_shipped_cpu_factors_are_the_ones_the_cpu_validation_fitted():
+    """plan --steps --device CPU prices with CPU_EFFICIENCY: the factors bench/step_time_cpu.py fitted and recorded
+    (rounded to three figures), not the GPU runs' (a CPU's decode is bound by its eager layers, not its bytes)."""
+    from dataclasses import asdict
+
+    from grpo_mega.plan.devices import PROFILES
+    from grpo_mega.plan.step_time import CPU_EFFICIENCY, fitted_efficiency
+
+    record = json.loads((ROOT / "bench/results/step_time_cpu.json").read_text())
+    assert asdict(CPU_EFFICIENCY) == pytest.approx(record["factors"], rel=5e-3)
+    assert fitted_efficiency(PROFILES["CPU"]) is CPU_EFFICIENCY
+    assert fitted_efficiency(PROFILES["H100"]) == Efficiency()

@@ -223,7 +223,7 @@ def test_cli_names_a_bad_assumption(capsys):
 
 def test_the_hf_rollout_engine_generates_on_every_model_parallel_group_at_once(capsys):
     """Without vLLM (rollout.engine=hf) each TP x PP group generates its DP share of the rows in one batch: on half
-    the GPUs each group has twice the rows, a longer generation; the CPU profile says its factors are not fitted."""
+    the GPUs each group has twice the rows, a longer generation; the CPU profile names its fitted factors."""
     from grpo_mega.cli import main
 
     base = ["plan", "--config", "configs/qwen2.5-math-1.5b_grpo.yaml", "--steps", "10", "--json", "rollout.engine=hf"]
@@ -234,7 +234,7 @@ def test_the_hf_rollout_engine_generates_on_every_model_parallel_group_at_once(c
     assert four["phases"]["generation"]["seconds"] > 1.2 * eight["phases"]["generation"]["seconds"]
     assert main([*base, "--device", "CPU"]) in (0, 1)
     cpu = json.loads(capsys.readouterr().out)["step_time"]
-    assert cpu["device"]["name"] == "CPU" and any("not fitted" in note for note in cpu["notes"])
+    assert cpu["device"]["name"] == "CPU" and any("fitted on this project's 2-core CPU" in note for note in cpu["notes"])
 
 
 def test_the_step_time_says_where_the_one_gpu_measurement_falsified_it(tmp_path, capsys):

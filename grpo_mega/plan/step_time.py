@@ -62,6 +62,18 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name}={value}: expected seconds in [0, 1)")
 
 
+CPU_EFFICIENCY = Efficiency(mfu_train=0.639, mfu_forward=0.323, decode_bandwidth=0.0820, comm=0.0578,
+                            decode_step_overhead=1.0e-5, layer_overhead=5.95e-4, collective_latency=1.0e-6)
+"""The factors fitted on this project's 2-core CPU (``bench/step_time_cpu.py``, ``bench/results/step_time_cpu.json``:
+five configs fitted, five judged; 2 processes x 1 thread, the hf engine, fp32): its decode is bound by the eager
+layers (0.6 ms per layer and pass), not by bytes; the per-step and per-call costs fit at their lower bounds."""
+
+
+def fitted_efficiency(device: DeviceProfile) -> Efficiency:
+    """The factors fitted for ``device``'s kind: this CPU's for the CPU profile, the published GPU runs' otherwise."""
+    return CPU_EFFICIENCY if device.name == "CPU" else Efficiency()
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """What a model costs per token (from ``grpo_mega.plan.activations.Shapes``)."""
