@@ -15,6 +15,7 @@ from pathlib import Path
 
 from grpo_mega.run.layout import COMPLETE_FILE, step_dir_name
 from grpo_mega.run.metrics import read_metrics
+from faults import prompts_by_step  # bench/faults.py: the same rollout dumps
 
 NOT_COMPARED = ("timing_s/", "memory/", "startup_s/", "perf/throughput", "perf/prm_fraction", "time", "step_seconds")
 """Timings and memory: seconds, their ratios, and the start-up's seconds on the first step of every attempt."""
@@ -24,16 +25,6 @@ def comparable_metrics(run_dir: Path) -> dict[int, dict]:
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
     return {row["step"]: {k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in rows}
-
-
-def prompts_by_step(run_dir: Path) -> dict[int, list[str]]:
-    """{step: the sources (file:line) of the prompts trained at that step}, from the rollout dumps."""
-    folder = run_dir / "rollouts"
-    steps = {}
-    for path in sorted(folder.glob("step_*.jsonl")) if folder.is_dir() else []:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        steps[int(path.stem.split("_")[1])] = [row["source"] for row in rows]
-    return steps
 
 
 def _load_distcp(folder: Path) -> dict:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from grpo_mega.run.checkpoints import checksum_problem, checkpoint_problem, read_listing, step_dirs
 from grpo_mega.run.failure import TRANSIENT_CAUSES
+from faults import rank_pid  # bench/faults.py: a rank's pid by its environment (PROGRAM's default)
 
 KINDS = ("sigkill", "sigstop", "store_lost", "disk_full", "prm_exception", "sigterm", "usr1", "save_kill",
          "resume_kill", "altered")
@@ -78,20 +79,6 @@ def draw_schedule(rng: random.Random, kinds: list[str], faults: int, steps: int,
     triggers = iter(sorted(rng.sample(range(first, steps - 2), triggered)))
     return [Fault(kind, None if kind == "resume_kill" else next(triggers), rng.randrange(2), rng.uniform(0, 1))
             for kind in order]
-
-
-def rank_pid(rank: int, run_dir: Path) -> int | None:
-    """The pid of the process of ``rank`` (not torchrun itself) running the fault-injecting CLI for ``run_dir``."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if (PROGRAM in cmdline and str(run_dir).encode() in cmdline
-                and b"torch.distributed.run" not in cmdline and f"RANK={rank}".encode() in environ):
-            return int(pid)
-    return None
 
 
 def planted_env(fault: Fault, step: int | None) -> dict[str, str]:

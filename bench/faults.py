@@ -68,7 +68,7 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)}
 
 
-def _prompts(run_dir: Path) -> dict[int, list[str]]:
+def prompts_by_step(run_dir: Path) -> dict[int, list[str]]:
     """{step: the sources (file:line) of the prompts trained at that step}, from the rollout dumps."""
     folder = run_dir / "rollouts"
     steps = {}
@@ -122,7 +122,7 @@ def reference(task: FaultTask, fault: str, work: Path, timeout: int, env: dict) 
         (run_dir / "done").write_text(f"{time.monotonic() - start}\n")
     rows = read_metrics(run_dir / "metrics.jsonl")
     times = [row["time"] for row in rows]
-    return {"metrics": {row["step"]: _comparable(row) for row in rows}, "prompts": _prompts(run_dir),
+    return {"metrics": {row["step"]: _comparable(row) for row in rows}, "prompts": prompts_by_step(run_dir),
             "seconds": float((run_dir / "done").read_text()), "run_dir": run_dir,
             "window_s": times[-2] - times[0]}  # from the first step's row to the second-to-last step's
 
@@ -217,7 +217,7 @@ def _restart(task: FaultTask, fault: str, run_dir: Path, root: Path, timeout: in
               "steps_logged": sorted(metrics), "continuation_equal": metrics == ref["metrics"],
               "max_metric_difference": max(differences, default=None)}
     if ref["prompts"]:
-        prompts = _prompts(run_dir)
+        prompts = prompts_by_step(run_dir)
         trained = [source for step in sorted(prompts) for source in prompts[step]]
         expected = [source for step in sorted(ref["prompts"]) for source in ref["prompts"][step]]
         result.update(prompts_equal=prompts == ref["prompts"],

@@ -184,3 +184,16 @@ def test_the_shipped_cpu_factors_are_the_ones_the_cpu_validation_fitted():
     assert asdict(CPU_EFFICIENCY) == pytest.approx(record["factors"], rel=5e-3)
     assert fitted_efficiency(PROFILES["CPU"]) is CPU_EFFICIENCY
     assert fitted_efficiency(PROFILES["H100"]) == Efficiency()
+
+
+def test_pipeline_stages_split_the_layers_not_the_tp_traffic_per_layer():
+    """At PP2 each stage runs half the layers over all of its DP share's tokens: the TP bytes per rank halve (the
+    same total as PP1 spread over two ranks), they are not divided by PP twice."""
+    tp2, tp2pp2 = TrainLayout(2, 1, 1, 8), TrainLayout(2, 2, 1, 8)
+    compute_free = DeviceProfile("links", peak_flops=1e30, memory_bandwidth=1e30, intra_node_bandwidth=1e10,
+                                 inter_node_bandwidth=1e9, memory_gib=80)
+    one = forward_pass_seconds(MODEL, LENGTHS, 64, tp2, compute_free, PERFECT, micro_batches=1)
+    two = forward_pass_seconds(MODEL, LENGTHS, 64, tp2pp2, compute_free, PERFECT, micro_batches=1)
+    # TP2 ring all-reduce: 2 (2 - 1) / 2 = 1 x the bytes; 2 per layer: 2 x 10 x 64 x 110 tokens x 1000 x 2 bytes / 1e10
+    assert one == pytest.approx(2 * 10 * 64 * 110 * 1000 * 2 / 1e10)
+    assert two == pytest.approx(one / 2)

@@ -276,7 +276,7 @@ def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, l
         rank_imbalance(lengths, sequences / layout.data, layout.data)
     stage_layers = model.layers / layout.pipeline
     fixed = eager_layer_seconds(stage_layers, calls, eff)
-    tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
+    tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / layout.data  # every stage sees them all
     traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff, 1,
                                       calls_per_layer=calls, layers=stage_layers)
     return (compute + fixed) * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
@@ -297,7 +297,7 @@ def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout:
     calls = micro_batches * max(1, optimizer_steps // max(1, epochs))
     stage_layers = model.layers / layout.pipeline
     fixed = eager_layer_seconds(stage_layers, passes * calls, eff)
-    tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / (layout.data * layout.pipeline)
+    tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / layout.data  # every stage sees them all
     traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff,
                                       passes - 1, calls_per_layer=calls, layers=stage_layers)
     params_per_rank = model.parameters / (layout.tensor * layout.pipeline)
