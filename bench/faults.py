@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from fault_setup import FaultTask, build_fault_task  # noqa: E402
 from grpo_mega.checkpoint.training_files import checkpoint_problem  # noqa: E402
 from grpo_mega.run.failure import TRANSIENT_CAUSES  # noqa: E402
+from grpo_mega.run.forked_ranks import rank_process_name  # noqa: E402
 from grpo_mega.run.metrics import read_metrics  # noqa: E402
 
 GRACE_S = 10
@@ -87,16 +88,39 @@ def _unreadable_checkpoints(run_dir: Path) -> list[str]:
     return bad
 
 
+def _parent(pid: str) -> tuple[str, bytes]:
+    """(parent pid, its command line); ("", b"") when either is gone."""
+    try:
+        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        return parent, Path(f"/proc/{parent}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return "", b""
+
+
+def _forked_by_launcher(pid: str, program: bytes, run_dir: bytes) -> bool:
+    """Whether ``pid`` was forked by the fork server of a launcher running ``program`` for ``run_dir`` (not a helper
+    the rank forked: those keep its name)."""
+    server, server_command = _parent(pid)
+    _, launcher_command = _parent(server) if b"multiprocessing.forkserver" in server_command else ("", b"")
+    return program in launcher_command and run_dir in launcher_command
+
+
 def rank_pid(rank: int, run_dir: Path, program: bytes = b"fault_inject.py") -> int | None:
-    """The pid of the process of ``rank`` (not torchrun itself) running ``program`` for ``run_dir``."""
+    """The pid of the process of ``rank`` (not torchrun itself) running ``program`` for ``run_dir``: a rank torchrun
+    started as an interpreter by its command line and environment, one forked from the launcher's preloaded server
+    (``grpo_mega.run.forked_ranks``, CPU torch) by its name and its launcher's command line."""
+    folder = str(run_dir).encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if (program in cmdline and str(run_dir).encode() in cmdline
+        if (program in cmdline and folder in cmdline
                 and b"torch.distributed.run" not in cmdline and f"RANK={rank}".encode() in environ):
+            return int(pid)
+        if name == rank_process_name(str(rank)) and _forked_by_launcher(pid, program, folder):
             return int(pid)
     return None
 

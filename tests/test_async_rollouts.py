@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -223,15 +224,25 @@ def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_ex
         assert _trained(stopped, step) == _trained(whole, step)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _kill_whole_job(job, run_dir):
     """SIGKILL a job as SLURM does, every process of it: the launcher's group, and the ranks, which torchrun starts
     in process groups of their own (they would otherwise go on to the next save before they notice, on a loaded
     machine: the resumed run then found the run complete); returns once none is left."""
+    # torchrun's ranks: its descendants (forked from its server on a CPU build of torch: grpo_mega.run.forked_ranks)
+    # or processes with the run folder in their command line (started as interpreters)
+    descendants = {child.pid for child in psutil.Process(job.pid).children(recursive=True)}
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
     deadline = time.monotonic() + 60
     while True:
-        ranks = []
+        ranks = [pid for pid in descendants if _alive(pid)]
         for entry in Path("/proc").iterdir():
             try:
                 if entry.name.isdigit() and str(run_dir) in (entry / "cmdline").read_bytes().decode(errors="replace"):

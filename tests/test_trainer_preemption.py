@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from grpo_mega.run.control import EXIT_STOPPED_EARLY
+from grpo_mega.run.forked_ranks import rank_process_name
 from grpo_mega.run.metrics import read_metrics
 from tiny_task import build_tiny_task, tiny_run_overrides
 
@@ -69,9 +70,12 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_at_the_same_step(task, tmp_p
     run_dir = tmp_path / "run"
 
     def signal_rank_one_only(job):
-        workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "grpo_mega.cli" in " ".join(p.cmdline())]
-        rank_one = [p for p in workers if p.environ().get("RANK") == "1"]
-        assert len(rank_one) == 1, [p.cmdline() for p in workers]
+        # a rank forked from the preloaded server (CPU torch: grpo_mega.run.forked_ranks) is known by its name;
+        # one torchrun started as an interpreter, by its command line and environment
+        processes = psutil.Process(job.pid).children(recursive=True)
+        rank_one = [p for p in processes if p.name() == rank_process_name("1") or (
+            "grpo_mega.cli" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")]
+        assert len(rank_one) == 1, [(p.name(), p.cmdline()) for p in processes]
         rank_one[0].send_signal(signal.SIGUSR1)
 
     code, output = _start_and_signal_after_step_one(task, run_dir, signal_rank_one_only)

@@ -47,7 +47,9 @@ def _quiet_agent_logs() -> None:
         if quiet:
             del os.environ["LOGLEVEL"]
     if quiet:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # torch.multiprocessing's: the ranks' process context when they are forked (grpo_mega.run.forked_ranks)
+        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _signal_name(number: int) -> str:
@@ -110,9 +112,34 @@ def _stop_signals_once() -> None:
     api._terminate_process_handler = terminate_once  # looked up when the agent starts the ranks
 
 
+def _fork_ranks_when_they_can() -> None:
+    """Have torchrun fork the ranks of a ``-m`` command from a preloaded server where they can be
+    (``grpo_mega.run.forked_ranks``): its ``config_from_args`` gives the agent :func:`forked_ranks.run_rank` as
+    a function entrypoint and the ``forkserver`` start method instead of the ``python -u -m`` command line."""
+    import multiprocessing
+
+    import torch.distributed.run as torchrun
+
+    from grpo_mega.run import forked_ranks
+    from grpo_mega.run.launcher import PRELOADED
+
+    original = torchrun.config_from_args
+
+    def config_from_args(args):
+        config, command, command_args = original(args)
+        if not (args.module and forked_ranks.forks_ranks(command_args, args.training_script)):
+            return config, command, command_args
+        config.start_method = "forkserver"
+        multiprocessing.set_forkserver_preload(PRELOADED)
+        return config, forked_ranks.run_rank, command_args[2:]
+
+    torchrun.config_from_args = config_from_args  # looked up by run() when it is called
+
+
 def _launch(argv: list[str] | None) -> int:
     _quiet_agent_logs()
     _stop_signals_once()
+    _fork_ranks_when_they_can()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,0 +1,124 @@
+"""torchrun's ranks forked from a preloaded server instead of started as new interpreters (CPU builds of torch).
+
+torchrun starts each rank of ``-m grpo_mega.cli ...`` as ``python -u -m grpo_mega.cli ...``, and every rank then
+imports torch, megatron-core and transformers: 5-7 s of CPU per rank on a 2-core machine, where a 2-process command
+pays it twice and the test suite starts hundreds of ranks. ``grpo_mega.run.torchrun`` hands torchrun's agent
+:func:`run_rank` as a function entrypoint instead (the ``forkserver`` start method, the server preloading
+``grpo_mega.run.launcher.PRELOADED`` once per command), which runs the module exactly as ``python -u -m`` would:
+
+- the module runs as ``__main__`` with ``sys.argv`` = its file and the arguments (``runpy``), its exit status is the
+  process's, an uncaught exception prints its traceback and exits 1, an uncaught Ctrl-C ends by SIGINT, and the
+  ``atexit`` handlers run (multiprocessing's children would otherwise skip them);
+- the rank leads a session and process group of its own (torchrun's ranks do: ``start_new_session``), so a
+  terminal's Ctrl-C reaches the agent, which forwards it, and ``grpo_mega.run.reaper`` finds the rank's helpers;
+- it keeps no parent-death signal (torch's multiprocessing wrapper sets SIGINT on the parent's death, the parent
+  being the fork server: a rank that outlived its agent would otherwise read that as a user's Ctrl-C);
+- its standard streams are unbuffered (``-u``), so a log shows each line as the rank writes it;
+- torch's intra-op threads are set from ``OMP_NUM_THREADS`` (OpenMP read it when the server loaded it).
+
+- it is named ``grpo-rank-<RANK>`` (``/proc/<pid>/comm``: ``ps -o pid,comm``, ``pgrep grpo-rank``).
+
+What differs from torchrun's own ranks: ``ps`` shows the fork server's command line for a rank, and
+``/proc/<pid>/environ`` holds the server's environment (the rank's own, with ``RANK``, is its ``os.environ``);
+torchrun's agent stops a forked rank by signalling its pid, not its process group (the rank's watcher,
+``grpo_mega.run.reaper``, ends the group's helpers once the rank is gone). CUDA builds of torch keep torchrun's
+processes (see ``grpo_mega.run.launcher._start_method``), and ``GRPO_MEGA_FORK_RANKS=0`` keeps them here too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import io
+import os
+import signal
+import sys
+import traceback
+
+FORK_RANKS_ENV = "GRPO_MEGA_FORK_RANKS"
+"""Set to ``0`` to have torchrun start every rank as a new interpreter even on a CPU build of torch."""
+
+
+def forks_ranks(command: list[str], module: str) -> bool:
+    """Whether the ranks of torchrun's ``command`` (its ``python -u -m <module> ...`` for each rank) can be forked:
+    a CPU build of torch with a fork server, a plain ``-m`` command (no ``--local-rank`` argument added), not
+    switched off by :data:`FORK_RANKS_ENV`."""
+    import multiprocessing
+
+    import torch
+
+    return (os.environ.get(FORK_RANKS_ENV, "1") != "0" and torch.version.cuda is None
+            and getattr(torch.version, "hip", None) is None
+            and "forkserver" in multiprocessing.get_all_start_methods()
+            and command[:3] == ["-u", "-m", module] and not any(arg.startswith("--local-rank") for arg in command))
+
+
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+"""prctl(2) options."""
+
+
+def rank_process_name(rank: str) -> str:
+    """The name (``/proc/<pid>/comm``, what ``ps -o comm``, ``top`` and ``pgrep`` show) of a forked rank."""
+    return f"grpo-rank-{rank}"[:15]
+
+
+def _name_and_keep_no_parent_death_signal() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(rank_process_name(os.environ.get("RANK", "?")).encode()), 0, 0, 0)
+
+
+def _unbuffered_streams() -> None:
+    """``python -u``: stdout and stderr write through to their file descriptors."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        errors = getattr(stream, "errors", None) or "strict"
+        stream.flush()
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding, errors=errors,
+                                            write_through=True))
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def run_rank(module: str, *arguments: str) -> None:
+    """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring)."""
+    import runpy
+
+    os.setsid()
+    _name_and_keep_no_parent_death_signal()
+    _unbuffered_streams()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = [module, *arguments]  # runpy puts the module's file in sys.argv[0]
+    code, interrupted = 0, False
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = stop.code
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True
+    except BaseException:  # noqa: BLE001 - as the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    _flush_streams()
+    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    if code is None or code == 0:
+        return  # torchrun's agent waits for every rank's return value: a SystemExit(0) would not give one
+    if not isinstance(code, int):
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    raise SystemExit(code)
