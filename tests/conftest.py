@@ -10,38 +10,46 @@ then fill in around the long ones and both workers finish at about the same time
 
 from __future__ import annotations
 
-# Approximate seconds of the slowest files under `make test` (2 idle cores, clean clone, measured 2026-11-27 from
-# pytest's junit XML, after local ranks came to be forked from a preloaded server); only their order matters, and a
-# file missing here just runs after them.
+# Approximate seconds of the slowest files under `make test` (2 cores, measured 2026-12-02 from pytest's junit XML of
+# a whole run at bca72dd, before torchrun's ranks came to be forked: grpo_mega/run/forked_ranks.py); only their
+# order matters, and a file missing here just runs after them.
 SLOW_FILES = {
-    "test_quickstart_e2e.py": 269,
-    "test_slurm.py": 260,
-    "test_gpu_check.py": 181,
-    "test_trainer_hardening.py": 176,
-    "test_async_rollouts.py": 170,
-    "test_prm_commands.py": 170,
-    "test_readme_small_model.py": 150,
-    "test_slurm_two_nodes.py": 128,
-    "test_trainer_preemption.py": 127,
-    "test_faults.py": 95,
-    "test_tree_rollout_run.py": 80,
-    "test_hf_conversion.py": 90,
-    "test_sft_preemption.py": 83,
-    "test_ctrl_c_windows.py": 80,  # measured under a second test run's load: 121 s
-    "test_chaos.py": 90,  # the short chaos schedule (issue 61 part 1): its author's estimate, not yet measured here
-    "test_rollout_vllm.py": 74,
-    "test_engine_deepspeed.py": 69,
-    "test_gpu_install.py": 54,
-    "test_sequence_parallel.py": 42,
-    "test_train_console.py": 40,
-    "test_prm_replay.py": 32,
-    "test_distributed_optimizer.py": 30,
-    "test_plan_engine.py": 25,
-    "test_checkpoint_checksums.py": 30,
-    "test_training_checkpoint.py": 19,
-    "test_reward_preflight.py": 80,
-    "test_config_overrides.py": 55,
-    "test_data_formats_cli.py": 60,
+    "test_prm_vllm_export.py": 316,
+    "test_implicit_prm_run.py": 294,
+    "test_quickstart_e2e.py": 250,
+    "test_chaos.py": 220,
+    "test_slurm.py": 219,
+    "test_qwen3_moe.py": 195,
+    "test_async_rollouts.py": 195,
+    "test_prm_commands.py": 185,
+    "test_gpu_check.py": 164,
+    "test_slurm_two_nodes.py": 162,
+    "test_prm_vllm_scorer.py": 124,
+    "test_qwen3.py": 118,
+    "test_trainer_hardening.py": 108,
+    "test_first_hour_config.py": 104,
+    "test_sft_preemption.py": 104,
+    "test_readme_small_model.py": 92,
+    "test_rollout_vllm.py": 90,
+    "test_trainer_preemption.py": 84,
+    "test_ctrl_c_windows.py": 82,
+    "test_hf_conversion.py": 76,
+    "test_gpu_install.py": 75,
+    "test_faults.py": 72,
+    "test_tree_rollout_run.py": 71,
+    "test_engine_deepspeed.py": 66,
+    "test_run_folder_guard.py": 60,
+    "test_routing_replay.py": 54,
+    "test_reward_preflight.py": 53,
+    "test_sequence_parallel.py": 44,
+    "test_data_formats_cli.py": 41,
+    "test_eval_command.py": 41,
+    "test_rollout_vocab.py": 36,
+    "test_plan.py": 32,
+    "test_train_console.py": 29,
+    "test_grpo_chat_prompts.py": 28,
+    "test_prm_replay.py": 26,
+    "test_config_overrides.py": 24,
 }
 
 
