@@ -101,6 +101,8 @@ def main() -> int:
     args = parser.parse_args()
     base = FAST if args.fast else REGIMES[args.regime]
     result = args.result or ROOT / "bench" / "results" / f"pipeline_seeds_{args.regime}.json"
+    if args.result is None:
+        keep_a_larger_record(result, args.seeds)
     results = []
     for seed in args.seeds:
         print(f"== seed {seed}", flush=True)
@@ -145,6 +147,22 @@ def main() -> int:
                                          f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
     report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
     return 0
+
+
+def keep_a_larger_record(result: Path, seeds: list[int]) -> None:
+    """Refuse to write the default ``result`` over a record of seeds this run does not cover (``--add-arms`` on one
+    seed would otherwise replace the recorded 5-seed verdict with a 1-seed one): such a run names its own
+    ``--result``."""
+    try:
+        recorded = json.loads(result.read_text()).get("seeds") or []
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{result}: unreadable ({error}); pass --result to write elsewhere") from None
+    missing = sorted(set(recorded) - set(seeds))
+    if missing:
+        raise SystemExit(f"{result} records seeds {recorded}; this run has {sorted(seeds)}, so writing it there would "
+                         f"drop seeds {missing}: pass --result FILE (or every recorded seed, with --reuse)")
 
 
 def with_recorded_arms(summary: dict, recorded_path: Path) -> dict:

@@ -134,3 +134,20 @@ def test_every_arm_of_the_tree_verdict_is_drawn_apart():
     styles = {label: style["linestyle"] for label, style in zip(labels, arm_styles(labels))}
     assert styles[arm_title("tree_82")] == "--" and styles[arm_title("oracle")] == ":"
     assert styles[arm_title("implicit")] == "-." and styles[arm_title("outcome")] == "-"
+
+
+def test_a_run_of_fewer_seeds_does_not_replace_the_recorded_result(tmp_path):
+    import json
+
+    from bench.pipeline_seeds import keep_a_larger_record
+
+    record = tmp_path / "pipeline_seeds_sparse.json"
+    keep_a_larger_record(record, [1])  # nothing recorded yet
+    record.write_text(json.dumps({"seeds": [1, 2, 3, 4, 5]}))
+    keep_a_larger_record(record, [1, 2, 3, 4, 5])  # every recorded seed: rewritten
+    keep_a_larger_record(record, [1, 2, 3, 4, 5, 6])
+    with pytest.raises(SystemExit, match=r"drop seeds \[2, 3, 4, 5\]: pass --result"):
+        keep_a_larger_record(record, [1])
+    record.write_text("{not json")
+    with pytest.raises(SystemExit, match="unreadable"):
+        keep_a_larger_record(record, [1])

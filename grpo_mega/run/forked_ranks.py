@@ -87,10 +87,44 @@ def _flush_streams() -> None:
             pass
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent, ...); [] for a process gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent_of(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def _alive(pid: int) -> bool:
+    return _stat(pid)[:1] not in ([], ["Z"], ["X"])
+
+
+def _exit_once_the_launcher_is_gone(launcher: int | None) -> None:
+    """After the module returned: torchrun's wrapper hands the agent the rank's return value and waits until the
+    agent has read every rank's, which it never does once it is gone (killed with its node, a SIGKILL to the
+    command): exit then, with status 0, as a rank started by torchrun as an interpreter would have."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while launcher is not None and _alive(launcher):
+            time.sleep(0.5)
+        _flush_streams()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="grpo-launcher-watch", daemon=True).start()
+
+
 def run_rank(module: str, *arguments: str) -> None:
     """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring)."""
     import runpy
 
+    launcher = _parent_of(os.getppid())  # the fork server's parent: torchrun's agent
     os.setsid()
     _name_and_keep_no_parent_death_signal()
     _unbuffered_streams()
@@ -117,6 +151,7 @@ def run_rank(module: str, *arguments: str) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     if code is None or code == 0:
+        _exit_once_the_launcher_is_gone(launcher)
         return  # torchrun's agent waits for every rank's return value: a SystemExit(0) would not give one
     if not isinstance(code, int):
         print(code, file=sys.stderr, flush=True)

@@ -1,0 +1,98 @@
+"""torchrun's ranks forked from the launcher's preloaded server (grpo_mega/run/forked_ranks.py, CPU builds of torch):
+a ``-m`` module runs in each as ``python -u -m`` would run it (arguments, ``__main__``, exit status, ``atexit``,
+unbuffered output, a session of its own, its name), and a rank that finished after its launcher was killed exits
+instead of waiting for it forever."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_mega.run.forked_ranks import FORK_RANKS_ENV, rank_process_name
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(torch.version.cuda is not None, reason="CUDA builds of torch start ranks as processes")
+
+PROBE = '''
+import atexit, json, os, sys, time
+rank = os.environ["RANK"]
+out = os.path.join(sys.argv[2], f"rank{rank}")
+atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+sys.stdout.write(f"rank {rank} unterminated")  # no newline, no flush: seen only with unbuffered streams
+time.sleep(0.5)
+with open(out + ".json", "w") as handle:
+    json.dump({"argv": sys.argv, "name": __name__, "pid": os.getpid(), "session_leader": os.getsid(0) == os.getpid(),
+               "comm": open("/proc/self/comm").read().strip(), "log_so_far": open(sys.argv[3]).read()}, handle)
+while os.path.exists(os.path.join(sys.argv[2], "hold")):
+    time.sleep(0.1)
+sys.exit(int(sys.argv[1]) if rank == "1" else 0)
+'''
+
+
+def _start(tmp_path: Path, status: int, log: Path, *, fork: bool = True) -> subprocess.Popen:
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               **{FORK_RANKS_ENV: "1" if fork else "0"})
+    with open(log, "w") as handle:
+        return subprocess.Popen([sys.executable, "-m", "grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2",
+                                 "-m", "--", "probe_module", str(status), str(tmp_path), str(log)],
+                                stdout=handle, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _report(tmp_path: Path, rank: int, timeout: float = 120.0) -> dict:
+    path = tmp_path / f"rank{rank}.json"
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"rank {rank} never reported"
+        time.sleep(0.1)
+    time.sleep(0.2)  # the dump is written in one go; let it close
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "interpreters"])
+def test_a_forked_rank_runs_its_module_as_python_dash_m_would(tmp_path, fork):
+    log = tmp_path / "job.log"
+    job = _start(tmp_path, 3, log, fork=fork)
+    assert job.wait(timeout=180) == 3, log.read_text()[-3000:]  # rank 1's status is the job's
+    for rank in (0, 1):
+        report = _report(tmp_path, rank)
+        assert report["argv"][1:] == ["3", str(tmp_path), str(log)]
+        assert report["argv"][0] == str(tmp_path / "probe_module.py") and report["name"] == "__main__"
+        assert report["session_leader"]  # as torchrun's start_new_session: Ctrl-C reaches the launcher only
+        assert f"rank {rank} unterminated" in report["log_so_far"]  # python -u
+        assert (tmp_path / f"rank{rank}.atexit").read_text() == "ran"
+        if fork:
+            assert report["comm"] == rank_process_name(str(rank))
+
+
+def test_a_rank_that_finished_after_its_launcher_was_killed_exits(tmp_path):
+    """The ranks outlive a SIGKILLed launcher and finish their work, as interpreters would; then each ends (torchrun's
+    function wrapper would otherwise wait forever for the gone agent to read its return value)."""
+    (tmp_path / "hold").write_text("")
+    job = _start(tmp_path, 0, tmp_path / "job.log")
+    pids = [_report(tmp_path, rank)["pid"] for rank in (0, 1)]
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    (tmp_path / "hold").unlink()  # the ranks' work ends now, their launcher gone
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a rank waited on after its launcher was gone"
+        time.sleep(0.2)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.atexit").read_text() == "ran"
