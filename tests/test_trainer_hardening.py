@@ -103,7 +103,8 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
         startup = [{k.split("/")[1]: v for k, v in row.items() if k.startswith("startup_s/")} for row in rows]
         assert [bool(s) for s in startup] == [row["step"] in firsts for row in rows]
         for first in filter(None, startup):
-            assert set(first) == phases and first["launch"] > 0.5 and first["imports"] > 0.5, first
+            # imports: the rank's own (torch, megatron-core and transformers come preloaded into a forked rank: launch)
+            assert set(first) == phases and first["launch"] > 0.5 and first["imports"] > 0, first
             assert first["total"] == pytest.approx(sum(v for k, v in first.items() if k != "total"))
 
 

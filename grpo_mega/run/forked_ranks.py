@@ -16,7 +16,9 @@ pays it twice and the test suite starts hundreds of ranks. ``grpo_mega.run.torch
 - its standard streams are unbuffered (``-u``), so a log shows each line as the rank writes it;
 - torch's intra-op threads are set from ``OMP_NUM_THREADS`` (OpenMP read it when the server loaded it).
 
-- it is named ``grpo-rank-<RANK>`` (``/proc/<pid>/comm``: ``ps -o pid,comm``, ``pgrep grpo-rank``).
+- it is named ``grpo-rank-<RANK>`` (``/proc/<pid>/comm``: ``ps -o pid,comm``, ``pgrep grpo-rank``);
+- its ``startup_s/launch`` (``grpo_mega.perf.startup``: until the rank's process started) holds the server's
+  preload, and its ``startup_s/imports`` only what the module imports beyond it.
 
 What differs from torchrun's own ranks: ``ps`` shows the fork server's command line for a rank, and
 ``/proc/<pid>/environ`` holds the server's environment (the rank's own, with ``RANK``, is its ``os.environ``);
@@ -34,6 +36,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 FORK_RANKS_ENV = "GRPO_MEGA_FORK_RANKS"
 """Set to ``0`` to have torchrun start every rank as a new interpreter even on a CPU build of torch."""
@@ -85,6 +88,38 @@ def _flush_streams() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def _torch_built_for_cpu_only() -> bool:
+    """What ``torch.version`` says of the installed torch (no CUDA, no ROCm), read without importing torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    namespace: dict = {}
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), namespace)  # torch's own file: plain assignments
+    except (OSError, SyntaxError):
+        return False
+    return namespace.get("cuda") is None and namespace.get("hip") is None
+
+
+def start_the_server_early(launcher_arguments: list[str]) -> None:
+    """Start the fork server now, for a launcher of a ``-m`` command whose ranks will be forked, so that it imports
+    torch, megatron-core and transformers on a second core while the launcher imports torch and meets the other
+    nodes (it would otherwise start only when the ranks do, after both). Nothing where the ranks will not be forked."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from grpo_mega.run.launcher import PRELOADED
+
+    if (os.environ.get(FORK_RANKS_ENV, "1") == "0" or not {"-m", "--module"} & set(launcher_arguments)
+            or "forkserver" not in multiprocessing.get_all_start_methods() or not _torch_built_for_cpu_only()):
+        return
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    multiprocessing.forkserver.ensure_running()
 
 
 def _stat(pid: int) -> list[str]:

@@ -137,6 +137,9 @@ def _fork_ranks_when_they_can() -> None:
 
 
 def _launch(argv: list[str] | None) -> int:
+    from grpo_mega.run.forked_ranks import start_the_server_early
+
+    start_the_server_early(sys.argv[1:] if argv is None else argv)
     _quiet_agent_logs()
     _stop_signals_once()
     _fork_ranks_when_they_can()
