@@ -20,6 +20,8 @@ settings with that option, the same PRM, SFT checkpoint, seed and steps); ``--im
 outcome supervision (issue 57's verdict: ``--no-oracle --arms tree_222 tree_2222 tree_42 process_completion
 process_delta_completion oracle_completion rft``), and every arm is also compared at equal generated tokens
 (``rollout/generated_tokens``: a tree generates each shared segment once).
+``--no-learned-prm`` runs a new seed without the learned PRM (its labels, training and arms), for arms that need none
+(issue 59's ``--no-oracle --no-learned-prm --arms implicit_after`` beside ``--recorded``'s arms).
 ``--add-arms ARM ...`` runs only the arms named in seeds already run in OUT (e.g. the implicit PRM's arms beside the
 recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``).
 """
@@ -88,6 +90,10 @@ def main() -> int:
                         help="more arms in each new seed's pipeline, after the default ones (e.g. tree_222 tree_42 "
                         "process_completion)")
     parser.add_argument("--no-oracle", action="store_true", help="leave the oracle arm (with the pooled baseline) out")
+    parser.add_argument("--no-learned-prm", action="store_true",
+                        help="a new seed's pipeline without the learned PRM (no labels, PRM training or process arm): "
+                        "for arms that need none, e.g. --no-oracle --arms implicit_after (the recorded arms come "
+                        "from --recorded)")
     parser.add_argument("--recorded", type=Path, default=None, metavar="DIR",
                         help="add to each seed the arms it lacks from DIR/seed<N>/summary.json (a recorded run, e.g. "
                         "bench/results/pipeline_seeds_sparse_runs), when both started from the same SFT checkpoint "
@@ -99,6 +105,10 @@ def main() -> int:
                         "the same regime exists (e.g. a finished `grpo-mega quickstart` run linked there) instead of "
                         "running it again")
     args = parser.parse_args()
+    if args.no_learned_prm:
+        needing = [arm for arm in args.arms if learned_prm_arm(arm) or arm == "rft"]  # RFT trains on its labels
+        if needing or args.step_rewards:
+            parser.error(f"--no-learned-prm: {needing or ['--step-rewards']} need the learned PRM")
     base = FAST if args.fast else REGIMES[args.regime]
     result = args.result or ROOT / "bench" / "results" / f"pipeline_seeds_{args.regime}.json"
     if args.result is None:
@@ -116,7 +126,8 @@ def main() -> int:
             summary = run_pipeline(args.out / f"seed{seed}", replace(base, seed=seed, oracle_arm=not args.no_oracle,
                                                                      step_reward_arms=tuple(args.step_rewards),
                                                                      implicit_arm=args.implicit,
-                                                                     more_arms=tuple(args.arms)))
+                                                                     more_arms=tuple(args.arms),
+                                                                     process_supervision=not args.no_learned_prm))
         if args.recorded is not None:
             summary = with_recorded_arms(summary, args.recorded / f"seed{seed}" / "summary.json")
         results.append(with_comparisons(summary))
