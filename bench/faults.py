@@ -47,6 +47,7 @@ from grpo_mega.checkpoint.training_files import checkpoint_problem  # noqa: E402
 from grpo_mega.run.failure import TRANSIENT_CAUSES  # noqa: E402
 from grpo_mega.run.forked_ranks import rank_process_name  # noqa: E402
 from grpo_mega.run.metrics import read_metrics  # noqa: E402
+from grpo_mega.run.procfs import command_line, parent_of  # noqa: E402
 
 GRACE_S = 10
 NOT_COMPARED = ("timing_s/", "memory/", "perf/throughput", "time", "step_seconds")
@@ -90,11 +91,8 @@ def _unreadable_checkpoints(run_dir: Path) -> list[str]:
 
 def _parent(pid: str) -> tuple[str, bytes]:
     """(parent pid, its command line); ("", b"") when either is gone."""
-    try:
-        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        return parent, Path(f"/proc/{parent}/cmdline").read_bytes()
-    except (OSError, IndexError):
-        return "", b""
+    parent = parent_of(pid)
+    return ("", b"") if parent is None else (str(parent), command_line(parent))
 
 
 def _forked_by_launcher(pid: str, program: bytes, run_dir: bytes) -> bool:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from grpo_mega.run.procfs import alive
+
 STATE = Path("/tmp/grpo-mega-slurm")
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -157,7 +159,7 @@ def stop_daemons(pid_files: list[Path]) -> None:
         except (OSError, ValueError):
             pass
     deadline = time.monotonic() + 20
-    while any(map(_alive, stopped)) and time.monotonic() < deadline:
+    while any(map(alive, stopped)) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -174,14 +176,6 @@ def _cancel_every_job() -> None:
     deadline = time.monotonic() + 30
     while _run(["squeue", "-h", "-t", "R,CG"], timeout=30).stdout.strip() and time.monotonic() < deadline:
         time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: where PID 1 reaps nothing, a stopped daemon stays one)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def slurm_cluster():

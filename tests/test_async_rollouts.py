@@ -22,6 +22,7 @@ from grpo_mega.parallel.roles import role_layout
 from grpo_mega.rollout.base import Completion
 from grpo_mega.rollout.bridge import pack_bucket, unpack_bucket
 from grpo_mega.run.metrics import read_metrics
+from grpo_mega.run.procfs import alive
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.rollout_feed import batch_from_state, batch_state, generating_version
 from tiny_task import build_tiny_task, tiny_run_overrides
@@ -224,13 +225,6 @@ def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_ex
         assert _trained(stopped, step) == _trained(whole, step)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _kill_whole_job(job, run_dir):
     """SIGKILL a job as SLURM does, every process of it: the launcher's group, and the ranks, which torchrun starts
     in process groups of their own (they would otherwise go on to the next save before they notice, on a loaded
@@ -242,7 +236,7 @@ def _kill_whole_job(job, run_dir):
     job.wait()
     deadline = time.monotonic() + 60
     while True:
-        ranks = [pid for pid in descendants if _alive(pid)]
+        ranks = [pid for pid in descendants if alive(pid)]
         for entry in Path("/proc").iterdir():
             try:
                 if entry.name.isdigit() and str(run_dir) in (entry / "cmdline").read_bytes().decode(errors="replace"):

@@ -26,6 +26,7 @@ import pytest
 
 from grpo_mega.run.failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
 from grpo_mega.run.metrics import read_metrics
+from grpo_mega.run.procfs import alive
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,14 +265,6 @@ time.sleep(300)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_a_killed_ranks_helpers_do_not_outlive_it():
     """torchrun signals only the groups of ranks still alive: a SIGKILLed rank's helpers used to live on (and, under
     SLURM, hold the step's output open so the job never ended). The rank's watcher kills them."""
@@ -282,13 +275,13 @@ def test_a_killed_ranks_helpers_do_not_outlive_it():
                             env=dict(os.environ, TORCHELASTIC_RUN_ID="test"), start_new_session=True)
     try:
         helper = int(rank.stdout.readline())
-        assert _alive(helper)
+        assert alive(helper)
         rank.kill()
         rank.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while _alive(helper) and time.monotonic() < deadline:
+        while alive(helper) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(helper), "the helper outlived its rank"
+        assert not alive(helper), "the helper outlived its rank"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank.pid, signal.SIGKILL)
@@ -303,15 +296,15 @@ def test_a_stopped_rank_told_to_end_is_killed_at_once():
         helper = int(rank.stdout.readline())
         os.kill(rank.pid, signal.SIGSTOP)
         time.sleep(1.5)
-        assert rank.poll() is None and _alive(helper)  # stopped, not told to end: left alone (a debugger, ^Z)
+        assert rank.poll() is None and alive(helper)  # stopped, not told to end: left alone (a debugger, ^Z)
         start = time.monotonic()
         os.kill(rank.pid, signal.SIGTERM)
         assert rank.wait(timeout=10) == -signal.SIGKILL
         assert time.monotonic() - start < 3
         deadline = time.monotonic() + 5
-        while _alive(helper) and time.monotonic() < deadline:
+        while alive(helper) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(helper)
+        assert not alive(helper)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from grpo_mega.run.forked_ranks import FORK_RANKS_ENV, rank_process_name
+from grpo_mega.run.procfs import alive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,13 +47,6 @@ def _start(tmp_path: Path, status: int, log: Path, *, fork: bool = True) -> subp
         return subprocess.Popen([sys.executable, "-m", "grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2",
                                  "-m", "--", "probe_module", str(status), str(tmp_path), str(log)],
                                 stdout=handle, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _report(tmp_path: Path, rank: int, timeout: float = 120.0) -> dict:
@@ -91,7 +85,7 @@ def test_a_rank_that_finished_after_its_launcher_was_killed_exits(tmp_path):
     job.wait(timeout=30)
     (tmp_path / "hold").unlink()  # the ranks' work ends now, their launcher gone
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids):
+    while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, "a rank waited on after its launcher was gone"
         time.sleep(0.2)
     for rank in (0, 1):

@@ -38,6 +38,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from grpo_mega.run.procfs import alive, parent_of
+
 FORK_RANKS_ENV = "GRPO_MEGA_FORK_RANKS"
 """Set to ``0`` to have torchrun start every rank as a new interpreter even on a CPU build of torch."""
 
@@ -46,14 +48,17 @@ def forks_ranks(command: list[str], module: str) -> bool:
     """Whether the ranks of torchrun's ``command`` (its ``python -u -m <module> ...`` for each rank) can be forked:
     a CPU build of torch with a fork server, a plain ``-m`` command (no ``--local-rank`` argument added), not
     switched off by :data:`FORK_RANKS_ENV`."""
+    return (_forking_allowed() and command[:3] == ["-u", "-m", module]
+            and not any(arg.startswith("--local-rank") for arg in command))
+
+
+def _forking_allowed() -> bool:
+    """Whether this machine and its user let ranks be forked at all: not switched off by :data:`FORK_RANKS_ENV`, a
+    fork server, and a CPU build of torch (a CUDA or ROCm one keeps torchrun's interpreters)."""
     import multiprocessing
 
-    import torch
-
-    return (os.environ.get(FORK_RANKS_ENV, "1") != "0" and torch.version.cuda is None
-            and getattr(torch.version, "hip", None) is None
-            and "forkserver" in multiprocessing.get_all_start_methods()
-            and command[:3] == ["-u", "-m", module] and not any(arg.startswith("--local-rank") for arg in command))
+    return (os.environ.get(FORK_RANKS_ENV, "1") != "0" and "forkserver" in multiprocessing.get_all_start_methods()
+            and _torch_built_for_cpu_only())
 
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
@@ -115,28 +120,10 @@ def start_the_server_early(launcher_arguments: list[str]) -> None:
 
     from grpo_mega.run.launcher import PRELOADED
 
-    if (os.environ.get(FORK_RANKS_ENV, "1") == "0" or not {"-m", "--module"} & set(launcher_arguments)
-            or "forkserver" not in multiprocessing.get_all_start_methods() or not _torch_built_for_cpu_only()):
+    if not ({"-m", "--module"} & set(launcher_arguments) and _forking_allowed()):
         return
     multiprocessing.set_forkserver_preload(PRELOADED)
     multiprocessing.forkserver.ensure_running()
-
-
-def _stat(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent, ...); [] for a process gone."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _parent_of(pid: int) -> int | None:
-    fields = _stat(pid)
-    return int(fields[1]) if len(fields) > 1 else None
-
-
-def _alive(pid: int) -> bool:
-    return _stat(pid)[:1] not in ([], ["Z"], ["X"])
 
 
 def _exit_once_the_launcher_is_gone(launcher: int | None) -> None:
@@ -147,7 +134,7 @@ def _exit_once_the_launcher_is_gone(launcher: int | None) -> None:
     import time
 
     def watch() -> None:
-        while launcher is not None and _alive(launcher):
+        while launcher is not None and alive(launcher):
             time.sleep(0.5)
         _flush_streams()
         os._exit(0)
@@ -159,7 +146,7 @@ def run_rank(module: str, *arguments: str) -> None:
     """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring)."""
     import runpy
 
-    launcher = _parent_of(os.getppid())  # the fork server's parent: torchrun's agent
+    launcher = parent_of(os.getppid())  # the fork server's parent: torchrun's agent
     os.setsid()
     _name_and_keep_no_parent_death_signal()
     _unbuffered_streams()
