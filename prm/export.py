@@ -8,8 +8,11 @@ folder, so the export lives and is pruned with its checkpoint.
 
 - Once: a later run finds ``hf_export/`` and reads it, after checking it (below); a run directory whose newest
   checkpoint changed exports that one, into that checkpoint.
-- Atomically: written into a staging folder beside it (``.tmp-hf_export-*``), published by one rename after every
-  file and the manifest are written; a crash leaves a staging folder, never a half export under the real name.
+- Atomically: written into a staging folder beside it (``.tmp-hf_export-<host>-<pid>-*``), published by one rename
+  after every file and the manifest are written; a crash leaves a staging folder, never a half export under the
+  real name. The next export removes such leftovers (a 7B PRM's is 15 GB): those of a process gone on this host, and
+  any nothing was written in for :data:`STALE_STAGING_S` (another node's crash, a pid reused); another job's export
+  in progress is left alone.
 - Content-checked as the training checkpoints are (``grpo_mega.run.checkpoints``): the manifest ``export.json``
   lists every file with its size and CRC-32, and the CRC-32 of the marker file of the checkpoint it came from
   (``complete.json``, ``grpo_mega_model.json`` of a converted folder). Every use verifies all of them, on rank 0; an
@@ -29,6 +32,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ from grpo_mega.checkpoint.source import ModelSource
 from grpo_mega.perf.memory import free_cached_memory
 from grpo_mega.run.checkpoints import CHECKSUM_ALGORITHM, file_checksum
 from grpo_mega.run.layout import COMPLETE_FILE, TMP_PREFIX
+from grpo_mega.run.procfs import alive
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ EXPORT_DIR = "hf_export"
 """The export's folder inside the checkpoint (or converted) folder."""
 MANIFEST = "export.json"
 FORMAT = ("grpo_mega.prm_hf_export", 1)
+STALE_STAGING_S = 3600.0
+"""A staging folder of another host with nothing written in it for this long is a crashed export's."""
 
 
 def export_folder(source: ModelSource) -> Path:
@@ -117,9 +125,37 @@ def _staging_folder(source: ModelSource, target: Path, problem: str) -> Path:
         logger.warning("scorer=vllm: exporting the PRM %s for vLLM again: %s", source.path, problem)
     else:
         logger.info("scorer=vllm: exporting the PRM %s for vLLM into %s (once)", source.path, target)
-    staging = source.folder / f"{TMP_PREFIX}{EXPORT_DIR}-{uuid.uuid4().hex[:8]}"
+    remove_stale_staging(source.folder)
+    staging = source.folder / f"{_STAGING_PREFIX}{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     return staging
+
+
+_STAGING_PREFIX = f"{TMP_PREFIX}{EXPORT_DIR}-"
+
+
+def _host() -> str:
+    return socket.gethostname().split(".")[0].replace("-", "_")
+
+
+def remove_stale_staging(folder: Path, now: float | None = None) -> list[Path]:
+    """Remove the staging folders of crashed exports in ``folder`` (module docstring); the ones removed."""
+    now = time.time() if now is None else now
+    removed = []
+    for staging in sorted(folder.glob(f"{_STAGING_PREFIX}*")):
+        host, _, rest = staging.name.removeprefix(_STAGING_PREFIX).partition("-")
+        pid = rest.partition("-")[0]
+        ours = host == _host() and pid.isdigit()
+        if ours and (not alive(int(pid)) or int(pid) == os.getpid()):  # its exporter is gone (or was this one)
+            stale = True
+        else:  # another host's, a pid taken again, or named before the host and pid were: by its newest write
+            written = [path.stat().st_mtime for path in [staging, *staging.rglob("*")] if path.exists()]
+            stale = now - max(written, default=0.0) > STALE_STAGING_S
+        if stale:
+            logger.warning("scorer=vllm: removing %s, left by an export that did not finish", staging)
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
 
 
 def _write_weights(source: ModelSource, out: Path) -> None:
