@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from chaos_checks import compare_runs  # noqa: E402
-from chaos_faults import (KINDS, PLANTED, STOPS, Fault, alter_newest, cause_named, draw_schedule,  # noqa: E402
-                          failure_history, inject, planted_env, rank_pid)
+from chaos_faults import (KINDS, PLANTED, STOPS, Fault, alter_newest, cause_named, checkpoint_bytes,  # noqa: E402
+                          draw_schedule, failure_history, inject, planted_env, rank_pid)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
 GRACE_S = 10
@@ -161,6 +161,9 @@ class Supervisor:
             return
         fault.record.update(fault_at=fault_at, seconds_to_exit=round(ended - fault_at, 2), exited_at=ended)
         if self.disk is not None:
+            if "disk" in fault.record:  # what the run did with the space left (a save that still fitted?)
+                fault.record["disk"].update(free_at_exit=shutil.disk_usage(self.disk).free,
+                                            checkpoints_at_exit=checkpoint_bytes(self.run_dir))
             (self.disk / "filler").unlink(missing_ok=True)
         if fault.kind == "altered":
             fault.record.update(alter_newest(self.run_dir, rng))

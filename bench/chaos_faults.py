@@ -94,8 +94,11 @@ def inject(fault: Fault, agent_pid: int, run_dir: Path, disk: Path | None) -> fl
     if kind == "disk_full":
         if disk is None:
             raise SystemExit("a disk_full fault needs the run on its own file system (bench/chaos.py mounts a tmpfs)")
+        free = shutil.disk_usage(disk).free
         with open(disk / "filler", "wb") as out:
-            os.posix_fallocate(out.fileno(), 0, max(1, shutil.disk_usage(disk).free - FREE_AFTER_FILL))
+            os.posix_fallocate(out.fileno(), 0, max(1, free - FREE_AFTER_FILL))
+        fault.record["disk"] = {"free_before_fill": free, "free_after_fill": shutil.disk_usage(disk).free,
+                                "checkpoints_at_fill": checkpoint_bytes(run_dir)}
         return time.time()
     if kind == "sigterm":
         os.kill(agent_pid, signal.SIGTERM)
@@ -108,6 +111,18 @@ def inject(fault: Fault, agent_pid: int, run_dir: Path, disk: Path | None) -> fl
         os.kill(agent_pid, signal.SIGKILL)
     os.kill(pid, {"sigstop": signal.SIGSTOP, "usr1": signal.SIGUSR1}.get(kind, signal.SIGKILL))
     return time.time()
+
+
+def checkpoint_bytes(run_dir: Path) -> dict[str, int]:
+    """{folder name: bytes in it} of every folder in the run's checkpoints/ (staging folders included)."""
+    folder = run_dir / "checkpoints"
+    sizes = {}
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        try:
+            sizes[path.name] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+        except OSError:  # removed while counted (a prune, a staging folder published)
+            continue
+    return sizes
 
 
 def alter_newest(run_dir: Path, rng: random.Random) -> dict:
