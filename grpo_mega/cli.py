@@ -294,7 +294,7 @@ def _run_plan(args) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
     from grpo_mega.plan import plan_config
     from grpo_mega.plan.report import format_table, to_dict
-    from grpo_mega.plan.settings import documented_hardware, documented_prm_shape, parse_assume, planning_overrides
+    from grpo_mega.plan.settings import documented_hardware, documented_shape, parse_assume, planning_overrides
 
     try:
         overrides, filled_notes = planning_overrides(args.config, args.overrides)
@@ -310,7 +310,7 @@ def _run_plan(args) -> int:
                               "pass --gpus-per-node and --gpu-memory-gib")
         plan = plan_config(cfg, gpus_per_node=gpus, gpu_memory_gib=memory, nodes=nodes, gpu_name=args.gpu_name,
                            assume=parse_assume(args.assume), config_name=args.config,
-                           prm_shape=documented_prm_shape(args.config))
+                           prm_shape=documented_shape(args.config, "prm"))
         plan.notes[:0] = filled_notes
         timed = _plan_step_time(args, cfg, plan) if args.steps is not None else None
     except (ConfigError, ValueError) as error:

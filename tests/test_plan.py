@@ -233,14 +233,16 @@ def test_a_missing_prm_folder_without_a_shape_is_named_as_missing(capsys, tmp_pa
     assert "NOT COUNTED: PRM unknown: process_reward.prm=checkpoints/Qwen2.5-Math-PRM-7B: no such folder" in out
 
 
-def test_documented_prm_shape_line(tmp_path):
-    from grpo_mega.plan.settings import documented_prm_shape
+def test_documented_shape_lines(tmp_path):
+    from grpo_mega.plan.settings import documented_shape
 
     path = tmp_path / "c.yaml"
-    path.write_text("# hardware: 1 node x 8 GPUs x 79.6 GiB\n# plan-prm: configs/models/x-prm  (its shape)\na: 1\n")
-    assert documented_prm_shape(path) == "configs/models/x-prm"
-    path.write_text("a: 1  # plan-prm: elsewhere\n")
-    assert documented_prm_shape(path) is None
+    path.write_text("# hardware: 1 node x 8 GPUs x 79.6 GiB\n# plan-prm: configs/models/x-prm  (its shape)\n"
+                    "# plan-model: configs/models/x\na: 1\n")
+    assert documented_shape(path, "prm") == "configs/models/x-prm"
+    assert documented_shape(path, "model") == "configs/models/x"
+    path.write_text("a: 1  # plan-prm: elsewhere\n# plan-model:\n# hardware: 1 node x 8 GPUs x 79.6 GiB\n")
+    assert documented_shape(path, "prm") is None and documented_shape(path, "model") is None
 
 
 def test_the_plan_assumes_the_vllm_settings_the_engine_passes(capsys):

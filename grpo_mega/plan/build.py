@@ -98,7 +98,7 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     ``grpo_mega.plan.settings.MemorySettings``). Counts parameters from megatron's model built on the meta device
     (``grpo_mega.plan.counts``); a second or so, plus megatron's import the first time. ``gpu_name``: as the
     device reports it; vLLM's default batch limits differ on an A100. ``prm_shape``: the PRM's shape folder the
-    config's header names (``grpo_mega.plan.settings.documented_prm_shape``), planned with while
+    config's header names (``grpo_mega.plan.settings.documented_shape``), planned with while
     ``process_reward.prm`` is not there (said in a note)."""
     if cfg.engine != "megatron":
         raise ConfigError(f"engine={cfg.engine!r}: grpo-mega plan models the megatron engine (DeepSpeed's ZeRO "

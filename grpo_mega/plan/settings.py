@@ -58,25 +58,17 @@ def documented_hardware(config_file: str | Path) -> Hardware | None:
     return Hardware(gpus_per_node=int(match.group(2)), gpu_memory_gib=float(match.group(3)), nodes=int(match.group(1)))
 
 
-_PLAN_PRM_LINE = re.compile(r"^#\s*plan-prm:\s*(\S+)", re.MULTILINE)
+_PLAN_SHAPE_LINES = {role: re.compile(rf"^#[ \t]*plan-{role}:[ \t]*(\S+)", re.MULTILINE)
+                     for role in ("model", "prm")}  # the folder on the same line (not the next line's first word)
 
 
-def documented_prm_shape(config_file: str | Path) -> str | None:
-    """The folder a config's header names on a line ``# plan-prm: configs/models/qwen2.5-math-prm-7b``: the shipped
-    config.json of the PRM it is written for, which the plan reads while ``process_reward.prm`` names a folder
-    that is not there yet (the PRM not downloaded); None without the line."""
-    match = _PLAN_PRM_LINE.search(Path(config_file).read_text())
-    return match.group(1) if match else None
-
-
-_PLAN_MODEL_LINE = re.compile(r"^#\s*plan-model:\s*(\S+)", re.MULTILINE)
-
-
-def documented_model_shape(config_file: str | Path) -> str | None:
-    """The folder a config's header names on a line ``# plan-model: configs/models/smollm2-135m``: the shipped
-    config.json of the policy it is written for, which the plan reads while ``model.hf_config`` is not set (a
-    config whose model path the user or the quickstart fills in); None without the line."""
-    match = _PLAN_MODEL_LINE.search(Path(config_file).read_text())
+def documented_shape(config_file: str | Path, role: str) -> str | None:
+    """The folder a config's header names on a line ``# plan-model: configs/models/smollm2-135m`` (``role``
+    ``model``) or ``# plan-prm: configs/models/qwen2.5-math-prm-7b`` (``prm``): the shipped config.json of the policy
+    or PRM it is written for, which the plan reads while ``model.hf_config`` is not set (a config whose model path
+    the user or the quickstart fills in) or ``process_reward.prm`` names a folder that is not there yet (the PRM not
+    downloaded); None without the line."""
+    match = _PLAN_SHAPE_LINES[role].search(Path(config_file).read_text())
     return match.group(1) if match else None
 
 
@@ -99,11 +91,11 @@ def planning_overrides(config_file: str | Path, overrides: list[str]) -> tuple[l
     filled, notes = list(overrides), []
     if UNREAD_BY_PLAN in missing:
         filled.append(f"{UNREAD_BY_PLAN}=unread-by-plan")
-    shape = documented_model_shape(config_file)
+    shape = documented_shape(config_file, "model")
     if "model.hf_config" in missing and shape:
         filled.append(f"model.hf_config={shape}")
         notes.append(f"policy: model.hf_config is not set; planned with the shape the config's header names ({shape})")
-    prm_shape = documented_prm_shape(config_file)
+    prm_shape = documented_shape(config_file, "prm")
     if prm_shape and OmegaConf.select(merged, "process_reward.source") == "prm" and \
             not OmegaConf.select(merged, "process_reward.prm", throw_on_missing=False):
         filled.append(f"process_reward.prm={prm_shape}")  # the plan reads its shape (grpo_mega.plan.build)
