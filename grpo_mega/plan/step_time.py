@@ -229,9 +229,8 @@ def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, 
     traffic = tensor_parallel_seconds(model, per_replica * lengths.response_mean, tp, device.intra_node_bandwidth,
                                       eff, 1, calls_per_layer=steps)
     eager_steps = eager_layer_seconds(model.layers, steps, eff) if eager else 0.0
-    if eager:
-        prefill += eager_layer_seconds(model.layers, 1, eff)
-    return {"prefill": prefill,
+    eager_prefill = eager_layer_seconds(model.layers, 1, eff) if eager else 0.0
+    return {"prefill": prefill + eager_prefill,
             "decode": max(memory, compute) + tail + steps * eff.decode_step_overhead + eager_steps + traffic}
 
 
