@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from bench.seed_curves import (accuracy_at_seconds, equal_groups, equal_seconds, gain_curve, mean_curve,
@@ -151,3 +153,15 @@ def test_a_run_of_fewer_seeds_does_not_replace_the_recorded_result(tmp_path):
     record.write_text("{not json")
     with pytest.raises(SystemExit, match="unreadable"):
         keep_a_larger_record(record, [1])
+
+
+@pytest.mark.parametrize("arms", [["process_completion"], ["rft"], ["tree_222", "process"]])
+def test_no_learned_prm_refuses_arms_that_need_it_before_running_anything(monkeypatch, tmp_path, capsys, arms):
+    from bench import pipeline_seeds
+
+    monkeypatch.setattr(sys, "argv", ["pipeline_seeds.py", "--regime", "sparse", "--no-learned-prm", "--out",
+                                      str(tmp_path), "--result", str(tmp_path / "r.json"), "--arms", *arms])
+    with pytest.raises(SystemExit) as stopped:
+        pipeline_seeds.main()
+    assert stopped.value.code == 2
+    assert "--no-learned-prm" in capsys.readouterr().err and not list(tmp_path.iterdir())
