@@ -172,39 +172,50 @@ def _write_weights(source: ModelSource, out: Path) -> None:
 
         rank0_decides(merge)
         return
-    from megatron.core import parallel_state
-
-    from grpo_mega.checkpoint import (
-        SafetensorsShardWriter, export_hf_weights, load_mcore_checkpoint, read_checkpoint_info,
-    )
+    from grpo_mega.checkpoint import SafetensorsShardWriter, read_checkpoint_info
     from grpo_mega.checkpoint.training_files import read_checkpoint_state
-    from grpo_mega.checkpoint.weights_only import load_model_state
-    from grpo_mega.model import gpt_config_from_hf
-    from prm.engines import build_conversion_stage
 
     if source.is_checkpoint:
         stored = read_checkpoint_state(source.folder).get("param_dtype", "float32")
     else:
         stored = read_checkpoint_info(source.folder)[1]["dtype"]
-    dtype = getattr(torch, stored) if stored in ("float32", "bfloat16") else torch.float32
+    writer = SafetensorsShardWriter(out) if not is_distributed() or dist.get_rank() == 0 else None
+    write_megatron_weights(source.folder, hf_config, training_checkpoint=source.is_checkpoint, stored_dtype=stored,
+                           writer=writer)
+    if writer is not None:
+        writer.close()
+        hf_config.save_pretrained(out)
+    free_cached_memory()  # a GPU job's scorer needs the conversion model's memory back before vLLM starts
+
+
+def write_megatron_weights(folder: Path, hf_config: Any, *, training_checkpoint: bool, stored_dtype: str, writer,
+                           out_dtype: torch.dtype | None = None) -> None:
+    """Every Hugging Face tensor of the megatron checkpoint ``folder`` (a training checkpoint, or a converted folder)
+    into ``writer`` (a ``SafetensorsShardWriter`` on rank 0, None on the others), ``out_dtype`` or as stored;
+    collective. The conversion model is built on this job's TP / PP / EP layout in the stored dtype (float32 for
+    any other), so loading is exact, and gathered tensor by tensor (``export_hf_weights``: rank 0 holds one tensor
+    extra); it is freed before returning. Also ``tools/convert_mcore_to_hf.py``'s export."""
+    from megatron.core import parallel_state
+
+    from grpo_mega.checkpoint import export_hf_weights, load_mcore_checkpoint
+    from grpo_mega.checkpoint.weights_only import load_model_state
+    from grpo_mega.model import gpt_config_from_hf
+    from prm.engines import build_conversion_stage
+
+    dtype = getattr(torch, stored_dtype) if stored_dtype in ("float32", "bfloat16") else torch.float32
     gpt_config = gpt_config_from_hf(
         hf_config, tp=parallel_state.get_tensor_model_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(), dtype=dtype,
         ep=parallel_state.get_expert_model_parallel_world_size(), overrides={"perform_initialization": False})
     model = build_conversion_stage(hf_config, gpt_config)
-    if source.is_checkpoint:
-        load_model_state(model, source.folder)
+    if training_checkpoint:
+        load_model_state(model, folder)
     else:
-        load_mcore_checkpoint(model, source.folder)
-    writer = SafetensorsShardWriter(out) if not is_distributed() or dist.get_rank() == 0 else None
+        load_mcore_checkpoint(model, folder)
     for name, tensor in export_hf_weights(model, hf_config):
         if writer is not None:
-            writer.add(name, tensor)
-    if writer is not None:
-        writer.close()
-        hf_config.save_pretrained(out)
+            writer.add(name, tensor if out_dtype is None else tensor.to(out_dtype))
     del model
-    free_cached_memory()  # a GPU job's scorer needs the conversion model's memory back before vLLM starts
 
 
 def _publish(source: ModelSource, tokenizer: Any, staging: Path, target: Path) -> None:

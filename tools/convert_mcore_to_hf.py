@@ -82,32 +82,20 @@ def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_b
     """One rank's part: load its stage, take part in every gather; rank 0 writes the files."""
     import torch.distributed as dist
 
-    from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files, export_hf_weights, load_mcore_checkpoint
-    from grpo_mega.checkpoint.weights_only import load_model_state
-    from grpo_mega.model import gpt_config_from_hf
+    from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files
     from grpo_mega.model.config_map import tools_expert_parallel
     from grpo_mega.parallel import init_distributed
-    from prm.engines import build_conversion_stage
+    from prm.export import write_megatron_weights
 
     start = time.perf_counter()
     hf_config, side_files, stored_name, is_training = read_source(ckpt)
-    ep = tools_expert_parallel(hf_config, tp)
-    init_distributed(tp, pp, seed=0, ep=ep)
+    init_distributed(tp, pp, seed=0, ep=tools_expert_parallel(hf_config, tp))
     stored = getattr(torch, stored_name)
-    # The model is built in the stored dtype (float32 for anything else) so loading is exact.
-    build_dtype = stored if stored in (torch.float32, torch.bfloat16) else torch.float32
     out_dtype = stored if dtype_name == "auto" else DTYPES[dtype_name]
-    gpt_config = gpt_config_from_hf(hf_config, tp=tp, pp=pp, dtype=build_dtype, ep=ep,
-                                    overrides={"perform_initialization": False})
-    model = build_conversion_stage(hf_config, gpt_config)
-    if is_training:
-        load_model_state(model, ckpt)
-    else:
-        load_mcore_checkpoint(model, ckpt)
     writer = SafetensorsShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
-    for name, tensor in export_hf_weights(model, hf_config):
-        if writer is not None:
-            writer.add(name, tensor.to(out_dtype))
+    # the model is built in the stored dtype (float32 for anything else) so loading is exact
+    write_megatron_weights(ckpt, hf_config, training_checkpoint=is_training, stored_dtype=stored_name, writer=writer,
+                           out_dtype=out_dtype)
     if writer is None:
         return {}
     files = writer.close()
