@@ -21,7 +21,8 @@ outcome supervision (issue 57's verdict: ``--no-oracle --arms tree_222 tree_2222
 process_delta_completion oracle_completion rft``), and every arm is also compared at equal generated tokens
 (``rollout/generated_tokens``: a tree generates each shared segment once).
 ``--no-learned-prm`` runs a new seed without the learned PRM (its labels, training and arms), for arms that need none
-(issue 59's ``--no-oracle --no-learned-prm --arms implicit_after`` beside ``--recorded``'s arms).
+(issue 59's ``--no-oracle --no-learned-prm --implicit --arms implicit_after``: both orders of the implicit PRM's
+update from one SFT checkpoint; on the machine type of a recorded run, ``--recorded DIR`` in place of ``--implicit``).
 ``--add-arms ARM ...`` runs only the arms named in seeds already run in OUT (e.g. the implicit PRM's arms beside the
 recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``).
 """
@@ -92,8 +93,7 @@ def main() -> int:
     parser.add_argument("--no-oracle", action="store_true", help="leave the oracle arm (with the pooled baseline) out")
     parser.add_argument("--no-learned-prm", action="store_true",
                         help="a new seed's pipeline without the learned PRM (no labels, PRM training or process arm): "
-                        "for arms that need none, e.g. --no-oracle --arms implicit_after (the recorded arms come "
-                        "from --recorded)")
+                        "for arms that need none, e.g. --no-oracle --implicit --arms implicit_after")
     parser.add_argument("--recorded", type=Path, default=None, metavar="DIR",
                         help="add to each seed the arms it lacks from DIR/seed<N>/summary.json (a recorded run, e.g. "
                         "bench/results/pipeline_seeds_sparse_runs), when both started from the same SFT checkpoint "

@@ -163,14 +163,22 @@ class StepLikelihoodHead(torch.nn.Module):
         if "step_ids" not in batch:
             raise ValueError("the likelihood PRM head needs batch['step_ids'] (render the steps without a tag)")
         input_ids, step_ids = batch["input_ids"], batch["step_ids"]
-        next_tokens = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=0)  # [B, S]; the last is unused
-        next_logprobs, _ = vocab_parallel_logprobs_and_entropy(
-            hidden_states, backbone.lm_output_weight(), next_tokens.t(), vocab_size=backbone.unpadded_vocab_size,
-            chunk_size=self.chunk_size, logits_in_fp32=True,
+        step_counted = batch.get("step_counted")
+        counted = step_ids > 0 if step_counted is None else (step_ids > 0) & (step_counted > 0)
+        # token t's log-probability is predicted at position t - 1 (the first token has none: it is never a step's).
+        # Only the positions whose next token is counted go through the output matrix: prompt, padding and, in a
+        # packed micro-batch, the G row copies of the prompt would otherwise cost most of the head's products.
+        predicts_counted = torch.nn.functional.pad(counted[:, 1:], (0, 1), value=False)  # [B, S]
+        next_tokens = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=0)
+        picked_logprobs, _ = vocab_parallel_logprobs_and_entropy(
+            hidden_states.transpose(0, 1)[predicts_counted], backbone.lm_output_weight(),
+            next_tokens[predicts_counted], vocab_size=backbone.unpadded_vocab_size, chunk_size=self.chunk_size,
+            logits_in_fp32=True,
         )
-        # token t's log-probability is predicted at position t - 1; the first token has none (it is never a step's)
-        token_logprobs = torch.nn.functional.pad(next_logprobs.t()[:, :-1], (1, 0), value=0.0)
-        return step_likelihood_outputs(token_logprobs, step_ids, batch.get("step_counted"))
+        next_logprobs = torch.zeros(predicts_counted.shape, dtype=picked_logprobs.dtype,
+                                    device=picked_logprobs.device).masked_scatter(predicts_counted, picked_logprobs)
+        token_logprobs = torch.nn.functional.pad(next_logprobs[:, :-1], (1, 0), value=0.0)
+        return step_likelihood_outputs(token_logprobs, step_ids, step_counted)
 
 
 def step_likelihood_outputs(token_logprobs: torch.Tensor, step_ids: torch.Tensor,
