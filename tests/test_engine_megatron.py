@@ -93,6 +93,13 @@ def _one_row_step(ref_dir, row):
     return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "params": params}
 
 
+def _loss_token_logprobs(ref_dir):
+    """forward_logprobs of the whole rows and with ``loss_tokens_only`` (budget 24: several micro-batches)."""
+    engine = _engine(LAYOUT_BUDGET)
+    engine.load_model_weights(ref_dir)
+    return {"every": engine.forward_logprobs(_batch()), "loss_tokens": engine.forward_logprobs(_batch(), True)}
+
+
 def _max_and_sum_loss(outputs, micro, scale):
     """A loss whose metrics are a share (summed) and a maximum (``*_max``) over the micro-batch's real tokens."""
     mask = micro["loss_mask"].bool()
@@ -131,6 +138,7 @@ def _one_rank_job(ref_dir, tp1_dir):
         "layout_step": _grpo_step(_engine(LAYOUT_BUDGET), ref_dir, tp1_dir),
         "budgets": [_grpo_step(_engine(budget), ref_dir) for budget in BUDGETS],
         "one_row": _one_row_step(ref_dir, 2),
+        "loss_tokens": _loss_token_logprobs(ref_dir),
     }
 
 
@@ -144,6 +152,8 @@ def _two_rank_job(ref_dir, layout_dirs, tp1_dir):
     for name, (tp, pp) in TWO_RANK_LAYOUTS.items():
         _switch_layout(tp, pp)
         out["layout_steps"][name] = _grpo_step(_engine(LAYOUT_BUDGET), ref_dir, layout_dirs[name])
+        if name == "tp2":
+            out["loss_tokens"] = _loss_token_logprobs(ref_dir)
     _switch_layout(1, 2)
     out["budgets"] = [_grpo_step(_engine(budget), ref_dir) for budget in BUDGETS]
     for tp, pp in ((1, 1), (1, 2)):
@@ -225,3 +235,15 @@ def test_metrics_named_max_are_maxima_over_micro_batches_and_ranks(two_ranks, tp
     for metrics in (rank["probe"][(tp, pp)] for rank in two_ranks[:world]):
         assert metrics["probe/token_id_max"] == expected_max
         assert metrics["probe/token_share"] == pytest.approx(1.0)
+
+
+def test_loss_tokens_only_computes_the_loss_masks_tokens_alone(one_rank, two_ranks):
+    """What GRPO keeps of the old / reference log-probs: at loss_mask's tokens the same values as the whole rows'
+    forward, 0 at the prompt and the padding (the output matrix never ran there); at TP=1 and TP=2."""
+    mask = _batch()["loss_mask"].bool()
+    for found in (one_rank[1]["loss_tokens"], *(rank["loss_tokens"] for rank in two_ranks)):
+        (every_logprobs, every_entropy), (logprobs, entropy) = found["every"], found["loss_tokens"]
+        torch.testing.assert_close(logprobs[mask], every_logprobs[mask], atol=1e-6, rtol=0)
+        torch.testing.assert_close(entropy[mask], every_entropy[mask], atol=1e-6, rtol=0)
+        assert (every_logprobs[~mask & (_batch()["attention_mask"] > 0)] != 0).any()  # the whole rows' are not 0
+        assert not logprobs[~mask].any() and not entropy[~mask].any()

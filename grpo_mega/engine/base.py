@@ -67,11 +67,14 @@ class ForwardEngine(Protocol):
     hf_config: object
     """The Hugging Face config of the backbone."""
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Head outputs for the whole batch (no gradient), on every rank: {name: [B, L]}."""
+    def forward(self, batch: dict[str, torch.Tensor], loss_tokens_only: bool = False) -> dict[str, torch.Tensor]:
+        """Head outputs for the whole batch (no gradient), on every rank: {name: [B, L]}. ``loss_tokens_only``: the
+        caller reads a next-token head's outputs at ``batch["loss_mask"]``'s tokens only; elsewhere they may be 0."""
 
-    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probabilities and entropies [B, L] of the tokens in ``input_ids`` (policy heads)."""
+    def forward_logprobs(self, batch: dict[str, torch.Tensor],
+                         loss_tokens_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probabilities and entropies [B, L] of the tokens in ``input_ids`` (policy heads); see
+        :meth:`forward` for ``loss_tokens_only``."""
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full Hugging Face-named tensors one at a time, gathered over TP / PP (collective: all ranks call)."""

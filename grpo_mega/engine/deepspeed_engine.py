@@ -102,8 +102,9 @@ class DeepSpeedForwardEngine:
 
     # ----------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model's outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient)."""
+    def forward(self, batch: dict[str, torch.Tensor], loss_tokens_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient); every token's,
+        also with ``loss_tokens_only`` (a superset of what it asks for: the HF head computes the whole row)."""
         self.ds.eval()
         rows, length = batch["input_ids"].shape
         outputs = {name: torch.zeros(rows, length, dtype=torch.float32, device=self.device)
@@ -118,8 +119,9 @@ class DeepSpeedForwardEngine:
             dist.all_reduce(value)
         return {name: value.cpu() for name, value in outputs.items()}
 
-    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropies [B, L] of ``input_ids``."""
+    def forward_logprobs(self, batch: dict[str, torch.Tensor],
+                         loss_tokens_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [B, L] of ``input_ids`` (every token's, also with ``loss_tokens_only``)."""
         outputs = self.forward(batch)
         return outputs["logprobs"], outputs["entropy"]
 

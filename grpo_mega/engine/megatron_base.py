@@ -22,6 +22,7 @@ from grpo_mega.engine.batching import PADDING_ROW, aligned_rank_micro_batches, i
 from grpo_mega.engine.routing_replay import RouterReplayer
 from grpo_mega.engine.shared_prefix import is_packed, rank_shared_prefix_micro_batches
 from grpo_mega.model.attention import PackedRows
+from grpo_mega.model.heads import READ_POSITIONS
 from grpo_mega.parallel import get_device
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,14 @@ class MegatronStageEngine:
         length = len(micro["packed_source"]) if is_packed(micro) else micro["input_ids"].shape[1]
         return self.router_replayer.replaying(micro, self.stage.sequence_padding(length))
 
-    def _head(self, hidden: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _head(self, hidden: torch.Tensor, micro: dict[str, torch.Tensor],
+              loss_tokens_only: bool = False) -> dict[str, torch.Tensor]:
         stage = self.stage
+        if loss_tokens_only and self.next_token_head and "loss_mask" in micro:
+            # the head's output matrix only where a loss_mask token is predicted (position t - 1 predicts token t):
+            # the prompt's and the padding's logits are never read by a loss or by the log-probs GRPO keeps
+            read = torch.nn.functional.pad(micro["loss_mask"][:, 1:] > 0, (0, 1), value=False)
+            micro = {**micro, READ_POSITIONS: read}
         outputs = stage.head(stage, hidden, micro)
         if self.next_token_head:
             outputs = {name: align_to_tokens(value) for name, value in outputs.items()}
@@ -177,8 +184,9 @@ class MegatronStageEngine:
 
     # ----------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Head outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient)."""
+    def forward(self, batch: dict[str, torch.Tensor], loss_tokens_only: bool = False) -> dict[str, torch.Tensor]:
+        """Head outputs {name: [B, L]} of the whole batch, the same on every rank (no gradient). With
+        ``loss_tokens_only`` a next-token head's outputs are computed at ``loss_mask``'s tokens only (0 elsewhere)."""
         self.model.eval()
         micro_batches = self._micro_batches(batch)
         outputs = row_buffers(self.output_names, batch, self.device)
@@ -186,7 +194,7 @@ class MegatronStageEngine:
         def loss_func_for(micro):
             def collect(hidden):
                 if not is_padding(micro):
-                    keep_rows(outputs, self._head(hidden, micro), micro)
+                    keep_rows(outputs, self._head(hidden, micro, loss_tokens_only), micro)
                 return torch.zeros((), device=self.device), {}
 
             return collect
@@ -194,9 +202,11 @@ class MegatronStageEngine:
         self._run_schedule(micro_batches, loss_func_for, forward_only=True)
         return assembled_rows(outputs)
 
-    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropies [B, L] of ``input_ids`` (needs a head with those outputs)."""
-        outputs = self.forward(batch)
+    def forward_logprobs(self, batch: dict[str, torch.Tensor],
+                         loss_tokens_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [B, L] of ``input_ids`` (needs a head with those outputs); with
+        ``loss_tokens_only`` at ``loss_mask``'s tokens only (0 elsewhere)."""
+        outputs = self.forward(batch, loss_tokens_only)
         return outputs["logprobs"], outputs["entropy"]
 
     def export_hf_weights(self):

@@ -154,7 +154,7 @@ class MegatronEngine(MegatronStageEngine):
                     # A DP rank without rows: its gradient must be exactly zero whatever loss_fn makes of an
                     # all-masked row, so the loss is tied to the stage output only, and it reports no metrics.
                     return hidden.float().sum() * 0.0, {}
-                head_out = self._head(hidden, micro)
+                head_out = self._head(hidden, micro, loss_tokens_only=True)  # losses read loss_mask's tokens
                 keep_rows(kept, head_out, micro)
                 loss, metrics = loss_fn(head_out, micro, scale)
                 record = micro_batch_record(loss, metrics)

@@ -19,6 +19,10 @@ from grpo_mega.model.gpt import HiddenStatesGPTModel
 from grpo_mega.model.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_logprobs_and_entropy
 
 
+READ_POSITIONS = "read_positions"
+"""Micro-batch key: [B, S] bool, the positions whose next-token outputs anything reads (``LMHead``)."""
+
+
 class TokenHead(Protocol):
     """Maps final hidden states [S, B, H] and the micro-batch to per-token outputs [B, S]."""
 
@@ -42,6 +46,8 @@ class LMHead(torch.nn.Module):
     with logits / temperature, where labels = batch["labels"] if given, else input_ids shifted left
     by one (then logprobs[:, -1] = 0: there is no next token); entropy[b, t] is the entropy of the
     same next-token distribution. Memory is bounded by chunk_size x V/tp (see `logprobs`).
+    With ``batch[READ_POSITIONS]`` [B, S] (bool), only those positions go through the output matrix and both
+    outputs are 0 elsewhere (the engine sets it from ``loss_mask``: prompt and padding are never read).
     With logits_in_fp32 (default), the logits h W^T of a bf16/fp16 model are computed in fp32
     instead of being rounded to the model's dtype before the softmax; fp32 models are unaffected.
     """
@@ -78,16 +84,34 @@ class LMHead(torch.nn.Module):
                 f"labels {tuple(labels.shape)} do not match hidden states [S={seq_len}, "
                 f"B={batch_size}]"
             )
-        logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-            hidden_states,
-            backbone.lm_output_weight(),
-            labels.t(),
-            vocab_size=backbone.unpadded_vocab_size,
-            chunk_size=self.chunk_size,
-            temperature=self.temperature,
-            logits_in_fp32=self.logits_in_fp32,
-        )
-        logprobs, entropy = logprobs.t(), entropy.t()
+        positions = batch.get(READ_POSITIONS)
+        if positions is None:
+            logprobs, entropy = vocab_parallel_logprobs_and_entropy(
+                hidden_states,
+                backbone.lm_output_weight(),
+                labels.t(),
+                vocab_size=backbone.unpadded_vocab_size,
+                chunk_size=self.chunk_size,
+                temperature=self.temperature,
+                logits_in_fp32=self.logits_in_fp32,
+            )
+            logprobs, entropy = logprobs.t(), entropy.t()
+        else:  # the output matrix at the positions read only; 0 elsewhere
+            positions = positions.to(torch.bool)
+            if positions.shape != labels.shape:
+                raise ValueError(f"{READ_POSITIONS} {tuple(positions.shape)} do not match labels {tuple(labels.shape)}")
+            picked_logprobs, picked_entropy = vocab_parallel_logprobs_and_entropy(
+                hidden_states.transpose(0, 1)[positions],
+                backbone.lm_output_weight(),
+                labels[positions],
+                vocab_size=backbone.unpadded_vocab_size,
+                chunk_size=self.chunk_size,
+                temperature=self.temperature,
+                logits_in_fp32=self.logits_in_fp32,
+            )
+            zeros = torch.zeros(labels.shape, dtype=picked_logprobs.dtype, device=picked_logprobs.device)
+            logprobs = zeros.masked_scatter(positions, picked_logprobs)
+            entropy = zeros.masked_scatter(positions, picked_entropy)
         if shifted:
             logprobs = torch.nn.functional.pad(logprobs[:, :-1], (0, 1), value=0.0)
         return {"logprobs": logprobs, "entropy": entropy}

@@ -142,7 +142,7 @@ class ImplicitPRM:
         begin = time.perf_counter()
         rows = self._rows(groups.completions)
         labels = outcome_labels(groups.scores)
-        rows["ref_logprobs"], _ = self.reference.forward_logprobs(rows)
+        rows["ref_logprobs"], _ = self.reference.forward_logprobs(rows, loss_tokens_only=True)
         seconds = {"reference": time.perf_counter() - begin}
         if self.settings.update == "after":  # scored with the update's own forward: the PRM before this update
             metrics, prm_logprobs = self._update_after_scoring(rows, labels)
@@ -168,7 +168,7 @@ class ImplicitPRM:
 
     def _token_rewards(self, rows: dict[str, torch.Tensor], ref_logprobs: torch.Tensor) -> torch.Tensor:
         """The implicit PRM's token rewards on ``rows`` (a forward pass) against the reference's log-probs."""
-        prm_logprobs, _ = self.engine.forward_logprobs(rows)
+        prm_logprobs, _ = self.engine.forward_logprobs(rows, loss_tokens_only=True)
         return implicit_token_rewards(prm_logprobs.float(), ref_logprobs.float(), rows["loss_mask"],
                                       self.settings.beta)
 
@@ -185,7 +185,7 @@ class ImplicitPRM:
         the outcome prediction, and on the synthetic task the step detection against the step checker
         (collective: every rank calls with the same completions)."""
         rows = self._rows(completions)
-        ref_logprobs, _ = self.reference.forward_logprobs(rows)
+        ref_logprobs, _ = self.reference.forward_logprobs(rows, loss_tokens_only=True)
         token_rewards = self._token_rewards(rows, ref_logprobs)
         metrics = outcome_figures(token_rewards, outcomes)
         if not records or not all("steps" in record.extra for record in records):
@@ -244,7 +244,8 @@ class ImplicitPRM:
         begin = time.perf_counter()
         if left_out.any():
             others = left_out.nonzero().flatten()
-            logprobs[others] = self.engine.forward_logprobs(slice_rows(rows, others, length))[0].float()
+            left_out_rows = slice_rows(rows, others, length)
+            logprobs[others] = self.engine.forward_logprobs(left_out_rows, loss_tokens_only=True)[0].float()
         scoring = time.perf_counter() - begin
         metrics, trained = self._update(rows, labels, keep_logprobs=True)
         metrics["timing_s/implicit_prm_scoring"] = scoring

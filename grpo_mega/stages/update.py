@@ -53,12 +53,12 @@ class UpdateRunner:
         metrics: dict[str, float] = {}
         if not on_policy:
             with timer("old_logprob"):
-                batch["old_logprobs"], _ = self.policy.forward_logprobs(batch)
+                batch["old_logprobs"], _ = self.policy.forward_logprobs(batch, loss_tokens_only=True)
             diff = rollout_logprob_diff(batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"])
             metrics.update({name: float(value) for name, value in diff.items()})
         if self.reference is not None:
             with timer("ref"):
-                batch["ref_logprobs"], _ = self.reference.forward_logprobs(batch)
+                batch["ref_logprobs"], _ = self.reference.forward_logprobs(batch, loss_tokens_only=True)
         updates = []
         with timer("update"):
             for rows_of_epoch in plans:
