@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from grpo_mega.model.gpt import HiddenStatesGPTModel
-from grpo_mega.model.logprobs import vocab_parallel_logprobs_and_entropy
+from grpo_mega.model.logprobs import logprobs_and_entropy_at
 
 OUTPUT_NAMES = ("good_logprob", "bad_logprob")
 """What both heads return, per token."""
@@ -170,13 +170,10 @@ class StepLikelihoodHead(torch.nn.Module):
         # packed micro-batch, the G row copies of the prompt would otherwise cost most of the head's products.
         predicts_counted = torch.nn.functional.pad(counted[:, 1:], (0, 1), value=False)  # [B, S]
         next_tokens = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=0)
-        picked_logprobs, _ = vocab_parallel_logprobs_and_entropy(
-            hidden_states.transpose(0, 1)[predicts_counted], backbone.lm_output_weight(),
-            next_tokens[predicts_counted], vocab_size=backbone.unpadded_vocab_size, chunk_size=self.chunk_size,
-            logits_in_fp32=True,
+        next_logprobs, _ = logprobs_and_entropy_at(
+            hidden_states, backbone.lm_output_weight(), next_tokens, predicts_counted,
+            vocab_size=backbone.unpadded_vocab_size, chunk_size=self.chunk_size, logits_in_fp32=True,
         )
-        next_logprobs = torch.zeros(predicts_counted.shape, dtype=picked_logprobs.dtype,
-                                    device=picked_logprobs.device).masked_scatter(predicts_counted, picked_logprobs)
         token_logprobs = torch.nn.functional.pad(next_logprobs[:, :-1], (1, 0), value=0.0)
         return step_likelihood_outputs(token_logprobs, step_ids, step_counted)
 

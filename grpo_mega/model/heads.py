@@ -16,7 +16,11 @@ from typing import Protocol
 import torch
 
 from grpo_mega.model.gpt import HiddenStatesGPTModel
-from grpo_mega.model.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_logprobs_and_entropy
+from grpo_mega.model.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    logprobs_and_entropy_at,
+    vocab_parallel_logprobs_and_entropy,
+)
 
 
 READ_POSITIONS = "read_positions"
@@ -97,21 +101,16 @@ class LMHead(torch.nn.Module):
             )
             logprobs, entropy = logprobs.t(), entropy.t()
         else:  # the output matrix at the positions read only; 0 elsewhere
-            positions = positions.to(torch.bool)
-            if positions.shape != labels.shape:
-                raise ValueError(f"{READ_POSITIONS} {tuple(positions.shape)} do not match labels {tuple(labels.shape)}")
-            picked_logprobs, picked_entropy = vocab_parallel_logprobs_and_entropy(
-                hidden_states.transpose(0, 1)[positions],
+            logprobs, entropy = logprobs_and_entropy_at(
+                hidden_states,
                 backbone.lm_output_weight(),
-                labels[positions],
+                labels,
+                positions,
                 vocab_size=backbone.unpadded_vocab_size,
                 chunk_size=self.chunk_size,
                 temperature=self.temperature,
                 logits_in_fp32=self.logits_in_fp32,
             )
-            zeros = torch.zeros(labels.shape, dtype=picked_logprobs.dtype, device=picked_logprobs.device)
-            logprobs = zeros.masked_scatter(positions, picked_logprobs)
-            entropy = zeros.masked_scatter(positions, picked_entropy)
         if shifted:
             logprobs = torch.nn.functional.pad(logprobs[:, :-1], (0, 1), value=0.0)
         return {"logprobs": logprobs, "entropy": entropy}

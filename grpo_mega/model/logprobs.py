@@ -253,3 +253,30 @@ def vocab_parallel_logprobs_and_entropy(
         group,
     )
     return logprobs.view(labels.shape), entropy.view(labels.shape)
+
+
+def logprobs_and_entropy_at(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    vocab_size: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    logits_in_fp32: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vocab_parallel_logprobs_and_entropy`` at the ``positions`` read only, 0 elsewhere.
+
+    hidden_states [S, B, H] (megatron's order), labels and positions (bool) [B, S]: only the read positions' hidden
+    states go through the output matrix (a prompt, padding or a packed row's prompt copies would otherwise cost
+    most of the head's products). Returns (log p(label), entropy) [B, S], fp32, differentiable like the full one."""
+    if positions.shape != labels.shape:
+        raise ValueError(f"read positions {tuple(positions.shape)} do not match labels {tuple(labels.shape)}")
+    positions = positions.to(torch.bool)
+    picked_logprobs, picked_entropy = vocab_parallel_logprobs_and_entropy(
+        hidden_states.transpose(0, 1)[positions], weight, labels[positions], vocab_size=vocab_size,
+        chunk_size=chunk_size, temperature=temperature, logits_in_fp32=logits_in_fp32,
+    )
+    zeros = torch.zeros(labels.shape, dtype=picked_logprobs.dtype, device=picked_logprobs.device)
+    return zeros.masked_scatter(positions, picked_logprobs), zeros.masked_scatter(positions, picked_entropy)
