@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from chaos_checks import compare_runs  # noqa: E402
-from chaos_faults import (KINDS, PLANTED, STOPS, Fault, alter_newest, cause_named, checkpoint_bytes,  # noqa: E402
-                          draw_schedule, failure_history, inject, planted_env, rank_pid)
+from chaos_faults import (KINDS, PLANTED, STOPS, DiskFill, Fault, alter_newest, cause_named,  # noqa: E402
+                          checkpoint_bytes, draw_schedule, failure_history, inject, planted_env, rank_pid)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
 GRACE_S = 10
@@ -141,11 +141,18 @@ class Supervisor:
         else:
             reached = self.wait_for(job, before, lambda: last_step(self.run_dir) >= trigger)
             fault_at = None
+            disk_fill = DiskFill(self.disk) if self.disk is not None and fault.kind == "disk_full" else None
             if reached:
                 time.sleep(fault.delay_s)
                 if job.poll() is None:
-                    fault_at = inject(fault, job.pid, self.run_dir, self.disk)
+                    fault_at = inject(fault, job.pid, self.run_dir, disk_fill)
             ended, hung = self.end(job)
+            if disk_fill is not None:  # what the run did with the space left, then the space back for the restart
+                if "disk" in fault.record:
+                    fault.record["disk"].update(free_at_exit=shutil.disk_usage(self.disk).free,
+                                                checkpoints_at_exit=checkpoint_bytes(self.run_dir),
+                                                top_ups=disk_fill.top_ups)
+                disk_fill.release()
         text = log.read_text()
         failure_path = self.run_dir / "failure.json"
         failure = json.loads(failure_path.read_text()) if failure_path.exists() else None
@@ -160,11 +167,6 @@ class Supervisor:
             fault.record["missed"] = "the attempt ended before the fault" if job.returncode is not None else "no rank"
             return
         fault.record.update(fault_at=fault_at, seconds_to_exit=round(ended - fault_at, 2), exited_at=ended)
-        if self.disk is not None:
-            if "disk" in fault.record:  # what the run did with the space left (a save that still fitted?)
-                fault.record["disk"].update(free_at_exit=shutil.disk_usage(self.disk).free,
-                                            checkpoints_at_exit=checkpoint_bytes(self.run_dir))
-            (self.disk / "filler").unlink(missing_ok=True)
         if fault.kind == "altered":
             fault.record.update(alter_newest(self.run_dir, rng))
 

@@ -7,7 +7,8 @@ restarts. The kinds:
   sigkill        SIGKILL of a rank (the OOM killer, a crashed driver)
   sigstop        SIGSTOP of a rank (a hang: the process lives, holds its sockets, answers nothing)
   store_lost     the store's node lost: torchrun's agent (which hosts the c10d store) and rank 0 SIGKILLed at once
-  disk_full      the run's file system (a tmpfs) filled to 2 MiB free: the next save finds it full
+  disk_full      the run's file system (a tmpfs) filled to 2 MiB free and held there until the job exits (another
+                 tenant writing): the next save finds it full, even after keep_last pruned a checkpoint
   prm_exception  the PRM scorer raising on one rank, mid-step (bench/fault_inject.py)
   sigterm        preemption: SIGTERM to torchrun, as a scheduler sends it; the ranks save the step and stop
   usr1           the scheduler's warning before the time limit: SIGUSR1 to one rank (``srun --signal``)
@@ -26,6 +27,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,16 +90,53 @@ def planted_env(fault: Fault, step: int | None) -> dict[str, str]:
     return {"GRPO_FAULT": f"{fault.kind}:{fault.rank}:{step or 0}"}
 
 
-def inject(fault: Fault, agent_pid: int, run_dir: Path, disk: Path | None) -> float | None:
+class DiskFill:
+    """The disk_full fault: ``fill`` leaves ``FREE_AFTER_FILL`` bytes free on ``disk``, and a thread tops the filler
+    up whenever the run frees space (keep_last pruning an old checkpoint freed a save's worth in seed 2's fault 9 of
+    2026-12-02, and the run went on to its end: the fault undid itself) until ``release``, after the job's exit."""
+
+    def __init__(self, disk: Path):
+        self.disk, self.path = disk, disk / "filler"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.top_ups = 0
+
+    def _top_up(self) -> None:
+        free = shutil.disk_usage(self.disk).free
+        if free > FREE_AFTER_FILL:
+            with open(self.path, "ab") as out:
+                os.posix_fallocate(out.fileno(), out.seek(0, os.SEEK_END), free - FREE_AFTER_FILL)
+
+    def fill(self) -> None:
+        self._top_up()
+        self._thread = threading.Thread(target=self._hold, name="disk-fill", daemon=True)
+        self._thread.start()
+
+    def _hold(self) -> None:
+        while not self._stop.wait(0.05):
+            if shutil.disk_usage(self.disk).free > FREE_AFTER_FILL + 2**16:
+                try:
+                    self._top_up()
+                    self.top_ups += 1
+                except OSError:  # the run took the space first: the next round tries again
+                    continue
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+
+def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | None) -> float | None:
     """Send an external fault to the running job; returns its time (None: its rank was already gone)."""
     kind = fault.kind
     if kind == "disk_full":
-        if disk is None:
+        if disk_fill is None:
             raise SystemExit("a disk_full fault needs the run on its own file system (bench/chaos.py mounts a tmpfs)")
-        free = shutil.disk_usage(disk).free
-        with open(disk / "filler", "wb") as out:
-            os.posix_fallocate(out.fileno(), 0, max(1, free - FREE_AFTER_FILL))
-        fault.record["disk"] = {"free_before_fill": free, "free_after_fill": shutil.disk_usage(disk).free,
+        free = shutil.disk_usage(disk_fill.disk).free
+        disk_fill.fill()
+        fault.record["disk"] = {"free_before_fill": free, "free_after_fill": shutil.disk_usage(disk_fill.disk).free,
                                 "checkpoints_at_fill": checkpoint_bytes(run_dir)}
         return time.time()
     if kind == "sigterm":

@@ -31,9 +31,11 @@ def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_pat
     model_dir, train_file = task
     evaluation = (f"data.eval_file={train_file}", "data.max_eval_prompts=4", "trainer.eval_every=2")
     # the tiny random policy answers nothing right: every group's outcomes are equal, so dynamic sampling by outcomes
-    # would drop them all; before it, the implicit PRM's step rewards keep the groups whose steps they split
+    # would drop them all; before it, the implicit PRM's step rewards keep the groups whose steps they split (from
+    # step 1 on only when the update comes first: under update: after step 1's rewards are the reference's, all 0)
     order = (f"implicit_prm.before_dynamic_sampling={str(before_dynamic_sampling).lower()}",
-             f"algorithm.dynamic_sampling={str(before_dynamic_sampling).lower()}")
+             f"algorithm.dynamic_sampling={str(before_dynamic_sampling).lower()}",
+             *(["implicit_prm.update=before"] if before_dynamic_sampling else []))
     result = subprocess.run(_cli(task, run_dir, *IMPLICIT, *evaluation, *order, "trainer.total_steps=2",
                                  "trainer.dump_rollouts=true"), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -54,8 +56,9 @@ def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_pat
         assert 0 <= row["eval/implicit_prm/outcome_accuracy"] <= 1 and 0 <= row["eval/implicit_prm/step_accuracy"] <= 1
     assert rows[0]["eval/implicit_prm/step_f1"] == 0.0
     assert rows[0].get("eval/implicit_prm/processbench_correct_accuracy", 1.0) == 1.0
-    # the first update moved the PRM off its reference (r_t = 0 at phi = ref): step 1's rewards are not all 0
-    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    # the first update moved the PRM off its reference (r_t = 0 at phi = ref): step 2's rewards are not all 0 (the
+    # default, update: after, scores step 1 with the reference: test_..._resumes_exactly_after_a_kill)
+    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
     assert any(reward != 0 for line in dumped for reward in line["step_rewards"])
     for line in dumped:
         assert len(line["step_rewards"]) == len(line["step_ends"])

@@ -24,9 +24,11 @@ ARMS = {
     # (the paper's, and implicit_prm.optim.lr's default). At twice the policy's rate, as in the paper (1e-6 vs 5e-7;
     # here 1e-4 vs the quickstart policy's 5e-5), the policy collapsed on the sparse regime: seed 1, held-out 0.208 ->
     # 0.028 after 60 steps (docs/results.md, "The implicit PRM")
+    # The update before the scoring (verl's order), as the recorded implicit arms ran before implicit_prm.update's
+    # default became after: "implicit_after" is the default's arm
     "implicit": ("GRPO, process supervision by an implicit PRM trained online (PRIME)", (
         "algorithm.supervision=process", "process_reward.source=implicit",
-        "process_reward.outcome_on_last_step=true")),
+        "process_reward.outcome_on_last_step=true", "implicit_prm.update=before")),
 }
 # Variants of the implicit PRM's arm: inside the rollout stage (it learns from and scores every sampled group, and
 # dynamic sampling keeps the groups its step rewards split, as a learned PRM's do, not only those of mixed

@@ -9,8 +9,8 @@ Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM
 1. one optimizer step of the implicit PRM on the batch: PRIME's cross-entropy of ``sigmoid(sum_t r_t)`` against the
    verifier's score in [0, 1] (with ``implicit_prm.accuracy_filter`` only on the prompts whose group accuracy lies
    in the bounds);
-2. the updated PRM's token rewards on every completion (a forward pass of the PRM; the reference's log-probs are
-   computed once for both), at temperature 1;
+2. the PRM's token rewards on every completion, at temperature 1 (with the update's own log-probs, or a forward of
+   the updated PRM; the reference's log-probs are computed once for both);
 3. step scores over the same steps the learned PRM scores (or every token of them: ``implicit_prm.steps:
    tokens``): the text through the first final answer split by
    ``process_reward.step_pattern`` (and ``max_counted_steps``), a missing answer's step scored
@@ -18,13 +18,12 @@ Each step, after the rollout stage and before the advantages (:meth:`ImplicitPRM
    implicit Q-value at its end: ``implicit_prm.step_value``); then ``process_reward.step_reward``, the weight and
    ``outcome_on_last_step`` exactly as for a learned PRM (``shape_step_rewards``).
 
-By default the update comes first, as verl's PRIME recipe does (``implicit_prm.update: before``, the "double
-forward"): the rewards then come from a PRM that has seen this batch's outcomes, and the first step's rewards are not
-all 0 (a PRM equal to its reference gives r_t = 0 everywhere). ``update: after`` is PRIME's other order: step 2 scores
-with the log-probs the update's own forward computed (the PRM before this batch's update;
-``MegatronEngine.train_step_with_outputs``), so no third pass runs. Collective: every rank calls with the same batch. Every
-evaluation also scores the held-out completions (:meth:`ImplicitPRM.evaluation_metrics`,
-``grpo_mega.stages.implicit_prm_eval``).
+By default (``implicit_prm.update: after``, PRIME's order without a third pass) step 2 scores with the log-probs
+the update's own forward computed (``MegatronEngine.train_step_with_outputs``): the PRM before this batch's update,
+so the first step's rewards are all 0 (a PRM equal to its reference gives r_t = 0 everywhere). ``update: before``
+is verl's PRIME recipe (the "double forward"): the rewards then come from a PRM that has seen this batch's
+outcomes, at a third pass's cost. Collective: every rank calls with the same batch. Every evaluation also scores
+the held-out completions (:meth:`ImplicitPRM.evaluation_metrics`, ``grpo_mega.stages.implicit_prm_eval``).
 """
 
 from __future__ import annotations
