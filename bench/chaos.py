@@ -55,7 +55,7 @@ RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_grou
        "trainer.tensorboard=false", "parallel.device=cpu", "trainer.eval_every=0", "trainer.keep_last=2",
        "algorithm.supervision=process", "process_reward.source=prm"]
 VARIANTS = {"prm": ["parallel.tensor=2"],
-            "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1"]}
+            "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1", "algorithm.rollout_is=tis"]}
 
 
 def command(task, run_dir: Path, args) -> list[str]:
