@@ -56,6 +56,10 @@ RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_grou
        "algorithm.supervision=process", "process_reward.source=prm"]
 VARIANTS = {"prm": ["parallel.tensor=2"],
             "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1", "algorithm.rollout_is=tis"]}
+PLANTED_RANKS = {"async": {"resume_kill": 0, "save_kill": 0, "prm_exception": 1}}
+"""Where a planted fault can fire in a variant whose ranks have roles (rank 0 trains, loads and saves the run's
+checkpoints; rank 1 generates and scores with the PRM): drawn on the other rank it would never fire, and the attempt
+would run to the end with every later fault of the schedule unmet (async seed 0's fault 2, 2026-12-02)."""
 
 
 def command(task, run_dir: Path, args) -> list[str]:
@@ -292,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         kinds.remove("disk_full")
         disk, note = None, "disk_full left out: mounting a tmpfs needs root"
     schedule = draw_schedule(random.Random(args.seed), kinds, args.faults, args.steps, args.save_every)
+    for fault in schedule:
+        fault.rank = PLANTED_RANKS.get(args.variant, {}).get(fault.kind, fault.rank)
     try:
         run = run_schedule(args, task, schedule, work / key, env, disk)
         checks = compare_runs(Path(run["run_dir"]), reference_dir, args.steps)
