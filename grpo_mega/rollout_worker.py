@@ -96,7 +96,7 @@ class RolloutLink:
 def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     """Serve the training world until it says stop (module docstring). Returns {} (the trainer reports)."""
     alg, run = cfg.algorithm, cfg.trainer
-    stop_requests = StopRequests().install()  # recorded, not acted on: the trainer decides
+    stop_requests = StopRequests().install()  # passed on with every batch: the trainer decides
     init_distributed(1, 1, seed=cfg.parallel.seed, device=cfg.parallel.device, timeout_s=run.collective_timeout_s)
     watchdog = PhaseWatchdog(run.run_dir, run.collective_timeout_s, command="grpo-mega train (rollout world)",
                              setting=f"trainer.collective_timeout_s={run.collective_timeout_s:g} s").install()
@@ -149,8 +149,8 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
                             "async/rollout_wait_s": weights_wait,
                             "async/weights_receive_s": link.receive_seconds - waited,
                             "async/generation_tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
-            link.send("batch", {"step": step, "batch": batch, "metrics": metrics, "prompts": prompts.state_dict()},
-                      key=step)
+            link.send("batch", {"step": step, "batch": batch, "metrics": metrics, "prompts": prompts.state_dict(),
+                                "stop_signal": stop_requests.signal_name}, key=step)
             link.settle(generating_version(step, k))  # the trainer has taken the batches of those steps
         while link.version < total:
             take_weights()

@@ -225,6 +225,36 @@ def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_ex
         assert _trained(stopped, step) == _trained(whole, step)
 
 
+@pytest.mark.slow
+def test_staleness_1_stopped_by_sigusr1_on_the_rollout_rank_alone_saves_and_resumes_exactly(task, uninterrupted_k1,
+                                                                                          tmp_path):
+    """SIGUSR1 to the rollout rank only (a preemption notice on the rollout node alone): the rollout world passes it
+    on with its next batch, the trainer saves and stops the job as if it had the signal itself, and the resume
+    equals an uninterrupted run. Before, the rollout rank recorded the signal and the run went on to its end."""
+    sys.path.insert(0, str(TESTS.parent / "bench"))
+    from faults import rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
+
+    settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
+    job = subprocess.Popen(_command(task, stopped, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, env=_environment())
+    while not any(r["step"] == 1 for r in _rows(stopped)):
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.05)
+    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli")
+    assert rollout_rank is not None
+    os.kill(rollout_rank, signal.SIGUSR1)
+    _, stderr = job.communicate(timeout=120)
+    found = re.search(r"grpo-mega train: stopped after step (\d+) \(SIGUSR1 received\)", stderr)
+    assert found and job.returncode == 3, stderr[-3000:]  # EXIT_STOPPED_EARLY, passed on by grpo-mega's launcher
+    saved = int(found.group(1))
+    assert 1 <= saved < 6 and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
+    _run(_command(task, stopped, 2, *settings))
+    expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
+    for step in range(1, 7):
+        assert _trained(stopped, step) == _trained(whole, step)
+
+
 def _kill_whole_job(job, run_dir):
     """SIGKILL a job as SLURM does, every process of it: the launcher's group, and the ranks, which torchrun starts
     in process groups of their own (they would otherwise go on to the next save before they notice, on a loaded

@@ -18,6 +18,7 @@ at that step (so the step's row holds it, as in colocated mode).
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from typing import Any, Iterable
 
@@ -126,10 +127,23 @@ class RolloutFeed:
             if kind == "batch":
                 self.pending[payload["step"]] = (payload["batch"], payload["metrics"])
                 self.prompts_state = payload["prompts"]
+                if payload.get("stop_signal"):
+                    _take_on_signal(payload["stop_signal"])
             elif kind == "eval":
                 self.evals[payload["version"]] = payload["metrics"]
             else:
                 raise RuntimeError(f"the rollout world sent {kind!r} while the trainer waited for data")
+
+
+def _take_on_signal(name: str) -> None:
+    """A stop signal the rollout world received (a node's preemption notice, ``srun --signal`` on the rollout
+    ranks' node alone) becomes this process's own: its handler (``grpo_mega.run.control.StopRequests``) sets the
+    flag the training world agrees on at the end of the step, which then saves and stops the whole job. Without it
+    the rollout world recorded the signal and the run went on to its time limit (issue 61's async chaos run). Only
+    while a handler of this process catches it (never the signal's default action: it would end the rank)."""
+    sig = signal.Signals[name]
+    if callable(signal.getsignal(sig)):
+        signal.raise_signal(sig)
 
 
 # ----------------------------------------------------------------------------- a batch as builtins
