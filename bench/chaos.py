@@ -57,6 +57,10 @@ RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_grou
 VARIANTS = {"prm": ["parallel.tensor=2"],
             "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1", "algorithm.rollout_is=tis"]}
 PLANTED_RANKS = {"async": {"resume_kill": 0, "save_kill": 0, "prm_exception": 1}}
+ROLLOUT_LEAD = {"async": 1}
+"""Steps the rollout world runs ahead of the trainer's log (rollout.max_staleness): a restart resumes it after the
+batches its checkpoint holds, so a fault planted there fires at the trainer's next step + this at the earliest
+(async seed 0's PRM fault at step 30, 2026-12-02: the checkpoint of step 29 held step 30's batch, scored already)."""
 """Where a planted fault can fire in a variant whose ranks have roles (rank 0 trains, loads and saves the run's
 checkpoints; rank 1 generates and scores with the PRM): drawn on the other rank it would never fire, and the attempt
 would run to the end with every later fault of the schedule unmet (async seed 0's fault 2, 2026-12-02)."""
@@ -85,8 +89,11 @@ def rows_logged(run_dir: Path) -> int:
 class Supervisor:
     """Runs the command attempt after attempt in one run folder, one fault per attempt, and records each."""
 
-    def __init__(self, argv: list[str], run_dir: Path, logs: Path, env: dict, timeout: int, disk: Path | None):
+    def __init__(self, argv: list[str], run_dir: Path, logs: Path, env: dict, timeout: int, disk: Path | None,
+                 rollout_lead: int = 0):
         self.argv, self.run_dir, self.logs, self.env, self.disk = argv, run_dir, logs, env, disk
+        self.rollout_lead = rollout_lead
+        """ROLLOUT_LEAD of the variant: added to the earliest trigger of a fault planted on the rollout rank."""
         self.limit = 2 * timeout + GRACE_S + 60
         self.attempts = 0
         self.first_step_at: list[float] = []  # per attempt: when it logged its first row (nan: none)
@@ -135,7 +142,8 @@ class Supervisor:
     def attempt(self, fault: Fault, rng: random.Random) -> None:
         """One attempt that meets ``fault``; the fault's record says what happened."""
         # A trigger the run has passed already (an earlier fault's restart went further) moves to the next step.
-        trigger = None if fault.trigger is None else max(fault.trigger, last_step(self.run_dir) + 1)
+        lead = self.rollout_lead if fault.kind == "prm_exception" else 0
+        trigger = None if fault.trigger is None else max(fault.trigger, last_step(self.run_dir) + 1 + lead)
         job, log, before = self.start(planted_env(fault, trigger))
         mark = log.with_suffix(".fault_at")
         if fault.kind in PLANTED:
@@ -182,7 +190,8 @@ def run_schedule(args, task, schedule: list[Fault], work: Path, env: dict, disk:
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
     shutil.rmtree(run_dir, ignore_errors=True)
-    supervisor = Supervisor(command(task, run_dir, args), run_dir, logs, env, args.timeout, disk)
+    supervisor = Supervisor(command(task, run_dir, args), run_dir, logs, env, args.timeout, disk,
+                            ROLLOUT_LEAD.get(args.variant, 0))
     rng = random.Random(args.seed + 1000)
     started = time.time()
     for number, fault in enumerate(schedule):
