@@ -102,10 +102,19 @@ class DiskFill:
         self.top_ups = 0
 
     def _top_up(self) -> None:
-        free = shutil.disk_usage(self.disk).free
-        if free > FREE_AFTER_FILL:
-            with open(self.path, "ab") as out:
-                os.posix_fallocate(out.fileno(), out.seek(0, os.SEEK_END), free - FREE_AFTER_FILL)
+        """Grow the filler until ``FREE_AFTER_FILL`` is left, in pieces of at most 8 MiB measured afresh: the run
+        writes meanwhile, and one allocation of all the free space it measured failed with ENOSPC (async seed 0's
+        fault 9, 2026-12-02)."""
+        with open(self.path, "ab") as out:
+            for _ in range(4096):  # a 256 MiB tmpfs needs 32 pieces; the bound only keeps a broken disk from looping
+                want = min(shutil.disk_usage(self.disk).free - FREE_AFTER_FILL, 8 * 2**20)
+                if want <= 0:
+                    return
+                try:
+                    os.posix_fallocate(out.fileno(), out.seek(0, os.SEEK_END), want)
+                except OSError:  # the run took that space first: measure again, or give up once nothing is left
+                    if shutil.disk_usage(self.disk).free <= FREE_AFTER_FILL + 2**20:
+                        return
 
     def fill(self) -> None:
         self._top_up()
@@ -115,11 +124,8 @@ class DiskFill:
     def _hold(self) -> None:
         while not self._stop.wait(0.05):
             if shutil.disk_usage(self.disk).free > FREE_AFTER_FILL + 2**16:
-                try:
-                    self._top_up()
-                    self.top_ups += 1
-                except OSError:  # the run took the space first: the next round tries again
-                    continue
+                self._top_up()
+                self.top_ups += 1
 
     def release(self) -> None:
         self._stop.set()
