@@ -19,12 +19,19 @@ from faults import prompts_by_step  # bench/faults.py: the same rollout dumps
 
 NOT_COMPARED = ("timing_s/", "memory/", "startup_s/", "perf/throughput", "perf/prm_fraction", "time", "step_seconds")
 """Timings and memory: seconds, their ratios, and the start-up's seconds on the first step of every attempt."""
+ASYNC_TIMINGS = ("_s", "_per_s")
+"""``async/*`` keys that are seconds or rates (generation_s, rollout_wait_s, ..., generation_tokens_per_s); the
+others (weights_version, staleness_*, weights_versions_in_flight) are the schedule, and are compared."""
+
+
+def _compared(key: str) -> bool:
+    return not key.startswith(NOT_COMPARED) and not (key.startswith("async/") and key.endswith(ASYNC_TIMINGS))
 
 
 def comparable_metrics(run_dir: Path) -> dict[int, dict]:
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
-    return {row["step"]: {k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in rows}
+    return {row["step"]: {k: v for k, v in row.items() if _compared(k)} for row in rows}
 
 
 def _load_distcp(folder: Path) -> dict:

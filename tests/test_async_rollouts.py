@@ -200,29 +200,40 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
         assert _trained(killed, step) == _trained(whole, step)
 
 
+def _started_until_step_1(command, run_dir):
+    """The job of ``command``, started and left running once its step 1 is logged."""
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_environment())
+    while not any(r["step"] == 1 for r in _rows(run_dir)):
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.05)
+    return job
+
+
+def _resumed_run_equals(command, stopped, whole, saved):
+    """A run stopped after step ``saved`` (its checkpoint the latest), resumed by the same ``command``: every metrics
+    row and every step's trained batch equal the uninterrupted run ``whole``'s."""
+    assert 1 <= saved < 6 and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
+    _run(command)
+    expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
+    for step in range(1, 7):
+        assert _trained(stopped, step) == _trained(whole, step)
+
+
 @pytest.mark.slow
 def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_exactly(task, uninterrupted_k1,
                                                                                      tmp_path):
     """SIGTERM to the job (as SLURM's preemption sends it) once step 1 is logged: the trainer saves the step in
-    flight with the batch the rollout rank already made for the next step, ends the rollout rank (which ignored the
-    signal) and stops; the same command resumes and its steps equal an uninterrupted run's."""
+    flight with the batch the rollout rank already made for the next step, ends the rollout rank (whose own copy of
+    the signal only says the same) and stops; the same command resumes and its steps equal an uninterrupted run's."""
     settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
-    job = subprocess.Popen(_command(task, stopped, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True, env=_environment())
-    while not any(r["step"] == 1 for r in _rows(stopped)):
-        assert job.poll() is None, job.stderr.read()[-3000:]
-        time.sleep(0.05)
+    job = _started_until_step_1(_command(task, stopped, 2, *settings), stopped)
     job.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=120)
     # torchrun, signalled itself, exits non-zero whatever its ranks did; the trainer's own line says it saved
     assert job.returncode != 0 and "stopped after step" in stderr, stderr[-3000:]
     saved = int(re.search(r"grpo-mega train: stopped after step (\d+)", stderr).group(1))
-    assert 1 <= saved < 6 and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
-    _run(_command(task, stopped, 2, *settings))
-    expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
-    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
-    for step in range(1, 7):
-        assert _trained(stopped, step) == _trained(whole, step)
+    _resumed_run_equals(_command(task, stopped, 2, *settings), stopped, whole, saved)
 
 
 @pytest.mark.slow
@@ -235,11 +246,7 @@ def test_staleness_1_stopped_by_sigusr1_on_the_rollout_rank_alone_saves_and_resu
     from faults import rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
 
     settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
-    job = subprocess.Popen(_command(task, stopped, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True, env=_environment())
-    while not any(r["step"] == 1 for r in _rows(stopped)):
-        assert job.poll() is None, job.stderr.read()[-3000:]
-        time.sleep(0.05)
+    job = _started_until_step_1(_command(task, stopped, 2, *settings), stopped)
     rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli")
     assert rollout_rank is not None
     os.kill(rollout_rank, signal.SIGUSR1)
@@ -247,12 +254,7 @@ def test_staleness_1_stopped_by_sigusr1_on_the_rollout_rank_alone_saves_and_resu
     found = re.search(r"grpo-mega train: stopped after step (\d+) \(SIGUSR1 received\)", stderr)
     assert found and job.returncode == 3, stderr[-3000:]  # EXIT_STOPPED_EARLY, passed on by grpo-mega's launcher
     saved = int(found.group(1))
-    assert 1 <= saved < 6 and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
-    _run(_command(task, stopped, 2, *settings))
-    expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
-    assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
-    for step in range(1, 7):
-        assert _trained(stopped, step) == _trained(whole, step)
+    _resumed_run_equals(_command(task, stopped, 2, *settings), stopped, whole, saved)
 
 
 def _kill_whole_job(job, run_dir):
