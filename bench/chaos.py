@@ -56,14 +56,16 @@ RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_grou
        "algorithm.supervision=process", "process_reward.source=prm"]
 VARIANTS = {"prm": ["parallel.tensor=2"],
             "async": ["parallel.tensor=1", "rollout.mode=async", "rollout.async_ranks=1", "algorithm.rollout_is=tis"]}
-PLANTED_RANKS = {"async": {"resume_kill": 0, "save_kill": 0, "prm_exception": 1}}
+ROLLOUT_RANK = 1
+"""The async variant's rollout rank (``rollout.async_ranks=1``: the last of 2)."""
+PLANTED_RANKS = {"async": {"resume_kill": 0, "save_kill": 0, "prm_exception": ROLLOUT_RANK}}
+"""Where a planted fault can fire in a variant whose ranks have roles (rank 0 trains, loads and saves the run's
+checkpoints; rank 1 generates and scores with the PRM): drawn on the other rank it would never fire, and the attempt
+would run to the end with every later fault of the schedule unmet (async seed 0's fault 2, 2026-12-02)."""
 ROLLOUT_LEAD = {"async": 1}
 """Steps the rollout world runs ahead of the trainer's log (rollout.max_staleness): a restart resumes it after the
 batches its checkpoint holds, so a fault planted there fires at the trainer's next step + this at the earliest
 (async seed 0's PRM fault at step 30, 2026-12-02: the checkpoint of step 29 held step 30's batch, scored already)."""
-"""Where a planted fault can fire in a variant whose ranks have roles (rank 0 trains, loads and saves the run's
-checkpoints; rank 1 generates and scores with the PRM): drawn on the other rank it would never fire, and the attempt
-would run to the end with every later fault of the schedule unmet (async seed 0's fault 2, 2026-12-02)."""
 
 
 def command(task, run_dir: Path, args) -> list[str]:
@@ -142,7 +144,7 @@ class Supervisor:
     def attempt(self, fault: Fault, rng: random.Random) -> None:
         """One attempt that meets ``fault``; the fault's record says what happened."""
         # A trigger the run has passed already (an earlier fault's restart went further) moves to the next step.
-        lead = self.rollout_lead if fault.kind == "prm_exception" else 0
+        lead = self.rollout_lead if fault.kind in PLANTED and fault.rank == ROLLOUT_RANK else 0
         trigger = None if fault.trigger is None else max(fault.trigger, last_step(self.run_dir) + 1 + lead)
         job, log, before = self.start(planted_env(fault, trigger))
         mark = log.with_suffix(".fault_at")

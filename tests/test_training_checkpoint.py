@@ -295,7 +295,7 @@ def test_resume_at_tp2_parameters_follow_tp1_run(scenario, resumed_2_ranks):
 
     The key bias alone gets 1e-4: a query's scores move together under it, so only RoPE's rotation gives it a
     gradient, a tiny one, and Adam's m / sqrt(v) scales that gradient's rounding (which differs between TP=1 and
-    TP=2 sums) toward an update's size: up to 8.6e-6 on one CI machine type, over 1e-5 on another. A moment lost
+    TP=2 sums) toward an update's size: up to 8.6e-6 on a development machine, over 1e-5 on CI's. A moment lost
     or resharded wrongly moves it by about lr (2e-2)."""
     straight = scenario["straight"]["params"]
     for tp_rank, result in enumerate(resumed_2_ranks["tp2"]):
