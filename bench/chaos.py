@@ -1,7 +1,7 @@
 """One long GRPO run under many faults (issue 61): does it end bit-equal to an uninterrupted run of the same command?
 
     .venv/bin/python bench/chaos.py [--seed 0] [--faults 20] [--steps 150] [--variant prm|async] [--kinds K,...] \\
-        [--launcher local] [--timeout 15] [--save-every 3] [--disk-mib 256] [--reuse] [--work DIR] \\
+        [--launcher local|slurm] [--timeout 15] [--save-every 3] [--disk-mib 256] [--reuse] [--work DIR] \\
         [--out bench/results/chaos.json]
 
 The run: ``grpo-mega train`` under torchrun (2 gloo ranks) through bench/fault_inject.py, the tiny synthetic task of
@@ -11,7 +11,9 @@ the second rank (``rollout.mode=async``) and trains on the first. A checkpoint e
 (``trainer.dump_rollouts``). A seeded schedule of ``--faults`` faults (bench/chaos_faults.py: kinds, triggers,
 ranks) is met one per attempt: the supervisor here starts the command, injects the fault at its trigger, waits for
 the job to end (every rank process gone), alters a checkpoint when the fault says so, and starts the same command
-again (the launcher's restart: ``trainer.resume=auto``), to the end.
+again (the launcher's restart: ``trainer.resume=auto``), to the end. ``--launcher slurm`` runs the same command as
+launch/slurm/train.sbatch on the tests' two-node SLURM cluster (one rank per node), restarted by the script's own
+requeue (bench/chaos_slurm.py says how each fault goes in there).
 
 At the end (bench/chaos_checks.py), against ONE uninterrupted run of the same command: the final checkpoint's tensors
 bit-equal (policy, optimizer, RNG, companions), every metrics row equal (timings and memory aside), 0 prompts lost or
@@ -27,11 +29,11 @@ schedule: variant, launcher, seed, faults, steps); ``--reuse`` keeps a finished 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -44,9 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import chaos_slurm  # noqa: E402
 from chaos_checks import compare_runs  # noqa: E402
 from chaos_faults import (KINDS, PLANTED, STOPS, DiskFill, Fault, alter_newest, cause_named,  # noqa: E402
-                          checkpoint_bytes, draw_schedule, failure_history, inject, planted_env, rank_pid)
+                          checkpoint_bytes, draw_schedule, failure_history, inject, planted_env, rank_pid,
+                          last_step, record_attempt, rows_logged, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
 GRACE_S = 10
@@ -68,24 +72,19 @@ batches its checkpoint holds, so a fault planted there fires at the trainer's ne
 (async seed 0's PRM fault at step 30, 2026-12-02: the checkpoint of step 29 held step 30's batch, scored already)."""
 
 
+def overrides(task, run_dir: Path, args) -> list[str]:
+    """The run's ``grpo-mega train`` overrides (the same under both launchers)."""
+    return [f"model.hf_config={task.model}", f"data.train_file={task.train_file}", f"trainer.run_dir={run_dir}",
+            f"trainer.collective_timeout_s={args.timeout}", f"trainer.total_steps={args.steps}",
+            f"trainer.save_every={args.save_every}", f"process_reward.prm={task.prm}", *RUN,
+            *VARIANTS[args.variant]]
+
+
 def command(task, run_dir: Path, args) -> list[str]:
-    overrides = [f"model.hf_config={task.model}", f"data.train_file={task.train_file}", f"trainer.run_dir={run_dir}",
-                 f"trainer.collective_timeout_s={args.timeout}", f"trainer.total_steps={args.steps}",
-                 f"trainer.save_every={args.save_every}", f"process_reward.prm={task.prm}", *RUN,
-                 *VARIANTS[args.variant]]
+    """The local launcher's command: torchrun, 2 ranks on this machine, bench/fault_inject.py as their program."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "bench" / "fault_inject.py"), "train", "--config", str(GRPO_CONFIG), *overrides]
-
-
-def last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
-
-
-def rows_logged(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+            str(ROOT / "bench" / "fault_inject.py"), "train", "--config", str(GRPO_CONFIG),
+            *overrides(task, run_dir, args)]
 
 
 class Supervisor:
@@ -97,6 +96,8 @@ class Supervisor:
         self.rollout_lead = rollout_lead
         """ROLLOUT_LEAD of the variant: added to the earliest trigger of a fault planted on the rollout rank."""
         self.limit = 2 * timeout + GRACE_S + 60
+        self.stops = STOPS
+        """What each preemption kind's stop line names (chaos_faults.cause_named)."""
         self.attempts = 0
         self.first_step_at: list[float] = []  # per attempt: when it logged its first row (nan: none)
 
@@ -112,7 +113,9 @@ class Supervisor:
         """Poll until ``until()`` or the job's end; notes the attempt's first logged row. True when ``until()``."""
         noted = False
         while True:
-            if not noted and rows_logged(self.run_dir) > rows_before:
+            rows = rows_logged(self.run_dir)
+            rows_before = min(rows_before, rows)  # a resume drops the rows after its checkpoint's step first
+            if not noted and rows > rows_before:
                 self.first_step_at.append(time.time())
                 noted = True
             if until():
@@ -141,11 +144,21 @@ class Supervisor:
             time.sleep(0.05)
         return time.time(), hung
 
+    def run_to_end(self) -> list[int]:
+        """The restart after the last fault, to the end; again if it failed (recorded): the exit codes."""
+        finals = []
+        for _ in range(3):
+            job, log, before = self.start({})
+            self.wait_for(job, before, lambda: False)
+            self.end(job)
+            finals.append(job.returncode)
+            if job.returncode == 0:
+                break
+        return finals
+
     def attempt(self, fault: Fault, rng: random.Random) -> None:
         """One attempt that meets ``fault``; the fault's record says what happened."""
-        # A trigger the run has passed already (an earlier fault's restart went further) moves to the next step.
-        lead = self.rollout_lead if fault.kind in PLANTED and fault.rank == ROLLOUT_RANK else 0
-        trigger = None if fault.trigger is None else max(fault.trigger, last_step(self.run_dir) + 1 + lead)
+        trigger = trigger_now(fault, last_step(self.run_dir), self.rollout_lead, ROLLOUT_RANK)
         job, log, before = self.start(planted_env(fault, trigger))
         mark = log.with_suffix(".fault_at")
         if fault.kind in PLANTED:
@@ -167,48 +180,24 @@ class Supervisor:
                                                 checkpoints_at_exit=checkpoint_bytes(self.run_dir),
                                                 top_ups=disk_fill.top_ups)
                 disk_fill.release()
-        text = log.read_text()
-        failure_path = self.run_dir / "failure.json"
-        failure = json.loads(failure_path.read_text()) if failure_path.exists() else None
-        if failure is not None and fault_at is not None and failure.get("unix_time", 0) < fault_at - 1:
-            failure = None  # an earlier attempt's, not set aside: this attempt wrote none
-        stop = re.search(r"stopped after step \d+ \([^)]*\)", text)
-        fault.record.update(attempt=self.attempts, trigger_used=trigger, exit_code=job.returncode, hang=hung,
-                            failure=None if failure is None else {k: failure.get(k) for k in
-                                                                  ("cause", "rank", "phase", "step", "unix_time")},
-                            stop_line=stop.group(0) if stop else None)
-        if fault_at is None:
-            fault.record["missed"] = "the attempt ended before the fault" if job.returncode is not None else "no rank"
-            return
-        fault.record.update(fault_at=fault_at, seconds_to_exit=round(ended - fault_at, 2), exited_at=ended)
-        if fault.kind == "altered":
+        record_attempt(fault, self.run_dir, log.read_text(), self.attempts, trigger, job.returncode, hung, fault_at,
+                       ended)
+        if fault.kind == "altered" and fault_at is not None:
             fault.record.update(alter_newest(self.run_dir, rng))
 
 
-def run_schedule(args, task, schedule: list[Fault], work: Path, env: dict, disk: Path | None) -> dict:
-    """The faulted run: every fault of ``schedule``, then the command again until it ends (exit 0)."""
-    run_dir = (disk or work) / "run"
-    logs = work / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir(parents=True)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    supervisor = Supervisor(command(task, run_dir, args), run_dir, logs, env, args.timeout, disk,
-                            ROLLOUT_LEAD.get(args.variant, 0))
-    rng = random.Random(args.seed + 1000)
+def run_schedule(schedule: list[Fault], supervisor, seed: int) -> dict:
+    """The faulted run: every fault of ``schedule``, then the command again until it ends (exit 0). ``supervisor``
+    (:class:`Supervisor`, or bench/chaos_slurm.py's under SLURM) runs the attempts in its run folder."""
+    run_dir, logs = supervisor.run_dir, supervisor.logs
+    rng = random.Random(seed + 1000)
     started = time.time()
     for number, fault in enumerate(schedule):
         supervisor.attempt(fault, rng)
         print(f"fault {number + 1}/{len(schedule)} {fault.kind}: " + json.dumps(
             {k: fault.record.get(k) for k in ("trigger_used", "exit_code", "seconds_to_exit", "failure", "missed",
                                               "altered")}, default=str), flush=True)
-    finals = []
-    for _ in range(3):  # the restart after the last fault, to the end; again if it failed (recorded)
-        job, log, before = supervisor.start({})
-        supervisor.wait_for(job, before, lambda: False)
-        supervisor.end(job)
-        finals.append(job.returncode)
-        if job.returncode == 0:
-            break
+    finals = supervisor.run_to_end()
     for number, fault in enumerate(schedule):  # restart costs and causes, now that every attempt's log exists
         record = fault.record
         if "exited_at" in record:
@@ -217,7 +206,7 @@ def run_schedule(args, task, schedule: list[Fault], work: Path, env: dict, disk:
         log = (logs / f"attempt{record['attempt']:02d}.log").read_text()
         restart = logs / f"attempt{record['attempt'] + 1:02d}.log"
         record["cause_named"], record["named_by"] = cause_named(
-            fault, record.get("failure"), log, restart.read_text() if restart.exists() else "")
+            fault, record.get("failure"), log, restart.read_text() if restart.exists() else "", supervisor.stops)
     history = failure_history(run_dir)
     times = {round(r["unix_time"], 3) for r in history if "unix_time" in r}
     for fault in schedule:
@@ -227,21 +216,39 @@ def run_schedule(args, task, schedule: list[Fault], work: Path, env: dict, disk:
             "seconds": round(time.time() - started, 1), "failure_history": len(history)}
 
 
-def reference(args, task, work: Path, env: dict) -> Path:
-    """The uninterrupted run of the same command (kept in ``work`` and reused by the schedules that share it)."""
-    run_dir = work / f"reference-{args.variant}-{args.steps}-{args.save_every}" / "run"
+def reference(args, task, work: Path, env: dict, cluster=None) -> Path:
+    """The uninterrupted run of the same command under the same launcher (``cluster``: SLURM's), kept in ``work``
+    and reused by the schedules that share it."""
+    launcher = "" if cluster is None else f"-{args.launcher}"
+    run_dir = work / f"reference-{args.variant}{launcher}-{args.steps}-{args.save_every}" / "run"
     done = run_dir.parent / "done"
     if not done.exists():
         shutil.rmtree(run_dir.parent, ignore_errors=True)
         run_dir.parent.mkdir(parents=True)
         start = time.monotonic()
-        log = run_dir.parent / "reference.log"
-        code = subprocess.run(command(task, run_dir, args), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                              env=env, cwd=ROOT).returncode
-        if code != 0:
-            raise SystemExit(f"the uninterrupted run failed (exit {code}): see {log}")
+        if cluster is not None:
+            chaos_slurm.reference(cluster, overrides(task, run_dir, args), GRPO_CONFIG, run_dir, env, args.timeout)
+        else:
+            log = run_dir.parent / "reference.log"
+            code = subprocess.run(command(task, run_dir, args), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                  env=env, cwd=ROOT).returncode
+            if code != 0:
+                raise SystemExit(f"the uninterrupted run failed (exit {code}): see {log}")
         done.write_text(f"{time.monotonic() - start:.1f}\n")
     return run_dir
+
+
+def supervisor(args, task, work: Path, env: dict, disk: Path | None, cluster):
+    """The attempts' supervisor of one schedule, its run folder (on ``disk`` when there is one) and logs emptied."""
+    run_dir, logs = (disk or work) / "run", work / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    lead = ROLLOUT_LEAD.get(args.variant, 0)
+    if cluster is not None:
+        return chaos_slurm.SlurmSupervisor(cluster, overrides(task, run_dir, args), GRPO_CONFIG, run_dir, logs, env,
+                                           args.timeout, disk, lead, ROLLOUT_RANK)
+    return Supervisor(command(task, run_dir, args), run_dir, logs, env, args.timeout, disk, lead)
 
 
 def summarise(schedule: list[Fault], checks: dict, run: dict) -> dict:
@@ -278,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--kinds", default=",".join(KINDS), help="the kinds the schedule draws from")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="prm")
-    parser.add_argument("--launcher", choices=["local"], default="local",
-                        help="local: torchrun restarted by this supervisor (the SLURM requeue is not built here yet)")
+    parser.add_argument("--launcher", choices=["local", "slurm"], default="local",
+                        help="local: torchrun restarted by this supervisor; slurm: launch/slurm/train.sbatch on the "
+                             "tests' two-node cluster, restarted by its requeue (bench/chaos_slurm.py; root)")
     parser.add_argument("--timeout", type=int, default=15, help="trainer.collective_timeout_s of the runs")
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--disk-mib", type=int, default=256, help="size of the tmpfs the run folder is on (disk_full)")
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(GRACE_S), OMP_NUM_THREADS="1")
     task = build_fault_task(work / "task", needs_prm=True, env=env)
     load_before = os.getloadavg()
-    reference_dir = reference(args, task, work, env)
+    # The tmpfs first: the SLURM nodes' mount namespaces are copies made when their slurmd starts.
     disk = work / key / "disk" if "disk_full" in kinds else None
     note = None
     if disk is not None and not _mount(disk, args.disk_mib):
@@ -310,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     for fault in schedule:
         fault.rank = PLANTED_RANKS.get(args.variant, {}).get(fault.kind, fault.rank)
     try:
-        run = run_schedule(args, task, schedule, work / key, env, disk)
+        with chaos_slurm.two_node_cluster() if args.launcher == "slurm" else contextlib.nullcontext() as cluster:
+            reference_dir = reference(args, task, work, env, cluster)
+            run = run_schedule(schedule, supervisor(args, task, work / key, env, disk, cluster), args.seed)
         checks = compare_runs(Path(run["run_dir"]), reference_dir, args.steps)
     finally:
         if disk is not None:

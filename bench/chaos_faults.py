@@ -83,6 +83,46 @@ def draw_schedule(rng: random.Random, kinds: list[str], faults: int, steps: int,
             for kind in order]
 
 
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
+
+
+def rows_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def trigger_now(fault: Fault, last_step: int, rollout_lead: int, rollout_rank: int) -> int | None:
+    """The step ``fault`` is triggered at when its attempt starts after ``last_step``: a trigger the run has passed
+    already (an earlier fault's restart went further) moves to the next step, and a fault planted on the rollout rank
+    of an async run (``rollout_lead``: bench/chaos.py's ROLLOUT_LEAD) further by the steps that world runs ahead."""
+    if fault.trigger is None:
+        return None
+    lead = rollout_lead if fault.kind in PLANTED and fault.rank == rollout_rank else 0
+    return max(fault.trigger, last_step + 1 + lead)
+
+
+def record_attempt(fault: Fault, run_dir: Path, log: str, attempt: int, trigger: int | None, exit_code: int | None,
+                   hung: bool, fault_at: float | None, ended: float) -> None:
+    """What one attempt that met ``fault`` did, into ``fault.record``: ``log`` is the attempt's output, ``fault_at``
+    when the fault was put in (None: it never was), ``ended`` when the job's last rank was gone."""
+    failure_path = run_dir / "failure.json"
+    failure = json.loads(failure_path.read_text()) if failure_path.exists() else None
+    if failure is not None and fault_at is not None and failure.get("unix_time", 0) < fault_at - 1:
+        failure = None  # an earlier attempt's, not set aside: this attempt wrote none
+    stop = re.search(r"stopped after step \d+ \([^)]*\)", log)
+    fault.record.update(attempt=attempt, trigger_used=trigger, exit_code=exit_code, hang=hung,
+                        failure=None if failure is None else {k: failure.get(k) for k in
+                                                              ("cause", "rank", "phase", "step", "unix_time")},
+                        stop_line=stop.group(0) if stop else None)
+    if fault_at is None:
+        fault.record["missed"] = "the attempt ended before the fault" if exit_code is not None else "no rank"
+        return
+    fault.record.update(fault_at=fault_at, seconds_to_exit=round(ended - fault_at, 2), exited_at=ended)
+
+
 def planted_env(fault: Fault, step: int | None) -> dict[str, str]:
     """``GRPO_FAULT`` for a planted kind, to fire at ``step`` (empty for the others)."""
     if fault.kind not in PLANTED:
@@ -134,8 +174,10 @@ class DiskFill:
         self.path.unlink(missing_ok=True)
 
 
-def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | None) -> float | None:
-    """Send an external fault to the running job; returns its time (None: its rank was already gone)."""
+def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | None,
+           program: bytes = PROGRAM) -> float | None:
+    """Send an external fault to the running job (``program``: what its ranks run, for rank_pid); returns its time
+    (None: its rank was already gone)."""
     kind = fault.kind
     if kind == "disk_full":
         if disk_fill is None:
@@ -149,7 +191,7 @@ def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | No
         os.kill(agent_pid, signal.SIGTERM)
         return time.time()
     rank = 0 if kind == "store_lost" else fault.rank
-    pid = rank_pid(rank, run_dir)
+    pid = rank_pid(rank, run_dir, program)
     if pid is None:
         return None
     if kind == "store_lost":  # the node that hosts the store: its agent and its rank together
@@ -202,13 +244,15 @@ def failure_history(run_dir: Path) -> list[dict]:
     return sorted(records, key=lambda record: record.get("unix_time", 0))
 
 
-def cause_named(fault: Fault, failure: dict | None, log: str, restart_log: str) -> tuple[bool, str]:
-    """Whether the fault's cause is named where it must be, and what named it (one line)."""
+def cause_named(fault: Fault, failure: dict | None, log: str, restart_log: str,
+                stops: dict[str, str] = STOPS) -> tuple[bool, str]:
+    """Whether the fault's cause is named where it must be, and what named it (one line); ``stops``: the signal
+    each preemption kind's stop line names (under SLURM the batch shell turns a USR1 into a SIGTERM to the step)."""
     kind = fault.kind
-    if kind in STOPS:
+    if kind in stops:
         line = re.search(r"stopped after step \d+ \(([^)]*)\)", log)
         said = line.group(1) if line else None
-        return bool(said and (STOPS[kind] in said or "another rank" in said)), f"stop line: {said}"
+        return bool(said and (stops[kind] in said or "another rank" in said)), f"stop line: {said}"
     if failure is None:
         return False, "no failure.json"
     named = f"failure.json: cause={failure.get('cause')} rank={failure.get('rank')} phase={failure.get('phase')}"

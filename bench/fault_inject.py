@@ -14,10 +14,15 @@
 
 When the fault fires it writes the time to ``$GRPO_FAULT_MARK`` (the bench's fault-to-exit clock). Without
 ``GRPO_FAULT`` this is ``grpo-mega`` itself.
+
+``GRPO_FAULT_FILE=PATH`` in place of both (bench/chaos.py under SLURM, whose requeued job restarts with the
+environment it was submitted with): the file holds ``{"fault": "KIND:RANK:STEP", "mark": MARK}``, read as each rank
+starts; a fault whose mark exists has fired already and is not planted again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -143,8 +148,25 @@ def plant(kind: str, rank: int, step: int) -> None:
         raise SystemExit(f"GRPO_FAULT: unknown kind {kind!r}")
 
 
+def _fault_spec() -> str | None:
+    """``KIND:RANK:STEP`` of the fault to plant in this rank: ``GRPO_FAULT``, or the one ``GRPO_FAULT_FILE`` names
+    unless its mark says it fired already (that file also sets ``GRPO_FAULT_MARK``)."""
+    path = os.environ.get("GRPO_FAULT_FILE")
+    if not path:
+        return os.environ.get("GRPO_FAULT")
+    try:
+        spec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    if spec.get("mark"):
+        os.environ["GRPO_FAULT_MARK"] = spec["mark"]
+        if Path(spec["mark"]).exists():
+            return None
+    return spec.get("fault") or None
+
+
 def main() -> int:
-    fault = os.environ.get("GRPO_FAULT")
+    fault = _fault_spec()
     if fault:
         kind, rank, step = fault.split(":")
         plant(kind, int(rank), int(step))

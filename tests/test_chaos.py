@@ -8,6 +8,7 @@ history, the stop line, the altered file refused by its checksum and the fallbac
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,3 +46,40 @@ def test_a_run_that_meets_five_faults_ends_bit_equal_to_an_uninterrupted_run(tmp
     assert run_checkpoints.name == step_dir_name(STEPS)
     earlier = compare_checkpoints(reference / step_dir_name(STEPS), reference / step_dir_name(STEPS - 2))
     assert not earlier["bit_equal"] and earlier["different"]
+
+
+def test_a_fault_named_in_the_fault_file_is_planted_until_its_mark_exists(tmp_path, monkeypatch):
+    """Under SLURM a requeued job restarts with the environment it was submitted with: the fault of each attempt is
+    read from GRPO_FAULT_FILE as the ranks start, and one that fired (its mark written) is not planted again."""
+    import fault_inject
+
+    spec, mark = tmp_path / "fault.json", tmp_path / "attempt03.fault_at"
+    monkeypatch.setenv("GRPO_FAULT", "exception:0:1")  # the file takes its place
+    monkeypatch.setenv("GRPO_FAULT_FILE", str(spec))
+    monkeypatch.delenv("GRPO_FAULT_MARK", raising=False)
+    assert fault_inject._fault_spec() is None  # no file yet: no fault
+    spec.write_text(json.dumps({"fault": "save_kill:1:7", "mark": str(mark)}))
+    assert fault_inject._fault_spec() == "save_kill:1:7"
+    monkeypatch.setenv("GRPO_FAULT_MARK", "elsewhere")
+    assert fault_inject._fault_spec() == "save_kill:1:7"
+    assert os.environ["GRPO_FAULT_MARK"] == str(mark)  # the clock the bench reads is this attempt's
+    mark.write_text("1.0\n")
+    assert fault_inject._fault_spec() is None
+    spec.write_text(json.dumps({"fault": None, "mark": str(tmp_path / "attempt04.fault_at")}))
+    assert fault_inject._fault_spec() is None
+
+
+def test_each_slurm_attempt_reads_its_own_part_of_the_appended_job_log():
+    """The SLURM supervisor's attempts are the runs of one job (its requeues), all appending to one log."""
+    import chaos_slurm
+
+    log = ("=== grpo-mega job 7 grpo-mega SLURM_RESTART_COUNT=0 nodes=gmnode[1-2] t0\n"
+           "=== grpo-mega job 7: step train: grpo-mega train ...\nfirst run\n"
+           "=== grpo-mega job 7: transient fault (cause=peer_lost), fault requeue 1 of 1000; requeueing\n"
+           "=== grpo-mega job 7 grpo-mega SLURM_RESTART_COUNT=1 nodes=gmnode[1-2] t1\nsecond run\n"
+           "=== grpo-mega job 7 grpo-mega SLURM_RESTART_COUNT=10 nodes=gmnode[1-2] t2\neleventh run\n")
+    first = chaos_slurm.log_part(log, "7", 0)
+    assert "first run" in first and "; requeueing" in first and "second run" not in first
+    assert chaos_slurm.log_part(log, "7", 1).splitlines()[1:] == ["second run"]
+    assert chaos_slurm.log_part(log, "7", 10).splitlines()[1:] == ["eleventh run"]
+    assert chaos_slurm.log_part(log, "7", 2) == "" and chaos_slurm.log_part(log, "70", 0) == ""

@@ -15,6 +15,12 @@ def test_a_running_process_its_parent_and_command_line():
     try:
         assert alive(child.pid)
         assert parent_of(child.pid) == os.getpid()
+        # Popen returns once the child's exec has closed its close-on-exec pipe, which the kernel does before it lays
+        # out the new program's arguments: until then the command line reads empty (the fresh-clone run of
+        # 2026-12-03, under load). What the process runs is read once the exec is through.
+        deadline = time.monotonic() + 30
+        while command_line(child.pid) == b"" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert command_line(child.pid).split(b"\0")[-2] == b"marker-argument"
         assert stat_fields(child.pid)[0] in {"R", "S", "D"}
     finally:

@@ -27,7 +27,8 @@ def parent_of(pid: int | str) -> int | None:
 
 
 def command_line(pid: int | str) -> bytes:
-    """``pid``'s arguments, NUL-separated as the kernel keeps them; b"" for a process gone."""
+    """``pid``'s arguments, NUL-separated as the kernel keeps them; b"" for a process gone (and for one in the middle
+    of an exec, before the kernel has laid out its new arguments)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

@@ -6,6 +6,8 @@
 #   RDZV_PORT       torchrun rendezvous port on the first node (default: derived from the job id; step k of the
 #                   job uses RDZV_PORT + k)
 #   PYTHON          interpreter with grpo_mega installed (default: python on PATH)
+#   GRPO_MEGA_ENTRY the module every rank runs (default grpo_mega.cli); bench/chaos.py runs bench.fault_inject,
+#                   grpo-mega with its faults planted
 #
 # Preemption: sbatch --signal=B:USR1@300 sends USR1 to the batch shell 300 s before the time limit
 # (`scancel --signal=USR1 --batch JOBID` does the same by hand). The trap sends SIGTERM to the running step
@@ -86,7 +88,7 @@ grpo_run_step() {
     exec "$PYTHON" -m grpo_mega.run.torchrun \
       --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$rdzv_id" \
-      -m -- grpo_mega.cli "$@"
+      -m -- "${GRPO_MEGA_ENTRY:-grpo_mega.cli}" "$@"
   ' "grpo-mega-$name" "$port" "$SLURM_JOB_ID-$name" "$@" &
   step_pid=$!
   # `wait` returns early (status > 128) when the USR1 trap runs; wait again until srun has really exited.
