@@ -50,7 +50,7 @@ import chaos_slurm  # noqa: E402
 from chaos_checks import compare_runs  # noqa: E402
 from chaos_faults import (KINDS, PLANTED, STOPS, DiskFill, Fault, alter_newest, cause_named,  # noqa: E402
                           checkpoint_bytes, draw_schedule, failure_history, inject, planted_env, rank_pid,
-                          last_step, record_attempt, rows_logged, trigger_now)
+                          last_step, poll_attempt, record_attempt, rows_logged, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
 GRACE_S = 10
@@ -111,20 +111,9 @@ class Supervisor:
 
     def wait_for(self, job: subprocess.Popen, rows_before: int, until) -> bool:
         """Poll until ``until()`` or the job's end; notes the attempt's first logged row. True when ``until()``."""
-        noted = False
-        while True:
-            rows = rows_logged(self.run_dir)
-            rows_before = min(rows_before, rows)  # a resume drops the rows after its checkpoint's step first
-            if not noted and rows > rows_before:
-                self.first_step_at.append(time.time())
-                noted = True
-            if until():
-                return True
-            if job.poll() is not None:
-                if not noted:
-                    self.first_step_at.append(float("nan"))
-                return False
-            time.sleep(0.05)
+        reached, first_row = poll_attempt(self.run_dir, rows_before, until, lambda: job.poll() is not None)
+        self.first_step_at.append(first_row)
+        return reached
 
     def end(self, job: subprocess.Popen) -> tuple[float, bool]:
         """Wait for the job and every rank process of the run to be gone (kill what outlives the limit); returns the

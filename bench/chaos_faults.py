@@ -94,6 +94,24 @@ def rows_logged(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def poll_attempt(run_dir: Path, rows_before: int, until, ended) -> tuple[bool, float]:
+    """Poll every 50 ms until ``until()`` (True) or ``ended()`` (False); with that, when the attempt logged its first
+    metrics row (nan: none), counted from the fewest rows seen: a resume first drops the rows after its checkpoint's
+    step (a fallback resume dropped three in the first SLURM schedule, and the first row was noted 30 s late)."""
+    first_row, fewest = float("nan"), rows_before
+    while True:
+        if first_row != first_row:
+            rows = rows_logged(run_dir)
+            fewest = min(fewest, rows)
+            if rows > fewest:
+                first_row = time.time()
+        if until():
+            return True, first_row
+        if ended():
+            return False, first_row
+        time.sleep(0.05)
+
+
 def trigger_now(fault: Fault, last_step: int, rollout_lead: int, rollout_rank: int) -> int | None:
     """The step ``fault`` is triggered at when its attempt starts after ``last_step``: a trigger the run has passed
     already (an earlier fault's restart went further) moves to the next step, and a fault planted on the rollout rank

@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from chaos_faults import (PLANTED, DiskFill, Fault, alter_newest, inject, last_step, planted_env, rank_pid,
-                          record_attempt, rows_logged, trigger_now)
+from chaos_faults import (PLANTED, DiskFill, Fault, alter_newest, inject, last_step, planted_env, poll_attempt,
+                          rank_pid, record_attempt, rows_logged, trigger_now)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -70,21 +70,6 @@ def two_node_cluster():
         yield cluster
     finally:
         started.close()
-
-
-def job_processes_on(job_id: str, node: str) -> list[int]:
-    """The Python processes of the job's step on ``node`` (its torchrun and the ranks), by their environment."""
-    found = []
-    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode()}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-            executable = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-        except OSError:
-            continue
-        if executable.startswith("python") and wanted <= environ:
-            found.append(int(pid))
-    return found
 
 
 class SlurmSupervisor:
@@ -170,22 +155,17 @@ class SlurmSupervisor:
 
     def _wait(self, rows_before: int, until) -> bool:
         """Poll until ``until()`` or the step's exit; notes the attempt's first logged row. True when ``until()``."""
-        noted = False
-        while True:
-            rows = rows_logged(self.run_dir)
-            rows_before = min(rows_before, rows)  # a resume drops the rows after its checkpoint's step first
-            if not noted and rows > rows_before:
-                self.first_step_at.append(time.time())
-                noted = True
-            if until():
-                return True
-            status, outcome = self._outcome()
-            if outcome is not None or (status is not None and not self._ranks_alive()):
-                self._exited_at = self._exited_at or time.time()
-                if not noted:
-                    self.first_step_at.append(float("nan"))
-                return False
-            time.sleep(0.05)
+        reached, first_row = poll_attempt(self.run_dir, rows_before, until, self._step_over)
+        self.first_step_at.append(first_row)
+        return reached
+
+    def _step_over(self) -> bool:
+        """Whether the attempt's step has exited with every rank gone, or the job has ended (noting when)."""
+        status, outcome = self._outcome()
+        if outcome is not None or (status is not None and not self._ranks_alive()):
+            self._exited_at = self._exited_at or time.time()
+            return True
+        return False
 
     def _end(self) -> tuple[float, bool, int | None]:
         """Wait for the step to exit with every rank gone (kill what outlives the limit), then for the script's
@@ -221,7 +201,7 @@ class SlurmSupervisor:
             self.cluster.run("scancel", "--signal=USR1", "--batch", job)
             return time.time()
         if fault.kind == "store_lost":
-            from slurm_two_nodes import NODES
+            from slurm_two_nodes import NODES, job_processes_on
 
             victims = job_processes_on(job, NODES[0])
             for pid in victims:

@@ -169,6 +169,23 @@ def _log_tail() -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-1200:]}" for p in logs if p.exists())
 
 
+def job_processes_on(job_id: str, node: str) -> list[int]:
+    """The job's Python processes on ``node``: the launcher (torchrun) of its step and the ranks (the job's
+    environment), not the batch shell or srun (on the first node), which stand for SLURM's own handling of a lost node
+    (a real node loss takes them too, and SLURM requeues the job: --requeue)."""
+    found = []
+    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            executable = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            continue
+        if executable.startswith("python") and wanted <= environ:
+            found.append(int(pid))
+    return found
+
+
 def two_node_cluster():
     """Yield a TwoNodeCluster whose two nodes are idle; skip when this machine cannot run one."""
     _can_make_namespaces()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurm_cluster import cpu_node_options
-from slurm_two_nodes import NODES, two_node_cluster
+from slurm_two_nodes import NODES, job_processes_on, two_node_cluster
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,23 +111,6 @@ def test_two_node_job_stops_on_usr1_requeues_resumes_and_completes(cluster, task
     assert json.loads(complete.read_text())["step"] == TOTAL_STEPS
 
 
-def _job_processes_on(job_id: str, node: str) -> list[int]:
-    """The job's Python processes on ``node``: the launcher (torchrun) of its step and the ranks (the job's
-    environment), not the batch shell or srun (on the first node), which stand for SLURM's own handling of a lost node
-    (a real node loss takes them too, and SLURM requeues the job: --requeue)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-            executable = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-        except OSError:
-            continue
-        if executable.startswith("python") and {f"SLURM_JOB_ID={job_id}".encode(),
-                                                f"SLURMD_NODENAME={node}".encode()} <= environ:
-            found.append(int(pid))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lost", [1, 0], ids=["second_node", "store_node"])
 def test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes(cluster, task, tmp_path, lost):
@@ -140,7 +123,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes(cluster, task,
     job_id, log = _submit(cluster, task, run_dir, tmp_path, "trainer.save_every=2", "trainer.collective_timeout_s=20")
     try:
         _wait_for(lambda: len(_logged_steps(run_dir)) >= 3, 240, "step 3 in metrics.jsonl", log)
-        victims = _job_processes_on(job_id, NODES[lost])
+        victims = job_processes_on(job_id, NODES[lost])
         assert victims, f"no process of the job on {NODES[lost]}"
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
