@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import chaos_slurm  # noqa: E402
 from chaos_checks import compare_runs  # noqa: E402
 from chaos_faults import (KINDS, PLANTED, STOPS, DiskFill, Fault, alter_newest, cause_named,  # noqa: E402
-                          checkpoint_bytes, draw_schedule, failure_history, inject, planted_env, rank_pid,
+                          draw_schedule, failure_history, inject, planted_env, rank_pid,
                           last_step, poll_attempt, record_attempt, rows_logged, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
@@ -163,12 +163,8 @@ class Supervisor:
                 if job.poll() is None:
                     fault_at = inject(fault, job.pid, self.run_dir, disk_fill)
             ended, hung = self.end(job)
-            if disk_fill is not None:  # what the run did with the space left, then the space back for the restart
-                if "disk" in fault.record:
-                    fault.record["disk"].update(free_at_exit=shutil.disk_usage(self.disk).free,
-                                                checkpoints_at_exit=checkpoint_bytes(self.run_dir),
-                                                top_ups=disk_fill.top_ups)
-                disk_fill.release()
+            if disk_fill is not None:
+                disk_fill.release_after(fault.record, self.run_dir)
         record_attempt(fault, self.run_dir, log.read_text(), self.attempts, trigger, job.returncode, hung, fault_at,
                        ended)
         if fault.kind == "altered" and fault_at is not None:

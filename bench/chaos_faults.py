@@ -191,6 +191,14 @@ class DiskFill:
             self._thread.join()
         self.path.unlink(missing_ok=True)
 
+    def release_after(self, record: dict, run_dir: Path) -> None:
+        """After the job's exit: what the run did with the space left (into the fault's ``record``, when the fill
+        happened), then the space back for the restart."""
+        if "disk" in record:
+            record["disk"].update(free_at_exit=shutil.disk_usage(self.disk).free,
+                                  checkpoints_at_exit=checkpoint_bytes(run_dir), top_ups=self.top_ups)
+        self.release()
+
 
 def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | None,
            program: bytes = PROGRAM) -> float | None:

@@ -130,12 +130,11 @@ class SlurmSupervisor:
         script decided: "requeued", or the job's terminal state; (status, None) while it is deciding."""
         part = self.part(self.job, self.restart)
         exited = re.search(r"step train exited with status (\d+)", part)
+        status = int(exited.group(1)) if exited else None
         if "; requeueing" in part:
-            return (int(exited.group(1)) if exited else None), "requeued"
+            return status, "requeued"
         state = self.state(self.job) if exited or not part else None
-        if state in TERMINAL:
-            return (int(exited.group(1)) if exited else None), state
-        return (int(exited.group(1)) if exited else None), None
+        return status, state if state in TERMINAL else None
 
     def _ranks_alive(self) -> list[int]:
         return [p for p in (rank_pid(r, self.run_dir, PROGRAM) for r in range(2)) if p]
@@ -226,11 +225,12 @@ class SlurmSupervisor:
             disk_fill = DiskFill(self.disk) if self.disk is not None and fault.kind == "disk_full" else None
             if reached:
                 time.sleep(fault.delay_s)
-                if self.part(job, self.restart) and "exited with status" not in self.part(job, self.restart):
+                part = self.part(job, self.restart)
+                if part and "exited with status" not in part:
                     fault_at = self._inject(fault, job, disk_fill)
             ended, hung, status = self._end()
             if disk_fill is not None:
-                disk_fill.release()
+                disk_fill.release_after(fault.record, self.run_dir)
         held = fault.kind == "altered" and fault_at is not None and self._hold()
         try:
             record_attempt(fault, self.run_dir, (self.logs / f"attempt{self.attempts:02d}.log").read_text(),
