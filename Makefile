@@ -40,8 +40,11 @@ demo: $(STAMP)
 # DeepSpeed JIT-builds its CPU ops into TORCH_EXTENSIONS_DIR: one folder per venv, so a second checkout's venv does not
 # rebuild over (and, if killed mid-build, leave a stale lock in) the folder another venv uses. The 15 slowest tests
 # are listed at the end, so a CI log shows where the time went (tests/conftest.py SLOW_FILES orders the files).
+# One intra-op thread per process: the two workers and the ranks they start already fill the cores, and the tests'
+# tiny matmuls gain nothing from a second thread but its synchronisation (measured 2026-12-03 on 6 multi-process
+# files, 2 idle cores: 227 s -> 208 s). Runs that compare numbers take their threads from the same setting.
 test: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # `make bench`: four benchmarks in turn, each printing its table and writing its JSON record under bench/results/
 # (path printed last); the `bench` extra adds trl. 30 min on 2 idle cores in all (1,773 s measured 2026-11-23):

@@ -147,12 +147,16 @@ def colocated_run(task, tmp_path_factory):
     return run_dir
 
 
-K1 = [*ASYNC, "rollout.max_staleness=1", "algorithm.rollout_is=tis", "trainer.total_steps=6", "trainer.save_every=2"]
+K1_STEPS = 9
+"""Long enough for two stops in one run with steps left after each (the signal test's second stop comes at step 5
+at the latest, and a stop takes a step or two to land on a loaded machine)."""
+K1 = [*ASYNC, "rollout.max_staleness=1", "algorithm.rollout_is=tis", f"trainer.total_steps={K1_STEPS}",
+      "trainer.save_every=2"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_k1(task, tmp_path_factory):
-    """A 6-step async run at staleness 1, a checkpoint every 2 steps, uninterrupted."""
+    """A 9-step async run at staleness 1, a checkpoint every 2 steps, uninterrupted."""
     run_dir = tmp_path_factory.mktemp("k1") / "run"
     _run(_command(task, run_dir, 2, *K1))
     return run_dir
@@ -192,18 +196,18 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
     resumed = _run(_command(task, killed, 2, *settings))
     assert "resumed from" in resumed.stderr
     expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(7))
+    assert [r["step"] for r in got] == list(range(K1_STEPS + 1))
     assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
-    assert [r["async/weights_version"] for r in got[1:]] == [0, 0, 1, 2, 3, 4]  # the fixed lag, also after resume
-    assert [r["async/staleness_max"] for r in got[1:]] == [0, 1, 1, 1, 1, 1]
-    for step in range(1, 7):
+    assert [r["async/weights_version"] for r in got[1:]] == [0, *range(K1_STEPS - 1)]  # the fixed lag, also after resume
+    assert [r["async/staleness_max"] for r in got[1:]] == [0] + [1] * (K1_STEPS - 1)
+    for step in range(1, K1_STEPS + 1):
         assert _trained(killed, step) == _trained(whole, step)
 
 
-def _started_until_step_1(command, run_dir):
-    """The job of ``command``, started and left running once its step 1 is logged."""
+def _started_until_step(command, run_dir, step):
+    """The job of ``command``, started and left running once its step ``step`` is logged."""
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_environment())
-    while not any(r["step"] == 1 for r in _rows(run_dir)):
+    while not any(r["step"] == step for r in _rows(run_dir)):
         assert job.poll() is None, job.stderr.read()[-3000:]
         time.sleep(0.05)
     return job
@@ -212,49 +216,51 @@ def _started_until_step_1(command, run_dir):
 def _resumed_run_equals(command, stopped, whole, saved):
     """A run stopped after step ``saved`` (its checkpoint the latest), resumed by the same ``command``: every metrics
     row and every step's trained batch equal the uninterrupted run ``whole``'s."""
-    assert 1 <= saved < 6 and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
+    assert 1 <= saved < K1_STEPS and (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{saved:06d}"
     _run(command)
     expected, got = read_metrics(whole / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
     assert [_comparable(r) for r in got] == [_comparable(r) for r in expected]
-    for step in range(1, 7):
+    for step in range(1, K1_STEPS + 1):
         assert _trained(stopped, step) == _trained(whole, step)
 
 
 @pytest.mark.slow
-def test_staleness_1_stopped_by_sigterm_saves_the_batch_in_flight_and_resumes_exactly(task, uninterrupted_k1,
-                                                                                     tmp_path):
-    """SIGTERM to the job (as SLURM's preemption sends it) once step 1 is logged: the trainer saves the step in
-    flight with the batch the rollout rank already made for the next step, ends the rollout rank (whose own copy of
-    the signal only says the same) and stops; the same command resumes and its steps equal an uninterrupted run's."""
-    settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
-    job = _started_until_step_1(_command(task, stopped, 2, *settings), stopped)
-    job.send_signal(signal.SIGTERM)
-    _, stderr = job.communicate(timeout=120)
-    # torchrun, signalled itself, exits non-zero whatever its ranks did; the trainer's own line says it saved
-    assert job.returncode != 0 and "stopped after step" in stderr, stderr[-3000:]
-    saved = int(re.search(r"grpo-mega train: stopped after step (\d+)", stderr).group(1))
-    _resumed_run_equals(_command(task, stopped, 2, *settings), stopped, whole, saved)
+def test_staleness_1_stopped_by_sigterm_then_by_sigusr1_on_the_rollout_rank_alone_resumes_exactly(task,
+                                                                                                 uninterrupted_k1,
+                                                                                                 tmp_path):
+    """Two preemptions of one run, each resumed by the same command, which then equals an uninterrupted run.
 
-
-@pytest.mark.slow
-def test_staleness_1_stopped_by_sigusr1_on_the_rollout_rank_alone_saves_and_resumes_exactly(task, uninterrupted_k1,
-                                                                                          tmp_path):
-    """SIGUSR1 to the rollout rank only (a preemption notice on the rollout node alone): the rollout world passes it
-    on with its next batch, the trainer saves and stops the job as if it had the signal itself, and the resume
-    equals an uninterrupted run. Before, the rollout rank recorded the signal and the run went on to its end."""
+    SIGTERM to the job (as SLURM's preemption sends it) once step 1 is logged: the trainer saves the step in flight
+    with the batch the rollout rank already made for the next step, ends the rollout rank (whose own copy of the
+    signal only says the same) and stops. Then, once the resumed run has logged a step of its own, SIGUSR1 to the
+    rollout rank only (a preemption notice on the rollout node alone): the rollout world passes it on with its next
+    batch, the trainer saves and stops the job as if it had the signal itself (before, the rollout rank recorded the
+    signal and the run went on to its end). One run meets both, so the second stop also starts from a resume."""
     sys.path.insert(0, str(TESTS.parent / "bench"))
     from faults import rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
 
     settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
-    job = _started_until_step_1(_command(task, stopped, 2, *settings), stopped)
+    command = _command(task, stopped, 2, *settings)
+    job = _started_until_step(command, stopped, 1)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    # torchrun, signalled itself, exits non-zero whatever its ranks did; the trainer's own line says it saved
+    assert job.returncode != 0 and "stopped after step" in stderr, stderr[-3000:]
+    first_stop = int(re.search(r"grpo-mega train: stopped after step (\d+)", stderr).group(1))
+    assert 1 <= first_stop < 4 and (stopped / "checkpoints" / "latest").read_text().strip() == \
+        f"step_{first_stop:06d}", stderr[-3000:]
+
+    job = _started_until_step(command, stopped, first_stop + 1)
     rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli")
     assert rollout_rank is not None
     os.kill(rollout_rank, signal.SIGUSR1)
     _, stderr = job.communicate(timeout=120)
+    assert "resumed from" in stderr, stderr[-3000:]
     found = re.search(r"grpo-mega train: stopped after step (\d+) \(SIGUSR1 received\)", stderr)
     assert found and job.returncode == 3, stderr[-3000:]  # EXIT_STOPPED_EARLY, passed on by grpo-mega's launcher
-    saved = int(found.group(1))
-    _resumed_run_equals(_command(task, stopped, 2, *settings), stopped, whole, saved)
+    second_stop = int(found.group(1))
+    assert second_stop > first_stop, stderr[-3000:]
+    _resumed_run_equals(command, stopped, whole, second_stop)
 
 
 def _kill_whole_job(job, run_dir):

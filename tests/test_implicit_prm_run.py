@@ -69,11 +69,23 @@ def test_grpo_with_the_implicit_prm_trains_it_and_logs_its_metrics(task, tmp_pat
     assert any(key.startswith("optimizer.") for key in _checkpoint_tensors(saved))
 
 
+@pytest.fixture(scope="module")
+def straight_after(task, tmp_path_factory):
+    """The kill test's uninterrupted 4-step run under the default update order (after): also the run of the offload
+    test that keeps its training state in place."""
+    run_dir = tmp_path_factory.mktemp("implicit_after") / "straight"
+    result = subprocess.run(_cli(task, run_dir, *IMPLICIT, *KILL_RUN, "implicit_prm.update=after"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("update", ["before", "after"])
-def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path, update):
+def test_grpo_with_the_implicit_prm_resumes_exactly_after_a_kill(task, tmp_path, update, request):
+    reference = request.getfixturevalue("straight_after") if update == "after" else None
     straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *IMPLICIT, *KILL_RUN,
-                                                        f"implicit_prm.update={update}")
+                                                        f"implicit_prm.update={update}", straight=reference)
     assert_runs_equal(straight, interrupted, 4)
     expected, got = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
     # after: step 1 is scored by the PRM before any update (its reference: every reward 0), later steps are not
@@ -116,21 +128,24 @@ def test_the_cli_refuses_what_the_implicit_prm_cannot_run_in_one_line(task, tmp_
     assert message in err
 
 
-def test_offloading_the_training_state_during_rollout_changes_nothing(task, tmp_path):
+def test_offloading_the_training_state_during_rollout_changes_nothing(task, straight_after, tmp_path):
     """parallel.offload_during_rollout moves the implicit PRM's optimizer state to the host with the policy's and
-    brings it back for its update: every step's losses, gradient norms and rewards equal a run that kept it."""
+    brings it back for its update: every step's losses, gradient norms and rewards, and the final weights of policy
+    and implicit PRM, equal a run that kept it (the kill test's uninterrupted run, the same settings)."""
+    import torch
     from test_async_rollouts import _comparable
 
-    runs = {}
-    for offload in ("false", "true"):
-        run_dir = runs[offload] = tmp_path / f"offload_{offload}"
-        result = subprocess.run(_cli(task, run_dir, *IMPLICIT, "trainer.total_steps=3", "optim.lr=1e-3",
-                                     f"parallel.offload_during_rollout={offload}"),
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-    kept, offloaded = (read_metrics(runs[name] / "metrics.jsonl") for name in ("false", "true"))
-    assert len(kept) == 3 and all(row["implicit_prm/grad_norm"] > 0 for row in kept)
+    offload = tmp_path / "offload_true"
+    result = subprocess.run(_cli(task, offload, *IMPLICIT, *KILL_RUN, "implicit_prm.update=after",
+                                 "parallel.offload_during_rollout=true"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    kept, offloaded = (read_metrics(run / "metrics.jsonl") for run in (straight_after, offload))
+    assert len(kept) == 4 and all(row["implicit_prm/grad_norm"] > 0 for row in kept)
     assert [_comparable(row) for row in offloaded] == [_comparable(row) for row in kept]
+    for part in ("", "implicit_prm"):
+        a, b = (_checkpoint_tensors(run / "checkpoints" / "step_000004" / part) for run in (straight_after, offload))
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a), part or "policy"
 
 
 @pytest.mark.slow

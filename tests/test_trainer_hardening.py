@@ -45,11 +45,15 @@ def _checkpoint_tensors(folder: Path) -> dict:
     return tensors
 
 
-def straight_and_killed_runs(task, root: Path, *common: str) -> tuple[Path, Path, subprocess.CompletedProcess]:
-    """An uninterrupted 4-step run (``root/straight``) and one killed mid step 3 after its step-2 save, then resumed
-    (``root/interrupted``); returns the two run folders and the resumed command's result."""
-    straight = subprocess.run(_cli(task, root / "straight", *common), capture_output=True, text=True, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+def straight_and_killed_runs(task, root: Path, *common: str,
+                             straight: Path | None = None) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """An uninterrupted 4-step run (``root/straight``, or the ``straight`` folder another test's fixture ran with the
+    same ``common`` settings) and one killed mid step 3 after its step-2 save, then resumed (``root/interrupted``);
+    returns the two run folders and the resumed command's result."""
+    if straight is None:
+        straight = root / "straight"
+        done = subprocess.run(_cli(task, straight, *common), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
 
     interrupted = root / "interrupted"
     latest = interrupted / "checkpoints" / "latest"
@@ -65,7 +69,7 @@ def straight_and_killed_runs(task, root: Path, *common: str) -> tuple[Path, Path
     resumed = subprocess.run(_cli(task, interrupted, *common), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
-    return root / "straight", interrupted, resumed
+    return straight, interrupted, resumed
 
 
 def assert_runs_equal(straight: Path, interrupted: Path, steps: int) -> dict:
