@@ -4,6 +4,7 @@ the step, and a schedule that follows the config when a run is extended."""
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -95,9 +96,19 @@ KILL_RUN = ("trainer.total_steps=4", "trainer.save_every=2", "trainer.dump_rollo
             "trainer.keep_last=3")
 
 
+@pytest.fixture(scope="module")
+def straight_run(task, tmp_path_factory):
+    """The uninterrupted 4-step cosine run of :data:`KILL_RUN`: the kill test's reference, and the finished run the
+    extension test copies and extends."""
+    run_dir = tmp_path_factory.mktemp("straight") / "straight"
+    done = subprocess.run(_cli(task, run_dir, *KILL_RUN), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
 @pytest.mark.slow
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
-    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *KILL_RUN)
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, straight_run, tmp_path):
+    straight, interrupted, _ = straight_and_killed_runs(task, tmp_path, *KILL_RUN, straight=straight_run)
     assert_runs_equal(straight, interrupted, 4)
     # Each process's first step says where its start-up went (grpo_mega.perf.startup): from the command's start
     # (torchrun and the rank's process before it: launch), the rank's imports, ..., to the step.
@@ -204,21 +215,21 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_is_recorded(task, t
 
 
 @pytest.mark.slow
-def test_extending_a_finished_cosine_run_trains_at_a_non_zero_lr(task, tmp_path):
+def test_extending_a_finished_cosine_run_trains_at_a_non_zero_lr(task, straight_run, tmp_path):
+    """A finished 4-step cosine run (decayed to min_lr = 0 at its end) extended to 5 steps: the resumed step follows
+    the 5-step schedule instead of the saved one."""
     run_dir = tmp_path / "run"
-    cosine = ("optim.decay_style=cosine", "optim.min_lr=0.0", "trainer.save_every=1")
-    first = subprocess.run(_cli(task, run_dir, "trainer.total_steps=1", *cosine), capture_output=True, text=True,
-                           timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = subprocess.run(_cli(task, run_dir, "trainer.total_steps=2", *cosine), capture_output=True, text=True,
+    shutil.copytree(straight_run, run_dir)
+    second = subprocess.run(_cli(task, run_dir, *KILL_RUN, "trainer.total_steps=5"), capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "follows the config" in second.stderr
     lrs = {row["step"]: row["actor/lr"] for row in read_metrics(run_dir / "metrics.jsonl")}
-    # the resumed step is position 1 of a 2-step cosine: lr * (1 + cos(pi / 2)) / 2; the saved 1-step schedule had
+    # the resumed step is position 4 of a 5-step cosine: lr * (1 + cos(4 pi / 5)) / 2; the saved 4-step schedule had
     # run down to min_lr (0) at that position
-    assert lrs[2] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 1 / 2)) / 2, rel=1e-5)
-    assert json.loads((run_dir / "checkpoints" / "step_000002" / "grpo_mega_checkpoint.json").read_text())["step"] == 2
+    assert sorted(lrs) == [1, 2, 3, 4, 5]
+    assert lrs[5] == pytest.approx(1e-3 * (1 + math.cos(math.pi * 4 / 5)) / 2, rel=1e-5) and lrs[5] > 1e-5
+    assert json.loads((run_dir / "checkpoints" / "step_000005" / "grpo_mega_checkpoint.json").read_text())["step"] == 5
 
 
 @pytest.mark.slow
