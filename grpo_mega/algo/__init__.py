@@ -6,40 +6,51 @@ Functions of tensors only: no process groups, no model. Every later part (traine
 
 It may import torch and the standard library only, nothing of grpo_mega or prm: every other package may
 import it.
+
+The names below load their module on first use (PEP 562): importing ``grpo_mega.algo.choices`` (the options' names,
+which the config checks) imports no torch, so a CLI refuses a bad setting before torch's 2-3 s import.
 """
 
-from grpo_mega.algo.advantages import (STEP_BASELINES, completion_baseline_advantages, normalize_step_rewards,
-                                      outcome_advantages, process_advantages)
-from grpo_mega.algo.answer_credit import cut_at_answer
-from grpo_mega.algo.kl import DEFAULT_LOG_RATIO_CLAMP, KL_ESTIMATORS, kl_estimate
-from grpo_mega.algo.losses import LOSS_AGG_MODES, aggregate_loss, policy_loss
-from grpo_mega.algo.rollout_correction import rollout_logprob_diff, truncated_importance_weights
-from grpo_mega.algo.shaping import clip_advantages, clip_rewards, overlong_penalty, whiten
-from grpo_mega.algo.step_rewards import STEP_REWARDS, group_start_values, step_rewards_from_scores
-from grpo_mega.algo.tree_values import path_values, tree_node_values
+import importlib
 
-__all__ = [
-    "DEFAULT_LOG_RATIO_CLAMP",
-    "KL_ESTIMATORS",
-    "LOSS_AGG_MODES",
-    "STEP_BASELINES",
-    "STEP_REWARDS",
-    "aggregate_loss",
-    "clip_advantages",
-    "clip_rewards",
-    "completion_baseline_advantages",
-    "cut_at_answer",
-    "group_start_values",
-    "kl_estimate",
-    "normalize_step_rewards",
-    "outcome_advantages",
-    "overlong_penalty",
-    "path_values",
-    "policy_loss",
-    "process_advantages",
-    "rollout_logprob_diff",
-    "step_rewards_from_scores",
-    "tree_node_values",
-    "truncated_importance_weights",
-    "whiten",
-]
+_MODULE_OF = {
+    "DEFAULT_LOG_RATIO_CLAMP": "kl",
+    "KL_ESTIMATORS": "choices",
+    "LOSS_AGG_MODES": "choices",
+    "STEP_BASELINES": "choices",
+    "STEP_REWARDS": "choices",
+    "aggregate_loss": "losses",
+    "clip_advantages": "shaping",
+    "clip_rewards": "shaping",
+    "completion_baseline_advantages": "advantages",
+    "cut_at_answer": "answer_credit",
+    "group_start_values": "step_rewards",
+    "kl_estimate": "kl",
+    "normalize_step_rewards": "advantages",
+    "outcome_advantages": "advantages",
+    "overlong_penalty": "shaping",
+    "path_values": "tree_values",
+    "policy_loss": "losses",
+    "process_advantages": "advantages",
+    "rollout_logprob_diff": "rollout_correction",
+    "step_rewards_from_scores": "step_rewards",
+    "tree_node_values": "tree_values",
+    "truncated_importance_weights": "rollout_correction",
+    "whiten": "shaping",
+}
+"""Each public name and the module of this package that defines it."""
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from grpo_mega.algo._checks import check_finite_rows, check_group_layout, check_std_scaling
+from grpo_mega.algo.choices import STEP_BASELINES  # noqa: F401  (re-exported: grpo_mega.algo)
 
 
 def outcome_advantages(
@@ -100,9 +101,6 @@ def normalize_step_rewards(
         var = (centered**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
         centered = centered / (var.sqrt() + eps)
     return centered.reshape(step_rewards.shape)
-
-
-STEP_BASELINES = ("pooled_steps", "completion")
 
 
 def step_credit(step_values: torch.Tensor, covers: torch.Tensor, credit: str) -> torch.Tensor:

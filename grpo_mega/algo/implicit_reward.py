@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from grpo_mega.algo.choices import IMPLICIT_STEP_VALUES
+
 
 def implicit_token_rewards(prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor,
                            beta: float) -> torch.Tensor:
@@ -72,15 +74,6 @@ def step_sums(token_rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Ten
     at_end = prefix.gather(1, ends + 1)  # sum of tokens 0..end
     before = torch.cat([prefix.new_zeros(prefix.shape[0], 1), at_end[:, :-1]], dim=1)  # the previous step's end
     return torch.where(valid, at_end - before, torch.zeros_like(at_end))
-
-
-IMPLICIT_STEP_VALUES = ("sum", "probability")
-IMPLICIT_STEPS = ("text", "tokens")
-IMPLICIT_UPDATE_ORDERS = ("before", "after")
-"""``implicit_prm.update``: the update before the scoring (scored by the updated PRM) or after it (scored with the
-log-probs of the update's own forward, the PRM before the update)."""
-"""What the implicit PRM's step rewards are given to: the text's steps (``process_reward.step_pattern``), or every
-token through the answer as a step of its own (PRIME's token-level rewards)."""
 
 
 def implicit_step_scores(token_rewards: torch.Tensor, step_ends: torch.Tensor, kind: str) -> torch.Tensor:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from grpo_mega.algo.choices import KL_ESTIMATORS
+
 
 DEFAULT_LOG_RATIO_CLAMP = 20.0
 """|d| bound of the KL log-ratio (verl's bound): exp(20) ~ 4.9e8 keeps k3 finite in fp32 (and in bf16)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from grpo_mega.algo.choices import LOSS_AGG_MODES
+
 
 # exp(20) ~ 5e8: keeps the ratio finite when the policy has moved far from the sampler (same bound as verl).
 _MAX_LOG_RATIO = 20.0

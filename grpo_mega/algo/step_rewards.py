@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-STEP_REWARDS = ("score", "progress", "delta", "clip")
+from grpo_mega.algo.choices import STEP_REWARDS
+
 
 
 def step_rewards_from_scores(scores: Sequence[float], kind: str, *, start: float = 0.0,

@@ -9,8 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from grpo_mega.algo import KL_ESTIMATORS, LOSS_AGG_MODES, STEP_BASELINES, STEP_REWARDS
-from grpo_mega.algo.implicit_reward import IMPLICIT_STEP_VALUES, IMPLICIT_STEPS, IMPLICIT_UPDATE_ORDERS
+from grpo_mega.algo.choices import (IMPLICIT_STEP_VALUES, IMPLICIT_STEPS, IMPLICIT_UPDATE_ORDERS, KL_ESTIMATORS,
+                                   LOSS_AGG_MODES, STEP_BASELINES, STEP_REWARDS)
 from grpo_mega.config.checks import (
     DECAY_STYLES,
     check_choice,

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping, Sequence
-
-import torch
+import sys
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards
+
+if TYPE_CHECKING:
+    import torch
 
 _PROMPT_PREVIEW_CHARS = 80
 ON_ERROR_CHOICES = ("zero", "raise")
@@ -29,8 +31,11 @@ def _preview(prompt: str) -> str:
 
 
 def _as_float(value: Any) -> float | None:
-    """A finite float from a Python/NumPy number or a one-element tensor; None for anything else."""
-    if isinstance(value, torch.Tensor):
+    """A finite float from a Python/NumPy number or a one-element tensor; None for anything else. (A tensor exists
+    only once torch is imported: this module does not import it, so the CLI's pre-launch check of a reward function,
+    ``grpo_mega.config.preflight``, runs without torch's import.)"""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else None
     if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
         number = float(value)
@@ -142,5 +147,7 @@ def compute_rewards(
     A call that raises, or returns NaN, infinity or a non-number, raises RewardError naming the sample index and
     (truncated) prompt, so a broken user function fails loudly instead of silently poisoning the advantages.
     """
+    import torch
+
     results = score_samples(fn, prompts, completions, answers, extras, on_error="raise")
     return torch.tensor([r.score for r in results], dtype=torch.float32)
