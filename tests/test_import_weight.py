@@ -24,6 +24,10 @@ CASES = {
     "the pipelines' orchestrators": (["grpo_mega.quickstart.pipeline", "grpo_mega.quickstart.selection",
                                       "grpo_mega.run.layout", "grpo_mega.run.commands", "prm.pipeline"],
                                      ["torch", "transformers", "megatron"]),
+    # the config's checks and the reward function's pre-launch check: a refused command ends without torch's import
+    "the checks before launch": (["grpo_mega.config", "grpo_mega.config.cross_field", "grpo_mega.config.preflight",
+                                  "grpo_mega.algo.choices", "grpo_mega.reward.registry", "grpo_mega.reward.compute"],
+                                 ["torch", "transformers", "megatron"]),
     "a training rank": (["grpo_mega.trainer", "grpo_mega.sft", "prm.train", "grpo_mega.rollout",
                          "grpo_mega.engine", "grpo_mega.run.metrics"],
                         ["vllm", "deepspeed", "matplotlib", "trl", "pandas", "sklearn"]),
@@ -55,6 +59,23 @@ def test_the_cli_parser_loads_no_torch():
     loaded = _loaded_by([sys.executable, "-X", "importtime", "-m", "grpo_mega.cli", "train", "--help"])
     assert "grpo_mega" in loaded, "the probe saw no import at all"
     assert not loaded & {"torch", "transformers", "megatron"}, sorted(loaded)
+
+
+def test_a_setting_refused_before_launch_loads_no_torch(tmp_path):
+    """A mistyped option ends the command in one line before torch's import (2-3 s of CPU): the options' names
+    (``grpo_mega.algo.choices``) and the reward registry are read without the math that imports it."""
+    repo = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "grpo_mega.cli", "train", "--config",
+                             str(repo / "configs" / "quickstart_grpo.yaml"), "model.hf_config=x",
+                             f"data.train_file={tmp_path / 'train.jsonl'}", f"trainer.run_dir={tmp_path / 'run'}",
+                             "algorithm.loss_agg_mode=token-sum"], capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2 and lines == [
+        "grpo-mega train: error: algorithm.loss_agg_mode='token-sum': expected one of ('token-mean', "
+        "'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm')"], result.stderr[-2000:]
+    loaded = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+              if line.startswith("import time:")}
+    assert "grpo_mega" in loaded and not loaded & {"torch", "transformers", "megatron"}, sorted(loaded)
 
 
 def test_launch_local_sh_reads_the_world_size_without_torch(tmp_path):
