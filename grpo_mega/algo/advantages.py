@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from grpo_mega.algo._checks import check_finite_rows, check_group_layout, check_std_scaling
-from grpo_mega.algo.choices import STEP_BASELINES  # noqa: F401  (re-exported: grpo_mega.algo)
+from grpo_mega.algo.choices import STEP_BASELINES
 
 
 def outcome_advantages(

@@ -6,7 +6,6 @@ import torch
 
 from grpo_mega.algo.choices import KL_ESTIMATORS
 
-
 DEFAULT_LOG_RATIO_CLAMP = 20.0
 """|d| bound of the KL log-ratio (verl's bound): exp(20) ~ 4.9e8 keeps k3 finite in fp32 (and in bf16)."""
 

@@ -6,7 +6,6 @@ import torch
 
 from grpo_mega.algo.choices import LOSS_AGG_MODES
 
-
 # exp(20) ~ 5e8: keeps the ratio finite when the policy has moved far from the sampler (same bound as verl).
 _MAX_LOG_RATIO = 20.0
 

@@ -29,7 +29,6 @@ from typing import Sequence
 from grpo_mega.algo.choices import STEP_REWARDS
 
 
-
 def step_rewards_from_scores(scores: Sequence[float], kind: str, *, start: float = 0.0,
                              clip_eta: float = 0.5) -> list[float]:
     """The step rewards of one completion from its PRM step ``scores`` (see the module docstring); ``start`` is

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-import torch.distributed as dist
-
 from grpo_mega.reward.compute import RewardError, score_samples
 from grpo_mega.reward.types import RewardFunction, SampleReward
 
@@ -26,6 +24,8 @@ def score_across_ranks(
     on_error: str = "zero",
 ) -> list[SampleReward]:
     """One :class:`SampleReward` per sample, identical on every rank (collective when distributed)."""
+    import torch.distributed as dist  # here: the package imports no torch (the CLI checks a reward before launch)
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = list(range(rank, len(completions), world))
