@@ -10,6 +10,10 @@ then fill in around the long ones and both workers finish at about the same time
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 # Approximate seconds of the slowest files under `make test` (2 cores, measured 2026-12-03 from pytest's junit XML of
 # a whole run at e2111a6); only their order matters, and a file missing here just runs after them.
 SLOW_FILES = {
@@ -55,3 +59,23 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     # A stable sort: the tests of a file stay together and in order, and files of equal weight keep theirs.
     items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fork_server():
+    """This worker's fork server, offered to the commands its tests start (in ``os.environ``, which they inherit);
+    None where ranks are not forked (CUDA builds of torch)."""
+    from grpo_mega.run.forked_ranks import forking_allowed
+    from grpo_mega.run.launcher import PRELOADED
+    from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV, SharedForkServer
+
+    if not forking_allowed():
+        yield None
+        return
+    server = SharedForkServer(PRELOADED)
+    os.environ[SHARED_FORK_SERVER_ENV] = server.offer
+    try:
+        yield server
+    finally:
+        os.environ.pop(SHARED_FORK_SERVER_ENV, None)
+        server.stop()

@@ -23,6 +23,7 @@ from grpo_mega.rollout.base import Completion
 from grpo_mega.rollout.bridge import pack_bucket, unpack_bucket
 from grpo_mega.run.metrics import read_metrics
 from grpo_mega.run.procfs import alive
+from grpo_mega.run.shared_fork_server import without_offer
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.rollout_feed import batch_from_state, batch_state, generating_version
 from tiny_task import build_tiny_task, tiny_run_overrides
@@ -186,7 +187,7 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
     an uninterrupted run's, and every step trained the same prompts and completions: none lost, none twice."""
     settings, whole, killed = K1, uninterrupted_k1, tmp_path / "killed"
     job = subprocess.Popen(_command(task, killed, 2, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True, env=_environment(), start_new_session=True)
+                           text=True, env=without_offer(_environment()), start_new_session=True)
     deadline = time.monotonic() + 300
     while not any(r["step"] == 5 for r in _rows(killed)):
         assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:] if job.stderr else ""
@@ -205,8 +206,10 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
 
 
 def _started_until_step(command, run_dir, step):
-    """The job of ``command``, started and left running once its step ``step`` is logged."""
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_environment())
+    """The job of ``command``, started and left running once its step ``step`` is logged (without the suite's shared
+    fork server: its ranks are found through its launcher, rank_pid and _kill_whole_job)."""
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env=without_offer(_environment()))
     while not any(r["step"] == step for r in _rows(run_dir)):
         assert job.poll() is None, job.stderr.read()[-3000:]
         time.sleep(0.05)

@@ -27,6 +27,7 @@ import pytest
 from grpo_mega.run.failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
 from grpo_mega.run.metrics import read_metrics
 from grpo_mega.run.procfs import alive
+from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +115,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
     command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(REPO / "configs/quickstart_grpo.yaml"),
                "--nproc", "2", *tiny_run_overrides(task, run_dir, "trainer.total_steps=100",
                                                    f"trainer.collective_timeout_s={TIMEOUT_S}")]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    # without the suite's shared fork server: rank_pid finds a forked rank through its launcher's own server
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                           env=without_offer())
     stopped = None
     try:
         metrics = run_dir / "metrics.jsonl"

@@ -1,7 +1,8 @@
 """torchrun's ranks forked from the launcher's preloaded server (grpo_mega/run/forked_ranks.py, CPU builds of torch):
 a ``-m`` module runs in each as ``python -u -m`` would run it (arguments, ``__main__``, exit status, ``atexit``,
-unbuffered output, a session of its own, its name), and a rank that finished after its launcher was killed exits
-instead of waiting for it forever."""
+unbuffered output, a session of its own, its name, its launcher's environment), also when forked from a shared server
+(grpo_mega/run/shared_fork_server.py), and a rank that finished after its launcher was killed exits instead of waiting
+for it forever."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from grpo_mega.run.forked_ranks import FORK_RANKS_ENV, rank_process_name
 from grpo_mega.run.procfs import alive
+from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV, use_if_offered, without_offer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +34,7 @@ sys.stdout.write(f"rank {rank} unterminated")  # no newline, no flush: seen only
 time.sleep(0.5)
 with open(out + ".json", "w") as handle:
     json.dump({"argv": sys.argv, "name": __name__, "pid": os.getpid(), "session_leader": os.getsid(0) == os.getpid(),
+               "parent": os.getppid(), "marker": os.environ.get("PROBE_MARKER"),
                "comm": open("/proc/self/comm").read().strip(), "log_so_far": open(sys.argv[3]).read()}, handle)
 while os.path.exists(os.path.join(sys.argv[2], "hold")):
     time.sleep(0.1)
@@ -39,10 +42,13 @@ sys.exit(int(sys.argv[1]) if rank == "1" else 0)
 '''
 
 
-def _start(tmp_path: Path, status: int, log: Path, *, fork: bool = True) -> subprocess.Popen:
+def _start(tmp_path: Path, status: int, log: Path, *, how: str = "forked") -> subprocess.Popen:
+    """The probe on 2 ranks: ``forked`` from the launcher's own server, from the suite's ``shared`` one, or started
+    as ``interpreters``."""
     (tmp_path / "probe_module.py").write_text(PROBE)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-               **{FORK_RANKS_ENV: "1" if fork else "0"})
+    env = dict(os.environ if how == "shared" else without_offer(), PROBE_MARKER="the command's",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               **{FORK_RANKS_ENV: "0" if how == "interpreters" else "1"})
     with open(log, "w") as handle:
         return subprocess.Popen([sys.executable, "-m", "grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2",
                                  "-m", "--", "probe_module", str(status), str(tmp_path), str(log)],
@@ -59,10 +65,10 @@ def _report(tmp_path: Path, rank: int, timeout: float = 120.0) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("fork", [True, False], ids=["forked", "interpreters"])
-def test_a_forked_rank_runs_its_module_as_python_dash_m_would(tmp_path, fork):
+@pytest.mark.parametrize("how", ["forked", "shared", "interpreters"])
+def test_a_forked_rank_runs_its_module_as_python_dash_m_would(tmp_path, how, shared_fork_server):
     log = tmp_path / "job.log"
-    job = _start(tmp_path, 3, log, fork=fork)
+    job = _start(tmp_path, 3, log, how=how)
     assert job.wait(timeout=180) == 3, log.read_text()[-3000:]  # rank 1's status is the job's
     for rank in (0, 1):
         report = _report(tmp_path, rank)
@@ -71,15 +77,20 @@ def test_a_forked_rank_runs_its_module_as_python_dash_m_would(tmp_path, fork):
         assert report["session_leader"]  # as torchrun's start_new_session: Ctrl-C reaches the launcher only
         assert f"rank {rank} unterminated" in report["log_so_far"]  # python -u
         assert (tmp_path / f"rank{rank}.atexit").read_text() == "ran"
-        if fork:
+        assert report["marker"] == "the command's"  # its launcher's environment, whichever process forked it
+        if how != "interpreters":
             assert report["comm"] == rank_process_name(str(rank))
+        shared_pid = int(shared_fork_server.offer.split(":")[0])
+        assert (report["parent"] == shared_pid) == (how == "shared")  # else a server of the launcher's own, or it
 
 
-def test_a_rank_that_finished_after_its_launcher_was_killed_exits(tmp_path):
+@pytest.mark.parametrize("how", ["forked", "shared"])
+def test_a_rank_that_finished_after_its_launcher_was_killed_exits(tmp_path, how):
     """The ranks outlive a SIGKILLed launcher and finish their work, as interpreters would; then each ends (torchrun's
-    function wrapper would otherwise wait forever for the gone agent to read its return value)."""
+    function wrapper would otherwise wait forever for the gone agent to read its return value): also where the
+    rank's parent is a shared server, which lives on."""
     (tmp_path / "hold").write_text("")
-    job = _start(tmp_path, 0, tmp_path / "job.log")
+    job = _start(tmp_path, 0, tmp_path / "job.log", how=how)
     pids = [_report(tmp_path, rank)["pid"] for rank in (0, 1)]
     job.send_signal(signal.SIGKILL)
     job.wait(timeout=30)
@@ -90,3 +101,13 @@ def test_a_rank_that_finished_after_its_launcher_was_killed_exits(tmp_path):
         time.sleep(0.2)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.atexit").read_text() == "ran"
+
+
+def test_an_offered_server_is_refused_under_slurm_or_once_it_is_gone(tmp_path, shared_fork_server):
+    offer = shared_fork_server.offer
+    pid, key, address = offer.split(":", 2)
+    for environ in ({SHARED_FORK_SERVER_ENV: offer, "SLURM_JOB_ID": "7"},  # a job step's ranks stay on its node
+                    {SHARED_FORK_SERVER_ENV: f"{2 ** 22 + 1}:{key}:{address}"},  # a server no longer running
+                    {SHARED_FORK_SERVER_ENV: f"{pid}:{key}:{tmp_path / 'gone'}"},  # its socket removed
+                    {SHARED_FORK_SERVER_ENV: "not an offer"}, {}):
+        assert use_if_offered(environ) is False, environ

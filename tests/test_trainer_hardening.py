@@ -15,6 +15,7 @@ import pytest
 
 from dist_utils import run_distributed
 from grpo_mega.run.metrics import read_metrics
+from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
@@ -59,7 +60,9 @@ def straight_and_killed_runs(task, root: Path, *common: str,
     interrupted = root / "interrupted"
     latest = interrupted / "checkpoints" / "latest"
     with open(root / "first.log", "w") as log:
-        job = subprocess.Popen(_cli(task, interrupted, *common), stdout=log, stderr=log, start_new_session=True)
+        # without the suite's shared fork server: the ranks are killed as the job's descendants
+        job = subprocess.Popen(_cli(task, interrupted, *common), stdout=log, stderr=log, start_new_session=True,
+                               env=without_offer())
         while job.poll() is None and not (latest.exists() and latest.read_text().strip() == "step_000002"):
             time.sleep(0.05)
         # The whole job, mid step 3, as a scheduler would: torchrun's workers run in their own process groups.

@@ -14,6 +14,7 @@ import pytest
 from grpo_mega.run.control import EXIT_STOPPED_EARLY
 from grpo_mega.run.forked_ranks import rank_process_name
 from grpo_mega.run.metrics import read_metrics
+from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
@@ -29,11 +30,11 @@ def _cli(task, run_dir, *extra):
             *tiny_run_overrides(task, run_dir, "trainer.save_every=0", *extra)]
 
 
-def _start_and_signal_after_step_one(task, run_dir, send):
+def _start_and_signal_after_step_one(task, run_dir, send, env=None):
     """Start a 40-step run, wait until step 1 is logged, call ``send(job)``; returns (return code, output)."""
     log_path = run_dir.parent / f"{run_dir.name}.log"
     with open(log_path, "w") as log:
-        job = subprocess.Popen(_cli(task, run_dir, "trainer.total_steps=40"), stdout=log, stderr=log)
+        job = subprocess.Popen(_cli(task, run_dir, "trainer.total_steps=40"), stdout=log, stderr=log, env=env)
         metrics = run_dir / "metrics.jsonl"
         while job.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
             time.sleep(0.05)
@@ -78,7 +79,8 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_at_the_same_step(task, tmp_p
         assert len(rank_one) == 1, [(p.name(), p.cmdline()) for p in processes]
         rank_one[0].send_signal(signal.SIGUSR1)
 
-    code, output = _start_and_signal_after_step_one(task, run_dir, signal_rank_one_only)
+    # without the suite's shared fork server: rank 1 is found among the job's descendants
+    code, output = _start_and_signal_after_step_one(task, run_dir, signal_rank_one_only, env=without_offer())
     steps = _stopped_steps(output)
     assert code != 0 and len(steps) == 2 and steps[0] == steps[1] < 40, output[-3000:]
     assert "SIGUSR1 received" in output and "a signal on another rank" in output

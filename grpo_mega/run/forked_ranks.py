@@ -38,7 +38,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from grpo_mega.run.procfs import alive, parent_of
+from grpo_mega.run.procfs import alive
+from grpo_mega.run.shared_fork_server import AdoptedLauncher, use_if_offered
 
 FORK_RANKS_ENV = "GRPO_MEGA_FORK_RANKS"
 """Set to ``0`` to have torchrun start every rank as a new interpreter even on a CPU build of torch."""
@@ -48,11 +49,11 @@ def forks_ranks(command: list[str], module: str) -> bool:
     """Whether the ranks of torchrun's ``command`` (its ``python -u -m <module> ...`` for each rank) can be forked:
     a CPU build of torch with a fork server, a plain ``-m`` command (no ``--local-rank`` argument added), not
     switched off by :data:`FORK_RANKS_ENV`."""
-    return (_forking_allowed() and command[:3] == ["-u", "-m", module]
+    return (forking_allowed() and command[:3] == ["-u", "-m", module]
             and not any(arg.startswith("--local-rank") for arg in command))
 
 
-def _forking_allowed() -> bool:
+def forking_allowed() -> bool:
     """Whether this machine and its user let ranks be forked at all: not switched off by :data:`FORK_RANKS_ENV`, a
     fork server, and a CPU build of torch (a CUDA or ROCm one keeps torchrun's interpreters)."""
     import multiprocessing
@@ -114,19 +115,20 @@ def _torch_built_for_cpu_only() -> bool:
 def start_the_server_early(launcher_arguments: list[str]) -> None:
     """Start the fork server now, for a launcher of a ``-m`` command whose ranks will be forked, so that it imports
     torch, megatron-core and transformers on a second core while the launcher imports torch and meets the other
-    nodes (it would otherwise start only when the ranks do, after both). Nothing where the ranks will not be forked."""
+    nodes (it would otherwise start only when the ranks do, after both). Nothing where the ranks will not be forked,
+    nor where a shared server is offered (``grpo_mega.run.shared_fork_server``): the ranks are forked from that one."""
     import multiprocessing
     import multiprocessing.forkserver
 
     from grpo_mega.run.launcher import PRELOADED
 
-    if not ({"-m", "--module"} & set(launcher_arguments) and _forking_allowed()):
+    if not ({"-m", "--module"} & set(launcher_arguments) and forking_allowed()) or use_if_offered():
         return
     multiprocessing.set_forkserver_preload(PRELOADED)
     multiprocessing.forkserver.ensure_running()
 
 
-def _exit_once_the_launcher_is_gone(launcher: int | None) -> None:
+def _exit_once_the_launcher_is_gone(launcher: int) -> None:
     """After the module returned: torchrun's wrapper hands the agent the rank's return value and waits until the
     agent has read every rank's, which it never does once it is gone (killed with its node, a SIGKILL to the
     command): exit then, with status 0, as a rank started by torchrun as an interpreter would have."""
@@ -134,7 +136,7 @@ def _exit_once_the_launcher_is_gone(launcher: int | None) -> None:
     import time
 
     def watch() -> None:
-        while launcher is not None and alive(launcher):
+        while alive(launcher):
             time.sleep(0.5)
         _flush_streams()
         os._exit(0)
@@ -142,11 +144,12 @@ def _exit_once_the_launcher_is_gone(launcher: int | None) -> None:
     threading.Thread(target=watch, name="grpo-launcher-watch", daemon=True).start()
 
 
-def run_rank(module: str, *arguments: str) -> None:
-    """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring)."""
+def run_rank(launcher: AdoptedLauncher, module: str, *arguments: str) -> None:
+    """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring), started by
+    ``launcher`` (torchrun's agent, whose environment and streams the rank took on arrival: a
+    ``grpo_mega.run.shared_fork_server.LauncherSide`` in its arguments)."""
     import runpy
 
-    launcher = parent_of(os.getppid())  # the fork server's parent: torchrun's agent
     os.setsid()
     _name_and_keep_no_parent_death_signal()
     _unbuffered_streams()
@@ -173,7 +176,7 @@ def run_rank(module: str, *arguments: str) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     if code is None or code == 0:
-        _exit_once_the_launcher_is_gone(launcher)
+        _exit_once_the_launcher_is_gone(launcher.pid)
         return  # torchrun's agent waits for every rank's return value: a SystemExit(0) would not give one
     if not isinstance(code, int):
         print(code, file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
+from grpo_mega.run.shared_fork_server import AdoptedLauncher, LauncherSide, use_if_offered
 
 
 def under_launcher() -> bool:
@@ -87,9 +88,8 @@ PRELOADED = ["grpo_mega.run.rank_preload"]
 method): torch, megatron-core and transformers, so that a rank starts with them loaded instead of importing them
 again (5-7 s of CPU per rank on the 2-core test machine, where the suite starts hundreds of ranks). Importing them
 runs no device code and starts no thread pool, so forking the server is as clean a start as a fresh interpreter; a
-rank still gets the caller's environment, working directory and ``sys.path`` of the moment it is started
-(:func:`_local_rank`, and multiprocessing's own preparation). Its standard streams are the server's: those of the
-process that started the first ranks."""
+rank still gets the caller's environment, standard output and error, working directory and ``sys.path`` of the
+moment it is started (``grpo_mega.run.shared_fork_server.LauncherSide``, and multiprocessing's own preparation)."""
 
 
 def _start_method() -> str:
@@ -102,7 +102,8 @@ def _start_method() -> str:
 
     if torch.version.cuda is not None or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts, the first time
+    if not use_if_offered():  # a shared server (grpo_mega.run.shared_fork_server) has preloaded them already
+        multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts, the first time
     return "forkserver"
 
 
@@ -123,11 +124,10 @@ def _leave_no_process_group() -> None:
 
 
 def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: int | None, result_dir: str,
-                args: tuple, environment: dict[str, str]) -> None:
-    """One local rank: the caller's ``environment`` (a forked rank would otherwise have the fork server's, from
-    when it started) with torchrun's variables, ``threads`` intra-op threads, run ``fn``, pickle its result."""
-    os.environ.clear()
-    os.environ.update(environment)
+                args: tuple, launcher: AdoptedLauncher) -> None:
+    """One local rank: the caller's environment and streams (adopted from ``launcher`` on arrival: a forked rank
+    would otherwise have the fork server's, from when it started) with torchrun's variables, ``threads`` intra-op
+    threads, run ``fn``, pickle its result."""
     os.environ.update(_torchrun_variables(rank, world_size, port))
     import torch
 
@@ -183,7 +183,7 @@ def spawn_local_ranks(
 
     with tempfile.TemporaryDirectory(prefix="grpo_mega_ranks_") as result_dir:
         context = mp.start_processes(
-            _local_rank, args=(fn, world_size, free_port(), threads, result_dir, args, dict(os.environ)),
+            _local_rank, args=(fn, world_size, free_port(), threads, result_dir, args, LauncherSide()),
             nprocs=world_size, join=False, start_method=_start_method(),
         )
         deadline = None if timeout is None else time.monotonic() + timeout
