@@ -80,8 +80,7 @@ def test_a_forked_rank_runs_its_module_as_python_dash_m_would(tmp_path, how, sha
         assert report["marker"] == "the command's"  # its launcher's environment, whichever process forked it
         if how != "interpreters":
             assert report["comm"] == rank_process_name(str(rank))
-        shared_pid = int(shared_fork_server.offer.split(":")[0])
-        assert (report["parent"] == shared_pid) == (how == "shared")  # else a server of the launcher's own, or it
+        assert (report["parent"] == shared_fork_server.pid) == (how == "shared")  # else a server of the launcher's own, or it
 
 
 @pytest.mark.parametrize("how", ["forked", "shared"])

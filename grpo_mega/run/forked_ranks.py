@@ -39,7 +39,6 @@ import traceback
 from pathlib import Path
 
 from grpo_mega.run.procfs import alive
-from grpo_mega.run.shared_fork_server import AdoptedLauncher, use_if_offered
 
 FORK_RANKS_ENV = "GRPO_MEGA_FORK_RANKS"
 """Set to ``0`` to have torchrun start every rank as a new interpreter even on a CPU build of torch."""
@@ -117,15 +116,12 @@ def start_the_server_early(launcher_arguments: list[str]) -> None:
     torch, megatron-core and transformers on a second core while the launcher imports torch and meets the other
     nodes (it would otherwise start only when the ranks do, after both). Nothing where the ranks will not be forked,
     nor where a shared server is offered (``grpo_mega.run.shared_fork_server``): the ranks are forked from that one."""
-    import multiprocessing
     import multiprocessing.forkserver
 
-    from grpo_mega.run.launcher import PRELOADED
+    from grpo_mega.run.launcher import fork_from_a_preloaded_server
 
-    if not ({"-m", "--module"} & set(launcher_arguments) and forking_allowed()) or use_if_offered():
-        return
-    multiprocessing.set_forkserver_preload(PRELOADED)
-    multiprocessing.forkserver.ensure_running()
+    if {"-m", "--module"} & set(launcher_arguments) and forking_allowed() and not fork_from_a_preloaded_server():
+        multiprocessing.forkserver.ensure_running()
 
 
 def _exit_once_the_launcher_is_gone(launcher: int) -> None:
@@ -144,10 +140,10 @@ def _exit_once_the_launcher_is_gone(launcher: int) -> None:
     threading.Thread(target=watch, name="grpo-launcher-watch", daemon=True).start()
 
 
-def run_rank(launcher: AdoptedLauncher, module: str, *arguments: str) -> None:
+def run_rank(launcher: int, module: str, *arguments: str) -> None:
     """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring), started by
-    ``launcher`` (torchrun's agent, whose environment and streams the rank took on arrival: a
-    ``grpo_mega.run.shared_fork_server.LauncherSide`` in its arguments)."""
+    the process ``launcher`` (torchrun's agent, whose environment and streams the rank took on arrival: a
+    ``grpo_mega.run.shared_fork_server.LauncherSide`` in its arguments, unpickled as the agent's pid)."""
     import runpy
 
     os.setsid()
@@ -176,7 +172,7 @@ def run_rank(launcher: AdoptedLauncher, module: str, *arguments: str) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     if code is None or code == 0:
-        _exit_once_the_launcher_is_gone(launcher.pid)
+        _exit_once_the_launcher_is_gone(launcher)
         return  # torchrun's agent waits for every rank's return value: a SystemExit(0) would not give one
     if not isinstance(code, int):
         print(code, file=sys.stderr, flush=True)

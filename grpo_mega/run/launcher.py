@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
-from grpo_mega.run.shared_fork_server import AdoptedLauncher, LauncherSide, use_if_offered
+from grpo_mega.run.shared_fork_server import LauncherSide, use_if_offered
 
 
 def under_launcher() -> bool:
@@ -102,9 +102,20 @@ def _start_method() -> str:
 
     if torch.version.cuda is not None or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    if not use_if_offered():  # a shared server (grpo_mega.run.shared_fork_server) has preloaded them already
-        multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts, the first time
+    fork_from_a_preloaded_server()
     return "forkserver"
+
+
+def fork_from_a_preloaded_server() -> bool:
+    """Have this process's ``forkserver`` ranks forked from a server with :data:`PRELOADED` imported: the shared
+    one offered to it (``grpo_mega.run.shared_fork_server``; returns True), else its own, preloading them when it
+    starts (the first time; returns False)."""
+    import multiprocessing
+
+    if use_if_offered():
+        return True
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    return False
 
 
 def _torchrun_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -124,10 +135,10 @@ def _leave_no_process_group() -> None:
 
 
 def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: int | None, result_dir: str,
-                args: tuple, launcher: AdoptedLauncher) -> None:
-    """One local rank: the caller's environment and streams (adopted from ``launcher`` on arrival: a forked rank
-    would otherwise have the fork server's, from when it started) with torchrun's variables, ``threads`` intra-op
-    threads, run ``fn``, pickle its result."""
+                args: tuple, launcher: int) -> None:
+    """One local rank: the caller's environment and streams (adopted on arrival from the ``LauncherSide`` that
+    became ``launcher``, the caller's pid: a forked rank would otherwise have the fork server's, from when it
+    started) with torchrun's variables, ``threads`` intra-op threads, run ``fn``, pickle its result."""
     os.environ.update(_torchrun_variables(rank, world_size, port))
     import torch
 

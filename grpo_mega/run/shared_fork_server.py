@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import stat
 
+from grpo_mega.run.procfs import alive
+
 SHARED_FORK_SERVER_ENV = "GRPO_MEGA_FORK_SERVER"
 """``<server pid>:<authentication key, hex, empty where Python has none>:<unix socket path>`` of a running shared
 fork server, set by the process that started it for the commands it starts."""
@@ -42,14 +44,14 @@ class SharedForkServer:
         self._server.ensure_running()
 
     @property
+    def pid(self) -> int:
+        return self._server._forkserver_pid
+
+    @property
     def offer(self) -> str:
         """The value of :data:`SHARED_FORK_SERVER_ENV` for the commands that should use this server."""
         key = getattr(self._server, "_forkserver_authkey", b"") or b""  # Python >= 3.14 authenticates its clients
-        return f"{self._server._forkserver_pid}:{key.hex()}:{self._server._forkserver_address}"
-
-    def environment(self, environ: dict[str, str] | None = None) -> dict[str, str]:
-        """``environ`` (default: this process's) with the offer."""
-        return dict(os.environ if environ is None else environ, **{SHARED_FORK_SERVER_ENV: self.offer})
+        return f"{self.pid}:{key.hex()}:{self._server._forkserver_address}"
 
     def stop(self) -> None:
         self._server._stop()
@@ -62,8 +64,6 @@ def _offered_server(environ) -> tuple[str, bytes] | None:
     key, _, address = rest.partition(":")
     if not (pid.isdigit() and address) or "SLURM_JOB_ID" in environ:
         return None
-    from grpo_mega.run.procfs import alive
-
     try:
         if not (alive(pid) and stat.S_ISSOCK(os.stat(address).st_mode)):
             return None
@@ -97,21 +97,15 @@ def use_if_offered(environ=os.environ) -> bool:
 
 class LauncherSide:
     """Put in a forked rank's arguments: pickled when the launcher starts the rank, it carries the launcher's pid,
-    environment and standard output / error into the rank, where its unpickling adopts them (``AdoptedLauncher``)
-    before the rank's own code runs (torchrun's wrapper then adds the rank's variables to that environment)."""
+    environment and standard output / error into the rank, where its unpickling adopts them and leaves the
+    launcher's pid in the argument's place, before the rank's own code runs (torchrun's wrapper then adds the rank's
+    variables to that environment)."""
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
         streams = tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
         return _adopt_launcher_side, (os.getpid(), dict(os.environ), streams)
-
-
-class AdoptedLauncher:
-    """What a rank knows of its launcher once :class:`LauncherSide` arrived: its pid."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
 
 
 def _is_open(fd: int) -> bool:
@@ -122,7 +116,7 @@ def _is_open(fd: int) -> bool:
         return False
 
 
-def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: tuple) -> AdoptedLauncher:
+def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: tuple) -> int:
     os.environ.clear()
     os.environ.update(environ)
     for fd, inherited in zip((1, 2), streams):
@@ -132,7 +126,7 @@ def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: tuple)
         if source != fd:
             os.dup2(source, fd)
             os.close(source)
-    return AdoptedLauncher(launcher)
+    return launcher
 
 
 def without_offer(environ=None) -> dict[str, str]:

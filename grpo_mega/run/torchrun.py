@@ -117,13 +117,11 @@ def _fork_ranks_when_they_can() -> None:
     (``grpo_mega.run.forked_ranks``): its ``config_from_args`` gives the agent :func:`forked_ranks.run_rank` as
     a function entrypoint and the ``forkserver`` start method instead of the ``python -u -m`` command line; the
     server is a shared one where it is offered (``grpo_mega.run.shared_fork_server``)."""
-    import multiprocessing
-
     import torch.distributed.run as torchrun
 
     from grpo_mega.run import forked_ranks
-    from grpo_mega.run.launcher import PRELOADED
-    from grpo_mega.run.shared_fork_server import LauncherSide, use_if_offered
+    from grpo_mega.run.launcher import fork_from_a_preloaded_server
+    from grpo_mega.run.shared_fork_server import LauncherSide
 
     original = torchrun.config_from_args
 
@@ -132,8 +130,7 @@ def _fork_ranks_when_they_can() -> None:
         if not (args.module and forked_ranks.forks_ranks(command_args, args.training_script)):
             return config, command, command_args
         config.start_method = "forkserver"
-        if not use_if_offered():
-            multiprocessing.set_forkserver_preload(PRELOADED)
+        fork_from_a_preloaded_server()
         return config, forked_ranks.run_rank, [LauncherSide(), *command_args[2:]]
 
     torchrun.config_from_args = config_from_args  # looked up by run() when it is called
