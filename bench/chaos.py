@@ -1,7 +1,7 @@
 """One long GRPO run under many faults (issue 61): does it end bit-equal to an uninterrupted run of the same command?
 
     .venv/bin/python bench/chaos.py [--seed 0] [--faults 20] [--steps 150] [--variant prm|async] [--kinds K,...] \\
-        [--launcher local|slurm] [--timeout 15] [--save-every 3] [--disk-mib 256] [--reuse] [--work DIR] \\
+        [--launcher local|slurm] [--ranks interpreters|forked] [--timeout 15] [--save-every 3] [--disk-mib 256] [--reuse] [--work DIR] \\
         [--out bench/results/chaos.json]
 
 The run: ``grpo-mega train`` under torchrun (2 gloo ranks) through bench/fault_inject.py, the tiny synthetic task of
@@ -48,10 +48,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import chaos_slurm  # noqa: E402
 from chaos_checks import compare_runs  # noqa: E402
-from chaos_faults import (KINDS, PLANTED, STOPS, DiskFill, Fault, alter_newest, cause_named,  # noqa: E402
-                          draw_schedule, failure_history, inject, planted_env, rank_pid,
+from chaos_faults import (KINDS, PLANTED, PROGRAM, STOPS, DiskFill, Fault, alter_newest,  # noqa: E402
+                          cause_named, draw_schedule, failure_history, inject, planted_env, rank_pid,
                           last_step, poll_attempt, record_attempt, rows_logged, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
+
+from grpo_mega.run.shared_fork_server import without_offer  # noqa: E402
 
 GRACE_S = 10
 RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2", "algorithm.response_length=12",
@@ -80,19 +82,32 @@ def overrides(task, run_dir: Path, args) -> list[str]:
             *VARIANTS[args.variant]]
 
 
+RANK_PROGRAMS = {"interpreters": PROGRAM, "forked": chaos_slurm.PROGRAM}
+"""What each ``--ranks`` choice's launcher command line names as the ranks' program (rank_pid finds them by it)."""
+
+
 def command(task, run_dir: Path, args) -> list[str]:
-    """The local launcher's command: torchrun, 2 ranks on this machine, bench/fault_inject.py as their program."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "bench" / "fault_inject.py"), "train", "--config", str(GRPO_CONFIG),
-            *overrides(task, run_dir, args)]
+    """The local launcher's command: 2 ranks on this machine running bench/fault_inject.py. ``--ranks interpreters``
+    (the recorded schedules): torch's torchrun, each rank a new interpreter; ``--ranks forked``: the launcher
+    ``grpo-mega train --nproc 2`` execs (``grpo_mega.run.torchrun``), its ranks forked from a server that imported
+    torch, megatron-core and transformers once per attempt (``grpo_mega.run.forked_ranks``: CPU builds of torch)."""
+    if args.ranks == "forked":
+        launcher = ["-m", "grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2", "-m", "--",
+                    RANK_PROGRAMS["forked"].decode()]
+    else:
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(ROOT / "bench" / "fault_inject.py")]
+    return [sys.executable, *launcher, "train", "--config", str(GRPO_CONFIG), *overrides(task, run_dir, args)]
 
 
 class Supervisor:
     """Runs the command attempt after attempt in one run folder, one fault per attempt, and records each."""
 
     def __init__(self, argv: list[str], run_dir: Path, logs: Path, env: dict, timeout: int, disk: Path | None,
-                 rollout_lead: int = 0):
+                 rollout_lead: int = 0, program: bytes = PROGRAM):
         self.argv, self.run_dir, self.logs, self.env, self.disk = argv, run_dir, logs, env, disk
+        self.program = program
+        """The ranks' program on the launcher's command line (rank_pid)."""
         self.rollout_lead = rollout_lead
         """ROLLOUT_LEAD of the variant: added to the earliest trigger of a fault planted on the rollout rank."""
         self.limit = 2 * timeout + GRACE_S + 60
@@ -125,7 +140,7 @@ class Supervisor:
             hung = True
             job.kill()
             job.wait()
-        while (pids := [p for p in (rank_pid(r, self.run_dir) for r in range(2)) if p]):
+        while (pids := [p for p in (rank_pid(r, self.run_dir, self.program) for r in range(2)) if p]):
             if time.monotonic() > deadline:
                 hung = True
                 for pid in pids:
@@ -161,7 +176,7 @@ class Supervisor:
             if reached:
                 time.sleep(fault.delay_s)
                 if job.poll() is None:
-                    fault_at = inject(fault, job.pid, self.run_dir, disk_fill)
+                    fault_at = inject(fault, job.pid, self.run_dir, disk_fill, self.program)
             ended, hung = self.end(job)
             if disk_fill is not None:
                 disk_fill.release_after(fault.record, self.run_dir)
@@ -204,7 +219,7 @@ def run_schedule(schedule: list[Fault], supervisor, seed: int) -> dict:
 def reference(args, task, work: Path, env: dict, cluster=None) -> Path:
     """The uninterrupted run of the same command under the same launcher (``cluster``: SLURM's), kept in ``work``
     and reused by the schedules that share it."""
-    launcher = "" if cluster is None else f"-{args.launcher}"
+    launcher = f"-{args.launcher}" if cluster is not None else "-forked" if args.ranks == "forked" else ""
     run_dir = work / f"reference-{args.variant}{launcher}-{args.steps}-{args.save_every}" / "run"
     done = run_dir.parent / "done"
     if not done.exists():
@@ -233,7 +248,9 @@ def supervisor(args, task, work: Path, env: dict, disk: Path | None, cluster):
     if cluster is not None:
         return chaos_slurm.SlurmSupervisor(cluster, overrides(task, run_dir, args), GRPO_CONFIG, run_dir, logs, env,
                                            args.timeout, disk, lead, ROLLOUT_RANK)
-    return Supervisor(command(task, run_dir, args), run_dir, logs, env, args.timeout, disk, lead)
+    # The ranks among the command's descendants, where rank_pid finds them: a server of its own (no shared one's offer)
+    return Supervisor(command(task, run_dir, args), run_dir, logs, without_offer(env), args.timeout, disk, lead,
+                      RANK_PROGRAMS[args.ranks])
 
 
 def summarise(schedule: list[Fault], checks: dict, run: dict) -> dict:
@@ -273,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=["local", "slurm"], default="local",
                         help="local: torchrun restarted by this supervisor; slurm: launch/slurm/train.sbatch on the "
                              "tests' two-node cluster, restarted by its requeue (bench/chaos_slurm.py; root)")
+    parser.add_argument("--ranks", choices=sorted(RANK_PROGRAMS), default="interpreters",
+                        help="--launcher local: each rank a new interpreter under torch's torchrun (the recorded "
+                             "schedules), or forked from a preloaded server by grpo-mega's launcher, as "
+                             "`grpo-mega train --nproc 2` starts them on a CPU build of torch")
     parser.add_argument("--timeout", type=int, default=15, help="trainer.collective_timeout_s of the runs")
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--disk-mib", type=int, default=256, help="size of the tmpfs the run folder is on (disk_full)")
@@ -283,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(KINDS):
         parser.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
-    key = f"{args.variant}-{args.launcher}-seed{args.seed}-faults{args.faults}-steps{args.steps}"
+    if args.ranks == "forked" and args.launcher != "local":
+        parser.error("--ranks forked is for --launcher local (the SLURM launcher forks its ranks where it can)")
+    forked = "-forked" if args.ranks == "forked" else ""
+    key = f"{args.variant}-{args.launcher}{forked}-seed{args.seed}-faults{args.faults}-steps{args.steps}"
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     schedules = results.setdefault("schedules", {})
     if args.reuse and schedules.get(key, {}).get("finished"):

@@ -1,4 +1,4 @@
-"""A short chaos schedule (issue 61, bench/chaos.py): one 2-rank GRPO run with process supervision by a learned PRM
+"""A short chaos schedule (issue 61, bench/chaos.py): one 2-rank GRPO run (its ranks forked by grpo-mega's launcher) with process supervision by a learned PRM
 meets five faults of five kinds, one after the other in the same run folder (a checkpoint altered after its save, a
 rank killed while it resumes, a rank killed inside a save, the PRM scorer raising, the scheduler's SIGUSR1), each
 followed by a restart of the same command, and must end as ONE uninterrupted run of that command does: the final
@@ -26,8 +26,8 @@ STEPS = 12
 def test_a_run_that_meets_five_faults_ends_bit_equal_to_an_uninterrupted_run(tmp_path):
     out = tmp_path / "chaos.json"
     chaos.main(["--seed", "3", "--faults", "5", "--steps", str(STEPS), "--save-every", "2", "--kinds", KINDS,
-                "--timeout", "15", "--work", str(tmp_path / "work"), "--out", str(out)])
-    record = json.loads(out.read_text())["schedules"][f"prm-local-seed3-faults5-steps{STEPS}"]
+                "--ranks", "forked", "--timeout", "15", "--work", str(tmp_path / "work"), "--out", str(out)])
+    record = json.loads(out.read_text())["schedules"][f"prm-local-forked-seed3-faults5-steps{STEPS}"]
     summary, faults = record["summary"], record["faults"]
     assert sorted(fault["kind"] for fault in faults) == sorted(KINDS.split(","))
     assert summary["faults_met"] == 5 and summary["ended"], json.dumps(faults, indent=1)
@@ -42,7 +42,7 @@ def test_a_run_that_meets_five_faults_ends_bit_equal_to_an_uninterrupted_run(tmp
                for fault in faults)
     # The check tells checkpoints apart: the final one against the reference's checkpoint two steps earlier.
     run_checkpoints = Path(record["checks"]["weights"]["checkpoint"])
-    reference = tmp_path / "work" / f"reference-prm-{STEPS}-2" / "run" / "checkpoints"
+    reference = tmp_path / "work" / f"reference-prm-forked-{STEPS}-2" / "run" / "checkpoints"
     assert run_checkpoints.name == step_dir_name(STEPS)
     earlier = compare_checkpoints(reference / step_dir_name(STEPS), reference / step_dir_name(STEPS - 2))
     assert not earlier["bit_equal"] and earlier["different"]

@@ -83,10 +83,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-PRELOADED = ["grpo_mega.run.rank_preload"]
+PRELOADED = ["grpo_mega.run.rank_preload", "grpo_mega.trainer", "grpo_mega.sft", "prm.train"]
 """Imported once, by the fork server every local rank is forked from (multiprocessing's ``forkserver`` start
 method): torch, megatron-core and transformers, so that a rank starts with them loaded instead of importing them
-again (5-7 s of CPU per rank on the 2-core test machine, where the suite starts hundreds of ranks). Importing them
+again (5-7 s of CPU per rank on the 2-core test machine, where the suite starts hundreds of ranks), then the training
+loops our commands' ranks run (GRPO, SFT, PRM: another 0.5 s per rank, measured 2026-12-06; named here, not imported,
+as they sit in the layers above this one; none reads the environment or starts a thread at import). Importing them
 runs no device code and starts no thread pool, so forking the server is as clean a start as a fresh interpreter; a
 rank still gets the caller's environment, standard output and error, working directory and ``sys.path`` of the
 moment it is started (``grpo_mega.run.shared_fork_server.LauncherSide``, and multiprocessing's own preparation)."""
