@@ -23,6 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
+from grpo_mega.run.forked_command import can_run_forked
 from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
 from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
 from grpo_mega.run.library_warnings import quiet_libraries
@@ -196,11 +197,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         pause_point(f"cli.{name.replace(' ', '.')}")  # tests: a Ctrl-C while the command starts (imports)
+        if _runs_in_this_process(args) and can_run_forked():  # the work in a process forked from a preloaded server
+            from grpo_mega.run.forked_command import run_forked
+
+            return run_forked("grpo_mega.cli", argv)
         return _run_command(args, argv)
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:
             print(f"grpo-mega {name}: interrupted; {_how_to_continue(args)}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+
+
+def _runs_in_this_process(args) -> bool:
+    """Whether the command does its work (and imports torch for it) in this process: training, evaluation and the
+    PRM's commands on one process (``--nproc 1``; ``prm train`` with its count in its config too), not the
+    relaunch of ``--nproc N`` under torchrun, nor the light ``--print-config``, ``plan`` and pipelines."""
+    if getattr(args, "print_config", False):
+        return False
+    if args.command in ("train", "sft", "eval"):
+        return args.nproc == 1
+    if args.command == "prm" and args.prm_command == "train":
+        return args.nproc in (None, 1)
+    if args.command == "prm" and args.prm_command in ("label", "score", "eval"):
+        return (args.nproc or getattr(args, "tp", 1) * getattr(args, "pp", 1)) == 1
+    return False
 
 
 def _launch_rank() -> int:

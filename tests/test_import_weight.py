@@ -24,9 +24,11 @@ CASES = {
     "the pipelines' orchestrators": (["grpo_mega.quickstart.pipeline", "grpo_mega.quickstart.selection",
                                       "grpo_mega.run.layout", "grpo_mega.run.commands", "prm.pipeline"],
                                      ["torch", "transformers", "megatron"]),
-    # the config's checks and the reward function's pre-launch check: a refused command ends without torch's import
+    # the config's checks and the reward function's pre-launch check: a refused command ends without torch's import;
+    # model.init_from / a PRM's folder read there too (checkpoint.training_files), so a launch does not import it
     "the checks before launch": (["grpo_mega.config", "grpo_mega.config.cross_field", "grpo_mega.config.preflight",
-                                  "grpo_mega.algo.choices", "grpo_mega.reward.registry", "grpo_mega.reward.compute"],
+                                  "grpo_mega.algo.choices", "grpo_mega.reward.registry", "grpo_mega.reward.compute",
+                                  "grpo_mega.checkpoint.training_files"],
                                  ["torch", "transformers", "megatron"]),
     "a training rank": (["grpo_mega.trainer", "grpo_mega.sft", "prm.train", "grpo_mega.rollout",
                          "grpo_mega.engine", "grpo_mega.run.metrics"],

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from grpo_mega.checkpoint.extra_state import load_sharded
 from grpo_mega.checkpoint.hf_io import copy_side_files
 from grpo_mega.checkpoint.hf_layouts import architecture_for
+from grpo_mega.checkpoint.training_files import MCORE_MODEL_INFO_FILE
 
-INFO_FILE = "grpo_mega_model.json"
+INFO_FILE = MCORE_MODEL_INFO_FILE
 HF_FILES_DIR = "hf"
 FORMAT_NAME = "grpo_mega.mcore_model"
 FORMAT_VERSION = 1

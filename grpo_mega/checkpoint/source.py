@@ -29,10 +29,8 @@ import yaml
 
 from grpo_mega.checkpoint.collective import rank0_decides
 from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info
-from grpo_mega.checkpoint.training import CheckpointManager
-from grpo_mega.checkpoint.training_files import DEEPSPEED_METADATA, read_checkpoint_state, weights_format
-from grpo_mega.run.checkpoints import checkpoint_problem, checksum_problem
-from grpo_mega.run.layout import CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE
+from grpo_mega.checkpoint.training_files import DEEPSPEED_METADATA, find_checkpoint_folder, weights_format
+from grpo_mega.run.layout import CONFIG_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -79,32 +77,6 @@ class ModelSource:
         """The ``prm`` config section a grpo-mega PRM was trained with: its layout, tag, label tokens and rendering
         ({} for an HF or converted folder, and for a policy's checkpoint)."""
         return dict((self.run_config or {}).get("prm") or {})
-
-
-def find_checkpoint_folder(path: str | os.PathLike) -> Path:
-    """The complete checkpoint folder meant by ``path``: the folder itself, or a run directory's newest complete
-    checkpoint whose files match their checksums (an altered one is refused, with a warning, for the one before);
-    in this process only (:func:`locate_checkpoint` is the collective one). ValueError when there is none, or when
-    the folder named is altered (file, expected, found)."""
-    path = Path(path)
-    if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
-        refused: list[Path] = []
-        while (newest := CheckpointManager(path).newest_complete(skip=refused)) is not None:
-            problem = checksum_problem(newest)
-            if problem is None:
-                if refused:
-                    logger.warning("using %s, the newest checkpoint of %s whose files match their checksums "
-                                   "(refused: %s)", newest, path, ", ".join(p.name for p in refused))
-                return newest
-            logger.warning("refusing checkpoint %s: %s; looking for an older one", newest, problem)
-            refused.append(newest)
-        altered = f" that verifies (altered: {', '.join(p.name for p in refused)})" if refused else ""
-        raise ValueError(f"run directory {path} holds no complete checkpoint{altered}")
-    problem = checksum_problem(path) if checkpoint_problem(path) is None else None  # content before reading any
-    if problem is not None:
-        raise ValueError(f"checkpoint {path} is refused: {problem}")
-    read_checkpoint_state(path)
-    return path
 
 
 def locate_checkpoint(path: str | os.PathLike) -> Path:

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
-from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE as MCORE_MODEL_INFO_FILE
 from grpo_mega.run.checkpoints import (  # noqa: F401  (their home; imported here by the checkpoint layer's users)
     DEEPSPEED_METADATA,
     DIST_CHECKPOINT_METADATA,
     FORMAT_NAME,
     FORMAT_VERSION,
     checkpoint_problem,
+    checksum_problem,
+    newest_complete,
 )
 from grpo_mega.run.failure import NO_SPACE_ERRNOS, exception_chain
 from grpo_mega.run.layout import (
@@ -30,6 +32,11 @@ from grpo_mega.run.layout import (
     TMP_PREFIX,
     step_dir_name,
 )
+
+logger = logging.getLogger(__name__)
+
+MCORE_MODEL_INFO_FILE = "grpo_mega_model.json"
+"""The file that makes a folder a megatron model folder (``grpo_mega.checkpoint.mcore_checkpoint``'s ``INFO_FILE``)."""
 
 
 def read_checkpoint_state(path: str | os.PathLike) -> dict:
@@ -45,6 +52,33 @@ def read_checkpoint_state(path: str | os.PathLike) -> dict:
             f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
         )
     return info
+
+
+def find_checkpoint_folder(path: str | os.PathLike) -> Path:
+    """The complete checkpoint folder meant by ``path``: the folder itself, or a run directory's newest complete
+    checkpoint whose files match their checksums (an altered one is refused, with a warning, for the one before);
+    in this process only (``grpo_mega.checkpoint.source.locate_checkpoint`` is the collective one). ValueError when
+    there is none, or when the folder named is altered (file, expected, found). Imports no torch: the checks before
+    a launch (``model.init_from``, a PRM) call it in the command's own process."""
+    path = Path(path)
+    if (path / CHECKPOINTS_DIR).is_dir() and not (path / COMPLETE_FILE).exists():
+        refused: list[Path] = []
+        while (newest := newest_complete(path, warn=logger.warning, skip=refused)) is not None:
+            problem = checksum_problem(newest)
+            if problem is None:
+                if refused:
+                    logger.warning("using %s, the newest checkpoint of %s whose files match their checksums "
+                                   "(refused: %s)", newest, path, ", ".join(p.name for p in refused))
+                return newest
+            logger.warning("refusing checkpoint %s: %s; looking for an older one", newest, problem)
+            refused.append(newest)
+        altered = f" that verifies (altered: {', '.join(p.name for p in refused)})" if refused else ""
+        raise ValueError(f"run directory {path} holds no complete checkpoint{altered}")
+    problem = checksum_problem(path) if checkpoint_problem(path) is None else None  # content before reading any
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is refused: {problem}")
+    read_checkpoint_state(path)
+    return path
 
 
 def weights_format(path: str | os.PathLike) -> str:

@@ -119,8 +119,7 @@ def check_prompt_files(cfg: Any) -> None:
 def _check_weights_folder(key: str, folder: str) -> None:
     """ConfigError naming ``key`` when ``folder`` holds none of the weight formats a run starts from, or is a run
     directory without a complete checkpoint (what the ranks would find only after building the model)."""
-    from grpo_mega.checkpoint.source import find_checkpoint_folder
-    from grpo_mega.checkpoint.training_files import weights_format
+    from grpo_mega.checkpoint.training_files import find_checkpoint_folder, weights_format
 
     try:
         if weights_format(folder) in ("training_checkpoint", "training_run"):
