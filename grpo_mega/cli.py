@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     catch_ctrl_c()  # first: a process started with SIGINT ignored (a script's background job) must still stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
+    command_line = argv is None  # this process is the command (not a caller of main's): it may hand its work off
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
     name = "prm " + args.prm_command if args.command == "prm" else args.command
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         pause_point(f"cli.{name.replace(' ', '.')}")  # tests: a Ctrl-C while the command starts (imports)
-        if _runs_in_this_process(args) and can_run_forked():  # the work in a process forked from a preloaded server
+        if command_line and _runs_in_this_process(args) and can_run_forked():  # the work forked from a preloaded server
             from grpo_mega.run.forked_command import run_forked
 
             return run_forked("grpo_mega.cli", argv)

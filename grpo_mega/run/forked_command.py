@@ -5,7 +5,8 @@ label | score | eval``) imports torch, megatron-core and transformers first: 5-6
 paid by every such command a pipeline starts (the test suite starts about a hundred). Where a shared server is offered
 (``grpo_mega.run.shared_fork_server``: the test suite's), the command hands its work to a process forked from that
 server, which has them imported already: :func:`run_forked` starts it and waits, and the command's own process stays
-what its caller sees:
+what its caller sees (only a command line's process hands off: ``grpo_mega.cli.main(argv)`` called from Python does
+its work where it is called):
 
 - the forked process runs the command as ``python -m grpo_mega.cli ARGS`` would, with this process's environment,
   working directory, ``sys.path``, standard input, output and error (``LauncherSide`` and multiprocessing's
