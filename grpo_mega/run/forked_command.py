@@ -28,7 +28,7 @@ import signal
 import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
-from grpo_mega.run.shared_fork_server import LauncherSide
+from grpo_mega.run.shared_fork_server import LauncherSide, is_open_fd
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 """The signals a command's process passes on to the process that runs its work."""
@@ -46,10 +46,9 @@ def can_run_forked() -> bool:
     ranks are forked at all on this machine (a CPU build of torch)."""
     from grpo_mega.run.forked_ranks import forking_allowed
     from grpo_mega.run.launcher import under_launcher
-    from grpo_mega.run.shared_fork_server import _offered_server
+    from grpo_mega.run.shared_fork_server import is_offered
 
-    return (not _forked and not under_launcher() and _offered_server(os.environ) is not None
-            and forking_allowed())
+    return not _forked and not under_launcher() and is_offered() and forking_allowed()
 
 
 def run_forked(module: str, argv: list[str]) -> int:
@@ -63,7 +62,7 @@ def run_forked(module: str, argv: list[str]) -> int:
     if not fork_from_a_preloaded_server():
         raise RuntimeError("run_forked: no shared fork server is offered")
     os.environ.setdefault(COMMAND_START_ENV, repr(process_start_time()))  # the ranks' "launch" counts from here
-    stdin = DupFd(0) if _is_open(0) else None
+    stdin = DupFd(0) if is_open_fd(0) else None
     process = multiprocessing.get_context("forkserver").Process(
         target=_run_command, args=(LauncherSide(), stdin, module, argv), name="grpo-mega-command")
     pending: list[int] = []  # signals that came before the process had a pid
@@ -98,14 +97,6 @@ def _send(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
 
 
 def _run_command(launcher: int, stdin, module: str, argv: list[str]) -> None:
@@ -153,7 +144,7 @@ def _fresh_standard_streams() -> None:
 
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    if _is_open(0):
+    if is_open_fd(0):
         sys.stdin = text(0, "r", False, "strict")
     sys.stdout = text(1, "w", os.isatty(1), "strict")
     sys.stderr = text(2, "w", True, "backslashreplace")

@@ -72,6 +72,11 @@ def _offered_server(environ) -> tuple[str, bytes] | None:
         return None
 
 
+def is_offered(environ=os.environ) -> bool:
+    """Whether ``environ`` offers a running server this process may use (see :func:`use_if_offered`)."""
+    return _offered_server(environ) is not None
+
+
 def use_if_offered(environ=os.environ) -> bool:
     """Send this process's ``forkserver`` requests to the server offered in ``environ``; False (nothing changed)
     where none is offered, it is gone, or this process runs under SLURM."""
@@ -104,11 +109,12 @@ class LauncherSide:
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        streams = tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        streams = tuple(DupFd(fd) if is_open_fd(fd) else None for fd in (1, 2))
         return _adopt_launcher_side, (os.getpid(), dict(os.environ), streams)
 
 
-def _is_open(fd: int) -> bool:
+def is_open_fd(fd: int) -> bool:
+    """Whether this process has file descriptor ``fd`` open."""
     try:
         os.fstat(fd)
         return True
