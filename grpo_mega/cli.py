@@ -25,7 +25,8 @@ from pathlib import Path
 
 from grpo_mega.run.forked_command import can_run_forked
 from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
-from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
+from grpo_mega.run.launcher import under_launcher
+from grpo_mega.run.torchrun import relaunch_with_torchrun
 from grpo_mega.run.library_warnings import quiet_libraries
 
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         pause_point(f"cli.{name.replace(' ', '.')}")  # tests: a Ctrl-C while the command starts (imports)
-        if command_line and _runs_in_this_process(args) and can_run_forked():  # the work forked from a preloaded server
+        if command_line and _hands_off_its_work(args) and can_run_forked():  # the work forked from a preloaded server
             from grpo_mega.run.forked_command import run_forked
 
             return run_forked("grpo_mega.cli", argv)
@@ -209,19 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _runs_in_this_process(args) -> bool:
-    """Whether the command does its work (and imports torch for it) in this process: training, evaluation and the
-    PRM's commands on one process (``--nproc 1``; ``prm train`` with its count in its config too), not the
-    relaunch of ``--nproc N`` under torchrun, nor the light ``--print-config``, ``plan`` and pipelines."""
+def _hands_off_its_work(args) -> bool:
+    """Whether the command's work imports torch (training, evaluation, the PRM's commands, on one process or
+    relaunched under torchrun for several): not the light ``--print-config``, ``plan`` and pipelines."""
     if getattr(args, "print_config", False):
         return False
-    if args.command in ("train", "sft", "eval"):
-        return args.nproc == 1
-    if args.command == "prm" and args.prm_command == "train":
-        return args.nproc in (None, 1)
-    if args.command == "prm" and args.prm_command in ("label", "score", "eval"):
-        return (args.nproc or getattr(args, "tp", 1) * getattr(args, "pp", 1)) == 1
-    return False
+    if args.command == "prm":
+        return args.prm_command in ("train", "label", "score", "eval")
+    return args.command in ("train", "sft", "eval")
 
 
 def _launch_rank() -> int:

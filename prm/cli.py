@@ -50,7 +50,8 @@ def _default_nproc(args) -> int:
 def run_prm_command(args, argv: list[str]) -> int:
     """Run ``grpo-mega prm <command>``: relaunch under torchrun when asked for several processes, else run as
     this rank and print the output path last. Returns the exit status."""
-    from grpo_mega.run.launcher import relaunch_with_torchrun, under_launcher
+    from grpo_mega.run.launcher import under_launcher
+    from grpo_mega.run.torchrun import relaunch_with_torchrun
 
     cfg = None
     if args.prm_command == "train":
@@ -89,7 +90,7 @@ def run_prm_command(args, argv: list[str]) -> int:
     else:
         nproc = args.nproc or _default_nproc(args)
     if nproc > 1 and not under_launcher():
-        relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
+        return relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
     if args.prm_command == "train":
         from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
         from grpo_mega.run.reaper import reap_group_when_rank_exits

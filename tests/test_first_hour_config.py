@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 GRPO = str(REPO / "configs" / "quickstart_grpo.yaml")
 SFT = str(REPO / "configs" / "quickstart_sft.yaml")
@@ -50,7 +52,9 @@ def paths(task, run_dir: Path) -> list[str]:
     return [f"model.hf_config={task['model']}", f"data.train_file={task['train']}", f"trainer.run_dir={run_dir}"]
 
 
-def test_a_misspelt_key_with_nproc_2_is_refused_before_torchrun_starts_with_the_key_meant(task, tmp_path):
+def test_a_misspelt_key_with_nproc_2_is_refused_before_torchrun_starts_with_the_key_meant(task, tmp_path, monkeypatch):
+    # as a user runs it: the suite's shared fork server would have the command's work wait for its imports to end
+    monkeypatch.delenv(SHARED_FORK_SERVER_ENV, raising=False)
     start = time.perf_counter()
     result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), "trainer.totl_steps=3")
     seconds = time.perf_counter() - start

@@ -28,9 +28,10 @@ def task(tmp_path_factory):
     return build_tiny_task(tmp_path_factory.mktemp("task"))
 
 
-def _start(task, tmp_path: Path, env: dict | None = None) -> subprocess.Popen:
-    """``grpo-mega train`` on one process (one step, its checkpoint saved at the end), paused in that save."""
-    command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(REPO / "configs/quickstart_grpo.yaml"),
+def _start(task, tmp_path: Path, env: dict | None = None, nproc: int = 1) -> subprocess.Popen:
+    """``grpo-mega train`` on ``nproc`` processes (one step, its checkpoint saved at the end), paused in that save."""
+    command = [sys.executable, "-m", "grpo_mega.cli", "train", f"--nproc={nproc}",
+               "--config", str(REPO / "configs/quickstart_grpo.yaml"),
                *tiny_run_overrides(task, tmp_path / "run", "trainer.total_steps=1", "parallel.tensor=1",
                                    "trainer.eval_every=0")]
     environment = {**(os.environ if env is None else env), PAUSE_AT_ENV: PAUSE, PAUSE_DIR_ENV: str(tmp_path / "pauses")}
@@ -38,11 +39,16 @@ def _start(task, tmp_path: Path, env: dict | None = None) -> subprocess.Popen:
 
 
 def _paused_pid(tmp_path: Path, command: subprocess.Popen, timeout: float = 240.0) -> int:
+    return _paused_pids(tmp_path, command, 1, timeout)[0]
+
+
+def _paused_pids(tmp_path: Path, command: subprocess.Popen, count: int, timeout: float = 240.0) -> list[int]:
+    """The pids of the ``count`` processes of ``command`` paused at :data:`PAUSE`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         markers = list((tmp_path / "pauses").glob(f"{PAUSE}.*"))
-        if markers:
-            return int(markers[0].suffix[1:])
+        if len(markers) >= count:
+            return [int(marker.suffix[1:]) for marker in markers]
         if command.poll() is not None:
             pytest.fail(f"ended (exit {command.returncode}) before the pause: {command.stderr.read()[-3000:]}")
         time.sleep(0.05)
@@ -84,6 +90,22 @@ def test_a_signal_to_the_command_reaches_the_work_and_its_exit_status_comes_back
     assert command.returncode == 130, stderr[-3000:]
     assert "failed (cause=interrupted) at step 1 (save): Ctrl-C (SIGINT)" in stderr, stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()  # stopped before publishing: discarded whole
+
+
+def test_a_command_on_two_processes_runs_torchrun_in_the_work_and_forks_its_ranks_from_the_offered_server(
+        task, tmp_path, shared_fork_server):
+    if shared_fork_server is None:
+        pytest.skip("ranks are not forked with this build of torch")
+    command = _start(task, tmp_path, nproc=2)
+    ranks = _paused_pids(tmp_path, command, count=2)
+    assert b"grpo_mega.run.torchrun" not in Path(f"/proc/{command.pid}/cmdline").read_bytes()  # no exec of torchrun
+    # from the offered server, not from one the launcher (the forked work) started of its own and preloaded again
+    assert [parent_of(rank) for rank in ranks] == [shared_fork_server.pid] * 2
+    os.kill(command.pid, signal.SIGINT)  # to the command alone: through the work (torchrun's agent) to the ranks
+    _, stderr = command.communicate(timeout=120)
+    assert command.returncode == 130, stderr[-3000:]
+    assert "failed (cause=interrupted) at step 1 (save): Ctrl-C (SIGINT)" in stderr, stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
 def test_a_work_killed_by_a_signal_kills_its_command_by_the_same_signal(task, tmp_path, shared_fork_server):

@@ -30,7 +30,7 @@ def process_start_time() -> float:
 
 
 COMMAND_START_ENV = "GRPO_MEGA_COMMAND_START"
-"""Set by the launcher (``grpo_mega.run.launcher.relaunch_with_torchrun``) to the start of the user's command, so a rank
+"""Set by the launcher (``grpo_mega.run.torchrun.relaunch_with_torchrun``) to the start of the user's command, so a rank
 counts the seconds before its own process started (the command's imports, torchrun's, its rendezvous) as
 ``launch``."""
 

@@ -28,6 +28,7 @@ import signal
 import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
+from grpo_mega.run.module_main import end_by_sigint, run_module_as_main
 from grpo_mega.run.shared_fork_server import LauncherSide, is_open_fd
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
@@ -38,6 +39,11 @@ PARENT_POLL_S = 0.1
 
 _forked = False
 """True in a process started by :func:`run_forked` (its command runs here and must not hand off again)."""
+
+
+def in_forked_command() -> bool:
+    """Whether this process runs a command's work for the command's process (started by :func:`run_forked`)."""
+    return _forked
 
 
 def can_run_forked() -> bool:
@@ -55,16 +61,14 @@ def run_forked(module: str, argv: list[str]) -> int:
     """Run ``python -m module *argv``'s work in a process forked from the offered server (see the module's
     docstring) and wait for it; its exit status. Call only where :func:`can_run_forked` is True."""
     import multiprocessing
-    from multiprocessing.reduction import DupFd
 
     from grpo_mega.run.launcher import fork_from_a_preloaded_server
 
     if not fork_from_a_preloaded_server():
         raise RuntimeError("run_forked: no shared fork server is offered")
     os.environ.setdefault(COMMAND_START_ENV, repr(process_start_time()))  # the ranks' "launch" counts from here
-    stdin = DupFd(0) if is_open_fd(0) else None
     process = multiprocessing.get_context("forkserver").Process(
-        target=_run_command, args=(LauncherSide(), stdin, module, argv), name="grpo-mega-command")
+        target=_run_command, args=(LauncherSide(standard_input=True), module, argv), name="grpo-mega-command")
     pending: list[int] = []  # signals that came before the process had a pid
 
     def forward(signum, _frame):
@@ -99,38 +103,18 @@ def _send(pid: int, signum: int) -> None:
         pass
 
 
-def _run_command(launcher: int, stdin, module: str, argv: list[str]) -> None:
-    """The forked process: ``python -m module *argv`` with the command's environment and streams (adopted when
-    ``launcher``, a ``LauncherSide``, was unpickled), ended by SIGKILL once the command's process ``launcher`` is
-    gone."""
-    import atexit
-    import runpy
-
+def _run_command(launcher: int, module: str, argv: list[str]) -> None:
+    """The forked process: ``python -m module *argv`` with the command's environment and standard streams (adopted
+    when ``launcher``, a ``LauncherSide``, was unpickled), ended by SIGKILL once the command's process ``launcher``
+    is gone."""
     global _forked
     _forked = True
     os.setsid()
-    if stdin is not None:
-        source = stdin.detach()
-        if source != 0:
-            os.dup2(source, 0)
-            os.close(source)
     _fresh_standard_streams()
     _end_with(launcher)
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:  # OpenMP read it when the server loaded torch, not from this one
-        import torch
-
-        torch.set_num_threads(int(threads))
-    sys.argv = [module, *argv]
-    code = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        code = stop.code
-    finally:
-        atexit._run_exitfuncs()  # multiprocessing ends its processes with os._exit, which skips them
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+    code, interrupted = run_module_as_main(module, argv)
+    if interrupted:
+        end_by_sigint()
     raise SystemExit(code)
 
 

@@ -29,15 +29,13 @@ processes (see ``grpo_mega.run.launcher._start_method``), and ``GRPO_MEGA_FORK_R
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import io
 import os
-import signal
 import sys
-import traceback
 from pathlib import Path
 
+from grpo_mega.run.module_main import end_by_sigint, flush_standard_streams, run_module_as_main
 from grpo_mega.run.procfs import alive
 
 FORK_RANKS_ENV = "GRPO_MEGA_FORK_RANKS"
@@ -87,14 +85,6 @@ def _unbuffered_streams() -> None:
                                             write_through=True))
 
 
-def _flush_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
 def _torch_built_for_cpu_only() -> bool:
     """What ``torch.version`` says of the installed torch (no CUDA, no ROCm), read without importing torch."""
     import importlib.util
@@ -134,7 +124,7 @@ def _exit_once_the_launcher_is_gone(launcher: int) -> None:
     def watch() -> None:
         while alive(launcher):
             time.sleep(0.5)
-        _flush_streams()
+        flush_standard_streams()
         os._exit(0)
 
     threading.Thread(target=watch, name="grpo-launcher-watch", daemon=True).start()
@@ -144,33 +134,12 @@ def run_rank(launcher: int, module: str, *arguments: str) -> None:
     """One rank: ``python -u -m module *arguments`` in this forked process (see the module's docstring), started by
     the process ``launcher`` (torchrun's agent, whose environment and streams the rank took on arrival: a
     ``grpo_mega.run.shared_fork_server.LauncherSide`` in its arguments, unpickled as the agent's pid)."""
-    import runpy
-
     os.setsid()
     _name_and_keep_no_parent_death_signal()
     _unbuffered_streams()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    sys.argv = [module, *arguments]  # runpy puts the module's file in sys.argv[0]
-    code, interrupted = 0, False
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        code = stop.code
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        interrupted = True
-    except BaseException:  # noqa: BLE001 - as the interpreter does with an uncaught exception
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    _flush_streams()
-    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    code, interrupted = run_module_as_main(module, arguments)
+    if interrupted:
+        end_by_sigint()
     if code is None or code == 0:
         _exit_once_the_launcher_is_gone(launcher)
         return  # torchrun's agent waits for every rank's return value: a SystemExit(0) would not give one

@@ -1,11 +1,11 @@
 """Start the processes of a distributed job: reuse a launcher's, relaunch under torchrun, or spawn local ranks.
 
 Under torchrun or SLURM (RANK / SLURM_PROCID set) a command runs in this process, which is one rank of the job.
-Otherwise ``relaunch_with_torchrun`` execs the same command line under torchrun (``grpo_mega.run.torchrun
---standalone``, the CLI's ``--nproc``), ``run_as_the_only_rank`` runs a function here as a one-process job, and
-``spawn_local_ranks`` runs a picklable function on new local processes (on a CPU build
-of torch forked from a server that has imported torch, megatron-core and transformers once) with a torchrun-like
-environment (the conversion tools and the multi-process tests).
+Otherwise ``grpo_mega.run.torchrun.relaunch_with_torchrun`` execs the same command line under torchrun (the
+CLI's ``--nproc``), ``run_as_the_only_rank`` runs a function here as a one-process job, and ``spawn_local_ranks``
+runs a picklable function on new local processes (on a CPU build of torch forked from a server that has imported
+torch, megatron-core and transformers once) with a torchrun-like environment (the conversion tools and the
+multi-process tests).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import os
 import pickle
 import random
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
 from grpo_mega.run.shared_fork_server import LauncherSide, use_if_offered
 
 
@@ -33,28 +31,6 @@ def under_launcher() -> bool:
 def threads_per_rank(world_size: int) -> int:
     """Intra-op threads for one of ``world_size`` ranks sharing this machine: its cores split evenly."""
     return max(1, (os.cpu_count() or 1) // world_size)
-
-
-def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_process: int | None = None):
-    """Become ``python -m grpo_mega.run.torchrun --standalone --nproc-per-node nproc -m <module_args>``: torchrun,
-    with a failure said in one line (exec: this process is replaced, so signals sent to it, e.g. a scheduler's
-    SIGTERM, reach torchrun and through it the ranks). Does not return.
-
-    Each process gets ``threads_per_process`` intra-op threads (default: cores / nproc), so ranks sharing a
-    machine do not oversubscribe its cores.
-    """
-    threads = threads_per_process or threads_per_rank(nproc)
-    # exec keeps the process, so its start is the command's: the ranks count what passes before theirs as "launch"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **{COMMAND_START_ENV: repr(process_start_time())})
-    command = [
-        sys.executable, "-m", "grpo_mega.run.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-        # "--" ends torchrun's own options: its parser would otherwise reject, as ambiguous abbreviations of its
-        # flags, our flags such as --n or --nproc anywhere in the command line.
-        "-m", "--", *module_args,
-    ]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, command, env)
 
 
 RENDEZVOUS_PORTS = range(30000, 32768)

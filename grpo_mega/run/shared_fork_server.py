@@ -89,7 +89,10 @@ def use_if_offered(environ=os.environ) -> bool:
     address, key = offered
     server = multiprocessing.forkserver._forkserver
     with server._lock:
-        if server._forkserver_address != address:
+        # A process forked from the server (a command's work, grpo_mega.run.forked_command) finds the server's own
+        # address there already (the server sets it in itself), without the rest: the patch below tells them apart.
+        adopted = vars(server).get("ensure_running") is resource_tracker.ensure_running
+        if server._forkserver_address != address or not adopted:
             server._forkserver_address = address
             # Sent to each rank as the "alive" end of its own server's pipe, which the rank never reads: any open fd.
             server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
@@ -102,14 +105,17 @@ def use_if_offered(environ=os.environ) -> bool:
 
 class LauncherSide:
     """Put in a forked rank's arguments: pickled when the launcher starts the rank, it carries the launcher's pid,
-    environment and standard output / error into the rank, where its unpickling adopts them and leaves the
-    launcher's pid in the argument's place, before the rank's own code runs (torchrun's wrapper then adds the rank's
-    variables to that environment)."""
+    environment and standard output / error (and input, with ``standard_input``) into the rank, where its unpickling
+    adopts them and leaves the launcher's pid in the argument's place, before the rank's own code runs (torchrun's
+    wrapper then adds the rank's variables to that environment)."""
+
+    def __init__(self, standard_input: bool = False):
+        self.descriptors = (0, 1, 2) if standard_input else (1, 2)
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        streams = tuple(DupFd(fd) if is_open_fd(fd) else None for fd in (1, 2))
+        streams = {fd: DupFd(fd) for fd in self.descriptors if is_open_fd(fd)}
         return _adopt_launcher_side, (os.getpid(), dict(os.environ), streams)
 
 
@@ -122,12 +128,10 @@ def is_open_fd(fd: int) -> bool:
         return False
 
 
-def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: tuple) -> int:
+def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: dict) -> int:
     os.environ.clear()
     os.environ.update(environ)
-    for fd, inherited in zip((1, 2), streams):
-        if inherited is None:
-            continue
+    for fd, inherited in streams.items():
         source = inherited.detach()
         if source != fd:
             os.dup2(source, fd)

@@ -16,6 +16,9 @@ failure themselves (``grpo_mega.run.failure``: one line, the traceback in the ru
   status 128 + the signal; a Ctrl-C before the ranks started (the agent importing torch, its rendezvous): one line,
   exit status 130.
 
+A command started with ``--nproc N`` becomes this launcher (:func:`relaunch_with_torchrun`: by exec, or in the
+process its work was forked into, ``grpo_mega.run.forked_command``).
+
 The agent's own log lines (``Sending process ... closing signal``, ``failed (exitcode: 1)``) are left out unless
 ``LOGLEVEL`` is set (torch's variable for them: ``LOGLEVEL=INFO`` shows the rendezvous too).
 """
@@ -27,15 +30,21 @@ import signal
 import socket
 import sys
 
+from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
 from grpo_mega.run.interrupts import EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, pause_point
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
 
 
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+"""The loggers of torchrun's agent: torch's ``get_logger`` gives each its own level, from LOGLEVEL, at its import."""
+
+
 def _quiet_agent_logs() -> None:
     """Import torchrun with its agent's loggers at CRITICAL, unless the user set LOGLEVEL: those made by torch's
     ``get_logger`` set their level from LOGLEVEL when their module is imported (the ranks inherit the environment as
-    it was), the others inherit the ``torch.distributed.elastic`` logger's."""
+    it was), the others inherit the ``torch.distributed.elastic`` logger's. Those imported before (by the server a
+    command's work was forked from) get the level this import would have given them."""
     import logging
 
     quiet = "LOGLEVEL" not in os.environ
@@ -43,6 +52,12 @@ def _quiet_agent_logs() -> None:
         os.environ["LOGLEVEL"] = "CRITICAL"
     try:
         import torch.distributed.run  # noqa: F401
+
+        level = os.environ["LOGLEVEL"]
+        for name, logger in list(logging.root.manager.loggerDict.items()):
+            if (name.startswith(AGENT_LOGGERS) and isinstance(logger, logging.Logger)
+                    and logger.level != logging.NOTSET):  # one of get_logger's (the others inherit a level)
+                logger.setLevel(level)
     finally:
         if quiet:
             del os.environ["LOGLEVEL"]
@@ -90,6 +105,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{LAUNCHER}: interrupted before the ranks started; run the same command again", file=sys.stderr,
               flush=True)
         return EXIT_INTERRUPTED
+
+
+def _run_in_this_process(arguments: list[str]) -> int:
+    """``python -m grpo_mega.run.torchrun ARGUMENTS``'s work in this process, a command's work forked from a
+    preloaded server (``grpo_mega.run.forked_command``) that has torch imported: set up as that new interpreter
+    would be (the root logger without the command's handler and level; the agent's loggers as :func:`_launch` sets
+    them), its exit status returned."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    return main(arguments)
+
+
+def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_process: int | None = None) -> int:
+    """Become ``python -m grpo_mega.run.torchrun --standalone --nproc-per-node nproc -m <module_args>``: torchrun,
+    with a failure said in one line (exec: this process is replaced, so signals sent to it, e.g. a scheduler's
+    SIGTERM, reach torchrun and through it the ranks). Does not return, except in a command's work forked from a
+    preloaded server (``grpo_mega.run.forked_command``): there torchrun runs in this process, which has torch
+    imported already, and its exit status is returned (the command's process passes the signals on to it).
+
+    Each process gets ``threads_per_process`` intra-op threads (default: cores / nproc), so ranks sharing a
+    machine do not oversubscribe its cores.
+    """
+    from grpo_mega.run.forked_command import in_forked_command
+    from grpo_mega.run.launcher import threads_per_rank
+
+    threads = threads_per_process or threads_per_rank(nproc)
+    # "--" ends torchrun's own options: its parser would otherwise reject, as ambiguous abbreviations of its flags,
+    # our flags such as --n or --nproc anywhere in the command line.
+    arguments = ["--standalone", f"--nproc-per-node={nproc}", "-m", "--", *module_args]
+    # the ranks count what passes before their start as "launch", from the start of the command's process: this one
+    # (exec keeps it), or the one that forked this work (which set the variable)
+    started = repr(process_start_time())
+    if in_forked_command():
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ.setdefault(COMMAND_START_ENV, started)
+        return _run_in_this_process(arguments)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **{COMMAND_START_ENV: started})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "grpo_mega.run.torchrun", *arguments], env)
 
 
 def _stop_signals_once() -> None:
