@@ -1,20 +1,23 @@
-"""A one-process command run in a process forked from an offered shared fork server (CPU builds of torch).
+"""A command's work run in a process forked from an offered shared fork server (CPU builds of torch).
 
-A ``grpo-mega`` command that runs in its own process (``train`` / ``sft`` / ``eval`` on one process, ``prm train |
-label | score | eval``) imports torch, megatron-core and transformers first: 5-6 s of CPU on the 2-core test machine,
-paid by every such command a pipeline starts (the test suite starts about a hundred). Where a shared server is offered
-(``grpo_mega.run.shared_fork_server``: the test suite's), the command hands its work to a process forked from that
-server, which has them imported already: :func:`run_forked` starts it and waits, and the command's own process stays
-what its caller sees (only a command line's process hands off: ``grpo_mega.cli.main(argv)`` called from Python does
-its work where it is called):
+A ``grpo-mega`` command that does its work in its own process (``train`` / ``sft`` / ``eval`` on one process,
+``prm train | label | score | eval``) imports torch, megatron-core and transformers first: 5-6 s of CPU on the 2-core
+test machine; one on ``--nproc N`` execs torchrun, a new interpreter that imports torch again for its agent (~2 s).
+Every such command a pipeline starts pays it (the test suite starts about two hundred). Where a shared server is
+offered (``grpo_mega.run.shared_fork_server``: the test suite's), the command hands its work to a process forked from
+that server, which has them imported already: :func:`run_forked` starts it and waits, and the command's own process
+stays what its caller sees (only a command line's process hands off: ``grpo_mega.cli.main(argv)`` called from Python
+does its work where it is called). On ``--nproc N`` the forked process becomes torchrun's agent in place of the exec
+(``grpo_mega.run.torchrun.relaunch_with_torchrun``), and forks the ranks from the same server:
 
 - the forked process runs the command as ``python -m grpo_mega.cli ARGS`` would, with this process's environment,
   working directory, ``sys.path``, standard input, output and error (``LauncherSide`` and multiprocessing's
   preparation data), in a session and process group of its own (its helpers are its group's, as a rank's are);
 - the stop signals this process gets (Ctrl-C, a scheduler's SIGTERM / SIGUSR1, SIGHUP) are passed on to it, and its
   exit status becomes this process's (a death by a signal, too: this process then dies by the same signal);
-- it ends itself (SIGKILL) as soon as it finds this process gone (a SIGKILL to the command), so no orphan goes on
-  writing to the run folder.
+- it ends itself (SIGKILL) as soon as it finds this process gone (a SIGKILL to the command), so a one-process
+  command leaves no orphan writing to the run folder; on ``--nproc N`` the ranks are then left as those of a torchrun
+  killed by SIGKILL are (they run on until their job ends: ``grpo_mega.run.forked_ranks``).
 
 Nothing changes without an offer, under a launcher (torchrun's or srun's ranks) or under SLURM. Tests that find a
 command's processes through its process tree start it without the offer (``shared_fork_server.without_offer``).
