@@ -43,12 +43,12 @@ def is_file_spec(spec: str) -> bool:
     return location.endswith(".py") or "/" in location or os.sep in location
 
 
-def _load_file(location: str, spec: str):
+def _load_file(location: str, spec: str, what: str = "reward function"):
     """The module of the file ``location`` (relative to the current folder), loaded once per process."""
     path = Path(location).expanduser()
     path = path if path.is_absolute() else Path.cwd() / path
     if not path.is_file():
-        raise ImportError(f"reward function {spec!r}: no such file {path}")
+        raise ImportError(f"{what} {spec!r}: no such file {path}")
     name = f"grpo_mega_reward_file_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]}"
     if name in sys.modules:
         return sys.modules[name]
@@ -63,7 +63,7 @@ def _load_file(location: str, spec: str):
     return module
 
 
-def _import_module(module_name: str, spec: str):
+def _import_module(module_name: str, spec: str, what: str = "reward function"):
     """``module_name`` imported, the current folder searched after the installed packages."""
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
@@ -71,22 +71,22 @@ def _import_module(module_name: str, spec: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise ImportError(f"reward function {spec!r}: cannot import module {module_name!r} ({error}); searched the "
+        raise ImportError(f"{what} {spec!r}: cannot import module {module_name!r} ({error}); searched the "
                           f"current folder {here} and the installed packages: run from the folder that holds it, "
                           f"or give its file, path/to/{module_name.replace('.', '/')}.py:function") from error
 
 
-def _import_user_function(spec: str) -> Callable:
+def import_user_function(spec: str, what: str = "reward function") -> Callable:
     """``"module:attribute"`` or ``"file.py:attribute"`` -> the attribute, with errors that say which part is
-    missing."""
+    missing (``what`` names the kind of function in them; the tools' sandbox imports user tools with it too)."""
     location, _, attribute_path = spec.rpartition(":")
     if not location or not attribute_path:
-        raise ValueError(f"reward function {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
-    module = _load_file(location, spec) if is_file_spec(spec) else _import_module(location, spec)
+        raise ValueError(f"{what} {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    module = _load_file(location, spec, what) if is_file_spec(spec) else _import_module(location, spec, what)
     target = module
     for attribute in attribute_path.split("."):
         if not hasattr(target, attribute):
-            raise AttributeError(f"reward function {spec!r}: {location} has no attribute {attribute_path!r}")
+            raise AttributeError(f"{what} {spec!r}: {location} has no attribute {attribute_path!r}")
         target = getattr(target, attribute)
     return target
 
@@ -104,7 +104,7 @@ def get_reward_function(spec: str, layout: RewardRows = RewardRows()) -> RewardF
     if ":" not in spec:
         raise ValueError(f"unknown reward function {spec!r}: use one of {sorted(REWARD_FUNCTIONS)}, "
                          "'package.module:function' or 'path/to/file.py:function'")
-    function = _import_user_function(spec)
+    function = import_user_function(spec)
     if not callable(function):
         raise TypeError(f"reward function {spec!r} is a {type(function).__name__}, not callable")
     return adapt(function, spec, layout)
