@@ -214,14 +214,16 @@ def _reap(process: int) -> None:
 
 def _answer(request, config, status, result, stopped, kept: bytes, total: int) -> dict:
     output = kept.decode("utf-8", "replace")
-    if total > len(kept):
+    if stopped == "output_limit":
+        output += f"\n[... output cut at {len(kept)} bytes]"
+    elif total > len(kept):
         output += f"\n[... {total - len(kept)} more bytes of output cut]"
     if request["tool"] != "python":
         output = ""  # a user tool's prints are its own business: the policy sees what it returns
     if stopped == "timeout":
         return {"error": "timeout", "content": _join(output, f"timed out after {config.timeout_s:g} s")}
     if stopped == "output_limit":
-        return {"error": "output_limit", "content": _join(output, f"stopped: printed more than "
+        return {"error": "output_limit", "content": _join(output, f"stopped after printing more than "
                                                                   f"{HARD_OUTPUT_BYTES} bytes")}
     if isinstance(result, dict):
         if request["tool"] == "python":

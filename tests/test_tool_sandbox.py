@@ -1,0 +1,199 @@
+"""The tool sandbox against the bad inputs of issue 75 part 6: each call answers with its error kind within its
+timeout + 1 s, the test process (the "rank") survives, no process is left behind (none under the test process,
+none anywhere under the calls' user ids), and no file outside the call's folder changes (a run folder made here,
+the host's /tmp)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from grpo_mega.tools import SandboxConfig, ToolCall, build_toolset
+from grpo_mega.tools.isolation import SANDBOX_UID_BASE
+
+TIMEOUT_S = 2.0
+AS_ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def toolset():
+    with build_toolset(["python", "calculator"], SandboxConfig(timeout_s=TIMEOUT_S, cpu_time_s=5, workers=2,
+                                                               memory_mb=512)) as tools:
+        yield tools
+
+
+@pytest.fixture(scope="module")
+def run_folder():
+    """A run folder as the trainer leaves it (root's, when we are root), where run folders are (not under /tmp:
+    the calls have a /tmp of their own and would not even see it): what a call must not touch."""
+    folder = Path(tempfile.mkdtemp(prefix=".test-tool-run-", dir=Path(__file__).resolve().parent.parent))
+    folder.chmod(0o755)
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "model.pt").write_bytes(b"weights" * 100)
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    yield folder
+    shutil.rmtree(folder)
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p): (p.stat().st_mode, hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def _descendants() -> set[int]:
+    """The test process's descendants: the workers (and the suite's shared fork server), never a call's."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _sandbox_processes(worker_pids) -> list:
+    """Processes anywhere on the machine running as one of our workers' call user ids (none once a call ended)."""
+    uids = {SANDBOX_UID_BASE + pid for pid in worker_pids}
+    found = []
+    for process in psutil.process_iter(["uids"]):
+        try:
+            if process.info["uids"] and process.info["uids"].real in uids:
+                found.append(process.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _run_bad(toolset, code: str, run_folder: Path, expected: set[str]) -> str:
+    before_files, before_tmp = _snapshot(run_folder), set(os.listdir("/tmp"))
+    workers = _descendants()
+    started = time.monotonic()
+    result = toolset.run([ToolCall("python", {"code": code})])[0]
+    elapsed = time.monotonic() - started
+    assert result.error in expected, (code, result)
+    assert elapsed <= TIMEOUT_S + 1.0, (code, elapsed)
+    assert _descendants() == workers, f"processes left behind by {code!r}"
+    assert not _sandbox_processes(workers), f"processes of the call's user id left by {code!r}"
+    assert _snapshot(run_folder) == before_files, f"{code!r} changed the run folder"
+    assert not {name for name in set(os.listdir("/tmp")) - before_tmp if name.startswith("sandbox-escape")}
+    return result.content
+
+
+BAD_CODE = [
+    ("loops forever", "while True: pass", {"timeout"}),
+    ("sleeps in a child it starts", "import subprocess; subprocess.run(['sleep', '100'])", {"timeout"}),
+    ("forks without end", "import os\nwhile True: os.fork()", {"processes", "timeout"}),
+    ("forks without end, ignoring errors",
+     "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", {"timeout"}),
+    ("starts threads without end", "import threading, time\n"
+     "for _ in range(100): threading.Thread(target=time.sleep, args=(30,)).start()", {"processes"}),
+    ("daemonises a child and returns", "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+     "    if os.fork() == 0:\n        time.sleep(100)\nprint('returned')", {None}),
+    ("allocates 10 GB", "x = bytearray(10 * 2**30)", {"memory"}),
+    ("allocates 10 GB with numpy", "import numpy\nnumpy.ones(10 * 2**30, dtype=numpy.uint8)", {"memory"}),
+    ("prints 1 GB", "import sys\nfor _ in range(1024): sys.stdout.write('x' * 2**20)", {"output_limit"}),
+    ("writes a huge file", "open('big', 'wb').write(b'x' * 40 * 2**20)", {"file_size"}),
+    ("kills its parent", "import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('alive')",
+     {None, "exception"}),
+    ("kills the worker and the rank", "import os, signal\nfor pid in PIDS:\n    os.kill(pid, signal.SIGKILL)",
+     {"exception"}),
+    ("kills every process it can", "import os, signal; os.kill(-1, signal.SIGKILL)", {"exception", "crashed"}),
+    ("exits", "import os; os._exit(3)", {"crashed"}),
+    ("segfaults", "import ctypes; ctypes.string_at(0)", {"crashed"}),
+    ("aborts", "import os; os.abort()", {"crashed"}),
+]
+
+
+@pytest.mark.parametrize("name,code,expected", BAD_CODE, ids=[case[0] for case in BAD_CODE])
+def test_bad_code_is_contained(toolset, run_folder, name, code, expected):
+    code = code.replace("PIDS", repr(sorted(_descendants() | {os.getpid()})))
+    content = _run_bad(toolset, code, run_folder, expected)
+    assert content.strip(), "the policy must be told what happened"
+    if name == "loops forever":
+        assert content == f"timed out after {TIMEOUT_S:g} s"
+    if name == "prints 1 GB":
+        assert len(content) < 8192 + 200
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="writes are kept out by the call's own user id, which needs root")
+@pytest.mark.parametrize("action", [
+    "open(RUN + '/metrics.jsonl', 'a').write('forged')",
+    "open(RUN + '/checkpoints/model.pt', 'wb').write(b'')",
+    "import os; os.remove(RUN + '/metrics.jsonl')",
+    "import shutil; shutil.rmtree(RUN)",
+    "import os; os.chmod(RUN, 0o777)",
+    "open(RUN + '/new_file', 'w').write('x')",
+    "open('/tmp/sandbox-escape', 'w').write('x')",
+    "open('../sandbox-escape', 'w').write('x')",
+])
+def test_files_outside_the_call_folder_do_not_change(toolset, run_folder, action):
+    code = f"RUN = {str(run_folder)!r}\n{action}"
+    _run_bad(toolset, code, run_folder, {None, "exception"})
+
+
+def test_reading_the_run_folder_is_not_prevented(toolset, run_folder):
+    """What the sandbox does NOT do (docs/clusters.md): files other users may read stay readable."""
+    result = toolset.run([ToolCall("python", {"code": f"open({str(run_folder / 'metrics.jsonl')!r}).read()"})])[0]
+    assert result.error is None and '"step": 1' in result.content
+
+
+def test_no_network(toolset, run_folder):
+    code = "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('1.1.1.1', 53))\nprint('connected')"
+    content = _run_bad(toolset, code, run_folder, {"exception"})
+    assert "unreachable" in content.lower() or "timed out" in content.lower()
+    assert toolset.isolation["network"] == "network namespace"
+
+
+def test_the_call_sees_only_its_folder_and_processes(toolset):
+    code = "import os\nprint(os.getcwd(), os.listdir('.'), sorted(os.listdir('/tmp')))\n_ = open('f', 'w').write('x')"
+    first, second = toolset.run([ToolCall("python", {"code": code})] * 2)
+    assert first.error is None and first.content == second.content  # the second call does not see the first's file
+    if AS_ROOT:
+        assert first.content.strip() == "/tmp/call [] ['call']"
+        pids = toolset.run([ToolCall("python", {"code": "import os; sorted(int(p) for p in os.listdir('/proc') "
+                                                         "if p.isdigit())"})])[0]
+        assert pids.content.strip() == "[1, 2]"  # the supervisor and the call: nothing of the machine's
+
+
+def _worker_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if "grpo_mega.tools.worker" in " ".join(p.cmdline())}
+
+
+def test_a_dead_worker_is_replaced(toolset):
+    """Its parent killed under a call (the call of the issue's "kills its parent", done from outside)."""
+    worker_pids = _worker_pids()
+    killer = threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in worker_pids])
+    killer.start()
+    started = time.monotonic()
+    results = toolset.run([ToolCall("python", {"code": "import time; time.sleep(1.5)"})] * 2)
+    assert time.monotonic() - started <= TIMEOUT_S + 1.0
+    assert [r.error for r in results] == ["crashed", "crashed"]
+    deadline = time.monotonic() + 30
+    while len(_worker_pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = toolset.run([ToolCall("python", {"code": "6 * 7"})] * 3)
+    assert [r.content for r in after] == ["42\n"] * 3
+    fresh = _worker_pids()
+    assert len(fresh) == 2 and not fresh & worker_pids
+    assert not _sandbox_processes(worker_pids | fresh)
+
+
+def test_calls_run_concurrently_and_in_order(toolset):
+    calls = [ToolCall("python", {"code": f"import time; time.sleep(0.6); {i}"}) for i in range(4)]
+    started = time.monotonic()
+    results = toolset.run(calls)
+    assert [r.content for r in results] == [f"{i}\n" for i in range(4)]
+    assert time.monotonic() - started < 4 * 0.6  # two workers: about two rounds, not four
+    assert all(0.6 <= r.seconds for r in results)
+
+
+def test_bad_calls_never_raise(toolset):
+    results = toolset.run([ToolCall("shell", {"cmd": "ls"}), ToolCall("python", {"source": "1"}),
+                           ToolCall("python", {"code": 1}), ToolCall("calculator", {"expression": "__import__('os')"}),
+                           ToolCall("calculator", {"expression": "1/0"}), ToolCall("python", "not a dict")])
+    assert [r.error for r in results] == ["unknown_tool", "bad_arguments", "bad_arguments", "bad_arguments",
+                                          "exception", "bad_arguments"]
+    assert "python, calculator" in results[0].content
