@@ -12,7 +12,8 @@ layer and the ones below, and there is no import circle (declared and checked in
 2. ``parallel``: process groups, the launch environment
 3. ``run``: a run's life below the engines (launching, the run folder's names, the metrics log, stop requests,
    failure records, the watchdog, the reaper, the command runner): no torch at import
-4. ``model``, ``data``, ``reward``: the Megatron GPT model, datasets, tokenizers and batch layout, reward functions
+4. ``model``, ``data``, ``reward``, ``tools``: the Megatron GPT model, datasets, tokenizers and batch layout, reward
+   functions, the tools' sandbox
 5. ``checkpoint``: weights on disk (HF conversion, converted folders, training checkpoints)
 6. ``engine`` and ``rollout``: the engines that hold a model on the devices (training, forward-only, generation);
    each has a ``factory`` module, the one place that knows every engine

@@ -4,6 +4,9 @@
 template's ``tools=``, ``run(calls)`` (concurrent, never raising for a bad call: errors become ToolResults with an
 error kind) and ``close()``. ``check_tool_specs(specs)`` checks specs before launch without starting a process.
 Importing this package does not import torch (nor transformers: user tools' schemas import it when built).
+
+It may import ``reward`` (user tools are resolved like user reward functions) and the layers below; ``rollout``'s
+turn loop and the config import it.
 """
 
 from grpo_mega.tools.base import TOOL_ERROR_KINDS, SandboxConfig, ToolCall, ToolResult

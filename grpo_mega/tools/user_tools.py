@@ -64,10 +64,11 @@ def load_user_tool(spec: str) -> UserTool:
     user must fix (no such file or module or attribute, not callable, a missing type hint or docstring entry)."""
     try:
         function = import_user_function(spec, what="user tool")
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(str(error).splitlines()[0]) from None
-    except Exception as error:  # the module raised while importing
-        raise ValueError(f"user tool {spec!r}: importing it raised {type(error).__name__}: {error}") from None
+    except Exception as error:  # ours name the spec; an error the module raised while importing does not
+        message = (str(error).splitlines() or [""])[0]
+        if repr(spec) not in message:
+            message = f"user tool {spec!r}: importing it raised {type(error).__name__}: {message}"
+        raise ValueError(message) from None
     if not callable(function):
         raise ValueError(f"user tool {spec!r} is a {type(function).__name__}, not callable")
     from transformers.utils.chat_template_utils import get_json_schema  # lazy: transformers is slow to import

@@ -244,6 +244,8 @@ def _answer(request, config, status, result, stopped, kept: bytes, total: int) -
 
 
 def _join(output: str, message: str) -> str:
+    if not message:
+        return output
     return f"{output.rstrip(chr(10))}\n{message}" if output.strip() else message
 
 
