@@ -4,9 +4,10 @@ so that the sandbox degrades to what the machine allows instead of failing.
 
 - ``isolate_network`` (once per worker): a new network namespace in which no interface is up. Needs root or an
   unprivileged user namespace.
-- ``new_call_namespaces`` (once per call, in the process that then forks the call's supervisor): a PID namespace,
-  whose first process is the supervisor, so that its end kills every process the call started, however it
-  daemonised (the kernel kills a PID namespace with its init); and a mount namespace for private temporary folders.
+- ``new_pid_namespace`` (once per call, in the worker, undone by ``restore_pid_namespace`` after the fork): a PID
+  namespace whose first process is the call's supervisor, so that its end kills every process the call started,
+  however it daemonised (the kernel kills a PID namespace with its init).
+- ``new_mount_namespace`` (in the supervisor): mounts of its own, for the private temporary folders.
 - ``private_mounts`` (in the supervisor): a fresh tmpfs on every world-writable folder (/tmp, /var/tmp, /dev/shm,
   /run/lock), so that a call writes nowhere outside them, and /proc of the new PID namespace (the call sees only its
   own processes).
@@ -71,13 +72,21 @@ def isolate_network() -> str:
     return f"none ({error}): calls can reach the network"
 
 
-def new_call_namespaces() -> str:
-    """Asks for a PID and a mount namespace for the next child; what was granted, in words."""
-    if _call("unshare", CLONE_NEWPID | CLONE_NEWNS) is None:
-        return "pid+mount"
-    if _call("unshare", CLONE_NEWPID) is None:
-        return "pid"
-    return "none"
+def new_pid_namespace() -> bool:
+    """Whether the next child of this process will be the first of a new PID namespace (its init: when it ends,
+    the kernel kills every process of the namespace)."""
+    return _call("unshare", CLONE_NEWPID) is None
+
+
+def restore_pid_namespace(own_namespace_fd: int) -> None:
+    """After that child: later children in our own PID namespace again (a process may unshare a PID namespace only
+    while its children would be born in its own)."""
+    _call("setns", own_namespace_fd, CLONE_NEWPID)
+
+
+def new_mount_namespace() -> bool:
+    """Whether this process now has a mount namespace of its own (mounts it makes are invisible outside)."""
+    return _call("unshare", CLONE_NEWNS) is None
 
 
 def _blocked_ancestor(path: str) -> str | None:

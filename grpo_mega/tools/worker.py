@@ -3,18 +3,19 @@
 Started by ``grpo_mega.tools.pool`` as ``python -m grpo_mega.tools.worker '<json>'``; it reads requests on stdin
 and answers on its original stdout (frames of ``grpo_mega.tools.protocol``) until stdin closes. Per call:
 
-    worker --fork--> call process: new PID + mount namespaces --fork--> supervisor (PID 1 there, root): private
+    worker --fork into a new PID namespace--> supervisor (PID 1 there, root): a mount namespace with a private
     /tmp and /proc, the call's folder --fork--> the call (its own session, stdout/stderr to a pipe, rlimits, a user
     id of its own, seeded): runs the tool, writes its result, exits.
 
 The worker enforces the wall clock: at the deadline it SIGKILLs the supervisor, and the kernel kills every process
-of the PID namespace with it. The call process and the supervisor die with their parent (PR_SET_PDEATHSIG), so
-killing the worker unwinds the chain too. Nothing the call does reaches the worker's pipes to the pool: the call
+of the PID namespace with it. The supervisor dies with the worker (PR_SET_PDEATHSIG), so killing the worker
+unwinds the call too. Nothing the call does reaches the worker's pipes to the pool: the call
 gets /dev/null as stdin and only its two pipes.
 """
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -87,11 +88,11 @@ def _call(request, tools, config, uid, folder, out_w, res_w) -> None:
         os._exit(0)
 
 
-def _supervise(request, tools, config, uid, namespaces, out_w, res_w, ctrl_w) -> None:
+def _supervise(request, tools, config, uid, out_w, res_w, ctrl_w) -> None:
     """The supervisor (PID 1 of the call's namespace when the kernel gave one): never returns."""
     try:
         isolation.die_with_parent()
-        folder = isolation.private_mounts(4 * config.file_size_mb) if "mount" in namespaces else None
+        folder = isolation.private_mounts(4 * config.file_size_mb) if isolation.new_mount_namespace() else None
         if folder is None:
             folder = tempfile.mkdtemp(prefix="grpo-mega-tool-")
             _write_json(ctrl_w, {"folder": folder})
@@ -114,25 +115,22 @@ def _supervise(request, tools, config, uid, namespaces, out_w, res_w, ctrl_w) ->
 
 
 def _start_call(request, tools, config, uid, pipes) -> int:
-    """Forks the call process; returns its pid. ``pipes``: (read, write) of the output, result and control pipes."""
-    pid = os.fork()
+    """Forks the call's supervisor, the first process of a new PID namespace when the kernel allows; returns its
+    pid. ``pipes``: (read, write) of the output, result and control pipes."""
+    in_namespace = isolation.new_pid_namespace()
+    try:
+        pid = os.fork()
+    finally:
+        if in_namespace and pid != 0:
+            isolation.restore_pid_namespace(OWN_PID_NAMESPACE)  # the next call needs a new one again
     if pid != 0:
         return pid
     (out_r, out_w), (res_r, res_w), (ctrl_r, ctrl_w) = pipes
     try:
-        for fd in (out_r, res_r, ctrl_r, PROTOCOL_OUT):
+        for fd in (out_r, res_r, ctrl_r, PROTOCOL_OUT, OWN_PID_NAMESPACE):
             os.close(fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        isolation.die_with_parent()
-        namespaces = isolation.new_call_namespaces()
-        supervisor = os.fork()
-        if supervisor == 0:
-            _supervise(request, tools, config, uid, namespaces, out_w, res_w, ctrl_w)
-        _write_json(ctrl_w, {"supervisor": supervisor, "namespaces": namespaces})
-        os.close(out_w)
-        os.close(res_w)
-        os.waitpid(supervisor, 0)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        _supervise(request, tools, config, uid, out_w, res_w, ctrl_w)
     finally:
         os._exit(0)
 
@@ -161,12 +159,10 @@ def run_call(request: dict, tools: dict, config: SandboxConfig, uid: int | None)
         if stopped is None and now >= started + config.timeout_s:
             stopped = "timeout"
         if stopped is not None and give_up is None:  # kill the namespace's init: the kernel kills the rest
-            chain = _parse(received[ctrl_r])
-            _kill(chain.get("supervisor") or process)
-            _kill(chain.get("process"), group=True)
+            _kill(process)
+            _kill(_parse(received[ctrl_r]).get("process"), group=True)  # when there is no PID namespace
             give_up = now + 1.0
         if give_up is not None and now >= give_up:
-            _kill(process)
             break
         wait = (give_up if give_up is not None else started + config.timeout_s) - now
         ready, _, _ = select.select(open_fds, [], [], max(wait, 0.001))
@@ -250,20 +246,23 @@ def _join(output: str, message: str) -> str:
 
 
 PROTOCOL_OUT = -1
+OWN_PID_NAMESPACE = -1
 
 
 def main() -> None:
-    global PROTOCOL_OUT
+    global PROTOCOL_OUT, OWN_PID_NAMESPACE
     setup = json.loads(sys.argv[1])
     config = SandboxConfig(**setup["config"])
     PROTOCOL_OUT = os.dup(1)
+    OWN_PID_NAMESPACE = os.open("/proc/self/ns/pid", os.O_RDONLY)
     os.dup2(2, 1)  # whatever a user tool's module prints while importing must not garble our frames
     uid = isolation.sandbox_uid()
     network = "allowed (sandbox.network: true)" if config.network else isolation.isolate_network()
-    try:
-        import numpy  # noqa: F401  imported once here, so calls that use it start fast and it is seeded per call
+    try:  # imported once here, so that calls using it start fast and it is seeded per call (numpy.random is lazy:
+        import numpy.random  # noqa: F401  seeding it in the call would import it there, ~50 ms each call)
     except ImportError:
         pass
+    gc.freeze()  # a collection in a call would touch (copy) every object of ours: keep them out of its sight
     tools = {}
     try:
         from grpo_mega.reward.registry import import_user_function
