@@ -197,3 +197,15 @@ def test_bad_calls_never_raise(toolset):
     assert [r.error for r in results] == ["unknown_tool", "bad_arguments", "bad_arguments", "bad_arguments",
                                           "exception", "bad_arguments"]
     assert "python, calculator" in results[0].content
+
+
+def test_the_trainer_s_secrets_stay_out(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    monkeypatch.setenv("SEARCH_API_KEY", "search_key_value")
+    monkeypatch.setenv("GRPO_MEGA_TOOL_ENV", "SEARCH_API_KEY")
+    with build_toolset(["python"], SandboxConfig(timeout_s=TIMEOUT_S, workers=1)) as tools:
+        code = ("import os\nprint(sorted(os.environ), os.environ.get('SEARCH_API_KEY'))\n"
+                "try:\n    print(open('/proc/self/environ', 'rb').read())\nexcept OSError as error:\n    print(error)")
+        result = tools.run([ToolCall("python", {"code": code})])[0]
+    assert result.error is None and "search_key_value" in result.content
+    assert "hf_secret_value" not in result.content and "HF_TOKEN" not in result.content

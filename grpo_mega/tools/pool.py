@@ -28,6 +28,19 @@ START_TIMEOUT_S = 120.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
+# The variables a worker keeps of the trainer's environment: a call's code could read any of them (even from its
+# own /proc/self/environ), and the trainer's hold tokens and keys. GRPO_MEGA_TOOL_ENV names more, comma-separated,
+# for user tools that need them (an API key of a search tool).
+KEPT_VARIABLES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONPATH", "VIRTUAL_ENV", "TZ")
+EXTRA_VARIABLES_ENV = "GRPO_MEGA_TOOL_ENV"
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment workers start with: ``KEPT_VARIABLES`` and those ``GRPO_MEGA_TOOL_ENV`` names."""
+    names = set(KEPT_VARIABLES) | {n.strip() for n in os.environ.get(EXTRA_VARIABLES_ENV, "").split(",") if n.strip()}
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
 class WorkerStartError(RuntimeError):
     """A sandbox worker did not start (a user tool that imports in the trainer but not in a worker, say)."""
 
@@ -36,7 +49,7 @@ class Worker:
     """One worker process and its two pipes."""
 
     def __init__(self, config: SandboxConfig, user_tools: dict[str, str]):
-        env = dict(os.environ, PYTHONHASHSEED=str(config.seed % 2 ** 32), OMP_NUM_THREADS="1",
+        env = dict(worker_environment(), PYTHONHASHSEED=str(config.seed % 2 ** 32), OMP_NUM_THREADS="1",
                    OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         setup = json.dumps({"config": asdict(config), "user_tools": user_tools})
