@@ -220,3 +220,12 @@ def test_the_package_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_arguments_that_are_not_json_do_not_cost_a_worker(toolset):
+    for _ in range(3):  # more than the pool's 2 workers: a lost worker would hang the third
+        assert toolset.run([ToolCall("lookup", {"key": "e", "upper": {1, 2}})])[0].error == "bad_arguments"
+        # past the schema's checks (a float is a "number"), still not JSON: refused before a worker is taken
+        result = toolset.run([ToolCall("check_answer", {"answer": 1})], [{"ground_truth": {1}}])[0]
+        assert result.error == "bad_arguments" and "JSON" in result.content
+    assert toolset.run([ToolCall("python", {"code": "1"})] * 3)[2].content == "1\n"

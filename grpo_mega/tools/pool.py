@@ -113,6 +113,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._workers: set[Worker] = set()
+        self._starting = 0
         started = [self._new_worker() for _ in range(config.workers)]
         try:
             self.info = [worker.wait_ready() for worker in started][0]
@@ -135,23 +136,39 @@ class WorkerPool:
             self._workers.discard(worker)
             if self._closed:
                 return
+            self._starting += 1
 
         def start():
+            fresh = None
             try:
                 fresh = self._new_worker()
                 fresh.wait_ready()
             except (WorkerStartError, OSError):
-                return  # the pool shrinks by one; calls still run on the others
-            if self._closed:
+                with self._lock:
+                    self._workers.discard(fresh)
+                fresh = None  # the pool shrinks by one; calls still run on the others
+            finally:
+                with self._lock:
+                    self._starting -= 1
+            if fresh is not None and self._closed:
                 fresh.stop()
-            else:
+            elif fresh is not None:
                 self._idle.put(fresh)
 
         threading.Thread(target=start, name="sandbox-worker-start", daemon=True).start()
 
     def call(self, request: dict) -> dict:
-        """Runs ``request`` on a free worker: the worker's answer, or a "crashed" one when the worker died."""
-        worker = self._idle.get()
+        """Runs ``request`` on a free worker: the worker's answer, or a "crashed" one when the worker died.
+        Raises TypeError / ValueError, before taking a worker, when the request is not JSON."""
+        json.dumps(request)
+        while True:
+            try:
+                worker = self._idle.get(timeout=0.5)
+                break
+            except queue.Empty:
+                with self._lock:
+                    if self._closed or not (self._workers or self._starting):  # all died, none restarts
+                        return {"error": "crashed", "content": "the tool sandbox has no worker left"}
         if self._closed:
             self._idle.put(worker)
             return {"error": "crashed", "content": "the tool sandbox is closed"}

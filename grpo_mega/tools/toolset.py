@@ -105,7 +105,7 @@ class ToolSet:
         try:
             answer = self._pool.call(request)
         except (TypeError, ValueError) as error:  # arguments that are not JSON (the turn loop parsed them: rare)
-            return ToolResult(f"arguments cannot be sent to the tool: {error}", "bad_arguments")
+            return ToolResult(f"arguments that are not JSON cannot be sent to the tool: {error}", "bad_arguments")
         return ToolResult(answer.get("content", ""), answer.get("error"), reward=answer.get("reward"))
 
     def close(self) -> None:

@@ -110,7 +110,7 @@ def call_arguments(tool: UserTool, arguments: Mapping[str, Any], row_kwargs: Map
         if allowed and not any(isinstance(value, _JSON_TYPES.get(kind, object)) and
                                not (kind in ("integer", "number") and isinstance(value, bool)) for kind in allowed):
             raise BadArguments(f"{tool.name}: argument {name!r} must be {' or '.join(allowed)}, got "
-                               f"{json.dumps(value)[:80]}")
+                               f"{json.dumps(value, default=repr)[:80]}")
     accepted = inspect.signature(tool.function).parameters
     takes_any = any(p.kind == p.VAR_KEYWORD for p in accepted.values())
     extra = {k: v for k, v in flat_row_kwargs(row_kwargs).items() if takes_any or k in accepted}
