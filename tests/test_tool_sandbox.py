@@ -209,3 +209,9 @@ def test_the_trainer_s_secrets_stay_out(monkeypatch):
         result = tools.run([ToolCall("python", {"code": code})])[0]
     assert result.error is None and "search_key_value" in result.content
     assert "hf_secret_value" not in result.content and "HF_TOKEN" not in result.content
+
+
+def test_cpu_time_is_limited():
+    with build_toolset(["python"], SandboxConfig(timeout_s=10, cpu_time_s=1, workers=1)) as tools:
+        result = tools.run([ToolCall("python", {"code": "while True: pass"})])[0]
+    assert (result.error, result.content) == ("cpu_time", "killed by SIGXCPU (CPU time limit 1 s)")
