@@ -215,3 +215,9 @@ def test_cpu_time_is_limited():
     with build_toolset(["python"], SandboxConfig(timeout_s=10, cpu_time_s=1, workers=1)) as tools:
         result = tools.run([ToolCall("python", {"code": "while True: pass"})])[0]
     assert (result.error, result.content) == ("cpu_time", "killed by SIGXCPU (CPU time limit 1 s)")
+
+
+def test_flooding_the_result_pipe_is_stopped(toolset, run_folder):
+    code = ("import os\nfor fd in range(3, 64):\n    try:\n        while True:\n            os.write(fd, b'x' * 65536)\n"
+            "    except OSError:\n        pass")
+    _run_bad(toolset, code, run_folder, {"output_limit"})

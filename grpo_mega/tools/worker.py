@@ -120,10 +120,13 @@ def _start_call(request, tools, config, uid, pipes) -> int:
     in_namespace = isolation.new_pid_namespace()
     try:
         pid = os.fork()
-    finally:
-        if in_namespace and pid != 0:
-            isolation.restore_pid_namespace(OWN_PID_NAMESPACE)  # the next call needs a new one again
+    except OSError:
+        pid = -1
     if pid != 0:
+        if in_namespace:
+            isolation.restore_pid_namespace(OWN_PID_NAMESPACE)  # the next call needs a new one again
+        if pid < 0:
+            raise OSError("fork failed")
         return pid
     (out_r, out_w), (res_r, res_w), (ctrl_r, ctrl_w) = pipes
     try:
@@ -147,10 +150,17 @@ def run_call(request: dict, tools: dict, config: SandboxConfig, uid: int | None)
     """Runs one call in its own processes, under the wall clock; the answer message for the pool."""
     pipes = [os.pipe() for _ in range(3)]
     started = time.monotonic()
-    process = _start_call(request, tools, config, uid, pipes)
+    try:
+        process = _start_call(request, tools, config, uid, pipes)
+    except OSError as error:  # the machine is out of processes or memory: this call fails, the worker lives
+        for fd in (fd for pipe in pipes for fd in pipe):
+            os.close(fd)
+        return {"error": "crashed", "content": f"the sandbox could not start the call: {error}"}
     (out_r, out_w), (res_r, res_w), (ctrl_r, ctrl_w) = pipes
     for fd in (out_w, res_w, ctrl_w):
         os.close(fd)
+    # the call can write to its result pipe at will: keep no more of it than a whole answer can take
+    result_limit = 8 * config.max_output_bytes + (1 << 16)
     kept, total, stopped, give_up = bytearray(), 0, None, None
     received = {res_r: b"", ctrl_r: b""}
     open_fds = [out_r, res_r, ctrl_r]
@@ -172,6 +182,9 @@ def run_call(request: dict, tools: dict, config: SandboxConfig, uid: int | None)
                 open_fds.remove(fd)
             elif fd != out_r:
                 received[fd] += data
+                if len(received[res_r]) > result_limit and stopped is None:
+                    stopped = "output_limit"
+                    received[res_r] = b""
             else:
                 total += len(data)
                 kept += data[:max(0, config.max_output_bytes - len(kept))]
@@ -276,7 +289,10 @@ def main() -> None:
         request = receive(0)
         if request is None:
             return
-        send(PROTOCOL_OUT, run_call(request, tools, config, uid))
+        try:
+            send(PROTOCOL_OUT, run_call(request, tools, config, uid))
+        except BrokenPipeError:
+            return  # the pool is gone (its process died): so are we
 
 
 if __name__ == "__main__":
