@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -221,3 +222,35 @@ def test_flooding_the_result_pipe_is_stopped(toolset, run_folder):
     code = ("import os\nfor fd in range(3, 64):\n    try:\n        while True:\n            os.write(fd, b'x' * 65536)\n"
             "    except OSError:\n        pass")
     _run_bad(toolset, code, run_folder, {"output_limit"})
+
+
+def test_a_killed_rank_leaves_nothing_behind(tmp_path):
+    """The trainer's rank killed (SIGKILL) in the middle of a call: its workers and the call go within a second."""
+    import subprocess
+    import sys
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, threading
+        from grpo_mega.tools import SandboxConfig, ToolCall, build_toolset
+        tools = build_toolset(["python"], SandboxConfig(timeout_s=60, workers=2))
+        call = ToolCall("python", {"code": "import os, time\\nos.fork()\\nprint('running', flush=True)\\ntime.sleep(60)"})
+        threading.Thread(target=tools.run, args=([call, call],), daemon=True).start()
+        threading.Event().wait()
+    """))
+    rank = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            tree = psutil.Process(rank.pid).children(recursive=True)
+            if len(tree) >= 2 + 2 * 3:  # two workers, each with a supervisor, a call and the call's child
+                break
+            time.sleep(0.1)
+        workers = {p.pid for p in psutil.Process(rank.pid).children()}
+        assert len(tree) >= 8, tree
+    finally:
+        rank.kill()
+        rank.wait()
+    time.sleep(1.0)
+    left = [pid for pid in (p.pid for p in tree) if psutil.pid_exists(pid) and
+            psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not left and not _sandbox_processes(workers)

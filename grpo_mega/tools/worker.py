@@ -175,7 +175,9 @@ def run_call(request: dict, tools: dict, config: SandboxConfig, uid: int | None)
         if give_up is not None and now >= give_up:
             break
         wait = (give_up if give_up is not None else started + config.timeout_s) - now
-        ready, _, _ = select.select(open_fds, [], [], max(wait, 0.001))
+        ready, _, _ = select.select(open_fds + [0], [], [], max(wait, 0.001))
+        if 0 in ready:  # the pool sends nothing during a call: this is its end (EOF), the trainer died
+            os._exit(0)  # the supervisor dies with us (PR_SET_PDEATHSIG), and the call's namespace with it
         for fd in ready:
             data = os.read(fd, 1 << 16)
             if not data:
