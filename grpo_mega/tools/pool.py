@@ -9,6 +9,7 @@ background while the call is answered "crashed".
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import select
@@ -23,6 +24,7 @@ from pathlib import Path
 from grpo_mega.tools.base import SandboxConfig
 from grpo_mega.tools.protocol import receive, send
 
+logger = logging.getLogger(__name__)
 GRACE_S = 0.8
 START_TIMEOUT_S = 120.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -122,6 +124,12 @@ class WorkerPool:
             raise
         for worker in started:
             self._idle.put(worker)
+        if not config.network and str(self.info.get("network", "")).startswith("none"):
+            logger.warning("tool sandbox: no network namespace on this machine, calls can reach the network: %s",
+                           self.info["network"])
+        if self.info.get("uid") is None:
+            logger.warning("tool sandbox: not running as root, calls keep your user id: they can write your files "
+                           "and max_processes counts all your processes (docs/clusters.md, The tool sandbox)")
 
     def _new_worker(self) -> Worker:
         worker = Worker(self.config, self.user_tools)
