@@ -80,3 +80,24 @@ def test_cli_exits_2_with_the_one_line_before_launch(capsys):
     err = capsys.readouterr().err
     assert err.startswith("grpo-mega train: error: algorithm.policy_loss=gspo needs one advantage per sequence")
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("arm,form", [("ppo_mb4", "ppo"), ("gspo_token_mb4", "gspo_token"), ("cispo_mb4", "cispo")])
+def test_the_policy_loss_arms_are_valid_runs_of_the_sparse_regime(arm, form, tmp_path):
+    """``bench/pipeline_seeds.py --arms ppo_mb4 gspo_token_mb4 cispo_mb4``: the quickstart's outcome arm with 4
+    optimizer steps per GRPO step (where the forms differ) under each loss, in folders and summary keys of their own."""
+    from grpo_mega.quickstart.arms import arm_settings
+    from grpo_mega.quickstart.pipeline import SPARSE
+    from grpo_mega.quickstart.report import arm_key, learned_prm_arm
+
+    title, overrides, folder = arm_settings(arm)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cfg = load_config(GRPOConfig, str(CONFIG), [f"model.hf_config={tmp_path / 'model'}", "data.train_file=t.jsonl",
+                                                "model.init_from=runs/sft",
+                                                f"algorithm.response_length={SPARSE.response_length}", *overrides],
+                      validate)
+    alg = cfg.algorithm
+    assert (alg.policy_loss, alg.mini_batch_size, alg.rollout_batch_size) == (form, 8, 32)
+    assert alg.supervision == "outcome" and not learned_prm_arm(arm)
+    assert folder == f"grpo_{arm}" and arm_key(arm) == arm and title.startswith("GRPO, outcome supervision")
