@@ -191,7 +191,8 @@ def _one_rank_job(ref_dir, tp1_dir):
 
 def _one_rank_forms(ref_dir):
     logp, olds = _form_old_logprobs(ref_dir)
-    return {"logp": logp, "olds": olds, "steps": {budget: _form_steps(ref_dir, olds, budget) for budget in FORM_BUDGETS}}
+    steps = {budget: _form_steps(ref_dir, olds, budget) for budget in FORM_BUDGETS}
+    return {"logp": logp, "olds": olds, "steps": steps}
 
 
 def _two_rank_job(ref_dir, layout_dirs, tp1_dir, form_olds):
@@ -335,7 +336,8 @@ def test_policy_loss_forms_equal_their_hand_value_at_every_layout(one_rank, two_
     runs = {f"tp1 {budget}": [forms["steps"][budget][form]] for budget in FORM_BUDGETS}
     for layout in TWO_RANK_LAYOUTS:
         for share in (False, True):
-            runs[f"{layout} {'packed' if share else 'rows'}"] = [rank["forms"][layout][share][form] for rank in two_ranks]
+            name = f"{layout} {'packed' if share else 'rows'}"
+            runs[name] = [rank["forms"][layout][share][form] for rank in two_ranks]
     base = forms["steps"][FORM_BUDGETS[0]][form]
     assert base["grad_norm"] > 1e-3
     assert 0 < base["actor/pg_clipfrac"] < 1  # the clip is exercised, and not everywhere
