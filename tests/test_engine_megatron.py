@@ -1,5 +1,6 @@
 """The Megatron engine: one GRPO optimizer step is the same at every TP / PP / DP layout and micro-batch size,
-also for a batch with fewer rows than data-parallel ranks.
+also for a batch with fewer rows than data-parallel ranks; every policy-loss form (``algorithm.policy_loss``) equals
+its hand-computed value at TP1, TP2, PP2, DP2, packed and unpacked rows, and 1 and 4 micro-batches.
 
 Every spawned process pays ~10 s of imports (torch, megatron, transformers) before any work, so the file's work runs
 in two jobs (module fixtures): one process for the reference weights and everything at world size 1, then two
@@ -40,7 +41,7 @@ def _batch():
     )
 
 
-def _engine(budget):
+def _engine(budget, share_prompt_prefix=False):
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
 
@@ -49,7 +50,7 @@ def _engine(budget):
     optim = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, adam_eps=1e-4)
     return build_policy_engine(
         _hf_config(), optim=optim, total_steps=4,
-        max_tokens_per_micro_batch=budget,
+        max_tokens_per_micro_batch=budget, share_prompt_prefix=share_prompt_prefix,
     )
 
 
@@ -127,6 +128,51 @@ def _params_of(directories):
     return out
 
 
+# ----------------------------------------------------------------------------- policy-loss forms
+FORMS = {  # form -> (loss_agg_mode, its clip range, the scale of logp - old_logp: some tokens / sequences clipped)
+    "gspo": ("seq-mean-token-mean", dict(clip_low=3e-4, clip_high=4e-4), 4e-4),
+    "gspo_token": ("seq-mean-token-mean", dict(clip_low=3e-4, clip_high=4e-4), 4e-4),
+    "gmpo": ("seq-mean-token-mean", dict(clip_low=0.4, clip_high=0.4), 0.4),
+    "cispo": ("token-mean", dict(clip_low=None, clip_high=0.2), 0.4),
+}
+FORM_BUDGETS = (1000, 20)  # 1 and 4 micro-batches of _forms_batch's rows
+
+
+def _forms_batch(old_logprobs=None):
+    """_batch with two prompts of three rows each (packed rows share them) and ``old_logprobs`` near the policy's."""
+    batch = _batch()
+    batch["input_ids"][1:3, :3] = batch["input_ids"][0, :3]
+    batch["input_ids"][4:6, :3] = batch["input_ids"][3, :3]
+    batch["prompt_lengths"] = torch.full((6,), 3)
+    if old_logprobs is not None:
+        batch["old_logprobs"] = old_logprobs
+    return batch
+
+
+def _form_old_logprobs(ref_dir):
+    """The reference weights' log-probs and, per form, old log-probs that differ from them by the form's scale."""
+    engine = _engine(1000)
+    engine.load_model_weights(ref_dir)
+    logp, _ = engine.forward_logprobs(_forms_batch())
+    noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(5))
+    return logp, {form: logp - scale * noise for form, (_, _, scale) in FORMS.items()}
+
+
+def _form_steps(ref_dir, olds, budget, share_prompt_prefix=False):
+    """One step of each form from the reference weights: {form: its loss, grad norm and clip fraction}."""
+    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
+
+    engine = _engine(budget, share_prompt_prefix)
+    assert engine.share_prompt_prefix is share_prompt_prefix
+    out = {}
+    for form, (agg, clip, _) in FORMS.items():
+        engine.load_model_weights(ref_dir)
+        settings = GRPOLossSettings(policy_loss=form, loss_agg_mode=agg, **clip)
+        metrics = engine.train_step(_forms_batch(olds[form]), grpo_loss_fn(settings))
+        out[form] = {name: metrics[name] for name in ("loss", "grad_norm", "actor/pg_clipfrac")}
+    return out
+
+
 def _one_rank_job(ref_dir, tp1_dir):
     """World size 1: save the reference weights (seeded model at TP=1 / PP=1), then from them the TP=1 step of
     each test."""
@@ -139,19 +185,27 @@ def _one_rank_job(ref_dir, tp1_dir):
         "budgets": [_grpo_step(_engine(budget), ref_dir) for budget in BUDGETS],
         "one_row": _one_row_step(ref_dir, 2),
         "loss_tokens": _loss_token_logprobs(ref_dir),
+        "forms": _one_rank_forms(ref_dir),
     }
 
 
-def _two_rank_job(ref_dir, layout_dirs, tp1_dir):
+def _one_rank_forms(ref_dir):
+    logp, olds = _form_old_logprobs(ref_dir)
+    steps = {budget: _form_steps(ref_dir, olds, budget) for budget in FORM_BUDGETS}
+    return {"logp": logp, "olds": olds, "steps": steps}
+
+
+def _two_rank_job(ref_dir, layout_dirs, tp1_dir, form_olds):
     """World size 2, one layout after another from the reference weights; last, every layout's saved weights
     (and the reference) read back at TP=1 / PP=1."""
     from grpo_mega.parallel import init_distributed
 
     init_distributed(1, 1, seed=7, device="cpu")
-    out = {"layout_steps": {}, "probe": {}}
+    out = {"layout_steps": {}, "probe": {}, "forms": {}}
     for name, (tp, pp) in TWO_RANK_LAYOUTS.items():
         _switch_layout(tp, pp)
         out["layout_steps"][name] = _grpo_step(_engine(LAYOUT_BUDGET), ref_dir, layout_dirs[name])
+        out["forms"][name] = {share: _form_steps(ref_dir, form_olds, LAYOUT_BUDGET, share) for share in (False, True)}
         if name == "tp2":
             out["loss_tokens"] = _loss_token_logprobs(ref_dir)
     _switch_layout(1, 2)
@@ -180,7 +234,7 @@ def two_ranks(one_rank, tmp_path_factory):
     ref_dir, _, tp1_dir = one_rank
     root = tmp_path_factory.mktemp("two_ranks")
     layout_dirs = {name: str(root / name) for name in TWO_RANK_LAYOUTS}
-    return run_distributed(_two_rank_job, 2, ref_dir, layout_dirs, tp1_dir)
+    return run_distributed(_two_rank_job, 2, ref_dir, layout_dirs, tp1_dir, one_rank[1]["forms"]["olds"])
 
 
 def test_one_step_equal_across_layouts(one_rank, two_ranks):
@@ -247,3 +301,48 @@ def test_loss_tokens_only_computes_the_loss_masks_tokens_alone(one_rank, two_ran
         torch.testing.assert_close(entropy[mask], every_entropy[mask], atol=1e-6, rtol=0)
         assert (every_logprobs[~mask & (_batch()["attention_mask"] > 0)] != 0).any()  # the whole rows' are not 0
         assert not logprobs[~mask].any() and not entropy[~mask].any()
+
+
+def _hand_loss(form, logp, old, batch):
+    """The step's loss by hand, float64, one row (sequence) at a time: the formulas of docs/training.md."""
+    agg, clip, _ = FORMS[form]
+    low, high = clip["clip_low"], clip["clip_high"]
+    mask = batch["loss_mask"].bool()
+    tokens, seqs = int(mask.sum()), int(mask.any(dim=1).sum())
+    total = 0.0
+    for i in range(mask.shape[0]):
+        at = mask[i]
+        d = (logp[i][at] - old[i][at]).double()
+        a = batch["advantages"][i][at].double()
+        if form in ("gspo", "gspo_token"):  # one ratio s_i = exp(mean_t d); a mean over sequences
+            s = torch.exp(d.mean())
+            total += torch.maximum(-a * s, -a * s.clamp(1 - low, 1 + high)).mean().item() / seqs
+        elif form == "gmpo":  # geometric mean of the pessimistic (log-space clipped) token ratios
+            bounded = d.clamp(-low, high)
+            kept = torch.minimum(d, bounded) if a[0] >= 0 else torch.maximum(d, bounded)
+            total += (-a[0] * torch.exp(kept.mean())).item() / seqs
+        else:  # cispo: -sg(min(r, 1 + high)) A log pi, a mean over tokens
+            total += (-torch.exp(d).clamp(max=1 + high) * a * logp[i][at].double()).sum().item() / tokens
+    return total
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_policy_loss_forms_equal_their_hand_value_at_every_layout(one_rank, two_ranks, form):
+    """TP1 at 1 and 4 micro-batches, then TP2, PP2 and DP2 with rows and with packed rows (two sequences of a
+    prompt in one packed row): the loss is the hand-computed one (1e-6) and the gradient norm the same (1e-5)."""
+    forms = one_rank[1]["forms"]
+    batch = _forms_batch()
+    expected = _hand_loss(form, forms["logp"], forms["olds"][form], batch)
+    runs = {f"tp1 {budget}": [forms["steps"][budget][form]] for budget in FORM_BUDGETS}
+    for layout in TWO_RANK_LAYOUTS:
+        for share in (False, True):
+            name = f"{layout} {'packed' if share else 'rows'}"
+            runs[name] = [rank["forms"][layout][share][form] for rank in two_ranks]
+    base = forms["steps"][FORM_BUDGETS[0]][form]
+    assert base["grad_norm"] > 1e-3
+    assert 0 < base["actor/pg_clipfrac"] < 1  # the clip is exercised, and not everywhere
+    for name, per_rank in runs.items():
+        for metrics in per_rank:
+            assert metrics["loss"] == pytest.approx(expected, abs=1e-6), name
+            assert metrics["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5), name
+            assert metrics["actor/pg_clipfrac"] == pytest.approx(base["actor/pg_clipfrac"], abs=1e-6), name

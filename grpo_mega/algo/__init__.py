@@ -1,6 +1,6 @@
-"""Pure GRPO math: advantages, the clipped policy loss, KL estimators, loss aggregation, reward shaping, step rewards
-from PRM scores, and the
-sampler/trainer mismatch (log-prob differences, truncated importance sampling).
+"""Pure GRPO math: advantages, the policy losses (PPO's clip, GSPO, GSPO-token, GMPO, CISPO), KL estimators, loss
+aggregation, reward shaping, step rewards from PRM scores, and the sampler/trainer mismatch
+(log-prob differences, truncated importance sampling).
 
 Functions of tensors only: no process groups, no model. Every later part (trainer, PRM, engines) calls these.
 
@@ -17,14 +17,23 @@ _MODULE_OF = {
     "DEFAULT_LOG_RATIO_CLAMP": "kl",
     "KL_ESTIMATORS": "choices",
     "LOSS_AGG_MODES": "choices",
+    "PER_SEQUENCE_ADVANTAGE_POLICY_LOSSES": "choices",
+    "POLICY_LOSSES": "choices",
+    "POLICY_LOSS_FORMS": "policy_losses",
+    "SEQUENCE_LEVEL_POLICY_LOSSES": "choices",
     "STEP_BASELINES": "choices",
     "STEP_REWARDS": "choices",
     "aggregate_loss": "losses",
     "clip_advantages": "shaping",
     "clip_rewards": "shaping",
+    "cispo_loss": "policy_losses",
     "completion_baseline_advantages": "advantages",
+    "compute_policy_loss": "policy_losses",
     "cut_at_answer": "answer_credit",
+    "gmpo_loss": "policy_losses",
     "group_start_values": "step_rewards",
+    "gspo_loss": "policy_losses",
+    "gspo_token_loss": "policy_losses",
     "kl_estimate": "kl",
     "normalize_step_rewards": "advantages",
     "outcome_advantages": "advantages",

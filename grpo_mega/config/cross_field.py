@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from grpo_mega.algo.choices import (IMPLICIT_STEP_VALUES, IMPLICIT_STEPS, IMPLICIT_UPDATE_ORDERS, KL_ESTIMATORS,
-                                   LOSS_AGG_MODES, STEP_BASELINES, STEP_REWARDS)
+                                   LOSS_AGG_MODES, POLICY_LOSSES, STEP_BASELINES, STEP_REWARDS)
 from grpo_mega.config.checks import (
     DECAY_STYLES,
     check_choice,
@@ -27,6 +27,7 @@ from grpo_mega.config.checks import (
 )
 from grpo_mega.config.grpo import PROCESS_REWARD_SOURCES, STEP_CREDITS, GRPOConfig
 from grpo_mega.config.loading import ConfigError
+from grpo_mega.config.policy_loss_checks import refuse_verl_loss_mode_name, validate_policy_loss
 from grpo_mega.config.sft import SFTConfig
 from grpo_mega.data.formats import FORMATS as DATA_FORMATS
 
@@ -48,6 +49,8 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     validate_parallel(cfg.parallel)
     check_choice(alg.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
     check_choice(alg.kl_estimator, KL_ESTIMATORS, "algorithm.kl_estimator")
+    refuse_verl_loss_mode_name(alg)
+    check_choice(alg.policy_loss, POLICY_LOSSES, "algorithm.policy_loss")
     check_choice(cfg.rollout.engine, ("auto", "hf", "vllm"), "rollout.engine")
     if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
@@ -64,6 +67,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     check_choice(alg.supervision, ("outcome", "process"), "algorithm.supervision")
     check_choice(alg.step_credit, STEP_CREDITS, "algorithm.step_credit")
     check_choice(alg.step_baseline, STEP_BASELINES, "algorithm.step_baseline")
+    validate_policy_loss(alg, _speaks())
     if not alg.step_baseline_min_std > 0:
         raise ConfigError(f"algorithm.step_baseline_min_std={alg.step_baseline_min_std} must be > 0")
     validate_answer_guard(cfg)

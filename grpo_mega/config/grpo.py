@@ -310,12 +310,40 @@ class AlgorithmConfig:
     """Passes over each rollout batch."""
     mini_batch_size: int = 0
     """Prompts per optimizer step (all their G completions); 0 = the whole rollout batch (one update per epoch)."""
+    policy_loss: str = "ppo"
+    """The policy-gradient surrogate (docs/training.md, "Policy losses"; ``grpo_mega.algo.policy_losses``): ``ppo``
+    (token-level clip of each token's ratio, GRPO's and DAPO's; ``clip_low`` / ``clip_high`` / ``dual_clip_loss``),
+    ``gspo`` (Qwen's GSPO: one length-normalised ratio per sequence, clipped per sequence; ``gspo_clip_*``),
+    ``gspo_token`` (GSPO-token: GSPO's ratio with per-token advantages, for process supervision; ``gspo_clip_*``),
+    ``gmpo`` (geometric mean of the token ratios, clipped in log space; ``gmpo_clip_*``) or ``cispo``
+    (MiniMax-M1's clipped, detached importance weight on log pi: no token loses its gradient; ``cispo_clip_*``).
+    ``gspo``, ``gspo_token`` and ``gmpo`` need ``loss_agg_mode: seq-mean-token-mean``; ``gspo`` and ``gmpo`` need
+    ``supervision: outcome``. verl's ``actor.policy_loss.loss_mode`` ``vanilla`` is ``ppo``, ``geo_mean`` is
+    ``gmpo``."""
     clip_low: float = 0.2
-    """PPO clip: the ratio is clipped below at 1 - clip_low."""
+    """PPO clip (``policy_loss: ppo``): the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.2
-    """``clip_high > clip_low`` is DAPO's clip-higher."""
+    """``policy_loss: ppo``: the ratio is clipped above at 1 + clip_high; ``clip_high > clip_low`` is DAPO's
+    clip-higher."""
     dual_clip_loss: Optional[float] = None
-    """Dual-clip bound c > 1 for negative advantages; None disables."""
+    """Dual-clip bound c > 1 for negative advantages (``policy_loss: ppo``); None disables."""
+    gspo_clip_low: float = 3e-4
+    """``policy_loss: gspo`` / ``gspo_token``: the sequence ratio is clipped below at 1 - gspo_clip_low (GSPO paper:
+    3e-4; a sequence ratio is a geometric mean over its tokens, so its range is far narrower than a token's)."""
+    gspo_clip_high: float = 4e-4
+    """``policy_loss: gspo`` / ``gspo_token``: the sequence ratio is clipped above at 1 + gspo_clip_high (GSPO
+    paper: 4e-4)."""
+    gmpo_clip_low: float = 0.4
+    """``policy_loss: gmpo``: each token's log-ratio is clipped below at -gmpo_clip_low (GMPO paper and verl's
+    geo_mean example: 0.4, a ratio of e^-0.4)."""
+    gmpo_clip_high: float = 0.4
+    """``policy_loss: gmpo``: each token's log-ratio is clipped above at +gmpo_clip_high (GMPO: 0.4)."""
+    cispo_clip_low: Optional[float] = None
+    """``policy_loss: cispo``: the importance weight is clipped below at 1 - cispo_clip_low; None: no lower bound
+    (MiniMax-M1 sets none)."""
+    cispo_clip_high: float = 4.0
+    """``policy_loss: cispo``: the importance weight is clipped above at 1 + cispo_clip_high (MiniMax-M1 publishes no
+    value; 4.0, a weight of at most 5, is ScaleRL's, as TRL and slime use it; verl's example uses 0.2)."""
     use_kl_loss: bool = False
     """Add a KL penalty to a frozen reference policy (the initial weights) to the loss; builds the reference engine."""
     kl_loss_coef: float = 0.001

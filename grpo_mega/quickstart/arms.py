@@ -74,6 +74,17 @@ ARMS["oracle_completion"] = (f"{ARMS['oracle'][0]}, completion baseline", (*ARMS
 # The skeptic's baseline (grpo_mega.quickstart.rft): the policy fine-tuned on its own verified solutions from the PRM's
 # labelling for the PRM training's seconds, then outcome supervision
 ARMS["rft"] = ("GRPO, outcome supervision after RFT on the policy's verified solutions", ())
+# The policy losses (issue 78): outcome supervision with 4 optimizer steps per GRPO step (mini-batches of 8 of the 32
+# prompts, the GSPO paper's split of a rollout batch), under PPO's clip, GSPO-token (its paper's clip range) and CISPO.
+# With one update per batch every form has PPO's gradient (every ratio is 1: docs/training.md, "Policy losses"), so
+# the forms differ only where the policy moves within a step; ppo_mb4 is their baseline with the same split.
+POLICY_LOSS_ARMS = {"ppo_mb4": ("PPO clip", ()),
+                    "gspo_token_mb4": ("GSPO-token", ("algorithm.policy_loss=gspo_token",
+                                                      "algorithm.loss_agg_mode=seq-mean-token-mean")),
+                    "cispo_mb4": ("CISPO", ("algorithm.policy_loss=cispo",))}
+for _arm, (_what, _overrides) in POLICY_LOSS_ARMS.items():
+    ARMS[_arm] = (f"GRPO, outcome supervision, 4 mini-batches per step, {_what}",
+                  ("algorithm.mini_batch_size=8", *_overrides))
 # What each GRPO arm's live line shows besides its step.
 SHOWN = {"outcome": (("held-out acc", "eval/accuracy"), ("reward", TRAIN_REWARD_KEY))}
 SHOWN["process"] = (*SHOWN["outcome"], ("PRM score", "prm/score_mean"))
@@ -83,8 +94,10 @@ for _arm in ("implicit", *IMPLICIT_VARIANTS):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 for _arm in (*TREE_PLANS, "tree_222_pooled"):
     SHOWN[_arm] = (*SHOWN["outcome"], ("tokens", "rollout/generated_tokens"))
+for _arm in POLICY_LOSS_ARMS:
+    SHOWN[_arm] = (*SHOWN["outcome"], ("clipped", "actor/pg_clipfrac"))
 for _arm in (*TREE_PLANS, "tree_222_pooled", "process_completion", "process_delta_completion", "oracle_completion",
-             "rft"):
+             "rft", *POLICY_LOSS_ARMS):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
 
 

@@ -13,7 +13,8 @@ ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "i
             "tree_222": "tree_222", "tree_42": "tree_42", "tree_2222": "tree_2222",
             "tree_222_pooled": "tree_222_pooled", "tree_82": "tree_82",
             "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
-            "oracle_completion": "oracle_completion", "rft": "rft"}
+            "oracle_completion": "oracle_completion", "rft": "rft", "ppo_mb4": "ppo_mb4",
+            "gspo_token_mb4": "gspo_token_mb4", "cispo_mb4": "cispo_mb4"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
@@ -25,7 +26,9 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "process_completion": "process supervision (learned PRM, completion baseline)",
               "process_delta_completion": "process supervision (learned PRM, delta, completion baseline)",
               "oracle_completion": "process supervision (oracle, completion baseline)",
-              "rft": "outcome supervision after RFT"}
+              "rft": "outcome supervision after RFT", "ppo_mb4": "outcome supervision, 4 mini-batches, PPO clip",
+              "gspo_token_mb4": "outcome supervision, 4 mini-batches, GSPO-token",
+              "cispo_mb4": "outcome supervision, 4 mini-batches, CISPO"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 

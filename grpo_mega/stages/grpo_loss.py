@@ -12,9 +12,11 @@ import torch
 
 from grpo_mega.algo import (
     DEFAULT_LOG_RATIO_CLAMP,
+    POLICY_LOSSES,
+    SEQUENCE_LEVEL_POLICY_LOSSES,
     aggregate_loss,
+    compute_policy_loss,
     kl_estimate,
-    policy_loss,
     rollout_logprob_diff,
     truncated_importance_weights,
 )
@@ -25,7 +27,10 @@ ROLLOUT_IS_MODES = ("none", "tis")
 
 @dataclass(frozen=True)
 class GRPOLossSettings:
-    clip_low: float = 0.2
+    policy_loss: str = "ppo"
+    """The surrogate (``grpo_mega.algo.policy_losses``): ``ppo``, ``gspo``, ``gspo_token``, ``gmpo``, ``cispo``."""
+    clip_low: float | None = 0.2
+    """The clip range of ``policy_loss``, as its function takes it (``cispo``: None = no lower bound)."""
     clip_high: float = 0.2
     dual_clip: float | None = None
     loss_agg_mode: str = "token-mean"
@@ -45,6 +50,11 @@ class GRPOLossSettings:
     rollout_is_cap: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss={self.policy_loss!r}; expected one of {POLICY_LOSSES}")
+        if self.policy_loss in SEQUENCE_LEVEL_POLICY_LOSSES and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError(f"policy_loss={self.policy_loss} is a sequence-level loss: it needs "
+                             f"loss_agg_mode='seq-mean-token-mean', got {self.loss_agg_mode!r}")
         if self.rollout_is not in ROLLOUT_IS_MODES:
             raise ValueError(f"rollout_is={self.rollout_is!r}; expected one of {ROLLOUT_IS_MODES}")
         if not self.rollout_is_cap > 0:
@@ -57,7 +67,8 @@ def grpo_loss_fn(settings: GRPOLossSettings):
     Reads ``loss_mask``, ``advantages`` [B, L], ``old_logprobs`` (unless ``on_policy``), (with KL)
     ``ref_logprobs`` and (with ``rollout_is="tis"``) ``rollout_logprobs`` (the sampler's) from the micro-batch;
     ``head_outputs`` holds ``logprobs`` and ``entropy``.
-    ``loss = aggregate(w * l_pg + kl_coef * kl - entropy_coef * entropy)`` over the global batch, with ``w = 1``
+    ``loss = aggregate(w * l_pg + kl_coef * kl - entropy_coef * entropy)`` over the global batch, ``l_pg`` the
+    per-token loss of ``settings.policy_loss`` (a sequence-level form's l_i on each of its tokens), with ``w = 1``
     or, with TIS, ``w = min(exp(old_logp - rollout_logp), rollout_is_cap)`` (no gradient through ``w``; the KL
     and entropy terms are not weighted, as in verl).
     """
@@ -66,7 +77,8 @@ def grpo_loss_fn(settings: GRPOLossSettings):
         logp, entropy = outputs["logprobs"], outputs["entropy"]
         mask = micro["loss_mask"].to(logp.dtype)
         old_logp = logp.detach() if settings.on_policy else micro["old_logprobs"].to(logp.dtype)
-        per_token, pg_metrics = policy_loss(
+        per_token, pg_metrics = compute_policy_loss(
+            settings.policy_loss,
             logp,
             old_logp,
             micro["advantages"].to(logp.dtype),
@@ -94,9 +106,10 @@ def grpo_loss_fn(settings: GRPOLossSettings):
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": pg_metrics["clipfrac"] * token_share,
             "actor/ppo_kl": pg_metrics["approx_kl"] * token_share,
-            "actor/pg_clipfrac_lower": pg_metrics["dual_clipfrac"] * token_share,
             "actor/entropy": (entropy.detach() * mask).sum() / scale.global_tokens,
         }
+        if "dual_clipfrac" in pg_metrics:  # ppo's dual clip (verl's name)
+            metrics["actor/pg_clipfrac_lower"] = pg_metrics["dual_clipfrac"] * token_share
         if settings.on_policy and "rollout_logprobs" in micro:
             # The logits of this forward pass are the ones that sampled: the sampler/trainer mismatch costs no
             # extra pass. Means are shares of the global batch; ``*_max`` metrics are reduced by max (the engine).

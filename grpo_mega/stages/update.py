@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from grpo_mega.algo import rollout_logprob_diff
+from grpo_mega.algo.choices import POLICY_LOSS_CLIP_KEYS
 from grpo_mega.config import AlgorithmConfig
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.engine.batching import slice_rows
@@ -22,9 +23,17 @@ def mini_batch_rows(num_groups: int, group_size: int, groups_per_mini_batch: int
     ]
 
 
+def clip_range(algorithm: AlgorithmConfig) -> tuple[float | None, float]:
+    """``(clip_low, clip_high)`` of ``algorithm.policy_loss``: each form reads its own keys."""
+    low, high = POLICY_LOSS_CLIP_KEYS[algorithm.policy_loss]
+    return getattr(algorithm, low), getattr(algorithm, high)
+
+
 def loss_settings(algorithm: AlgorithmConfig, *, on_policy: bool) -> GRPOLossSettings:
+    clip_low, clip_high = clip_range(algorithm)
     return GRPOLossSettings(
-        clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip_loss,
+        policy_loss=algorithm.policy_loss, clip_low=clip_low, clip_high=clip_high,
+        dual_clip=algorithm.dual_clip_loss,
         loss_agg_mode=algorithm.loss_agg_mode, norm_length=algorithm.response_length,
         kl_coef=algorithm.kl_loss_coef if algorithm.use_kl_loss else 0.0, kl_estimator=algorithm.kl_estimator,
         kl_log_ratio_clamp=algorithm.kl_log_ratio_clamp, entropy_coef=algorithm.entropy_coef,
