@@ -39,6 +39,7 @@ from grpo_mega.harness.resume import TrainerState, restore
 from grpo_mega.harness.resume import save as save_checkpoint
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.perf.startup import StartupClock
+from grpo_mega.run.config_history import record_config
 from grpo_mega.run.control import StoppedEarly, StopRequests, run_end_time
 from grpo_mega.run.failure import POSITION, phase, set_aside_failure, set_step
 from grpo_mega.run.folder import check_run_folder
@@ -93,7 +94,7 @@ class RunHarness:
         """Resume ``engine``, its ``companions`` ({name: a second training engine saved with it, e.g. the implicit
         PRM}) and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
         holds) from the checkpoint ``trainer.resume`` names, or, with none, call ``initial_weights``; write
-        ``run_dir/config.yaml`` and open the metrics log (its progress bar or step lines, and the summary line at the
+        ``run_dir/config.yaml`` (and the config history, ``grpo_mega.run.config_history``) and open the metrics log (its progress bar or step lines, and the summary line at the
         end, show the ``shown`` figures: label -> metric name). Returns the step to continue after (0 for a new
         run)."""
         self._engine = engine
@@ -104,13 +105,19 @@ class RunHarness:
         resumed = restore(self.checkpoints, engine, self._state, resume=self.cfg.trainer.resume,
                           seed=self.cfg.parallel.seed, companions=self._companions)
         if resumed is not None:
-            self.start_step = self.step = resumed
+            self.start_step = self.step = resumed.step
         elif initial_weights is not None:
             initial_weights()
         self.startup.mark("load")
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
+            # the config history (run_dir/configs/) and, on a resume with changes, the block that lists them
+            if resumed is None:
+                record_config(self.run_dir, asdict(self.cfg))
+            else:
+                record_config(self.run_dir, asdict(self.cfg), step=resumed.step, previous=resumed.config,
+                              checkpoint=resumed.checkpoint)
             set_aside_failure(self.run_dir)  # an earlier attempt's; kept beside, so this one can name its own cause
         self.metrics_log = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.start_step, active=self.is_rank0,
