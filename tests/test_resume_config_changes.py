@@ -104,3 +104,20 @@ def test_allow_config_change_entries_are_checked():
         config["trainer"]["allow_config_change"] = [entry]
         with pytest.raises(RunFolderError, match=message):
             check_allowed_changes(config)
+
+
+def test_config_history_of_a_run_begun_without_one_and_of_an_abandoned_resume(tmp_path):
+    from grpo_mega.run.config_history import history_path, record_config
+
+    g2, g4 = {"algorithm": {"num_return_sequences_in_group": 2}}, {"algorithm": {"num_return_sequences_in_group": 4}}
+    checkpoint = tmp_path / "checkpoints" / "step_000005"
+    # a run begun before run_dir/configs/ was kept, resumed unchanged: its checkpoint's config becomes step 0's
+    assert record_config(tmp_path, g2, step=5, previous=g2, checkpoint=checkpoint) is None
+    assert yaml.safe_load(history_path(tmp_path, 0).read_text()) == g2
+    assert "step_000005" in history_path(tmp_path, 0).read_text().splitlines()[0]  # a comment says where it came from
+    # resumed after step 5 with G=4, which stopped before saving; then resumed after step 5 again with G=2
+    assert record_config(tmp_path, g4, step=5, previous=g2, checkpoint=checkpoint) == history_path(tmp_path, 5)
+    assert record_config(tmp_path, g2, step=5, previous=g2, checkpoint=checkpoint) is None
+    assert yaml.safe_load(history_path(tmp_path, 5).read_text()) == g2  # steps 6.. run with G=2 again
+    assert sorted(path.name for path in (tmp_path / "configs").iterdir()) == ["config.step-0.yaml",
+                                                                             "config.step-5.yaml"]

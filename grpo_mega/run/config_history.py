@@ -6,8 +6,8 @@ and each checkpoint holds its own, but ``trainer.keep_last`` deletes old checkpo
 the run started or resumed with as ``run_dir/configs/config.step-<N>.yaml``, N the step it took over after (0 for
 the start), never deleted. Steps ``N + 1`` up to the next file's N ran with it. A resume whose config equals its
 checkpoint's writes nothing; one that differs logs every changed key, old -> new, in one block. A run begun before
-this folder was kept gets its checkpoint's config recorded as step 0 at its first resume with changes (the config
-its last steps ran with; earlier ones are not known).
+this folder was kept gets its checkpoint's config recorded as step 0 at its first resume (the config its last steps
+ran with; earlier ones are not known).
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ def record_config(run_dir: str | os.PathLike, config: dict, *, step: int = 0, pr
     block. Returns the file written, or None."""
     if previous is None:
         return _write(history_path(run_dir, 0), config)
+    if not any((Path(run_dir) / CONFIGS_DIR).glob("config.step-*.yaml")):
+        _write(history_path(run_dir, 0), previous,
+               header=f"# the config of checkpoint {checkpoint}, recorded when this run was first resumed with a "
+                      "history (it began before run_dir/configs/ was kept: its earlier settings are not known)\n")
     changes = config_changes(previous, config)
     target = history_path(run_dir, step)
     if not changes:
@@ -59,10 +63,6 @@ def record_config(run_dir: str | os.PathLike, config: dict, *, step: int = 0, pr
         if target.is_file() and step > 0 and _read(target) != config:
             _write(target, config)
         return None
-    if not any((Path(run_dir) / CONFIGS_DIR).glob("config.step-*.yaml")):
-        _write(history_path(run_dir, 0), previous,
-               header=f"# the config of checkpoint {checkpoint}, recorded at the first resume with changes (this "
-                      "run began before run_dir/configs/ was kept: the settings of its earlier steps are not known)\n")
     _write(target, config)
     logger.info("%s", changes_block(checkpoint or Path(run_dir), changes, target))
     return target
