@@ -101,9 +101,9 @@ class RunHarness:
         """Resume ``engine``, its ``companions`` ({name: a second training engine saved with it, e.g. the implicit
         PRM}) and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
         holds) from the checkpoint ``trainer.resume`` names, or, with none, call ``initial_weights``; write
-        ``run_dir/config.yaml`` (and the config history, ``grpo_mega.run.config_history``) and open the metrics log (its progress bar or step lines, and the summary line at the
-        end, show the ``shown`` figures: label -> metric name). Returns the step to continue after (0 for a new
-        run)."""
+        ``run_dir/config.yaml`` and the config history (``grpo_mega.run.config_history``), and open the metrics log
+        (its progress bar or step lines, and the summary line at the end, show the ``shown`` figures: label -> metric
+        name). Returns the step to continue after (0 for a new run)."""
         self._engine = engine
         self._companions = dict(companions or {})
         self._state = state

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from grpo_mega.run.folder import flatten_config, show_value
 from grpo_mega.run.layout import CONFIGS_DIR
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def history_path(run_dir: str | os.PathLike, step: int) -> Path:
 def config_changes(previous: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """(dotted key, previous value, current value) of every setting both configs have that differs, by key (a
     setting added or removed since the previous config was written is not a change of this run's)."""
-    old, new = _flatten(previous), _flatten(current)
+    old, new = flatten_config(previous), flatten_config(current)
     return [(key, old[key], new[key]) for key in sorted(set(old) & set(new)) if old[key] != new[key]]
 
 
@@ -40,7 +41,7 @@ def changes_block(checkpoint: Path, changes: list[tuple[str, Any, Any]], recorde
     """The block a resume logs: a title line, then one ``key: old -> new`` line per change."""
     lines = [f"resuming {checkpoint} with {len(changes)} changed setting{'s' if len(changes) != 1 else ''} "
              f"(recorded in {recorded}):"]
-    lines += [f"  {key}: {_show(old)} -> {_show(new)}" for key, old, new in changes]
+    lines += [f"  {key}: {show_value(old)} -> {show_value(new)}" for key, old, new in changes]
     return "\n".join(lines)
 
 
@@ -53,8 +54,8 @@ def record_config(run_dir: str | os.PathLike, config: dict, *, step: int = 0, pr
         return _write(history_path(run_dir, 0), config)
     if not any((Path(run_dir) / CONFIGS_DIR).glob("config.step-*.yaml")):
         _write(history_path(run_dir, 0), previous,
-               header=f"# the config of checkpoint {checkpoint}, recorded when this run was first resumed with a "
-                      "history (it began before run_dir/configs/ was kept: its earlier settings are not known)\n")
+               header=f"# the config of checkpoint {checkpoint}, recorded at the first resume of a run begun before "
+                      "run_dir/configs/ was kept (its earlier settings are not known)\n")
     changes = config_changes(previous, config)
     target = history_path(run_dir, step)
     if not changes:
@@ -81,17 +82,3 @@ def _read(path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except (OSError, ValueError, yaml.YAMLError):
         return None
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(node, dict):
-        return {prefix[:-1]: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
-    return flat
-
-
-def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else str(value)
-    return text if len(text) <= 80 else text[:77] + "..."

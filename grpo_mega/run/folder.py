@@ -100,7 +100,7 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
     changed = [] if previous is None else changed_identity(previous, config, run_dir)
     refused = [] if allow_changes else [change for change in changed if not _allowed(change[0], allowed)]
     if refused:
-        shown = "; ".join(f"{key}: {_show(old)} -> {_show(new)}" for key, old, new in refused)
+        shown = "; ".join(f"{key}: {show_value(old)} -> {show_value(new)}" for key, old, new in refused)
         names = ",".join(key for key, *_ in refused)
         raise RunFolderError(
             f"trainer.run_dir={run_dir} holds a run trained with other settings ({shown}): resuming it would change "
@@ -138,7 +138,7 @@ def check_allowed_changes(config: dict[str, Any]) -> list[str]:
     if not isinstance(entries, list):
         raise RunFolderError(f"{ALLOW_KEY}={entries!r} must be a list of dotted keys, e.g. "
                              f"{ALLOW_KEY}=[algorithm.num_return_sequences_in_group]")
-    keys = set(_flatten(config))
+    keys = set(flatten_config(config))
     found = []
     for entry in entries:
         name = str(entry).rstrip(".")
@@ -169,7 +169,7 @@ def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple
     nor two values :data:`EQUIVALENT` names. An unset
     ``model.tokenizer`` is ``model.hf_config``'s; a previous value that is a path inside ``run_dir`` was derived by
     the run itself (a PRM's config written beside its checkpoints) and is not compared."""
-    old, new = _flatten(previous), _flatten(current)
+    old, new = flatten_config(previous), flatten_config(current)
     for flat in (old, new):
         if flat.get("model.tokenizer") is None:
             flat["model.tokenizer"] = flat.get("model.hf_config")
@@ -219,12 +219,13 @@ def _inside(path: Path, folder: Path) -> bool:
     return True
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_config(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A config dict as {dotted key: value} (lists are values)."""
     if not isinstance(node, dict):
         return {prefix[:-1]: node}
     flat: dict[str, Any] = {}
     for key, value in node.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
+        flat.update(flatten_config(value, f"{prefix}{key}."))
     return flat
 
 
@@ -242,6 +243,7 @@ def _equivalent(key: str, old: Any, new: Any) -> bool:
     return old in values and new in values
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A setting's value for a message: strings quoted, at most 60 characters."""
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= 60 else text[:57] + "..."
