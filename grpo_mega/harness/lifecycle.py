@@ -43,6 +43,7 @@ from grpo_mega.harness.resume import TrainerState, restore
 from grpo_mega.harness.resume import save as save_checkpoint
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.perf.startup import StartupClock
+from grpo_mega.run.checkpoints import newest_complete
 from grpo_mega.run.config_history import record_config
 from grpo_mega.run.control import StoppedEarly, StopRequests, exit_status_stopped_now, run_end_time
 from grpo_mega.run.failure import POSITION, phase, set_aside_failure, set_step
@@ -179,7 +180,9 @@ class RunHarness:
         over): one line saying so and where the run resumes, exit status 128 + ``signum``. No clean-up that could
         wait: no save, no collective; the rank's helper processes end with it (``grpo_mega.run.reaper``), and a
         save it was writing stays an unpublished ``.tmp-*`` folder that no resume loads."""
-        point = self._resume_point
+        point, resume = self._resume_point, str(self.cfg.trainer.resume)
+        if point is None and resume != "none":  # still starting: where this start would have resumed from
+            point = newest_complete(self.run_dir) if resume == "auto" else Path(resume)
         match = STEP_DIR.match(point.name) if point is not None else None
         where = (f"its last checkpoint, {point} (step {int(match.group(1))})" if match
                  else "its start (no checkpoint yet)")
