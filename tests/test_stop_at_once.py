@@ -37,13 +37,13 @@ def _command(task, run_dir: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def _start_paused_in_step_2(task, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _start_paused_in_step_2(task, tmp_path: Path, *extra: str, markers: int = 1) -> tuple[subprocess.Popen, Path]:
     run_dir, pauses = tmp_path / "run", tmp_path / "pauses"
     env = {**os.environ, "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "step.2", PAUSE_DIR_ENV: str(pauses)}
     job = subprocess.Popen(_command(task, run_dir, "trainer.total_steps=3", *extra), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     deadline = time.monotonic() + 300
-    while not list(pauses.glob("step.2.*")):
+    while len(list(pauses.glob("step.2.*"))) < markers:  # every rank is in step 2
         assert job.poll() is None, job.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run never reached step 2"
         time.sleep(0.1)
@@ -120,3 +120,25 @@ def test_a_repeat_within_the_window_is_the_same_signal_and_the_rollout_workers_n
         worker._on_signal(signal.SIGTERM, None)
         clock[0] += 10 * REPEAT_WINDOW_S
     assert worker.signal_name == "SIGTERM"
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_reaches_the_ranks_of_a_two_process_job(task, tmp_path):
+    """``--nproc 2``: torchrun's agent forwards the first SIGTERM and waits for the ranks; the second cuts that wait
+    short and its agent shuts the ranks down again with SIGTERM (torch's ``SimpleElasticAgent.run``): each rank ends
+    at once and says so."""
+    job, run_dir = _start_paused_in_step_2(task, tmp_path, "--nproc", "2", markers=2)
+    job.send_signal(signal.SIGTERM)
+    time.sleep(REPEAT_WINDOW_S + 1.0)
+    assert job.poll() is None
+    sent = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    seconds = time.monotonic() - sent
+    assert job.returncode == EXIT_SIGTERM, stderr[-3000:]
+    line = (f"grpo-mega train: a second stop signal (SIGTERM): stopped at once without saving step 2; the same "
+            f"command resumes from its last checkpoint, {run_dir / 'checkpoints' / 'step_000001'} (step 1)")
+    assert _stop_lines(stderr) == [line, line], stderr[-3000:]  # one per rank, as the ranks' other stop lines
+    assert "Traceback" not in stderr and "failed (cause=" not in stderr, stderr[-3000:]
+    assert seconds < 20, seconds
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
