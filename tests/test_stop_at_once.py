@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from tiny_task import SMALL_RUN, build_tiny_task
 
-from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV, REPEAT_WINDOW_S
+from grpo_mega.run.control import SECOND_SIGNAL_AFTER_S
+from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = str(REPO / "configs" / "quickstart_grpo.yaml")
@@ -57,7 +58,7 @@ def _stop_lines(stderr: str) -> list[str]:
 def test_a_second_sigterm_ends_a_long_step_at_once_from_the_last_checkpoint(task, tmp_path):
     job, run_dir = _start_paused_in_step_2(task, tmp_path)
     job.send_signal(signal.SIGTERM)  # the first: save at the end of step 2, which is not coming soon
-    time.sleep(REPEAT_WINDOW_S + 1.0)
+    time.sleep(SECOND_SIGNAL_AFTER_S + 1.0)
     assert job.poll() is None  # the first signal alone waits for the step
     sent = time.monotonic()
     job.send_signal(signal.SIGTERM)
@@ -108,17 +109,17 @@ def test_a_repeat_within_the_window_is_the_same_signal_and_the_rollout_workers_n
     monkeypatch.setattr(control.time, "monotonic", lambda: clock[0])
     requests = control.StopRequests(stop_now=lambda reason, signum: calls.append((reason, signum)))
     requests._on_signal(signal.SIGTERM, None)
-    clock[0] += REPEAT_WINDOW_S / 2
+    clock[0] += SECOND_SIGNAL_AFTER_S / 2
     requests._on_signal(signal.SIGTERM, None)  # forwarded by a parent: the same stop
     assert calls == [] and requests.signal_name == "SIGTERM"
-    clock[0] += REPEAT_WINDOW_S
+    clock[0] += SECOND_SIGNAL_AFTER_S
     requests._on_signal(signal.SIGUSR1, None)
     assert calls == [("a second stop signal (SIGUSR1)", signal.SIGUSR1)]
     assert control.exit_status_stopped_now(signal.SIGUSR1) == 128 + signal.SIGUSR1
     worker = control.StopRequests()  # the rollout worker's: its trainer decides
     for _ in range(2):
         worker._on_signal(signal.SIGTERM, None)
-        clock[0] += 10 * REPEAT_WINDOW_S
+        clock[0] += 10 * SECOND_SIGNAL_AFTER_S
     assert worker.signal_name == "SIGTERM"
 
 
@@ -129,7 +130,7 @@ def test_a_second_sigterm_reaches_the_ranks_of_a_two_process_job(task, tmp_path)
     at once and says so."""
     job, run_dir = _start_paused_in_step_2(task, tmp_path, "--nproc", "2", markers=2)
     job.send_signal(signal.SIGTERM)
-    time.sleep(REPEAT_WINDOW_S + 1.0)
+    time.sleep(SECOND_SIGNAL_AFTER_S + 1.0)
     assert job.poll() is None
     sent = time.monotonic()
     job.send_signal(signal.SIGTERM)

@@ -174,7 +174,7 @@ class RunConfig:
     stop_grace_s: float = 0.0
     """Seconds the step in flight may take to end after a stop signal (SIGTERM / SIGUSR1 / SIGUSR2) before the run
     ends at once, without saving it, from its last checkpoint (exit status 128 + the signal, 143 for SIGTERM; one line
-    says so); 0 = no limit. A second stop signal (more than 2 s after the first) ends it at once either way. Set it
+    says so); 0 = no limit. A second stop signal (5 s or more after the first) ends it at once either way. Set it
     below what the scheduler waits before SIGKILL, less the save's time."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective (all-reduce, broadcast, barrier, ... over NCCL or gloo) waits for its peers before this

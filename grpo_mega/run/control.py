@@ -9,8 +9,8 @@ the save must fit in that window. SIGUSR1 / SIGUSR2 have to be sent to the worke
 or ``scancel --signal=USR1 --full`` under SLURM). The run harness (``grpo_mega.harness.lifecycle``) uses it for GRPO, SFT
 and PRM training alike.
 
-Stopping at once: a second stop signal (any of ``STOP_SIGNALS``, more than ``REPEAT_WINDOW_S`` after the first,
-which is the same signal forwarded when sooner), or ``trainer.stop_grace_s`` passing after the first while the step
+Stopping at once: a second stop signal (any of ``STOP_SIGNALS``, at least ``SECOND_SIGNAL_AFTER_S`` after the
+first: sooner, it is the same signal delivered twice), or ``trainer.stop_grace_s`` passing after the first while the step
 in flight has not ended, calls the ``stop_now`` the harness gave: the run ends there, without saving the step in
 flight, and resumes from its last checkpoint. Its exit status is 128 + the signal's number (143 for SIGTERM), what a
 shell reports for a process that signal ended: not 3, which promises a checkpoint of the step in flight, and not 0 or
@@ -30,11 +30,15 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.run.failure import note_signal
-from grpo_mega.run.interrupts import REPEAT_WINDOW_S
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SECOND_SIGNAL_AFTER_S = 5.0
+"""A stop signal sooner than this after the first is the same one delivered twice: SLURM signals every process of a
+step and torchrun forwards the signal to its ranks, a ``kill`` of a process group reaches a command and its work,
+which the command forwards it to. A person's second one comes later. (Longer than Ctrl-C's ``REPEAT_WINDOW_S``:
+taking a copy for a second signal here would lose the step in flight and its save.)"""
 EXIT_STOPPED_EARLY = 3
 """Exit status of a run that stopped before ``trainer.total_steps`` after saving a checkpoint (not 0, so a
 ``--dependency=afterok`` chain does not start the next stage)."""
@@ -116,7 +120,7 @@ class StopRequests:
         name = signal.Signals(signum).name
         now = time.monotonic()
         if self._first is not None and self.stop_now is not None:
-            if now - self._first[1] >= REPEAT_WINDOW_S:  # sooner: the same signal, forwarded by a parent
+            if now - self._first[1] >= SECOND_SIGNAL_AFTER_S:  # sooner: the same signal delivered twice
                 self.stop_now(f"a second stop signal ({name})", signum)
             return
         self.signal_name = name
