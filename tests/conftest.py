@@ -36,6 +36,8 @@ SLOW_FILES = {
     "test_trainer_preemption.py": 61,
     "test_engine_deepspeed.py": 60,
     "test_run_folder_guard.py": 52,
+    "test_resume_config_changes.py": 50,  # these two: estimated from runs alone (2026-12-07), as the guard's file
+    "test_stop_at_once.py": 80,
     "test_gpu_install.py": 50,
     "test_ctrl_c_windows.py": 48,
     "test_hf_conversion.py": 47,

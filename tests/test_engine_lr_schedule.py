@@ -173,3 +173,16 @@ def test_keep_optimizer_settings_restores_config_and_names_changes():
     with pytest.raises(ValueError, match="2 parameter groups, this model 1"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
         keep_optimizer_settings(optimizer, built)
+
+
+def test_keep_optimizer_settings_never_puts_back_a_fresh_optimizers_step():
+    """The group ``step`` (TE / apex FusedAdam's bias-correction counter) is state: the checkpoint's stays, and an
+    unchanged config reports nothing (a betas list from the checkpoint equals the config's tuple)."""
+    from grpo_mega.engine.lr_schedule import keep_optimizer_settings, optimizer_settings
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, betas=(0.9, 0.95))
+    optimizer.param_groups[0]["step"] = 1  # what megatron's dummy step leaves in a fresh distributed optimizer
+    built = optimizer_settings(optimizer)
+    optimizer.param_groups[0].update(step=7, betas=[0.9, 0.95])  # the loaded checkpoint's
+    assert keep_optimizer_settings(optimizer, built) == []
+    assert optimizer.param_groups[0]["step"] == 7

@@ -96,19 +96,29 @@ def _saved_adam_step(saved_common: Any) -> float | None:
     return next((step for step in map(_saved_adam_step, children) if step is not None), None)
 
 
-def _set_adam_step(state: Any, step: float, *, distributed: bool) -> None:
-    """Put the Adam step count where this optimizer's ``load_state_dict`` reads it."""
+def keeps_step_per_group(optimizer) -> bool:
+    """Whether megatron's (possibly chained) ``optimizer`` wraps an Adam that keeps its step count, the bias
+    correction's ``t``, in each parameter group (Transformer Engine's and apex's FusedAdam: ``group["step"] += 1``
+    per step) rather than per parameter (torch's Adam / AdamW: ``state[p]["step"]``)."""
+    inner = [getattr(sub, "optimizer", None) for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return any(opt is not None and not isinstance(opt, torch.optim.Adam) for opt in inner)
+
+
+def _set_adam_step(state: Any, step: float, *, distributed: bool, per_group: bool = False) -> None:
+    """Put the Adam step count where this optimizer's ``load_state_dict`` reads it: the param groups (the
+    distributed optimizer, and any optimizer that keeps it ``per_group``), else megatron's ``common_step``, which its
+    load hands to every parameter's state."""
     if not isinstance(state, (dict, list)):
         return
     if isinstance(state, dict) and isinstance(state.get("param_groups"), list):
-        if distributed:
+        if distributed or per_group:
             for group in state["param_groups"]:
-                group["step"] = step
+                group["step"] = int(step) if per_group else step
         elif isinstance(state.get("state"), dict):
             state["state"]["common_step"] = torch.tensor(step, dtype=torch.float32)
         return
     for child in (state.values() if isinstance(state, dict) else state):
-        _set_adam_step(child, step, distributed=distributed)
+        _set_adam_step(child, step, distributed=distributed, per_group=per_group)
 
 
 def load_across_modes(engine, path: Path, *, saved_distributed: bool) -> dict:
@@ -132,5 +142,6 @@ def load_across_modes(engine, path: Path, *, saved_distributed: bool) -> dict:
             index += 1
         elif isinstance(leaf, LocalNonpersistentObject):
             container[key] = leaf.unwrap()
-    _set_adam_step(request, step, distributed=not saved_distributed)
+    _set_adam_step(request, step, distributed=not saved_distributed,
+                   per_group=keeps_step_per_group(engine.optimizer))
     return request

@@ -56,7 +56,7 @@ def validate_trainer_common(trainer) -> None:
     if trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be >= 1: a run keeps at least the checkpoint "
                           "it resumes from (trainer.save_every=0 saves only at the end)")
-    for key in ("save_before_seconds", "time_limit_seconds"):
+    for key in ("save_before_seconds", "time_limit_seconds", "stop_grace_s"):
         if getattr(trainer, key) < 0:
             raise ConfigError(f"trainer.{key} must be >= 0")
     if not trainer.collective_timeout_s > 0:

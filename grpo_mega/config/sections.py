@@ -144,9 +144,15 @@ class RunConfig:
     ``<run_dir>.old-<time>`` and start afresh; nothing is deleted. False refuses to start in a folder that holds
     another run."""
     resume_with_changes: bool = False
-    """Resume a run whose settings that change what is trained differ from its checkpoint's (the model, the data,
-    ``reward``, ``process_reward``, ``algorithm.supervision`` / ``step_credit``, KL); False refuses, naming the keys.
-    The learning rate, ``total_steps``, the layout and the other settings may change either way."""
+    """Resume a run whose settings that change what is trained or what a step is differ from its checkpoint's (the
+    model, the data, ``reward``, ``process_reward``, ``algorithm.supervision`` / ``step_credit``, KL, the group size,
+    the rollout batch, the updates per step, SFT's batch size); False refuses, naming the keys. The learning rate,
+    ``total_steps``, the layout and the other settings may change either way. ``allow_config_change`` allows some."""
+    allow_config_change: list[str] = field(default_factory=list)
+    """Dotted keys (or sections, e.g. ``reward``) of the settings that ``resume_with_changes`` guards which this
+    resume may change, e.g. ``[algorithm.num_return_sequences_in_group]``; any other such change is refused. Every
+    change, allowed or free, is logged in one block on resume, and each config the run used is kept as
+    ``run_dir/configs/config.step-<N>.yaml`` (N: the step it took over after)."""
     progress_bar: bool = True
     """Show a progress bar with the latest metrics on rank 0; false (logs, CI): one line per step instead (the step,
     its figures, e.g. GRPO's score, reward and held-out accuracy when evaluated, and its seconds). Either way the
@@ -165,6 +171,11 @@ class RunConfig:
     save_before_seconds: float = 0.0
     """Save a checkpoint and stop (exit status 3) once less than this many seconds are left before the time limit;
     0 disables. Also on SIGTERM / SIGUSR1 / SIGUSR2 the run saves and stops at the end of the step in flight."""
+    stop_grace_s: float = 0.0
+    """Seconds the step in flight may take to end after a stop signal (SIGTERM / SIGUSR1 / SIGUSR2) before the run
+    ends at once, without saving it, from its last checkpoint (exit status 128 + the signal, 143 for SIGTERM; one line
+    says so); 0 = no limit. A second stop signal (5 s or more after the first) ends it at once either way. Set it
+    below what the scheduler waits before SIGKILL, less the save's time."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective (all-reduce, broadcast, barrier, ... over NCCL or gloo) waits for its peers before this
     rank raises and the job ends with the cause in ``run_dir/failure.json``: a hung, stopped or dead rank then ends

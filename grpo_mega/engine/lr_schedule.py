@@ -10,6 +10,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 SCHEDULE_SETTINGS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
 # Parameter-group entries the schedule sets at every step: not compared by ``keep_optimizer_settings``.
 SCHEDULED_GROUP_KEYS = ("lr", "weight_decay", "max_lr", "min_lr")
+# Parameter-group entries the optimizer itself advances at every step: state, not settings, so a resume keeps the
+# checkpoint's. Transformer Engine's and apex's FusedAdam keep their bias-correction counter there (``step``, +1 per
+# ``optimizer.step()``; megatron's DistributedOptimizer saves it from the groups "for TE FusedAdam support"); torch's
+# Adam keeps it per parameter instead, where megatron's load puts the saved one.
+OPTIMIZER_COUNTERS = ("step",)
 
 
 def build_lr_schedule(optimizer, optim, total_steps: int) -> OptimizerParamScheduler:
@@ -50,14 +55,24 @@ def optimizer_settings(optimizer) -> list[dict]:
 def keep_optimizer_settings(optimizer, built: list[dict]) -> list[str]:
     """After loading a checkpoint's optimizer state, put back the hyperparameters ``built`` (``optimizer_settings``
     taken before the load, i.e. from the current config); returns those the checkpoint had otherwise, as
-    ``"name old -> new"`` (lr and weight decay are the schedule's: see ``restore_lr_schedule``)."""
+    ``"name old -> new"`` (lr and weight decay are the schedule's: see ``restore_lr_schedule``). The optimizer's
+    counters (``OPTIMIZER_COUNTERS``) are the checkpoint's: a fresh optimizer's are never put back nor reported."""
     groups = optimizer.param_groups
     if len(groups) != len(built):
         raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this model {len(built)}")
     changes: dict[str, str] = {}
     for group, settings in zip(groups, built):
         for name, value in settings.items():
-            if name not in SCHEDULED_GROUP_KEYS and group.get(name) != value:
+            if name in OPTIMIZER_COUNTERS:
+                continue
+            if name not in SCHEDULED_GROUP_KEYS and not _same_setting(group.get(name), value):
                 changes.setdefault(name, f"{name} {group.get(name)} -> {value}")
-        group.update(settings)
+            group[name] = value
     return list(changes.values())
+
+
+def _same_setting(saved, current) -> bool:
+    """Equal, a saved list and a current tuple of the same values included (betas after a YAML round trip)."""
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
+        return list(saved) == list(current)
+    return saved == current

@@ -17,7 +17,9 @@ the weight sync, PRM scoring, the vLLM wake / sleep: ``grpo_mega.run.watchdog``)
 
 Stopping early: a signal (SIGTERM, SIGUSR1, SIGUSR2) on any rank, or ``trainer.save_before_seconds`` left before
 the time limit, makes every rank save the step in flight; :meth:`RunHarness.finish` then raises ``StoppedEarly``,
-which the commands turn into exit status 3 (``grpo_mega.run.control``). The same command resumes exactly: the
+which the commands turn into exit status 3 (``grpo_mega.run.control``). A second stop signal, or
+``trainer.stop_grace_s`` passing before the step in flight ends, ends the process at once instead, from the last
+checkpoint (exit status 128 + the signal). The same command resumes exactly: the
 checkpoint holds the engine (model, optimizer, schedule, RNG states) and the trainer's state (what each trainer's
 holds: ``grpo_mega.harness.resume``), and each trainer's batches depend only on the seed and the step, or on that
 state.
@@ -25,6 +27,8 @@ state.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
@@ -39,10 +43,13 @@ from grpo_mega.harness.resume import TrainerState, restore
 from grpo_mega.harness.resume import save as save_checkpoint
 from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.perf.startup import StartupClock
-from grpo_mega.run.control import StoppedEarly, StopRequests, run_end_time
+from grpo_mega.run.checkpoints import newest_complete
+from grpo_mega.run.config_history import record_config
+from grpo_mega.run.control import StoppedEarly, StopRequests, exit_status_stopped_now, run_end_time
 from grpo_mega.run.failure import POSITION, phase, set_aside_failure, set_step
 from grpo_mega.run.folder import check_run_folder
-from grpo_mega.run.layout import CONFIG_FILE
+from grpo_mega.run.interrupts import pause_point
+from grpo_mega.run.layout import CONFIG_FILE, STEP_DIR
 from grpo_mega.run.metrics import MetricsLogger, logger_options
 from grpo_mega.run.watchdog import PhaseWatchdog
 
@@ -64,11 +71,13 @@ class RunHarness:
         self.cfg = cfg
         self.command = command
         run = cfg.trainer
+        self._resume_point: Path | None = None  # the newest complete checkpoint of this run: where a resume starts
         self.startup = StartupClock()
         """Start-up seconds by phase; trainers mark theirs (``startup.mark``), logged in the first step's row."""
         self.startup.mark("imports")
         self.stop_requests = StopRequests(save_before_seconds=run.save_before_seconds,
-                                          end_time=run_end_time(run.time_limit_seconds)).install()
+                                          end_time=run_end_time(run.time_limit_seconds),
+                                          stop_now=self._stop_now, grace_s=run.stop_grace_s).install()
         init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.parallel.seed, device=cfg.parallel.device,
                          timeout_s=run.collective_timeout_s, ep=cfg.parallel.expert)
         self.startup.mark("distributed")
@@ -93,9 +102,9 @@ class RunHarness:
         """Resume ``engine``, its ``companions`` ({name: a second training engine saved with it, e.g. the implicit
         PRM}) and the trainer's ``state`` (``grpo_mega.harness.resume``: what each trainer's checkpoint
         holds) from the checkpoint ``trainer.resume`` names, or, with none, call ``initial_weights``; write
-        ``run_dir/config.yaml`` and open the metrics log (its progress bar or step lines, and the summary line at the
-        end, show the ``shown`` figures: label -> metric name). Returns the step to continue after (0 for a new
-        run)."""
+        ``run_dir/config.yaml`` and the config history (``grpo_mega.run.config_history``), and open the metrics log
+        (its progress bar or step lines, and the summary line at the end, show the ``shown`` figures: label -> metric
+        name). Returns the step to continue after (0 for a new run)."""
         self._engine = engine
         self._companions = dict(companions or {})
         self._state = state
@@ -104,13 +113,20 @@ class RunHarness:
         resumed = restore(self.checkpoints, engine, self._state, resume=self.cfg.trainer.resume,
                           seed=self.cfg.parallel.seed, companions=self._companions)
         if resumed is not None:
-            self.start_step = self.step = resumed
+            self.start_step = self.step = resumed.step
+            self._resume_point = resumed.checkpoint
         elif initial_weights is not None:
             initial_weights()
         self.startup.mark("load")
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
+            # the config history (run_dir/configs/) and, on a resume with changes, the block that lists them
+            if resumed is None:
+                record_config(self.run_dir, asdict(self.cfg))
+            else:
+                record_config(self.run_dir, asdict(self.cfg), step=resumed.step, previous=resumed.config,
+                              checkpoint=resumed.checkpoint)
             set_aside_failure(self.run_dir)  # an earlier attempt's; kept beside, so this one can name its own cause
         self.metrics_log = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.start_step, active=self.is_rank0,
@@ -124,6 +140,7 @@ class RunHarness:
             self._startup_metrics = self.startup.finish()  # the first step's; empty afterwards
             set_step(step)
             POSITION["phase"] = "step"  # the trainer marks its phases inside (generation, update, sync, ...)
+            pause_point(f"step.{step}")  # tests: a step that takes long (a stop signal while it is in flight)
             yield step
             if self.stop_reason:
                 return
@@ -145,6 +162,8 @@ class RunHarness:
             self.stop_reason = None if step == self.total_steps else self.stop_requests.agreed_reason(get_device())
             self.metrics_log.log(step, {**metrics, **self._startup_metrics})
             self._startup_metrics = {}
+        if self.stop_reason:
+            self.stop_requests.step_ended()  # the step in flight ended: trainer.stop_grace_s no longer runs
         if self.on_schedule(step, self.cfg.trainer.save_every) or self.stop_reason:
             self.save(step)
 
@@ -153,7 +172,27 @@ class RunHarness:
         with phase("save", bounded=True):
             self.last_checkpoint = save_checkpoint(self.checkpoints, self._engine, self._state, step,
                                                    config=asdict(self.cfg), companions=self._companions)
+        self._resume_point = self.last_checkpoint
         return self.last_checkpoint
+
+    def _stop_now(self, reason: str, signum: int) -> None:
+        """End this process at once (``grpo_mega.run.control``: a second stop signal, or ``trainer.stop_grace_s``
+        over): one line saying so and where the run resumes, exit status 128 + ``signum``. No clean-up that could
+        wait: no save, no collective; the rank's helper processes end with it (``grpo_mega.run.reaper``), and a
+        save it was writing stays an unpublished ``.tmp-*`` folder that no resume loads."""
+        point, resume = self._resume_point, str(self.cfg.trainer.resume)
+        if point is None and resume != "none":  # still starting: where this start would have resumed from
+            point = newest_complete(self.run_dir) if resume == "auto" else Path(resume)
+        match = STEP_DIR.match(point.name) if point is not None else None
+        where = (f"its last checkpoint, {point} (step {int(match.group(1))})" if match
+                 else "its start (no checkpoint yet)")
+        step = POSITION.get("step")
+        saved = match is not None and step is not None and int(match.group(1)) >= step
+        what = "during start-up" if step is None else f"after saving step {step}" if saved else \
+            f"without saving step {step}"
+        print(f"{self.command}: {reason}: stopped at once {what}; the same command resumes from {where}",
+              file=sys.stderr, flush=True)
+        os._exit(exit_status_stopped_now(signum))
 
     def fail_step(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of a step that failed (e.g. a NaN loss, as it was) and close the log; the trainer

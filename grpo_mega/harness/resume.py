@@ -80,11 +80,19 @@ def _saver_of(names: set[str]) -> str:
     return " or ".join(savers) if savers else "a trainer of another version"
 
 
+class Resumed(NamedTuple):
+    """The checkpoint a run resumed from: its ``step``, folder and run ``config`` (as saved with it)."""
+
+    step: int
+    checkpoint: Path
+    config: dict
+
+
 def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resume: str, seed: int,
-            companions: dict | None = None) -> int | None:
+            companions: dict | None = None) -> Resumed | None:
     """Load the checkpoint ``resume`` names (``trainer.resume``: auto / a path / none) into ``engine``, its
     ``companions`` (second engines saved beside it: ``grpo_mega.checkpoint.companions``) and ``state``'s holders;
-    returns its step, or None when there is nothing to resume."""
+    returns what it resumed from, or None when there is nothing to resume."""
     resume_from = checkpoints.find_resume(resume)
     if resume_from is None:
         return None
@@ -99,7 +107,7 @@ def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resu
     for name, holder in state.holders.items():
         holder.load_state_dict(saved[name])
     logger.info("resumed from %s at step %d", resume_from, loaded.step)
-    return loaded.step
+    return Resumed(loaded.step, Path(resume_from), loaded.config)
 
 
 def save(checkpoints: CheckpointManager, engine, state: TrainerState, step: int, *, config: dict,

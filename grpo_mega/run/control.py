@@ -8,6 +8,13 @@ torchrun reach the workers, and torchrun kills them about 30 s after forwarding 
 the save must fit in that window. SIGUSR1 / SIGUSR2 have to be sent to the workers themselves (``srun --signal``
 or ``scancel --signal=USR1 --full`` under SLURM). The run harness (``grpo_mega.harness.lifecycle``) uses it for GRPO, SFT
 and PRM training alike.
+
+Stopping at once: a second stop signal (any of ``STOP_SIGNALS``, at least ``SECOND_SIGNAL_AFTER_S`` after the
+first: sooner, it is the same signal delivered twice), or ``trainer.stop_grace_s`` passing after the first while the step
+in flight has not ended, calls the ``stop_now`` the harness gave: the run ends there, without saving the step in
+flight, and resumes from its last checkpoint. Its exit status is 128 + the signal's number (143 for SIGTERM), what a
+shell reports for a process that signal ended: not 3, which promises a checkpoint of the step in flight, and not 0 or
+1, so neither ``--dependency=afterok`` nor a "failed, do not retry" rule fires.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +34,11 @@ from grpo_mega.run.failure import note_signal
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SECOND_SIGNAL_AFTER_S = 5.0
+"""A stop signal sooner than this after the first is the same one delivered twice: SLURM signals every process of a
+step and torchrun forwards the signal to its ranks, a ``kill`` of a process group reaches a command and its work,
+which the command forwards it to. A person's second one comes later. (Longer than Ctrl-C's ``REPEAT_WINDOW_S``:
+taking a copy for a second signal here would lose the step in flight and its save.)"""
 EXIT_STOPPED_EARLY = 3
 """Exit status of a run that stopped before ``trainer.total_steps`` after saving a checkpoint (not 0, so a
 ``--dependency=afterok`` chain does not start the next stage)."""
@@ -52,20 +66,34 @@ def run_end_time(time_limit_seconds: float, environ=os.environ) -> float | None:
     return job_end_time(environ)
 
 
+def exit_status_stopped_now(signum: int) -> int:
+    """The exit status of a run ended at once by stop signal ``signum``: 128 + its number, as a shell reports it."""
+    return 128 + int(signum)
+
+
 class StopRequests:
     """Collects reasons to stop early; :meth:`agreed_reason` is collective (call it once per step on every rank).
 
     Args:
         save_before_seconds: stop (and save) once the time left before ``end_time`` is below this; 0 disables.
         end_time: UNIX time the job ends (``time_limit_seconds`` after start, else the SLURM job's end).
+        stop_now: ``stop_now(reason, signum)`` ends the process at once (it does not return); called on a second
+            stop signal, or ``grace_s`` after the first while the step in flight has not ended (see the module
+            docstring). None: repeats change nothing (the rollout worker's, whose trainer decides).
+        grace_s: ``trainer.stop_grace_s``; 0: the step in flight may take as long as it takes.
     """
 
     _REASONS = ("", "signal", "time limit")
 
-    def __init__(self, *, save_before_seconds: float = 0.0, end_time: float | None = None):
+    def __init__(self, *, save_before_seconds: float = 0.0, end_time: float | None = None,
+                 stop_now: Callable[[str, int], None] | None = None, grace_s: float = 0.0):
         self.save_before_seconds = save_before_seconds
         self.end_time = end_time
         self.signal_name: str | None = None
+        self.stop_now = stop_now
+        self.grace_s = grace_s
+        self._first: tuple[int, float] | None = None  # (signal number, monotonic time) of this rank's first signal
+        self._grace_timer: threading.Timer | None = None
         self._previous = {}
 
     def install(self) -> "StopRequests":
@@ -76,14 +104,36 @@ class StopRequests:
         return self
 
     def uninstall(self) -> None:
+        self.step_ended()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
         note_signal(None)
 
+    def step_ended(self) -> None:
+        """The step in flight has ended (the harness saves it next): ``grace_s`` no longer runs."""
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+
     def _on_signal(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-        note_signal(self.signal_name)
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self._first is not None and self.stop_now is not None:
+            if now - self._first[1] >= SECOND_SIGNAL_AFTER_S:  # sooner: the same signal delivered twice
+                self.stop_now(f"a second stop signal ({name})", signum)
+            return
+        self.signal_name = name
+        note_signal(name)
+        self._first = (signum, now)
+        if self.grace_s > 0 and self.stop_now is not None:
+            self._grace_timer = threading.Timer(self.grace_s, self._grace_over)
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
+
+    def _grace_over(self) -> None:
+        self.stop_now(f"the step in flight did not end within trainer.stop_grace_s={self.grace_s:g} s of "
+                      f"{self.signal_name}", self._first[0])
 
     def _local_code(self) -> int:
         if self.signal_name is not None:

@@ -8,9 +8,11 @@ harness), from the resolved config as a plain dict (its ``trainer`` section: ``r
   ``trainer.resume=none`` unless ``trainer.overwrite=true``, which moves it aside whole to
   ``<run_dir>.old-<time>`` (nothing is deleted);
 - ``trainer.resume=auto`` (the default) continues the same run: one whose config differs in a setting that changes
-  what is trained (:data:`IDENTITY_KEYS`: the model, the data, the rewards and process supervision, KL) is refused
-  naming the keys unless ``trainer.resume_with_changes=true``; the learning rate, the step count, the layout and
-  the rest may change;
+  what is trained (:data:`IDENTITY_KEYS`: the model, the data, the rewards and process supervision, KL) or what a
+  step is (:data:`STEP_KEYS`: the group size, the rollout batch, the updates per step) is refused in one line naming
+  every such key, unless ``trainer.allow_config_change`` names it (or ``trainer.resume_with_changes=true`` allows
+  them all); the learning rate, the step count, the layout and the rest may change (the run harness lists every
+  change on resume and keeps each config: ``grpo_mega.run.config_history``);
 - a run whose newest checkpoint is at ``trainer.total_steps`` is complete: :func:`check_run_folder` says so
   (:class:`RunFolderVerdict`) and the command exits 0 without starting anything.
 """
@@ -30,6 +32,15 @@ IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "data.", "rewar
                  "process_reward.", "prm.", "algorithm.supervision", "algorithm.step_credit", "algorithm.use_kl_loss",
                  "algorithm.kl_loss_coef", "algorithm.kl_estimator")
 """The settings that change what a run trains (a dotted key, or a section with its dot): a resumed run keeps them."""
+STEP_KEYS = ("algorithm.rollout_batch_size", "algorithm.num_return_sequences_in_group", "algorithm.ppo_epochs",
+             "algorithm.mini_batch_size", "tree_rollout.branching", "trainer.batch_size")
+"""The settings that change what one step is: its prompts (the rollout batch: also the data position a resumed run
+continues from) and samples per prompt (G, or the tree's shape: the group its advantages are normalised over), the
+optimizer steps it takes (epochs, mini-batches), SFT / PRM training's examples per step. Steps before and after such
+a change are not the same unit, so the metrics curve, ``total_steps`` and the schedule would no longer mean what
+they did: a resumed run keeps them too, unless ``trainer.allow_config_change`` names them."""
+GUARDED_KEYS = IDENTITY_KEYS + STEP_KEYS
+ALLOW_KEY = "trainer.allow_config_change"
 FREE_KEYS = ("data.eval_file", "data.eval_format", "data.max_eval_prompts", "data.on_bad_row")
 """Settings under :data:`IDENTITY_KEYS` that only evaluate or report, which a resumed run may change."""
 
@@ -69,6 +80,7 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
     trainer = config["trainer"]
     run_dir, resume = Path(trainer["run_dir"]), str(trainer["resume"])
     overwrite, allow_changes = bool(trainer.get("overwrite")), bool(trainer.get("resume_with_changes"))
+    allowed = check_allowed_changes(config)
     found = earlier_run(run_dir)
     inside = resume not in ("auto", "none") and _inside(Path(resume), run_dir)
     if overwrite and resume != "none":
@@ -86,13 +98,15 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
     checkpoint = Path(resume) if inside else newest_readable(run_dir)
     previous = _saved_config(checkpoint / CONFIG_FILE if checkpoint is not None else run_dir / CONFIG_FILE)
     changed = [] if previous is None else changed_identity(previous, config, run_dir)
-    if changed and not allow_changes:
-        shown = "; ".join(f"{key}: {_show(old)} -> {_show(new)}" for key, old, new in changed[:4])
-        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+    refused = [] if allow_changes else [change for change in changed if not _allowed(change[0], allowed)]
+    if refused:
+        shown = "; ".join(f"{key}: {show_value(old)} -> {show_value(new)}" for key, old, new in refused)
+        names = ",".join(key for key, *_ in refused)
         raise RunFolderError(
-            f"trainer.run_dir={run_dir} holds a run trained with other settings ({shown}{more}): resuming it "
-            f"would change what it trains; set trainer.resume_with_changes=true to continue it so, or "
-            f"trainer.resume=none trainer.overwrite=true to move it aside and start again, or another trainer.run_dir")
+            f"trainer.run_dir={run_dir} holds a run trained with other settings ({shown}): resuming it would change "
+            f"what it trains or what a step is; name them to continue it so ({ALLOW_KEY}=[{names}]; "
+            f"trainer.resume_with_changes=true allows any), or trainer.resume=none trainer.overwrite=true to move it "
+            f"aside and start again, or another trainer.run_dir")
     step = _step_of(checkpoint)
     if step is not None and step >= int(trainer["total_steps"]):
         return RunFolderVerdict(complete=True, checkpoint=checkpoint, message=(
@@ -116,19 +130,51 @@ def newest_readable(run_dir: Path) -> Path | None:
     return None
 
 
+def check_allowed_changes(config: dict[str, Any]) -> list[str]:
+    """The entries of ``trainer.allow_config_change`` (dotted keys or sections, a trailing dot optional); raises
+    RunFolderError for one that is no setting of ``config`` or that the guard never refuses (a typo would else
+    allow nothing and say nothing)."""
+    entries = config["trainer"].get("allow_config_change") or []
+    if not isinstance(entries, list):
+        raise RunFolderError(f"{ALLOW_KEY}={entries!r} must be a list of dotted keys, e.g. "
+                             f"{ALLOW_KEY}=[algorithm.num_return_sequences_in_group]")
+    keys = set(flatten_config(config))
+    found = []
+    for entry in entries:
+        name = str(entry).rstrip(".")
+        covered = [key for key in keys if key == name or key.startswith(name + ".")]
+        if not covered:
+            raise RunFolderError(f"{ALLOW_KEY}: {entry!r} is no setting of this config (a dotted key such as "
+                                 f"algorithm.num_return_sequences_in_group, or a section such as reward)")
+        if not any(_guarded(key) for key in covered):
+            raise RunFolderError(f"{ALLOW_KEY}: {entry!r} may change on resume without being named (only the "
+                                 f"settings that change what is trained or what a step is need naming: "
+                                 f"{', '.join(name.rstrip('.') for name in GUARDED_KEYS)})")
+        found.append(name)
+    return found
+
+
+def _allowed(key: str, allowed: list[str]) -> bool:
+    return any(key == name or key.startswith(name + ".") for name in allowed)
+
+
+def _guarded(key: str) -> bool:
+    return (any(key == name or (name.endswith(".") and key.startswith(name)) for name in GUARDED_KEYS)
+            and key not in FREE_KEYS)
+
+
 def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple[str, Any, Any]]:
-    """(key, previous value, current value) of every :data:`IDENTITY_KEYS` setting that differs; a key the previous
+    """(key, previous value, current value) of every :data:`GUARDED_KEYS` setting that differs; a key the previous
     config lacks (a setting added since that run started, whose default keeps the behaviour it had) is not compared,
     nor two values :data:`EQUIVALENT` names. An unset
     ``model.tokenizer`` is ``model.hf_config``'s; a previous value that is a path inside ``run_dir`` was derived by
     the run itself (a PRM's config written beside its checkpoints) and is not compared."""
-    old, new = _flatten(previous), _flatten(current)
+    old, new = flatten_config(previous), flatten_config(current)
     for flat in (old, new):
         if flat.get("model.tokenizer") is None:
             flat["model.tokenizer"] = flat.get("model.hf_config")
     keys = sorted(key for key in set(old) | set(new)
-                  if any(key == name or (name.endswith(".") and key.startswith(name)) for name in IDENTITY_KEYS)
-                  and key not in FREE_KEYS
+                  if _guarded(key)
                   and not (isinstance(old.get(key), str) and "/" in old[key] and _inside(Path(old[key]), run_dir)))
     return [(key, old.get(key), new.get(key)) for key in keys
             if key in old and not _same(old.get(key), new.get(key)) and not _equivalent(key, old[key], new.get(key))]
@@ -173,12 +219,13 @@ def _inside(path: Path, folder: Path) -> bool:
     return True
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_config(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A config dict as {dotted key: value} (lists are values)."""
     if not isinstance(node, dict):
         return {prefix[:-1]: node}
     flat: dict[str, Any] = {}
     for key, value in node.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
+        flat.update(flatten_config(value, f"{prefix}{key}."))
     return flat
 
 
@@ -196,6 +243,7 @@ def _equivalent(key: str, old: Any, new: Any) -> bool:
     return old in values and new in values
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A setting's value for a message: strings quoted, at most 60 characters."""
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= 60 else text[:57] + "..."

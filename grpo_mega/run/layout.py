@@ -4,6 +4,8 @@ the pipelines (quickstart, PRM) and the tools. Nothing here imports torch, so th
 Layout of a run directory (``trainer.run_dir``)::
 
   <run_dir>/config.yaml                  the run config, as the run resolved it
+  <run_dir>/configs/config.step-0.yaml   every config the run used, from after that step on
+                                         (``grpo_mega.run.config_history``; never deleted)
   <run_dir>/metrics.jsonl                one row per step (``grpo_mega.run.metrics``)
   <run_dir>/tensorboard/                 TensorBoard events, when enabled
   <run_dir>/failure.json                 what ended the last attempt that failed (``grpo_mega.run.failure``)
@@ -24,6 +26,7 @@ import re
 from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
+CONFIGS_DIR = "configs"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 FAILURE_FILE = "failure.json"
