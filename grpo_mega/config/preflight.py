@@ -92,14 +92,16 @@ def check_prompt_files(cfg: Any) -> None:
     the ranks' loader checks them but without a tokenizer (a prompt over ``data.prompt_length`` tokens is the ranks'
     to find). ConfigError naming the key, the file, the row and the field when the first bad row stops the run
     (``data.on_bad_row=error``) or no row is usable (without a chat template, a conversation of more than one turn is
-    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template.
-    Nothing is printed for a usable file (the ranks' loader logs how it reads each, and the rows it skips)."""
+    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template:
+    every file's problems in one message. For a usable file one line on stderr only where its rows won over the
+    config's field keys (the layout's note: what was read instead); the ranks' loader logs the rows it skips."""
     from grpo_mega.data.formats import field_settings
     from grpo_mega.data.prompt_rows import BadRowError, scan_prompt_file
     from grpo_mega.data.tokenizer import has_chat_template
 
     tokenizer = cfg.model.tokenizer or cfg.model.hf_config
     templated = cfg.data.chat_template is not False and has_chat_template(tokenizer)
+    problems = []  # every file's, in one message: not one refusal per run of the command
     for key in ("train_file", "eval_file"):
         path = getattr(cfg.data, key)
         if path is None:
@@ -108,12 +110,17 @@ def check_prompt_files(cfg: Any) -> None:
             scan = scan_prompt_file(path, field_settings(cfg.data, eval_file=key == "eval_file"), cfg.data.on_bad_row,
                                     one_turn=not templated and cfg.data.chat_template is not True)
         except (BadRowError, DataSourceError, FileNotFoundError) as error:
-            raise ConfigError(f"data.{key}={path}: {error}") from None
+            problems.append(f"data.{key}={path}: {error}")
+            continue
+        if scan.layout.note:
+            print(f"data.{key}={path}: {scan.layout.note}", file=sys.stderr)
         if scan.layout.conversation and cfg.data.chat_template and not templated:
-            raise ConfigError(f"data.{key}={path} holds conversations ({scan.layout.describe()}) and "
-                              f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
-                              "data.chat_template=null (a one-turn conversation is then given as its text) or "
-                              "model.tokenizer to a tokenizer folder that has one")
+            problems.append(f"data.{key}={path} holds conversations ({scan.layout.describe()}) and "
+                            f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
+                            "data.chat_template=null (a one-turn conversation is then given as its text) or "
+                            "model.tokenizer to a tokenizer folder that has one")
+    if problems:
+        raise ConfigError("; and ".join(problems))
 
 
 def _check_weights_folder(key: str, folder: str) -> None:
