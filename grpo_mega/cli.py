@@ -262,7 +262,7 @@ def _run_command(args, argv: list[str]) -> int:
 
 
 COUNTS = {"nproc": "--nproc", "samples": "--samples", "iterations": "--iterations", "gpus_per_node": "--gpus-per-node",
-          "gpu_memory_gib": "--gpu-memory-gib", "nodes": "--nodes"}
+          "gpu_memory_gib": "--gpu-memory-gib", "nodes": "--nodes", "steps": "--steps", "max_prompts": "--max-prompts"}
 """Counts on the command line that must be positive when given (0 is no default: it is refused)."""
 
 
@@ -277,7 +277,7 @@ def _bad_count(args) -> str | None:
 
 def _run_eval(args, argv: list[str]) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, validate
-    from grpo_mega.config.preflight import load_checked
+    from grpo_mega.config.preflight import check_weights_folder, load_checked
 
     launched = under_launcher()
     try:  # the evaluation splits prompts over its processes at parallel.tensor (no pipeline): checked here
@@ -290,6 +290,7 @@ def _run_eval(args, argv: list[str]) -> int:
         if not Path(args.policy).exists():
             raise ConfigError(f"--policy {args.policy}: no such folder (an HF folder, a converted megatron folder, "
                               "a grpo-mega checkpoint or run directory)")
+        check_weights_folder("--policy", args.policy)  # what the ranks would find after torch's import
     except ConfigError as error:
         print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2

@@ -66,7 +66,7 @@ def check_paths(cfg: Any) -> None:
         raise ConfigError(f"model.init_from={model.init_from}: no such folder (an HF folder, a converted megatron "
                           "folder, a grpo-mega checkpoint or run directory; null: random weights)")
     if model.init_from is not None:
-        _check_weights_folder("model.init_from", model.init_from)
+        check_weights_folder("model.init_from", model.init_from)
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key, None)
         if value is not None:
@@ -83,7 +83,7 @@ def check_paths(cfg: Any) -> None:
         if not Path(implicit.init_from).exists():
             raise ConfigError(f"implicit_prm.init_from={implicit.init_from}: no such folder (what model.init_from "
                               "takes; null: model.init_from)")
-        _check_weights_folder("implicit_prm.init_from", implicit.init_from)
+        check_weights_folder("implicit_prm.init_from", implicit.init_from)
 
 
 def check_prompt_files(cfg: Any) -> None:
@@ -123,7 +123,7 @@ def check_prompt_files(cfg: Any) -> None:
         raise ConfigError("; and ".join(problems))
 
 
-def _check_weights_folder(key: str, folder: str) -> None:
+def check_weights_folder(key: str, folder: str) -> None:
     """ConfigError naming ``key`` when ``folder`` holds none of the weight formats a run starts from, or is a run
     directory without a complete checkpoint (what the ranks would find only after building the model)."""
     from grpo_mega.checkpoint.training_files import find_checkpoint_folder, weights_format
