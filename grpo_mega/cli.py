@@ -351,6 +351,7 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
     from grpo_mega.config import ConfigError
     from grpo_mega.plan.devices import PROFILES, device_profile
     from grpo_mega.plan.report import format_step_time, step_time_dict
+    from grpo_mega.plan.settings import documented_device
     from grpo_mega.plan.step_time import fitted_efficiency
     from grpo_mega.plan.timing import Assumptions, config_step_time
 
@@ -360,6 +361,8 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
         device = device_profile(args.device)
     elif args.gpu_name and any(key in args.gpu_name.upper() for key in PROFILES if key != "CPU"):
         device = device_profile(args.gpu_name)
+    elif documented_device(args.config):  # the hardware the config was written for, as its memory plan
+        device = device_profile(documented_device(args.config))
     else:
         device = device_profile("CPU" if cfg.parallel.device == "cpu" else "H100")
     eff = fitted_efficiency(device)
