@@ -20,6 +20,16 @@ from pathlib import Path
 from typing import TextIO
 
 
+_OPEN_BARS: set[StepProgress] = set()
+"""The progress bars drawn now (rank 0 of a run), which :func:`close_open_bars` ends before a failure's line."""
+
+
+def close_open_bars() -> None:
+    """End every open progress bar, so that the line printed next (a failure's cause) starts a line of its own."""
+    for progress in list(_OPEN_BARS):
+        progress.close()
+
+
 class StepProgress:
     """The progress of steps ``start_step + 1 .. total_steps``: a tqdm bar with the shown figures when ``bar``,
     else a line per logged row on ``out``; keeps each figure's latest value for :meth:`summary`."""
@@ -35,10 +45,16 @@ class StepProgress:
         self.step = start_step
         self.bar = None
         self._last_line = time.perf_counter()
+        self._redirect = None
         if bar:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # log lines (a checkpoint saved) above the bar, not glued to it with the bar drawn again after them
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+            _OPEN_BARS.add(self)
 
     def record(self, step: int, metrics: Mapping[str, float], *, advance: bool = True) -> None:
         """A logged row: ``advance=False`` for a row that is no training step (the evaluation before the first)."""
@@ -62,8 +78,12 @@ class StepProgress:
         self._last_line = now
 
     def close(self) -> None:
+        """End the bar (once): its last state stays on its own line; logging goes to the console again."""
         if self.bar is not None:
+            self._redirect.__exit__(None, None, None)
             self.bar.close()
+            self.bar = None
+            _OPEN_BARS.discard(self)
 
     def summary(self, command: str, *, wall_seconds: float, checkpoint: Path | None,
                 stop_reason: str | None = None) -> str:
