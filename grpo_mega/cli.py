@@ -277,7 +277,7 @@ def _bad_count(args) -> str | None:
 
 def _run_eval(args, argv: list[str]) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, validate
-    from grpo_mega.config.preflight import check_weights_folder, load_checked
+    from grpo_mega.config.preflight import check_policy_vocabulary, check_weights_folder, load_checked
 
     launched = under_launcher()
     try:  # the evaluation splits prompts over its processes at parallel.tensor (no pipeline): checked here
@@ -291,6 +291,7 @@ def _run_eval(args, argv: list[str]) -> int:
             raise ConfigError(f"--policy {args.policy}: no such folder (an HF folder, a converted megatron folder, "
                               "a grpo-mega checkpoint or run directory)")
         check_weights_folder("--policy", args.policy)  # what the ranks would find after torch's import
+        check_policy_vocabulary(cfg, args.policy)
     except ConfigError as error:
         print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2

@@ -29,12 +29,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
     policy = root / "policy"  # what weights_format and the layout check read: config.json and a weights file
     policy.mkdir()
     (policy / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-                                                    "max_position_embeddings": 512}))
+                                                    "max_position_embeddings": 512, "vocab_size": 306}))
+    other = root / "other_model"  # a config of another vocabulary
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 512,
+                                                   "vocab_size": 151936}))
     (policy / "model.safetensors").write_bytes(b"")
     (root / "empty").mkdir()
     prompts = root / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n")
-    return {"root": root, "no_torch": root / "no_torch", "policy": policy, "empty": root / "empty",
+    return {"root": root, "no_torch": root / "no_torch", "policy": policy, "empty": root / "empty", "other": other,
             "prompts": prompts}
 
 
@@ -93,3 +97,13 @@ def test_a_causal_lm_as_process_reward_prm(files, tmp_path):
                    "algorithm.supervision=process", "process_reward.source=prm", f"process_reward.prm={files['policy']}")
     assert "is a causal LM, which reads as a PRM two ways; choose one with process_reward.layout" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_policy_of_another_vocabulary_than_the_config(files):
+    """It scored 0.000 without a word; train refuses the same pair."""
+    line = refused(files, "eval", "--config", GRPO, "--policy", str(files["policy"]),
+                   f"model.hf_config={files['other']}", f"data.train_file={files['prompts']}",
+                   f"data.eval_file={files['prompts']}")
+    assert line == (f"grpo-mega eval: error: --policy {files['policy']} has a vocabulary of 306 tokens and "
+                    f"model.hf_config={files['other']} one of 151936: a policy of another model than the config's "
+                    "(train refuses this pair); set model.hf_config to the policy's own config folder")

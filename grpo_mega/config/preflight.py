@@ -135,6 +135,27 @@ def check_weights_folder(key: str, folder: str) -> None:
         raise ConfigError(f"{key}={folder}: {str(error).removeprefix('init_from: ')}") from None
 
 
+def check_policy_vocabulary(cfg: Any, policy: str, key: str = "--policy") -> None:
+    """ConfigError when the policy at ``policy`` has another vocabulary size than ``model.hf_config``'s config.json:
+    a policy of another model than the config's, which ``train`` refuses (its weights do not fit the config's model)
+    and ``eval`` scored 0.000 without a word. Read without transformers (``model_path_summary``)."""
+    import json
+
+    from grpo_mega.checkpoint.source import model_path_summary
+
+    config_file = Path(cfg.model.hf_config) / "config.json"
+    try:
+        _, _, policy_config = model_path_summary(policy)
+        ours = json.loads(config_file.read_text()).get("vocab_size")
+    except (ValueError, OSError):
+        return  # what cannot be read here is the loader's to report
+    theirs = (policy_config or {}).get("vocab_size")
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ConfigError(f"{key} {policy} has a vocabulary of {theirs} tokens and model.hf_config="
+                          f"{cfg.model.hf_config} one of {ours}: a policy of another model than the config's (train "
+                          f"refuses this pair); set model.hf_config to the policy's own config folder")
+
+
 def start_attempt(cfg: Any, *, act: bool = True) -> RunFolderVerdict:
     """Before a training command starts its ranks: the run folder guard (``grpo_mega.run.folder``; with ``act``
     an earlier run that ``trainer.overwrite`` replaces is moved aside), then, with ``act``, an earlier attempt's
