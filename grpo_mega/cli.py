@@ -277,7 +277,8 @@ def _bad_count(args) -> str | None:
 
 def _run_eval(args, argv: list[str]) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, validate
-    from grpo_mega.config.preflight import check_policy_vocabulary, check_weights_folder, load_checked
+    from grpo_mega.config.preflight import (check_policy_vocabulary, check_weights_folder, load_checked,
+                                            note_prm_as_policy)
 
     launched = under_launcher()
     try:  # the evaluation splits prompts over its processes at parallel.tensor (no pipeline): checked here
@@ -292,6 +293,7 @@ def _run_eval(args, argv: list[str]) -> int:
                               "a grpo-mega checkpoint or run directory)")
         check_weights_folder("--policy", args.policy)  # what the ranks would find after torch's import
         check_policy_vocabulary(cfg, args.policy)
+        note_prm_as_policy("--policy", args.policy)
     except ConfigError as error:
         print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2

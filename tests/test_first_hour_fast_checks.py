@@ -107,3 +107,26 @@ def test_eval_of_a_policy_of_another_vocabulary_than_the_config(files):
     assert line == (f"grpo-mega eval: error: --policy {files['policy']} has a vocabulary of 306 tokens and "
                     f"model.hf_config={files['other']} one of 151936: a policy of another model than the config's "
                     "(train refuses this pair); set model.hf_config to the policy's own config folder")
+
+
+def test_a_prm_as_the_policy_gets_a_note(files, capsys, monkeypatch):
+    """An HF process reward model, or a grpo-mega PRM checkpoint (its run config's prm section), as the policy."""
+    from grpo_mega.checkpoint import source
+    from grpo_mega.config.preflight import note_prm_as_policy
+
+    prm = files["root"] / "hf_prm"
+    prm.mkdir()
+    (prm / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForProcessRewardModel"],
+                                                 "model_type": "qwen2"}))
+    (prm / "model.safetensors").write_bytes(b"")
+    note_prm_as_policy("--policy", str(prm))
+    assert capsys.readouterr().err == (
+        f"note: --policy={prm} is a process reward model (Qwen2ForProcessRewardModel), loaded here as the policy: a "
+        "PRM's weights generate as the LM they started from at best; name the policy's checkpoint if that was meant\n")
+    note_prm_as_policy("--policy", str(files["policy"]))  # a causal LM: no note
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(source, "model_path_summary",
+                        lambda path: ("training_run", {"prm": {"layout": "classifier"}}, None))
+    note_prm_as_policy("model.init_from", "runs/prm")
+    assert capsys.readouterr().err.startswith(
+        "note: model.init_from=runs/prm is a PRM checkpoint (grpo-mega prm train, layout classifier), loaded here")

@@ -67,6 +67,8 @@ def check_paths(cfg: Any) -> None:
                           "folder, a grpo-mega checkpoint or run directory; null: random weights)")
     if model.init_from is not None:
         check_weights_folder("model.init_from", model.init_from)
+        if not under_launcher() and not hasattr(cfg, "prm"):  # a policy's run (a PRM's may start from a PRM)
+            note_prm_as_policy("model.init_from", model.init_from)
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key, None)
         if value is not None:
@@ -133,6 +135,28 @@ def check_weights_folder(key: str, folder: str) -> None:
             find_checkpoint_folder(folder)
     except ValueError as error:
         raise ConfigError(f"{key}={folder}: {str(error).removeprefix('init_from: ')}") from None
+
+
+def note_prm_as_policy(key: str, path: str) -> None:
+    """One line on stderr when the weights a policy starts from (``key``: ``model.init_from``, ``--policy``) are a
+    PRM's (a ``grpo-mega prm train`` checkpoint, an HF process reward model): it is loaded as a policy all the same,
+    which is what a user who mixed up two run folders would not expect to pass in silence."""
+    from grpo_mega.checkpoint.source import model_path_summary
+
+    try:
+        _, run_config, hf_config = model_path_summary(path)
+    except (ValueError, OSError):
+        return
+    prm = (run_config or {}).get("prm") or {}
+    architectures = (hf_config or {}).get("architectures") or []
+    if prm.get("layout"):
+        what = f"a PRM checkpoint (grpo-mega prm train, layout {prm['layout']})"
+    elif any("ProcessRewardModel" in name for name in architectures):
+        what = f"a process reward model ({architectures[0]})"
+    else:
+        return
+    print(f"note: {key}={path} is {what}, loaded here as the policy: a PRM's weights generate as the LM they started "
+          "from at best; name the policy's checkpoint if that was meant", file=sys.stderr)
 
 
 def check_policy_vocabulary(cfg: Any, policy: str, key: str = "--policy") -> None:
