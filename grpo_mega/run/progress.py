@@ -7,7 +7,8 @@ a figure missing from a step's row is left out of its line (held-out figures app
     grpo-mega train: done, 50/50 steps: score 0.841, reward 0.812, accuracy 0.837; 163 s; last checkpoint
     runs/grpo/checkpoints/step_000050
 
-(the summary is one line; a figure last seen before the last step names its step).
+(the summary is one line; a figure last seen before the last step names its step; the bad rows the prompt loader
+skipped, per file, end it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,22 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
+
+
+_SKIPPED_ROWS: dict[str, tuple[int, str]] = {}
+"""source -> (rows skipped, the first as ``file:line: why``) of the prompt files this process read, for the run's
+``done`` line (the loader logs them once, on rank 0)."""
+
+
+def note_skipped_rows(source: str, count: int, first: str) -> None:
+    """Remember that ``count`` rows of ``source`` were skipped (``first``: the first of them) for :meth:`summary`."""
+    _SKIPPED_ROWS[source] = (count, first)
+
+
+def skipped_rows_text() -> str:
+    """``"; skipped 2 bad rows of train.jsonl (the first: train.jsonl:7: ...)"`` per file read, or ``""``."""
+    return "".join(f"; skipped {count} bad row{'s' if count > 1 else ''} of {source} (the first: {first:.160})"
+                   for source, (count, first) in _SKIPPED_ROWS.items())
 
 
 _OPEN_BARS: set[StepProgress] = set()
@@ -97,7 +114,8 @@ class StepProgress:
         figures = ", ".join(f"{label} {value:.3f}" + ("" if at == self.step else f" (step {at})")
                             for label, at, value in latest)
         where = f"last checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint"
-        return f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
+        return (f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
+                f"{skipped_rows_text()}")
 
 
 class PhaseProgress:
