@@ -10,9 +10,9 @@ folder, so the export lives and is pruned with its checkpoint.
   checkpoint changed exports that one, into that checkpoint.
 - Atomically: written into a staging folder beside it (``.tmp-hf_export-<host>-<pid>-*``), published by one rename
   after every file and the manifest are written; a crash leaves a staging folder, never a half export under the
-  real name. The next use removes such leftovers (an export, or a read of a verified one) (a 7B PRM's is 15 GB): those of a process gone on this host, and
-  any nothing was written in for :data:`STALE_STAGING_S` (another node's crash, a pid reused); another job's export
-  in progress is left alone.
+  real name. The next use (an export, or a read of a verified one) removes such leftovers (a 7B PRM's is 15 GB):
+  those of a process gone on this host, and any nothing was written in for :data:`STALE_STAGING_S` (another node's
+  crash, a pid reused); another job's export in progress is left alone.
 - Content-checked as the training checkpoints are (``grpo_mega.run.checkpoints``): the manifest ``export.json``
   lists every file with its size and CRC-32, and the CRC-32 of the marker file of the checkpoint it came from
   (``complete.json``, ``grpo_mega_model.json`` of a converted folder). Every use verifies all of them, on rank 0; an

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_mega.checkpoint.source import ModelSource, resolve_model_source
+from grpo_mega.checkpoint.source import ModelSource
 from prm.rendering import RenderSettings
 
 PRM_LAYOUTS = ("classifier", "lm_tokens", "likelihood")

@@ -94,7 +94,8 @@ def test_eval_of_an_empty_policy_folder(files):
 def test_a_causal_lm_as_process_reward_prm(files, tmp_path):
     line = refused(files, "train", "--config", GRPO, f"model.hf_config={files['policy']}",
                    f"data.train_file={files['prompts']}", f"trainer.run_dir={tmp_path / 'run'}",
-                   "algorithm.supervision=process", "process_reward.source=prm", f"process_reward.prm={files['policy']}")
+                   "algorithm.supervision=process", "process_reward.source=prm",
+                   f"process_reward.prm={files['policy']}")
     assert "is a causal LM, which reads as a PRM two ways; choose one with process_reward.layout" in line
     assert not (tmp_path / "run").exists()
 

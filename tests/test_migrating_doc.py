@@ -74,7 +74,8 @@ def test_the_page_is_linked_from_the_front_page_and_the_site():
 
 def _peer_keys(cell: str) -> list[str]:
     """The peer's keys a first cell names: `a.b.c`, then a sibling by its last part (`top_p` after
-    `actor_rollout_ref.rollout.temperature`), a value (`=grpo`) dropped; none for a cell that does not start with one."""
+    `actor_rollout_ref.rollout.temperature`), a value (`=grpo`) dropped; none for a cell that does not start with
+    one."""
     if not cell.startswith("`"):
         return []
     keys, prefix = [], ""

@@ -35,4 +35,5 @@ def test_two_classes_are_one_line_and_soft_labels_count_by_half(caplog):
     assert label_counts(mixed, "hard", True) == (5, 4)
     with caplog.at_level(logging.INFO, logger="prm.train"):
         say_what_was_read(_cfg(), mixed, 0, 0)
-    assert [r.getMessage() for r in caplog.records] == ["training set: 2 rows of labels.jsonl: 5 labelled steps, 80% good"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "training set: 2 rows of labels.jsonl: 5 labelled steps, 80% good"]

@@ -41,7 +41,7 @@ class SampleReward:
 
 class WeightedScore(float):
     """The weighted sum of several reward functions, a float, with each function's own value in ``components``
-    (by its metric name), which the rollout stage logs as ``reward/<name>/mean``, as TRL logs ``rewards/<name>/mean``."""
+    (by its metric name), which the rollout stage logs as ``reward/<name>/mean`` (TRL's ``rewards/<name>/mean``)."""
 
     components: dict[str, float | None]
 
