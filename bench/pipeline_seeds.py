@@ -24,7 +24,8 @@ process_delta_completion oracle_completion rft``), and every arm is also compare
 (issue 59's ``--no-oracle --no-learned-prm --implicit --arms implicit_after``: both orders of the implicit PRM's
 update from one SFT checkpoint; on the machine type of a recorded run, ``--recorded DIR`` in place of ``--implicit``).
 ``--add-arms ARM ...`` runs only the arms named in seeds already run in OUT (e.g. the implicit PRM's arms beside the
-recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``).
+recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``); its report goes to
+OUT/pipeline_seeds_<regime>.json unless ``--result`` names a file (the recorded one is rewritten by ``--reuse``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main() -> int:
     parser.add_argument("--regime", choices=sorted(REGIMES), default="dense")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline_seeds")
     parser.add_argument("--result", type=Path, default=None,
-                        help="default: bench/results/pipeline_seeds_<regime>.json")
+                        help="default: bench/results/pipeline_seeds_<regime>.json (with --add-arms: "
+                        "OUT/pipeline_seeds_<regime>.json, the recorded file left as it is)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="every arm's mean curve by step and by seconds; default: the result's path with .png")
     parser.add_argument("--fast", action="store_true", help="the shortened plan of the end-to-end test")
@@ -110,8 +112,8 @@ def main() -> int:
         if needing or args.step_rewards:
             parser.error(f"--no-learned-prm: {needing or ['--step-rewards']} need the learned PRM")
     base = FAST if args.fast else REGIMES[args.regime]
-    result = args.result or ROOT / "bench" / "results" / f"pipeline_seeds_{args.regime}.json"
-    if args.result is None:
+    result = default_result(args)
+    if args.result is None and not args.add_arms:
         keep_a_larger_record(result, args.seeds)
     results = []
     for seed in args.seeds:
@@ -161,6 +163,17 @@ def main() -> int:
                                          f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
     report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
     return 0
+
+
+def default_result(args) -> Path:
+    """Where the report goes: ``--result``; else, for ``--add-arms`` (which reruns a few arms of seeds already run),
+    OUT/pipeline_seeds_<regime>.json beside them, never over the recorded bench/results file (its verdict is rewritten
+    only by a run that names it, or by ``--reuse`` over every recorded seed); else bench/results/."""
+    if args.result is not None:
+        return args.result
+    if args.add_arms:
+        return args.out / f"pipeline_seeds_{args.regime}.json"
+    return ROOT / "bench" / "results" / f"pipeline_seeds_{args.regime}.json"
 
 
 def keep_a_larger_record(result: Path, seeds: list[int]) -> None:

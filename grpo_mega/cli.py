@@ -262,7 +262,7 @@ def _run_command(args, argv: list[str]) -> int:
 
 
 COUNTS = {"nproc": "--nproc", "samples": "--samples", "iterations": "--iterations", "gpus_per_node": "--gpus-per-node",
-          "gpu_memory_gib": "--gpu-memory-gib", "nodes": "--nodes"}
+          "gpu_memory_gib": "--gpu-memory-gib", "nodes": "--nodes", "steps": "--steps", "max_prompts": "--max-prompts"}
 """Counts on the command line that must be positive when given (0 is no default: it is refused)."""
 
 
@@ -277,7 +277,8 @@ def _bad_count(args) -> str | None:
 
 def _run_eval(args, argv: list[str]) -> int:
     from grpo_mega.config import ConfigError, GRPOConfig, validate
-    from grpo_mega.config.preflight import load_checked
+    from grpo_mega.config.preflight import (check_policy_vocabulary, check_weights_folder, load_checked,
+                                            note_prm_as_policy)
 
     launched = under_launcher()
     try:  # the evaluation splits prompts over its processes at parallel.tensor (no pipeline): checked here
@@ -290,6 +291,9 @@ def _run_eval(args, argv: list[str]) -> int:
         if not Path(args.policy).exists():
             raise ConfigError(f"--policy {args.policy}: no such folder (an HF folder, a converted megatron folder, "
                               "a grpo-mega checkpoint or run directory)")
+        check_weights_folder("--policy", args.policy)  # what the ranks would find after torch's import
+        check_policy_vocabulary(cfg, args.policy)
+        note_prm_as_policy("--policy", args.policy)
     except ConfigError as error:
         print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2
@@ -350,6 +354,7 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
     from grpo_mega.config import ConfigError
     from grpo_mega.plan.devices import PROFILES, device_profile
     from grpo_mega.plan.report import format_step_time, step_time_dict
+    from grpo_mega.plan.settings import documented_device
     from grpo_mega.plan.step_time import fitted_efficiency
     from grpo_mega.plan.timing import Assumptions, config_step_time
 
@@ -359,6 +364,8 @@ def _plan_step_time(args, cfg, plan) -> tuple[str, dict]:
         device = device_profile(args.device)
     elif args.gpu_name and any(key in args.gpu_name.upper() for key in PROFILES if key != "CPU"):
         device = device_profile(args.gpu_name)
+    elif documented_device(args.config):  # the hardware the config was written for, as its memory plan
+        device = device_profile(documented_device(args.config))
     else:
         device = device_profile("CPU" if cfg.parallel.device == "cpu" else "H100")
     eff = fitted_efficiency(device)

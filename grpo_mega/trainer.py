@@ -210,7 +210,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             metrics.update(eval_metrics)
         harness.end_step(step, metrics)
 
-    harness.finish(before_shutdown=feed.close if feed is not None else lambda: close_rollout_engine(rollout_engine))
+    harness.finish(before_shutdown=feed.close if feed is not None
+                   else lambda: close_rollout_engine(rollout_engine, rollout))
     return eval_metrics
 
 

@@ -89,6 +89,8 @@ def run_prm_command(args, argv: list[str]) -> int:
                 return 0
     else:
         nproc = args.nproc or _default_nproc(args)
+        if not under_launcher():  # in the command's own process, before torch's import (seconds) and any rank
+            check_prm_arguments(args)
     if nproc > 1 and not under_launcher():
         return relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
     if args.prm_command == "train":
@@ -121,6 +123,30 @@ def run_prm_command(args, argv: list[str]) -> int:
     if _is_rank0():
         print(output, flush=True)
     return 0
+
+
+def check_prm_arguments(args) -> None:
+    """What ``prm label / score / eval`` can tell from their paths alone, without torch: ValueError naming the flag
+    for a model path that is no model (``--prm``, ``--policy``, ``--completer``), a causal LM as ``--prm`` without
+    ``--layout``, and for ``score`` a ``--data`` file that is no step-labelled data (read as the ranks read it)."""
+    from grpo_mega.checkpoint.training_files import find_checkpoint_folder, weights_format
+    from prm.spec import check_layout_is_known
+
+    for flag in ("prm", "policy", "completer"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        try:
+            if weights_format(path) in ("training_checkpoint", "training_run"):
+                find_checkpoint_folder(path)
+        except ValueError as error:
+            raise ValueError(f"--{flag} {path}: {str(error).removeprefix('init_from: ')}") from None
+    if getattr(args, "prm", None) is not None and args.layout is None:
+        check_layout_is_known(args.prm, "--layout")
+    if args.prm_command == "score":
+        from prm.scoring import read_data
+
+        read_data(args)
 
 
 def _is_rank0() -> bool:

@@ -39,7 +39,7 @@ def run_eval(args) -> Path:
     import torch.distributed as dist
 
     from grpo_mega.parallel import destroy_distributed
-    from prm.scoring import open_scorer, read_data
+    from prm.scoring import close_scorer, open_scorer, read_data
 
     if args.data is None and args.policy is None:
         raise ValueError("prm eval: give --data (step-labelled rows) and/or --policy with --prompts (best-of-N)")
@@ -64,5 +64,6 @@ def run_eval(args) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         logger.info("PRM evaluation: %s", {k: report[k] for k in REPORT_KEYS})
+    close_scorer(scorer)  # vLLM's groups before the job's
     destroy_distributed()
     return out

@@ -10,9 +10,9 @@ folder, so the export lives and is pruned with its checkpoint.
   checkpoint changed exports that one, into that checkpoint.
 - Atomically: written into a staging folder beside it (``.tmp-hf_export-<host>-<pid>-*``), published by one rename
   after every file and the manifest are written; a crash leaves a staging folder, never a half export under the
-  real name. The next export removes such leftovers (a 7B PRM's is 15 GB): those of a process gone on this host, and
-  any nothing was written in for :data:`STALE_STAGING_S` (another node's crash, a pid reused); another job's export
-  in progress is left alone.
+  real name. The next use (an export, or a read of a verified one) removes such leftovers (a 7B PRM's is 15 GB):
+  those of a process gone on this host, and any nothing was written in for :data:`STALE_STAGING_S` (another node's
+  crash, a pid reused); another job's export in progress is left alone.
 - Content-checked as the training checkpoints are (``grpo_mega.run.checkpoints``): the manifest ``export.json``
   lists every file with its size and CRC-32, and the CRC-32 of the marker file of the checkpoint it came from
   (``complete.json``, ``grpo_mega_model.json`` of a converted folder). Every use verifies all of them, on rank 0; an
@@ -108,6 +108,7 @@ def hf_folder_for_vllm(source: ModelSource, tokenizer: Any) -> Path:
     problem = rank0_decides(lambda: export_problem(target, source))
     if problem is None:
         logger.info("scorer=vllm: reading the PRM export %s (verified)", target)
+        rank0_decides(lambda: remove_stale_staging(source.folder))  # a crashed export's, even when none is due
         return target
     staging = rank0_decides(lambda: _staging_folder(source, target, problem))
     _write_weights(source, staging)
@@ -124,7 +125,9 @@ def _staging_folder(source: ModelSource, target: Path, problem: str) -> Path:
     if target.exists():
         logger.warning("scorer=vllm: exporting the PRM %s for vLLM again: %s", source.path, problem)
     else:
-        logger.info("scorer=vllm: exporting the PRM %s for vLLM into %s (once)", source.path, target)
+        logger.info("scorer=vllm: writing a Hugging Face export of the PRM %s into its folder: %s (vLLM loads HF "
+                    "folders only; written once, reused by later runs, removed with the checkpoint)", source.path,
+                    target)
     remove_stale_staging(source.folder)
     staging = source.folder / f"{_STAGING_PREFIX}{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()

@@ -278,6 +278,18 @@ def add_score_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="output jsonl: one line per example, with step_scores")
 
 
+def close_scorer(scorer) -> None:
+    """Shut a scorer that holds process groups (vLLM's) down while the job's groups are up, megatron's first, as
+    ``grpo_mega.stages.rollout_setup.close_rollout_engine`` does: left to the interpreter's exit, vLLM's shutdown ran
+    after ``destroy_distributed`` and ended each rank with a traceback (``Invalid process group specified``)."""
+    close = getattr(scorer, "close", None)
+    if close is not None:
+        from grpo_mega.parallel import destroy_model_parallel
+
+        destroy_model_parallel()
+        close()
+
+
 def run_score(args) -> Path:
     """``grpo-mega prm score``: one output line per usable input row, in order, with its ``step_scores``."""
     import torch.distributed as dist
@@ -296,5 +308,6 @@ def run_score(args) -> Path:
                                          "step_scores": step_scores}) + "\n")
         logger.info("scored %d examples (%d steps) in %.1f s", len(examples), sum(map(len, scores)),
                     scorer.last_seconds)
+    close_scorer(scorer)  # vLLM's groups before the job's
     destroy_distributed()
     return out

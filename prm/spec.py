@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURES, is_prm_classifier
-from grpo_mega.checkpoint.source import ModelSource, resolve_model_source
+from grpo_mega.checkpoint.source import ModelSource
 from prm.rendering import RenderSettings
 
 PRM_LAYOUTS = ("classifier", "lm_tokens", "likelihood")
@@ -116,10 +115,12 @@ def detect_layout(hf_config: Any) -> str:
     Qwen2ForProcessRewardModel (or Qwen3ForProcessRewardModel) -> ``classifier``, a ``*ForCausalLM`` ->
     ``lm_tokens``; ValueError otherwise."""
     architectures = list(config_field(hf_config, "architectures") or [])
+    if any(name.endswith("ForCausalLM") for name in architectures):  # first, without torch: the CLI checks it
+        return "lm_tokens"
+    from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURES, is_prm_classifier  # imports torch
+
     if is_prm_classifier(architectures):
         return "classifier"
-    if any(name.endswith("ForCausalLM") for name in architectures):
-        return "lm_tokens"
     raise ValueError(
         f"cannot tell the PRM layout from the HF config's architectures {architectures}: expected "
         f"one of {sorted(PRM_CLASSIFIER_ARCHITECTURES.values())} (classifier) or a *ForCausalLM (lm_tokens)"
@@ -185,6 +186,7 @@ def prm_hf_config_from_policy(policy_hf_dir: str | os.PathLike, out_dir: str | o
     ``likelihood``: the policy's config as it is (``architectures`` filled in from the model type when the policy's has none).
     """
     from grpo_mega.checkpoint.hf_io import copy_side_files
+    from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURES
 
     default_spec(layout)  # validates the layout
     policy_hf_dir, out_dir = Path(policy_hf_dir), Path(out_dir)
@@ -242,17 +244,19 @@ def check_layout_is_known(path: str | os.PathLike, key: str) -> None:
     training checkpoint) and no layout was chosen: it reads as a PRM two ways, and taking ``lm_tokens`` silently
     gives meaningless scores on a model never trained with label tokens. A path that is no model is left to
     ``prm.model.open_prm`` to report."""
-    try:
-        source = resolve_model_source(path)
-    except ValueError:
+    from grpo_mega.checkpoint.source import CHECKPOINT_KINDS, model_path_summary
+
+    try:  # read without transformers' import (seconds of torch): the CLI checks this before it launches
+        kind, run_config, hf_config = model_path_summary(path)
+    except (ValueError, OSError):
         return
-    if source.is_checkpoint:
-        if not source.trained_prm.get("layout"):
+    if kind in CHECKPOINT_KINDS:
+        if not ((run_config or {}).get("prm") or {}).get("layout"):
             raise ValueError(f"{path} is a policy's training checkpoint, which reads as a PRM only by its own "
                              f"probability of each step: choose {key} likelihood (add likelihood_tokens=result for "
                              "natural-language steps)")
         return
-    if config_layout(source.hf_config) == "lm_tokens":
+    if hf_config is not None and config_layout(hf_config) == "lm_tokens":
         raise ValueError(
             f"{path} is a causal LM, which reads as a PRM two ways; choose one with {key}: lm_tokens (a "
             "Math-Shepherd-style PRM trained to write a good/bad label token after each step) or likelihood (the "

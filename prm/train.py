@@ -132,10 +132,8 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               likelihood_tokens=cfg.prm.likelihood_tokens,
                               system_prompt=cfg.prm.system_prompt)
     examples, replayed, history = training_examples(cfg)
-    if cfg.data.replay_files and harness.is_rank0:
-        logger.info("training set: %d rows of %s plus %d replayed of the %d rows of data.replay_files "
-                    "(data.replay_fraction=%g)", len(examples) - replayed, cfg.data.train_file, replayed, history,
-                    cfg.data.replay_fraction)
+    if harness.is_rank0:
+        say_what_was_read(cfg, examples, replayed, history)
     rendered, targets = _render(cfg, examples, tokenizer, settings, source=_training_source(cfg),
                                 stop_at_first_bad_step=cfg.data.stop_at_first_bad_step)
     eval_set = (_render(cfg, _read(cfg, cfg.data.eval_file), tokenizer, settings, source=cfg.data.eval_file)
@@ -175,6 +173,32 @@ def training_examples(cfg: PRMConfig) -> tuple[list[StepExample], int, int]:
     history = [example for path in cfg.data.replay_files for example in _read(cfg, path)]
     mixed = replay_mix(new, history, cfg.data.replay_fraction, cfg.parallel.seed)
     return mixed, len(mixed) - len(new), len(history)
+
+
+def label_counts(examples: list[StepExample], labels: str, stop_at_first_bad_step: bool) -> tuple[int, int]:
+    """(labelled steps, good ones: target >= 0.5) of the steps the PRM trains on (:func:`training_targets`)."""
+    steps = good = 0
+    for example in examples:
+        found = training_targets(example, labels, stop_at_first_bad_step)
+        if found is not None:
+            steps += len(found[1])
+            good += sum(target >= 0.5 for target in found[1])
+    return steps, good
+
+
+def say_what_was_read(cfg: PRMConfig, examples: list[StepExample], replayed: int, history: int) -> None:
+    """One line on what the PRM trains on (rows, labelled steps, the share of good ones), and a warning when every
+    label is of one class: a file of only correct solutions trained a PRM that calls every step good, in silence."""
+    steps, good = label_counts(examples, cfg.data.labels, cfg.data.stop_at_first_bad_step)
+    replay = (f" plus {replayed} replayed of the {history} rows of data.replay_files (data.replay_fraction="
+              f"{cfg.data.replay_fraction:g})" if cfg.data.replay_files else "")
+    share = f"{good / steps:.0%} good" if steps else "none labelled"
+    logger.info("training set: %d rows of %s%s: %d labelled steps, %s", len(examples) - replayed,
+                cfg.data.train_file, replay, steps, share)
+    if steps and good in (0, steps):
+        logger.warning("every step label of %s is %s: the PRM learns one class and scores every step alike; train on "
+                       "right and wrong steps (grpo-mega prm label labels the policy's own solutions)",
+                       cfg.data.train_file, "good" if good else "bad")
 
 
 def _training_source(cfg: PRMConfig) -> str:

@@ -38,6 +38,7 @@ scores rows r, r + replicas, ..., and the scores are all-gathered, so every rank
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ import torch.distributed as dist
 
 from prm.examples import StepExample
 from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+
+logger = logging.getLogger(__name__)
 
 VLLM_LAYOUTS = ("classifier", "lm_tokens", "likelihood")
 
@@ -346,9 +349,16 @@ def open_vllm_step_scorer(path: str | Path, choices, *, max_length: int | None =
     layout, label_ids = layout_and_label_ids(source.hf_config, spec, tokenizer)
     label_tokens = tokenizer.convert_ids_to_tokens(list(label_ids)) if label_ids else None
     folder = hf_folder_for_vllm(source, tokenizer)
+    if _is_rank0():  # vLLM's start-up says nothing for a minute or more on its own
+        logger.info("scorer=vllm: starting vLLM for the PRM %s (%s layout; its start-up takes a minute or more)",
+                    folder, layout)
     scorer = VLLMStepScorer(
         folder, tokenizer, choices.render_settings(spec, source), layout, label_tokens=label_tokens,
         max_length=max_length, tensor_parallel_size=choices.vllm_tensor_parallel or 1,
         gpu_memory_utilization=choices.vllm_gpu_memory_utilization or 0.2, **llm_kwargs,
     )
     return LoadedPRM(engine=None, spec=spec, tokenizer=tokenizer, hf_config=source.hf_config, source=source), scorer
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -165,3 +165,17 @@ def test_no_learned_prm_refuses_arms_that_need_it_before_running_anything(monkey
         pipeline_seeds.main()
     assert stopped.value.code == 2
     assert "--no-learned-prm" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_add_arms_without_result_leaves_the_recorded_result_alone(tmp_path):
+    """Left open from issue 79's notes: `--add-arms` without `--result` overwrote bench/results/pipeline_seeds_*.json
+    with the run's report; it reports beside the seeds it added arms to."""
+    from argparse import Namespace
+
+    from bench.pipeline_seeds import ROOT, default_result
+
+    args = Namespace(result=None, add_arms=["implicit"], out=tmp_path / "runs", regime="sparse")
+    assert default_result(args) == tmp_path / "runs" / "pipeline_seeds_sparse.json"
+    assert default_result(Namespace(**{**vars(args), "add_arms": []})) == (
+        ROOT / "bench" / "results" / "pipeline_seeds_sparse.json")
+    assert default_result(Namespace(**{**vars(args), "result": tmp_path / "r.json"})) == tmp_path / "r.json"

@@ -40,6 +40,18 @@ def test_other_keys_are_still_yaml():
     assert _value("reward.weights=[1, 0.5]", key="reward.weights") == [1.0, 0.5]
 
 
+@pytest.mark.parametrize("override, key, expected", [
+    ("tree_rollout.branching=2,2,2", "tree_rollout.branching", [2, 2, 2]),
+    ("tree_rollout.branching=[3, 2]", "tree_rollout.branching", [3, 2]),
+    ("reward.functions=m.py:accuracy,m.py:format", "reward.functions", ["m.py:accuracy", "m.py:format"]),
+    ("reward.weights=1.0,0.2", "reward.weights", [1.0, 0.2]),
+])
+def test_a_list_key_reads_comma_separated_values_as_the_list(override, key, expected):
+    """Issue 79: `tree_rollout.branching=2,2,2` (Hydra's way to write a list) was OmegaConf's `AnyNode is not a
+    ListConfig`."""
+    assert list(_value(override, key=key)) == expected
+
+
 def test_a_value_that_is_not_yaml_names_its_key():
     with pytest.raises(ConfigError, match=r"^override rollout.stop=\[a: the value is not valid YAML"):
         merge_config(GRPOConfig, None, ["rollout.stop=[a"])

@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from grpo_mega.config import GRPOConfig
-from grpo_mega.config.loading import _leaf_keys
+from grpo_mega.config.loading import ConfigError, _leaf_keys, load_config
+from grpo_mega.config.peer_keys import TRL_KEYS, VERL_KEYS
 from grpo_mega.reward.registry import REWARD_FUNCTIONS
 from grpo_mega.reward.verl_sources import VERL_MATH_SOURCES
 
@@ -69,3 +70,61 @@ def test_the_verl_default_table_is_the_dispatch_table():
 def test_the_page_is_linked_from_the_front_page_and_the_site():
     assert "(docs/migrating.md)" in (REPO / "README.md").read_text()
     assert "migrating.md" in (REPO / "mkdocs.yml").read_text()
+
+
+def _peer_keys(cell: str) -> list[str]:
+    """The peer's keys a first cell names: `a.b.c`, then a sibling by its last part (`top_p` after
+    `actor_rollout_ref.rollout.temperature`), a value (`=grpo`) dropped; none for a cell that does not start with
+    one."""
+    if not cell.startswith("`"):
+        return []
+    keys, prefix = [], ""
+    for span in re.findall(r"`([^`]+)`", cell.split(" (")[0]):
+        span = span.split("=", 1)[0]
+        if "." in span:
+            prefix = span.rsplit(".", 1)[0] + "."
+            keys.append(span)
+        else:
+            keys.append(prefix + span)
+    return keys
+
+
+@pytest.mark.parametrize("heading, table", [("verl's keys", VERL_KEYS), ("TRL's `GRPOConfig`", TRL_KEYS)])
+def test_the_doc_tables_are_the_code_table(heading, table):
+    """Every peer key of the page's table is in peer_keys' table with the grpo-mega keys the row names (or none, for
+    a row without), and every key of peer_keys' table has its row: one mapping, the page's notes around it."""
+    documented = {}
+    for row in _rows(heading):
+        row = " | ".join(row).replace("| |", "|  |").split(" | ")  # an empty cell as one
+        if "(in the rows)" in row[0]:  # a field of verl's data rows, not a config key
+            continue
+        for key in _peer_keys(row[0]):
+            documented[key] = set(_our_keys(row[1]))
+    assert sorted(set(table) - set(documented)) == []
+    assert sorted(set(documented) - set(table)) == []
+    wrong = {key: (table[key][0], sorted(ours)) for key, ours in documented.items()
+             if not set(table[key][0]) <= ours or (not table[key][0]) != (not ours)}
+    assert wrong == {}
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("actor_rollout_ref.rollout.n=8", "unknown config key 'actor_rollout_ref.rollout.n' (verl's); in grpo-mega: "
+                                      "algorithm.num_return_sequences_in_group (G)"),
+    ("actor_rollout_ref.actor.clip_ratio=0.2", "in grpo-mega: algorithm.clip_low and algorithm.clip_high (set both)"),
+    ("algorithm.use_kl_in_reward=false", "(verl's); grpo-mega has no such setting: no KL in the reward"),
+    ("num_generations=8", "unknown config key 'num_generations' (TRL's); in grpo-mega: "
+                          "algorithm.num_return_sequences_in_group"),
+])
+def test_a_peer_key_is_refused_with_its_grpo_mega_key(override, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config(GRPOConfig, None, [override])
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_peer_key_with_no_counterpart_in_the_schema_gets_no_hint():
+    """An SFT config has no algorithm section: a verl GRPO key there gets the plain message, not a key it lacks."""
+    from grpo_mega.config import SFTConfig
+
+    with pytest.raises(ConfigError) as error:
+        load_config(SFTConfig, None, ["actor_rollout_ref.rollout.n=8"])
+    assert "in grpo-mega" not in str(error.value)

@@ -254,3 +254,22 @@ def test_the_step_time_says_where_the_one_gpu_measurement_falsified_it(tmp_path,
     assert main([*base, "rollout.engine=hf", "--device", "CPU"]) in (0, 1)
     notes = json.loads(capsys.readouterr().out)["step_time"]["notes"]
     assert not any("gpu_check_h200" in note for note in notes)
+
+
+def test_the_quickstart_config_is_priced_on_the_cpu_its_hardware_line_names(capsys):
+    """Issue 79 item 10: `plan --steps` of the quickstart config priced "2 x H100" despite its hardware line (this
+    project's CPU), and `--device CPU` reported GPU-hours."""
+    from grpo_mega.cli import main
+    from grpo_mega.plan.settings import documented_device
+
+    assert main(["plan", "--config", "configs/quickstart_grpo.yaml", "--steps", "10"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "step time on 2 CPU processes" in out and "CPU-hours" in out and "GPU-hours" not in out
+    assert main(["plan", "--config", "configs/quickstart_grpo.yaml", "--steps", "10", "--device", "H100"]) in (0, 1)
+    assert "step time on 2 x H100" in capsys.readouterr().out
+    assert main(["plan", "--config", "configs/qwen2.5-math-7b_grpo.yaml", "--steps", "10", "--device", "cpu"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "step time on 8 CPU processes" in out and "CPU-hours" in out and "GPU-hours" not in out
+    # the device a hardware line names: the first profile after its memory, none for a line that names none
+    assert documented_device("configs/qwen2.5-math-7b_grpo.yaml") == "H100"
+    assert documented_device("configs/small-model_grpo.yaml") is None  # "(one 80 GB GPU; on a CPU add --device CPU"

@@ -44,3 +44,27 @@ def test_another_hosts_staging_goes_only_once_nothing_was_written_in_it_for_an_h
     assert remove_stale_staging(tmp_path, now=newest + STALE_STAGING_S / 2) == []
     assert sorted(remove_stale_staging(tmp_path, now=newest + STALE_STAGING_S + 1)) == sorted([other, unnamed])
     assert not other.exists() and not unnamed.exists()
+
+
+class _Tokenizer:
+    def save_pretrained(self, folder):
+        (folder / "tokenizer.json").write_text("{}")
+
+
+def test_a_crashed_staging_folder_goes_when_a_verified_export_is_read(tmp_path):
+    """Left open from issue 79's notes: the leftovers were removed only by the next export; a run reading a valid
+    export (the usual case) kept a crashed one's 15 GB for good."""
+    from grpo_mega.checkpoint.mcore_checkpoint import INFO_FILE
+    from grpo_mega.checkpoint.source import ModelSource
+    from prm.export import _publish, export_folder, hf_folder_for_vllm
+
+    folder = tmp_path / "prm_mcore"
+    folder.mkdir()
+    (folder / INFO_FILE).write_text('{"format": "grpo_mega.mcore_model", "version": 1}')
+    source = ModelSource(folder, "mcore_model", folder, None, None, None)
+    _publish(source, _Tokenizer(), _staging(folder, f"{_host()}-{os.getpid()}-published"), export_folder(source))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    crashed = _staging(folder, f"{_host()}-{gone.pid}-0a1b2c3d")
+    assert hf_folder_for_vllm(source, _Tokenizer()) == export_folder(source)  # verified: read, not exported again
+    assert not crashed.exists() and export_folder(source).is_dir()

@@ -339,7 +339,7 @@ def _train_then_score_the_engines_samples(overrides):
         CURRENT_STEP[0] = step
         return run_rollout(self, step)
 
-    def score_then_close(engine):
+    def score_then_close(engine, stage=None):
         prompts = [[5, 6, 7, 8], [9, 10, 11]]
         completions = engine.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=8))
         rows = [c.prompt_ids + c.response_ids for c in completions]
@@ -350,7 +350,7 @@ def _train_then_score_the_engines_samples(overrides):
         trainer_logprobs, _ = seen["policy"].forward_logprobs(batch)
         seen["scored"] = [(c.response_logprobs, trainer_logprobs[i, len(c.prompt_ids):len(rows[i])].tolist())
                           for i, c in enumerate(completions)]
-        close(engine)
+        close(engine, stage)
 
     trainer._build_engines, trainer.build_rollout_engine_for = keep_policy, sleeping_engine
     trainer.close_rollout_engine, trainer.RolloutStage.run = score_then_close, note_step

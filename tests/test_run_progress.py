@@ -45,3 +45,29 @@ def test_the_metrics_log_prints_the_lines_on_rank_0_only(tmp_path, capsys):
     log.close()
     MetricsLogger(tmp_path / "other", total_steps=2, active=False, progress_bar=False).log(1, {"prm/loss": 0.5})
     assert re.fullmatch(r"step 1/2  loss 0\.500  \d+\.\d s\n", capsys.readouterr().out)
+
+
+def test_bad_rows_are_said_once_and_in_the_done_line(tmp_path, monkeypatch, caplog):
+    """Issue 79 item 6: every rank logged the rows it skipped (the same rows, twice on 2 ranks) and the `done` line
+    did not name them; rank 0 logs them and the done line counts them per file."""
+    import logging
+
+    from grpo_mega.data.prompts import BadRows
+    from grpo_mega.run import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "_SKIPPED_ROWS", {})
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        with caplog.at_level(logging.WARNING, logger="grpo_mega.data.prompts"):
+            rows = BadRows("skip")
+            rows.reject("train.jsonl:3", "missing answer field 'answer'")
+            rows.reject("train.jsonl:9", "prompt has 80 tokens, more than prompt_length=64")
+            rows.finish(8, "train.jsonl")
+        said = [record.getMessage() for record in caplog.records]
+        assert said == ([] if rank == "1" else ["skipping train.jsonl:3: missing answer field 'answer'",
+                                                "skipping train.jsonl:9: prompt has 80 tokens, more than "
+                                                "prompt_length=64", "skipped 2 of 10 rows in train.jsonl"])
+    progress = StepProgress(total_steps=2, start_step=0, shown={}, bar=False, out=io.StringIO())
+    progress.record(2, {})
+    assert progress.summary("grpo-mega train", wall_seconds=5, checkpoint=None).endswith(
+        "no checkpoint; skipped 2 bad rows of train.jsonl (the first: train.jsonl:3: missing answer field 'answer')")

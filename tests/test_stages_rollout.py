@@ -184,3 +184,30 @@ def test_dynamic_sampling_under_process_supervision_keeps_groups_whose_steps_dif
     assert len(keep_informative_groups(scored, G)) == 0
     kept = keep_informative_groups(scored, G, by_steps=True)
     assert len(kept) == 1 and [c.text for c in kept.completions] == ["x.y.", "y.y.", "y.y.", "y.y."]
+
+
+def is_right(prompt, completion, answer):
+    return float(completion.strip() == answer)
+
+
+def is_short(completions, **kwargs):  # TRL's signature; None (not applicable) for an empty completion
+    return [None if not c else float(len(c) < 3) for c in completions]
+
+
+def test_several_reward_functions_log_each_ones_mean_as_trl_does():
+    """Issue 79 item 7: reward.functions logged only the weighted sum; each function's own mean (before its weight,
+    over the samples it applied to) is `reward/<func>/mean`, TRL's `rewards/<func>/mean`."""
+    from grpo_mega.reward.registry import build_reward_function
+    from grpo_mega.stages.rollout import _merge_rounds
+
+    fn = build_reward_function("synthetic", [f"{__name__}:is_right", f"{__name__}:is_short"], [1.0, 0.5])
+    records, completions = make_groups([("1", ["1", "xyz1", "", "2"])])
+    rollout = stage(fn)
+    scored, failures = rollout.score(records, completions)
+    assert failures == 0 and scored.rewards.tolist() == [1.5, 0.0, 0.0, 0.5]
+    metrics = _merge_rounds(rollout._step_metrics)
+    assert metrics["reward/is_right/mean"] == 0.25
+    assert metrics["reward/is_short/mean"] == pytest.approx(2 / 3)  # the empty completion: not applicable
+    single = stage(exact_match)
+    single.score(records, completions)
+    assert not [key for key in _merge_rounds(single._step_metrics) if key.startswith("reward/")]

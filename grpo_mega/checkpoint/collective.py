@@ -4,18 +4,22 @@ system lag."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, TypeVar
-
-import torch.distributed as dist
 
 T = TypeVar("T")
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether a process group is up; without torch.distributed imported there is none (so the CLI's checks
+    before launch, which resolve model paths through this module, do not import torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def is_rank0() -> bool:
+    import torch.distributed as dist
+
     return not is_distributed() or dist.get_rank() == 0
 
 
@@ -28,6 +32,8 @@ def rank0_decides(decide: Callable[[], T]) -> T:
     """
     if not is_distributed():
         return decide()
+    import torch.distributed as dist
+
     box: list[Any] = [None]
     error: Exception | None = None
     if dist.get_rank() == 0:

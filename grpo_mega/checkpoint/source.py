@@ -28,7 +28,6 @@ from typing import Any
 import yaml
 
 from grpo_mega.checkpoint.collective import rank0_decides
-from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info
 from grpo_mega.checkpoint.training_files import DEEPSPEED_METADATA, find_checkpoint_folder, weights_format
 from grpo_mega.run.layout import CONFIG_FILE
 
@@ -101,6 +100,24 @@ def resolve_model_source(path: str | os.PathLike | ModelSource) -> ModelSource:
     return rank0_decides(lambda: _resolve(Path(path)))
 
 
+def model_path_summary(path: str | os.PathLike) -> tuple[str, dict | None, dict | None]:
+    """(kind, a checkpoint's run config or None, the model's config.json as a dict or None) of ``path``, read
+    without transformers or torch (their import is most of a check before launch: :func:`resolve_model_source`
+    reads the config through transformers). ValueError as :func:`resolve_model_source`'s."""
+    import json
+
+    path = Path(path)
+    kind = weights_format(path)
+    if kind in ("hf", "mcore_model"):
+        config = path / ("hf" if kind == "mcore_model" else "") / "config.json"
+        return kind, None, json.loads(config.read_text()) if config.is_file() else None
+    folder = find_checkpoint_folder(path)
+    run_config = yaml.safe_load((folder / CONFIG_FILE).read_text()) or {}
+    hf_dir = (run_config.get("model") or {}).get("hf_config")
+    config = Path(hf_dir) / "config.json" if hf_dir else None
+    return kind, run_config, json.loads(config.read_text()) if config is not None and config.is_file() else None
+
+
 def _resolve(path: Path) -> ModelSource:
     from transformers import AutoConfig
 
@@ -108,6 +125,8 @@ def _resolve(path: Path) -> ModelSource:
     if kind == "hf":
         return ModelSource(path, kind, path, AutoConfig.from_pretrained(path), path, path)
     if kind == "mcore_model":
+        from grpo_mega.checkpoint.mcore_checkpoint import HF_FILES_DIR, read_checkpoint_info  # torch: here only
+
         hf_files = path / HF_FILES_DIR
         return ModelSource(path, kind, path, read_checkpoint_info(path)[0], hf_files, hf_files)
     folder = find_checkpoint_folder(path)

@@ -12,11 +12,18 @@ another process). ``CheckpointManager.save`` always saves synchronously (``dist_
 ``async_sharded_save``): the results are put and taken in the saving process, so a plain ``queue.Queue`` serves and
 no manager starts. Set once, before the first save; a megatron-core that no longer has the module attribute (or has
 made its queue already) is left as it is.
+
+The forked writers are in the command's process group: a Ctrl-C during a save reached them too, and each printed a
+``KeyboardInterrupt`` traceback beside the command's one line (issue 79). They ignore SIGINT now
+(:func:`keep_write_results_in_process` wraps their entry point once): the saving process takes the interrupt and
+ends the run as any Ctrl-C does; a writer ends when its bucket is written (its folder is a staging one).
 """
 
 from __future__ import annotations
 
+import functools
 import queue
+import signal
 
 
 def keep_write_results_in_process() -> None:
@@ -26,3 +33,20 @@ def keep_write_results_in_process() -> None:
 
     if getattr(filesystem_async, "_results_queue", ...) is None:
         filesystem_async._results_queue = queue.Queue()
+    writer = getattr(filesystem_async, "FileSystemWriterAsync", None)
+    write = getattr(writer, "write_preloaded_data", None)
+    if write is not None and not getattr(write, "_ignores_ctrl_c", False):
+        writer.write_preloaded_data = staticmethod(_ignoring_ctrl_c(write))
+
+
+def _ignoring_ctrl_c(write):
+    """``write`` (a forked writer's entry point) with SIGINT ignored in the process it runs in: the saving process
+    handles the interrupt, the writer finishes its bucket without a traceback."""
+
+    @functools.wraps(write)
+    def forked_writer(*args, **kwargs):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return write(*args, **kwargs)
+
+    forked_writer._ignores_ctrl_c = True
+    return forked_writer

@@ -22,8 +22,10 @@ class DataConfig:
     """How the rows of ``train_file`` are read (``grpo_mega.data.formats``): ``auto`` (from the file's first row:
     verl's parquet, TRL's standard or conversational prompts, chat rows with ``messages_field``, plain prompt rows),
     ``plain`` (``prompt_field`` text, ``answer_field``), ``chat`` (``messages_field`` conversation, ``answer_field``),
-    ``verl`` (``prompt_field`` conversation, answer ``reward_model.ground_truth``) or ``trl`` (``prompt_field`` text or
-    conversation, ``answer_field`` or ``solution``). docs/training.md, "Prompt data"."""
+    ``verl`` (``prompt_field`` conversation, else verl's ``prompt``; answer ``reward_model.ground_truth``) or ``trl``
+    (``prompt_field`` text or conversation, ``answer_field`` or ``solution``). With ``auto`` or ``trl``, a
+    ``prompt_field`` the rows lack does not hide the layout they show (said in one line before launch).
+    docs/training.md, "Prompt data"."""
     eval_format: Optional[str] = None
     """How the rows of ``eval_file`` are read, as ``format``; None: ``format`` (with ``auto`` each file is detected
     from its own rows, so a chat train file and a plain eval file both work)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,8 @@ def overrides_node(schema: type, overrides: list[str]):
         if value != "null" and not quoted and _text_key(schema, key):
             OmegaConf.update(node, key, value, merge=True)
             continue
+        if not quoted and "," in value and not value.lstrip().startswith("[") and _list_key(schema, key):
+            item = f"{key}=[{value}]"  # `tree_rollout.branching=2,2,2`: the list meant, as Hydra reads it
         try:
             node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as error:
@@ -161,18 +164,29 @@ def overrides_node(schema: type, overrides: list[str]):
 
 def _text_key(schema: type, key: str) -> bool:
     """Whether ``key`` (dotted) names a ``str`` or ``Optional[str]`` field of the dataclass ``schema``."""
+    return _field_type(schema, key) is str
+
+
+def _list_key(schema: type, key: str) -> bool:
+    """Whether ``key`` (dotted) names a list field (``list[int]``, ``Optional[list[str]]``) of ``schema``."""
+    return typing.get_origin(_field_type(schema, key)) is list
+
+
+def _field_type(schema: type, key: str) -> Any:
+    """The type of the dotted field ``key`` of the dataclass ``schema``, ``Optional`` taken off; None when there is
+    no such field."""
     kind: Any = schema
     for part in key.split("."):
         if not dataclasses.is_dataclass(kind):
-            return False
+            return None
         fields = {f.name for f in dataclasses.fields(kind)}
         if part not in fields:
-            return False
+            return None
         kind = typing.get_type_hints(kind)[part]
         arguments = [a for a in typing.get_args(kind) if a is not type(None)]
-        if typing.get_origin(kind) is typing.Union and len(arguments) == 1:
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arguments) == 1:
             kind = arguments[0]
-    return kind is str
+    return kind
 
 
 def read_yaml(path: str | Path):
@@ -212,8 +226,14 @@ def _typed_key(key: str, typed: list[str]) -> str:
 
 
 def did_you_mean(key: str, schema: type) -> str:
-    """``": did you mean trainer.total_steps?"`` for the schema key nearest ``key``, or ``""``."""
+    """``": did you mean trainer.total_steps?"`` for the schema key nearest ``key``; for a verl or TRL key, its
+    grpo-mega key (``grpo_mega.config.peer_keys``); or ``""``."""
+    from grpo_mega.config.peer_keys import peer_key_hint
+
     known = _leaf_keys(OmegaConf.structured(schema))
+    hint = peer_key_hint(key, set(known))
+    if hint:
+        return hint
     match = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     return f": did you mean {match[0]}?" if match else ""
 

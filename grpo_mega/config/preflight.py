@@ -66,7 +66,9 @@ def check_paths(cfg: Any) -> None:
         raise ConfigError(f"model.init_from={model.init_from}: no such folder (an HF folder, a converted megatron "
                           "folder, a grpo-mega checkpoint or run directory; null: random weights)")
     if model.init_from is not None:
-        _check_weights_folder("model.init_from", model.init_from)
+        check_weights_folder("model.init_from", model.init_from)
+        if not under_launcher() and not hasattr(cfg, "prm"):  # a policy's run (a PRM's may start from a PRM)
+            note_prm_as_policy("model.init_from", model.init_from)
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key, None)
         if value is not None:
@@ -83,7 +85,7 @@ def check_paths(cfg: Any) -> None:
         if not Path(implicit.init_from).exists():
             raise ConfigError(f"implicit_prm.init_from={implicit.init_from}: no such folder (what model.init_from "
                               "takes; null: model.init_from)")
-        _check_weights_folder("implicit_prm.init_from", implicit.init_from)
+        check_weights_folder("implicit_prm.init_from", implicit.init_from)
 
 
 def check_prompt_files(cfg: Any) -> None:
@@ -92,14 +94,16 @@ def check_prompt_files(cfg: Any) -> None:
     the ranks' loader checks them but without a tokenizer (a prompt over ``data.prompt_length`` tokens is the ranks'
     to find). ConfigError naming the key, the file, the row and the field when the first bad row stops the run
     (``data.on_bad_row=error``) or no row is usable (without a chat template, a conversation of more than one turn is
-    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template.
-    Nothing is printed for a usable file (the ranks' loader logs how it reads each, and the rows it skips)."""
+    not), and for a file of conversations with ``data.chat_template=true`` and a tokenizer without a chat template:
+    every file's problems in one message. For a usable file one line on stderr only where its rows won over the
+    config's field keys (the layout's note: what was read instead); the ranks' loader logs the rows it skips."""
     from grpo_mega.data.formats import field_settings
     from grpo_mega.data.prompt_rows import BadRowError, scan_prompt_file
     from grpo_mega.data.tokenizer import has_chat_template
 
     tokenizer = cfg.model.tokenizer or cfg.model.hf_config
     templated = cfg.data.chat_template is not False and has_chat_template(tokenizer)
+    problems = []  # every file's, in one message: not one refusal per run of the command
     for key in ("train_file", "eval_file"):
         path = getattr(cfg.data, key)
         if path is None:
@@ -108,15 +112,20 @@ def check_prompt_files(cfg: Any) -> None:
             scan = scan_prompt_file(path, field_settings(cfg.data, eval_file=key == "eval_file"), cfg.data.on_bad_row,
                                     one_turn=not templated and cfg.data.chat_template is not True)
         except (BadRowError, DataSourceError, FileNotFoundError) as error:
-            raise ConfigError(f"data.{key}={path}: {error}") from None
+            problems.append(f"data.{key}={path}: {error}")
+            continue
+        if scan.layout.note:
+            print(f"data.{key}={path}: {scan.layout.note}", file=sys.stderr)
         if scan.layout.conversation and cfg.data.chat_template and not templated:
-            raise ConfigError(f"data.{key}={path} holds conversations ({scan.layout.describe()}) and "
-                              f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
-                              "data.chat_template=null (a one-turn conversation is then given as its text) or "
-                              "model.tokenizer to a tokenizer folder that has one")
+            problems.append(f"data.{key}={path} holds conversations ({scan.layout.describe()}) and "
+                            f"data.chat_template=true, but the tokenizer in {tokenizer} has no chat template: set "
+                            "data.chat_template=null (a one-turn conversation is then given as its text) or "
+                            "model.tokenizer to a tokenizer folder that has one")
+    if problems:
+        raise ConfigError("; and ".join(problems))
 
 
-def _check_weights_folder(key: str, folder: str) -> None:
+def check_weights_folder(key: str, folder: str) -> None:
     """ConfigError naming ``key`` when ``folder`` holds none of the weight formats a run starts from, or is a run
     directory without a complete checkpoint (what the ranks would find only after building the model)."""
     from grpo_mega.checkpoint.training_files import find_checkpoint_folder, weights_format
@@ -126,6 +135,49 @@ def _check_weights_folder(key: str, folder: str) -> None:
             find_checkpoint_folder(folder)
     except ValueError as error:
         raise ConfigError(f"{key}={folder}: {str(error).removeprefix('init_from: ')}") from None
+
+
+def note_prm_as_policy(key: str, path: str) -> None:
+    """One line on stderr when the weights a policy starts from (``key``: ``model.init_from``, ``--policy``) are a
+    PRM's (a ``grpo-mega prm train`` checkpoint, an HF process reward model): it is loaded as a policy all the same,
+    which is what a user who mixed up two run folders would not expect to pass in silence."""
+    from grpo_mega.checkpoint.source import model_path_summary
+
+    try:
+        _, run_config, hf_config = model_path_summary(path)
+    except (ValueError, OSError):
+        return
+    prm = (run_config or {}).get("prm") or {}
+    architectures = (hf_config or {}).get("architectures") or []
+    if prm.get("layout"):
+        what = f"a PRM checkpoint (grpo-mega prm train, layout {prm['layout']})"
+    elif any("ProcessRewardModel" in name for name in architectures):
+        what = f"a process reward model ({architectures[0]})"
+    else:
+        return
+    print(f"note: {key}={path} is {what}, loaded here as the policy: a PRM's weights generate as the LM they started "
+          "from at best; name the policy's checkpoint if that was meant", file=sys.stderr)
+
+
+def check_policy_vocabulary(cfg: Any, policy: str, key: str = "--policy") -> None:
+    """ConfigError when the policy at ``policy`` has another vocabulary size than ``model.hf_config``'s config.json:
+    a policy of another model than the config's, which ``train`` refuses (its weights do not fit the config's model)
+    and ``eval`` scored 0.000 without a word. Read without transformers (``model_path_summary``)."""
+    import json
+
+    from grpo_mega.checkpoint.source import model_path_summary
+
+    config_file = Path(cfg.model.hf_config) / "config.json"
+    try:
+        _, _, policy_config = model_path_summary(policy)
+        ours = json.loads(config_file.read_text()).get("vocab_size")
+    except (ValueError, OSError):
+        return  # what cannot be read here is the loader's to report
+    theirs = (policy_config or {}).get("vocab_size")
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ConfigError(f"{key} {policy} has a vocabulary of {theirs} tokens and model.hf_config="
+                          f"{cfg.model.hf_config} one of {ours}: a policy of another model than the config's (train "
+                          f"refuses this pair); set model.hf_config to the policy's own config folder")
 
 
 def start_attempt(cfg: Any, *, act: bool = True) -> RunFolderVerdict:

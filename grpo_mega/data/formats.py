@@ -19,6 +19,10 @@ Formats (field names are dotted paths, ``grpo_mega.data.fields``):
   ``answer_field`` when the row has it or when it is not the default ``answer``, else the first of
   ``KNOWN_ANSWERS`` the row has (verl's ``reward_model.ground_truth``, TRL's ``solution``): a field the user named
   is never replaced by a guess.
+
+A configured ``prompt_field`` that the first row lacks does not hide a layout the row shows (``auto`` and ``trl``):
+the row is read as if the key were unset (verl's or TRL's ``prompt``, a ``messages`` conversation), with a
+:attr:`RowLayout.note` saying so; ``verl`` reads verl's ``prompt`` unless ``prompt_field`` holds a conversation.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class RowLayout:
     """Dotted path of the reference answer; None: the rows have none."""
     detected: bool = False
     """Chosen by ``auto`` from the file's first row."""
+    note: str = ""
+    """Which setting won where the config's field keys and the file's rows disagree (a configured prompt field the
+    rows lack, a verl file read by verl's ``prompt``): one line the CLI prints before launch; ``""``: none."""
 
     def describe(self) -> str:
         """``"verl (detected): conversation in 'prompt', answer in 'reward_model.ground_truth'"``."""
@@ -93,9 +100,22 @@ def choose_layout(settings: FieldSettings, first_row: Any) -> RowLayout:
         return RowLayout("plain", settings.prompt_field, False, answer)
     if settings.format == "chat":
         return RowLayout("chat", settings.messages_field or "messages", True, answer)
-    if settings.format == "verl":
-        return RowLayout("verl", settings.prompt_field, True, VERL_ANSWER)
     row = first_row if isinstance(first_row, dict) else {}
+    if settings.format == "verl":  # verl's layout whatever the plain-prompt keys say: its conversation in `prompt`
+        if looks_like_conversation(_value(row, settings.prompt_field)) or settings.prompt_field == DEFAULT_PROMPT:
+            return RowLayout("verl", settings.prompt_field, True, VERL_ANSWER)
+        return RowLayout("verl", DEFAULT_PROMPT, True, VERL_ANSWER,
+                         note=f"data.format=verl: verl's conversation in {DEFAULT_PROMPT!r} read (data.prompt_field="
+                              f"{settings.prompt_field!r} holds no conversation in these rows)")
+    missing = settings.prompt_field != DEFAULT_PROMPT and not has_field(row, settings.prompt_field)
+    if missing and settings.format in ("auto", "trl") and row and not (
+            settings.messages_field is not None and looks_like_conversation(_value(row, settings.messages_field))):
+        # a config's field key must not hide a layout the rows show: read them as if the key were unset, and say so
+        fallback = choose_layout(FieldSettings(settings.format, DEFAULT_PROMPT, None, settings.answer_field), row)
+        if has_field(row, fallback.prompt_field):
+            return RowLayout(fallback.format, fallback.prompt_field, fallback.conversation, fallback.answer_field,
+                             fallback.detected, note=f"the rows have no data.prompt_field={settings.prompt_field!r}: "
+                                                     f"read as {fallback.describe()}")
     prompt = _value(row, settings.prompt_field)
     if answer == DEFAULT_ANSWER and not has_field(row, answer):  # a field the user named is never replaced
         answer = next((known for known in KNOWN_ANSWERS if has_field(row, known)), answer)

@@ -12,6 +12,7 @@ as ``"Q: {prompt} A:"``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +25,7 @@ from grpo_mega.data.formats import FieldSettings, RowLayout
 from grpo_mega.data.prompt_rows import (BadRowError, check_answer, check_conversation_row, check_row,  # noqa: F401
                                         layout_rows)
 from grpo_mega.data.sources import read_rows  # noqa: F401  (the readers of SFT and the PRM import it from here)
+from grpo_mega.run.progress import note_skipped_rows
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,13 @@ class PromptFormatter:
         return self.format.render_prompt(user_turn(raw_prompt) if isinstance(raw_prompt, str) else raw_prompt)
 
 
+def _speaks() -> bool:
+    """Whether this process reports bad rows: rank 0 of a job (every rank reads the same files and finds the same
+    rows; each said so, once per rank), or a process outside one."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return not rank.isdigit() or int(rank) == 0
+
+
 class BadRows:
     """The ``data.on_bad_row`` policy for one load: ``error`` raises BadRowError naming ``file:line``; ``skip``
     logs the first few, keeps every ``"file:line: why"`` in ``skipped`` and summarises at the end."""
@@ -90,14 +99,16 @@ class BadRows:
         """Handle one bad row: raise under ``error``, else record and (the first few) log it."""
         if self.policy == "error":
             raise BadRowError(f"{location}: {error}")
-        if len(self.skipped) < _MAX_SKIP_WARNINGS:
+        if len(self.skipped) < _MAX_SKIP_WARNINGS and _speaks():
             logger.warning("skipping %s: %s", location, error)
         self.skipped.append(f"{location}: {error}")
 
     def finish(self, kept: int, source: str) -> None:
         """Log how many rows were skipped; raise when no row of ``source`` was usable."""
         if self.skipped:
-            logger.warning("skipped %d of %d rows in %s", len(self.skipped), len(self.skipped) + kept, source)
+            if _speaks():
+                logger.warning("skipped %d of %d rows in %s", len(self.skipped), len(self.skipped) + kept, source)
+            note_skipped_rows(source, len(self.skipped), self.skipped[0])  # for the run's `done` line
         if not kept:
             first = self.skipped[:1]
             raise BadRowError(f"no usable rows in {source} ({len(self.skipped)} skipped; first: {first})")

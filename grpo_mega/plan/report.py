@@ -115,7 +115,8 @@ def format_step_time(step, one_off: dict[str, float], steps: int, device, eff) -
     """Per phase seconds per step and share, the step's seconds and GPU-hours for ``steps``, the one-off phases."""
     mode = ("async: step = max(rollout, train) + weight sync + save" if step.asynchronous
             else "colocated: step = sum of phases")
-    lines = [f"step time on {step.gpus} x {device.name} ({mode}); factors: mfu_train={eff.mfu_train:.3g} "
+    ranks = f"{step.gpus} CPU processes" if device.name == "CPU" else f"{step.gpus} x {device.name}"
+    lines = [f"step time on {ranks} ({mode}); factors: mfu_train={eff.mfu_train:.3g} "
              f"mfu_forward={eff.mfu_forward:.3g} decode_bandwidth={eff.decode_bandwidth:.3g} comm={eff.comm:.3g} "
              f"decode_step_overhead={eff.decode_step_overhead * 1000:.2g} ms "
              f"layer_overhead={eff.layer_overhead * 1e6:.3g} us collective_latency={eff.collective_latency * 1e6:.3g} us",
@@ -126,9 +127,10 @@ def format_step_time(step, one_off: dict[str, float], steps: int, device, eff) -
         lines.append(f"{'(rollout side)':<22}{_figure(step.rollout_seconds):>10}")
         lines.append(f"{'(train side)':<22}{_figure(step.train_seconds):>10}")
     lines.append(f"{'step':<22}{_figure(step.seconds):>10}")
-    lines.append(f"{steps} steps: {_figure(step.seconds * steps / 3600)} h, {_figure(step.gpu_hours(steps))} GPU-hours")
+    unit = "CPU-hours" if device.name == "CPU" else "GPU-hours"  # a CPU run's ranks are processes, not GPUs
+    lines.append(f"{steps} steps: {_figure(step.seconds * steps / 3600)} h, {_figure(step.gpu_hours(steps))} {unit}")
     for name, seconds in one_off.items():
-        lines.append(f"one-off {name}: {_figure(seconds / 3600)} h, {_figure(seconds * step.gpus / 3600)} GPU-hours "
+        lines.append(f"one-off {name}: {_figure(seconds / 3600)} h, {_figure(seconds * step.gpus / 3600)} {unit} "
                      f"(= {seconds / step.seconds:.1f} steps)")
     lines.extend(f"note: {note}" for note in step.notes)
     lines.append("a model, not a measurement: docs/performance.md 'Step time' gives its validation")

@@ -58,6 +58,18 @@ def documented_hardware(config_file: str | Path) -> Hardware | None:
     return Hardware(gpus_per_node=int(match.group(2)), gpu_memory_gib=float(match.group(3)), nodes=int(match.group(1)))
 
 
+_HARDWARE_DEVICE = re.compile(
+    r"^#\s*hardware:.*?GiB\s*\(?\s*(?:[0-9.]+\s*GB\s+)?(H100|H200|H20|A100|B200|CPU)\b", re.MULTILINE)
+
+
+def documented_device(config_file: str | Path) -> str | None:
+    """The device profile a config's ``# hardware:`` line names first after its memory (``... x 79.6 GiB  (80 GB
+    H100 / A100 ...)`` -> ``H100``; ``... x 12 GiB  (CPU: ...)`` -> ``CPU``), which ``plan --steps`` prices on
+    unless ``--device`` or ``--gpu-name`` says otherwise; None when it names none."""
+    match = _HARDWARE_DEVICE.search(Path(config_file).read_text())
+    return match.group(1) if match else None
+
+
 _PLAN_SHAPE_LINES = {role: re.compile(rf"^#[ \t]*plan-{role}:[ \t]*(\S+)", re.MULTILINE)
                      for role in ("model", "prm")}  # the folder on the same line (not the next line's first word)
 

@@ -28,7 +28,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from grpo_mega.reward.types import StepRewards
+from grpo_mega.reward.types import StepRewards, WeightedScore
 
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_NOT_PASSED = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
@@ -174,6 +174,7 @@ def weighted_sum(functions: Sequence[tuple[str, Callable]], weights: Sequence[fl
     it."""
     if len(functions) != len(weights):
         raise ValueError(f"{len(functions)} reward functions but {len(weights)} weights")
+    names = metric_names([name for name, _ in functions])
 
     def weighted(prompt: str, completion: str, answer: str | None, **extra) -> float | None:
         values = []
@@ -184,7 +185,7 @@ def weighted_sum(functions: Sequence[tuple[str, Callable]], weights: Sequence[fl
                 if not _rebuildable(error):
                     raise
                 raise type(error)(f"{name}: {error}") from error
-        return _weighted_value(values, weights)
+        return _weighted_value(values, weights, names)
 
     def score_batch(prompts, completions, answers, extras) -> list:
         """Every function on the whole batch (a TRL function in one call), summed per sample as above."""
@@ -192,8 +193,8 @@ def weighted_sum(functions: Sequence[tuple[str, Callable]], weights: Sequence[fl
             fn.score_batch(prompts, completions, answers, extras) if hasattr(fn, "score_batch")
             else [fn(p, c, a, **e) for p, c, a, e in zip(prompts, completions, answers, extras)]
             for _, fn in functions]
-        return [_weighted_value([(name, values[i]) for (name, _), values in zip(functions, per_function)], weights)
-                for i in range(len(completions))]
+        return [_weighted_value([(name, values[i]) for (name, _), values in zip(functions, per_function)], weights,
+                                names) for i in range(len(completions))]
 
     weighted.__qualname__ = " + ".join(f"{weight:g} x {name}" for (name, _), weight in zip(functions, weights))
     if any(hasattr(fn, "score_batch") for _, fn in functions):
@@ -201,18 +202,29 @@ def weighted_sum(functions: Sequence[tuple[str, Callable]], weights: Sequence[fl
     return weighted
 
 
-def _weighted_value(values: Sequence[tuple[str, Any]], weights: Sequence[float]) -> float | None:
-    """``sum_i weights[i] * values[i]`` over the values that are not None (None when all are); ValueError naming
-    the function of a value that is no finite number."""
-    total, applicable = 0.0, False
-    for (name, value), weight in zip(values, weights):
+def _weighted_value(values: Sequence[tuple[str, Any]], weights: Sequence[float],
+                    names: Sequence[str]) -> WeightedScore | None:
+    """``sum_i weights[i] * values[i]`` over the values that are not None (None when all are), each function's own
+    value kept under its metric name (``names``); ValueError naming the function of a value that is no finite
+    number."""
+    total, applicable, components = 0.0, False, {}
+    for (name, value), weight, metric in zip(values, weights, names):
+        components[metric] = None
         if value is None:
             continue
         value = value.score if isinstance(value, StepRewards) else value
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise ValueError(f"{name} returned {value!r:.80}: expected a finite number (or None: not applicable)")
-        total, applicable = total + weight * float(value), True
-    return total if applicable else None
+        total, applicable, components[metric] = total + weight * float(value), True, float(value)
+    return WeightedScore(total, components) if applicable else None
+
+
+def metric_names(specs: Sequence[str]) -> list[str]:
+    """The name each reward function's metrics go by: its function's name, as TRL's ``rewards/<func.__name__>``
+    (``my_rewards.py:accuracy`` -> ``accuracy``; a built-in by its name), or the whole spec where two would share
+    one."""
+    short = [spec.rsplit(":", 1)[-1] for spec in specs]
+    return [name if short.count(name) == 1 else spec for name, spec in zip(short, specs)]
 
 
 def _rebuildable(error: Exception) -> bool:

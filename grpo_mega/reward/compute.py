@@ -13,7 +13,7 @@ import numbers
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards
+from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards, WeightedScore
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,20 @@ def check_result(value: Any, text_length: int) -> SampleReward | str:
     number = _as_float(value)
     if number is None:
         return "expected a finite number or StepRewards"
-    return SampleReward(number)
+    return SampleReward(number, components=dict(value.components) if isinstance(value, WeightedScore) else None)
+
+
+def component_metrics(results: Sequence[SampleReward]) -> dict[str, float]:
+    """``reward/<name>/mean`` of each reward function of a weighted sum (``reward.functions``) over the samples it
+    applied to (its value not None; a failed sample has none), as TRL logs ``rewards/<name>/mean``; {} for one
+    function. The value is the function's own, before its weight."""
+    values: dict[str, list[float]] = {}
+    for result in results:
+        for name, value in (result.components or {}).items():
+            values.setdefault(name, [])
+            if value is not None:
+                values[name].append(value)
+    return {f"reward/{name}/mean": sum(found) / len(found) for name, found in values.items() if found}
 
 
 def score_sample(

@@ -35,3 +35,17 @@ class SampleReward:
     step_ends: list[int] | None = None
     failed: bool = False
     error: str = field(default="", compare=False)
+    components: dict[str, float | None] | None = field(default=None, compare=False)
+    """With several ``reward.functions``: each function's own value (None: not applicable), by its metric name."""
+
+
+class WeightedScore(float):
+    """The weighted sum of several reward functions, a float, with each function's own value in ``components``
+    (by its metric name), which the rollout stage logs as ``reward/<name>/mean`` (TRL's ``rewards/<name>/mean``)."""
+
+    components: dict[str, float | None]
+
+    def __new__(cls, total: float, components: dict[str, float | None]):
+        score = super().__new__(cls, total)
+        score.components = components
+        return score

@@ -292,6 +292,9 @@ def report_failure(command: str, run_dir: str | Path | None, error: BaseExceptio
             return record
         if path is None and saved is not None:
             path = saved
+    from grpo_mega.run.progress import close_open_bars
+
+    close_open_bars()  # the bar's line ends first: the cause is a line of its own
     print(failure_line(command, record, path), file=sys.stderr, flush=True)
     if os.environ.get(TRACEBACK_ENV) == "1":
         print(record["traceback"], file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ Checked in the command's own process before any rank starts (and again on rank 0
 harness), from the resolved config as a plain dict (its ``trainer`` section: ``run_dir``, ``resume``,
 ``total_steps``, ``overwrite``, ``resume_with_changes``):
 
+- a run folder the run cannot write (a file, read-only, a full disk: ``grpo_mega.run.writable``) is refused;
 - a folder that holds an earlier run (``config.yaml``, ``metrics.jsonl`` or a checkpoint) is refused with
   ``trainer.resume=none`` unless ``trainer.overwrite=true``, which moves it aside whole to
   ``<run_dir>.old-<time>`` (nothing is deleted);
@@ -27,6 +28,7 @@ from typing import Any
 
 from grpo_mega.run.checkpoints import checksum_problem, newest_complete, recorded_checksums, step_dirs
 from grpo_mega.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, STATE_FILE
+from grpo_mega.run.writable import run_dir_problem
 
 IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "data.", "reward.",
                  "process_reward.", "prm.", "algorithm.supervision", "algorithm.step_credit", "algorithm.use_kl_loss",
@@ -79,6 +81,9 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
     says; with ``act``, move an earlier run aside when ``trainer.overwrite`` asks. Raises RunFolderError."""
     trainer = config["trainer"]
     run_dir, resume = Path(trainer["run_dir"]), str(trainer["resume"])
+    unwritable = run_dir_problem(run_dir)  # a file, read-only, full: before launch, not at the first save
+    if unwritable:
+        raise RunFolderError(unwritable)
     overwrite, allow_changes = bool(trainer.get("overwrite")), bool(trainer.get("resume_with_changes"))
     allowed = check_allowed_changes(config)
     found = earlier_run(run_dir)

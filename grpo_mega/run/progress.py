@@ -7,7 +7,8 @@ a figure missing from a step's row is left out of its line (held-out figures app
     grpo-mega train: done, 50/50 steps: score 0.841, reward 0.812, accuracy 0.837; 163 s; last checkpoint
     runs/grpo/checkpoints/step_000050
 
-(the summary is one line; a figure last seen before the last step names its step).
+(the summary is one line; a figure last seen before the last step names its step; the bad rows the prompt loader
+skipped, per file, end it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,32 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
+
+
+_SKIPPED_ROWS: dict[str, tuple[int, str]] = {}
+"""source -> (rows skipped, the first as ``file:line: why``) of the prompt files this process read, for the run's
+``done`` line (the loader logs them once, on rank 0)."""
+
+
+def note_skipped_rows(source: str, count: int, first: str) -> None:
+    """Remember that ``count`` rows of ``source`` were skipped (``first``: the first of them) for :meth:`summary`."""
+    _SKIPPED_ROWS[source] = (count, first)
+
+
+def skipped_rows_text() -> str:
+    """``"; skipped 2 bad rows of train.jsonl (the first: train.jsonl:7: ...)"`` per file read, or ``""``."""
+    return "".join(f"; skipped {count} bad row{'s' if count > 1 else ''} of {source} (the first: {first:.160})"
+                   for source, (count, first) in _SKIPPED_ROWS.items())
+
+
+_OPEN_BARS: set[StepProgress] = set()
+"""The progress bars drawn now (rank 0 of a run), which :func:`close_open_bars` ends before a failure's line."""
+
+
+def close_open_bars() -> None:
+    """End every open progress bar, so that the line printed next (a failure's cause) starts a line of its own."""
+    for progress in list(_OPEN_BARS):
+        progress.close()
 
 
 class StepProgress:
@@ -35,10 +62,16 @@ class StepProgress:
         self.step = start_step
         self.bar = None
         self._last_line = time.perf_counter()
+        self._redirect = None
         if bar:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # log lines (a checkpoint saved) above the bar, not glued to it with the bar drawn again after them
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+            _OPEN_BARS.add(self)
 
     def record(self, step: int, metrics: Mapping[str, float], *, advance: bool = True) -> None:
         """A logged row: ``advance=False`` for a row that is no training step (the evaluation before the first)."""
@@ -62,8 +95,12 @@ class StepProgress:
         self._last_line = now
 
     def close(self) -> None:
+        """End the bar (once): its last state stays on its own line; logging goes to the console again."""
         if self.bar is not None:
+            self._redirect.__exit__(None, None, None)
             self.bar.close()
+            self.bar = None
+            _OPEN_BARS.discard(self)
 
     def summary(self, command: str, *, wall_seconds: float, checkpoint: Path | None,
                 stop_reason: str | None = None) -> str:
@@ -77,7 +114,8 @@ class StepProgress:
         figures = ", ".join(f"{label} {value:.3f}" + ("" if at == self.step else f" (step {at})")
                             for label, at, value in latest)
         where = f"last checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint"
-        return f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
+        return (f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
+                f"{skipped_rows_text()}")
 
 
 class PhaseProgress:

@@ -20,6 +20,7 @@ from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.data.step_split import default_step_pattern, split_steps
 from grpo_mega.reward import RewardError, SampleReward, get_reward_function, score_across_ranks
 from grpo_mega.reward.adapters import RewardRows
+from grpo_mega.reward.compute import component_metrics
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
@@ -201,6 +202,7 @@ class RolloutStage:
         )
         with phase("reward scoring", bounded=True):
             results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
+        self._step_metrics.append(component_metrics(results))  # reward/<func>/mean of reward.functions, as TRL's
         pattern = self.step_pattern or default_step_pattern(columns[3])
         self._step_metrics.append(answer_metrics(columns[1], self.answer_guard, pattern))
         if self.answer_guard is not None and self.step_reward_source is None:

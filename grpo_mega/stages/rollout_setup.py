@@ -109,10 +109,14 @@ def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int, *,
                     on_error=cfg.reward.on_error, on_completions=on_completions)
 
 
-def close_rollout_engine(rollout_engine) -> None:
-    """Shut down a rollout engine that holds process groups (vllm), after megatron's groups: inside torchrun
-    vLLM's shutdown also destroys the default process group."""
-    close = getattr(rollout_engine, "close", None)
-    if close is not None:
+def close_rollout_engine(rollout_engine, stage=None) -> None:
+    """Shut down a rollout engine that holds process groups (vllm), and the vLLM PRM scorer of ``stage``'s step
+    reward source (``process_reward.scorer: vllm``), after megatron's groups: inside torchrun vLLM's shutdown also
+    destroys the default process group. A scorer left to the interpreter's exit shut down after the job's groups
+    were gone and ended every rank with a traceback (``Invalid process group specified``)."""
+    scorer = getattr(getattr(stage, "step_reward_source", None), "scorer", None)
+    closers = [close for close in (getattr(scorer, "close", None), getattr(rollout_engine, "close", None)) if close]
+    if closers:
         destroy_model_parallel()
+    for close in closers:
         close()
