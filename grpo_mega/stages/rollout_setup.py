@@ -4,6 +4,7 @@ source, the evaluation. Shared by the trainer (colocated mode) and the rollout w
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 
@@ -62,13 +63,23 @@ _TOOLSETS: dict[int, object] = {}
 
 def toolset_for(cfg: GRPOConfig):
     """The tools of ``rollout.multi_turn`` (``grpo_mega.tools.build_toolset``: its pool of sandbox workers), built
-    once per process and config; closed with the rollout engine (``TurnLoopEngine.close``)."""
+    once per process and config; closed with the rollout engine (``TurnLoopEngine.close``), and at the latest when
+    the process exits (a process that only read their schemas for its prompts: async mode's training ranks)."""
     if id(cfg) not in _TOOLSETS:
         from grpo_mega.tools import SandboxConfig, build_toolset
 
         mt = cfg.rollout.multi_turn
-        _TOOLSETS[id(cfg)] = build_toolset(list(mt.tools), SandboxConfig(**dataclasses.asdict(mt.sandbox)))
+        toolset = build_toolset(list(mt.tools), SandboxConfig(**dataclasses.asdict(mt.sandbox)))
+        atexit.register(_close_quietly, toolset)
+        _TOOLSETS[id(cfg)] = toolset
     return _TOOLSETS[id(cfg)]
+
+
+def _close_quietly(toolset) -> None:
+    try:
+        toolset.close()
+    except Exception:  # already closed with its engine, or the process is going down anyway
+        pass
 
 
 def with_turn_loop(cfg: GRPOConfig, engine, tokenizer):
