@@ -152,10 +152,13 @@ def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int, *,
     ``on_completions``: more metrics of the evaluated completions (``grpo_mega.stages.evaluation.evaluate``)."""
     if not prompts:
         return {}
-    return evaluate(rollout_engine, prompts, reward_function_of(cfg),
-                    max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
-                    temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
-                    on_error=cfg.reward.on_error, on_completions=on_completions)
+    try:
+        return evaluate(rollout_engine, prompts, reward_function_of(cfg),
+                        max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
+                        temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
+                        on_error=cfg.reward.on_error, on_completions=on_completions)
+    finally:  # multi-turn: the evaluation's tool seconds are not the next training step's
+        getattr(rollout_engine, "pop_tool_seconds", float)()
 
 
 def close_rollout_engine(rollout_engine) -> None:
