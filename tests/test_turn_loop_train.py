@@ -51,16 +51,19 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
-def build_bigram_policy(model_dir: Path, folder: Path) -> Path:
+def build_bigram_policy(model_dir: Path, folder: Path, *, second_answer_margin: float = 0.0) -> Path:
     """The scripted policy of the module docstring: the tiny task's tokenizer with the script's pieces added as
-    (non-special) tokens, and a 1-layer Qwen2 whose logits at a position are a table of its token."""
+    (non-special) tokens, and a 1-layer Qwen2 whose logits at a position are a table of its token (head_dim 32: vLLM's
+    CPU attention has no kernel for 16).
+    ``second_answer_margin``: how much less likely (in logit / 8) the second answer is (0: a coin flip; > 0: greedy
+    decoding picks the first)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_tokens(SCRIPTED)
     ids = {piece: tokenizer.convert_tokens_to_ids(piece) for piece in SCRIPTED}
     eos = tokenizer.eos_token_id
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
                          pad_token_id=tokenizer.pad_token_id, architectures=["Qwen2ForCausalLM"])
@@ -85,6 +88,7 @@ def build_bigram_policy(model_dir: Path, folder: Path) -> Path:
                        ("</tool_response>", ANSWERS[0]), ("</tool_response>", ANSWERS[1])]
         for before, after in transitions:
             head[ids[after], own[before]] = 10.0
+        head[ids[ANSWERS[1]], own["</tool_response>"]] -= second_answer_margin
         for answer in ANSWERS:
             head[eos, own[answer]] = 10.0
     model.save_pretrained(folder)
