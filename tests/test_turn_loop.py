@@ -242,9 +242,8 @@ def test_tool_tokens_get_no_loss_kl_entropy_advantage_or_gradient(tokenizer):
     # change what sits on the tool tokens: their rollout log-probs and advantages
     changed = {k: v.clone() for k, v in rows.items()}
     tool_positions = (rows["attention_mask"] == 1) & (rows["loss_mask"] == 0)
-    tool_positions[:, : int(rows["prompt_lengths"].max())] &= False
     for row, c in enumerate(completions):
-        tool_positions[row, : len(c.prompt_ids)] = False
+        tool_positions[row, : len(c.prompt_ids)] = False  # the prompt: not a tool token
     assert tool_positions.sum() > 0
     changed["rollout_logprobs"][tool_positions] = -7.0
     changed["advantages"][tool_positions] = 3.0
@@ -253,6 +252,27 @@ def test_tool_tokens_get_no_loss_kl_entropy_advantage_or_gradient(tokenizer):
     assert (grad[tool_positions] == 0).all()  # no gradient reaches a tool token's log-prob
     for name in ("actor/pg_loss", "actor/entropy", "actor/tis_weight_mean", "actor/kl_loss"):
         assert torch.equal(metrics[name], metrics2[name]), name
+
+
+def test_tool_specs_are_checked_before_launch_in_one_line(monkeypatch):
+    import types
+
+    from grpo_mega.config.preflight import check_tool_specs
+
+    def check(specs):
+        if "calculater" in specs:
+            raise ValueError("unknown tool 'calculater' (did you mean 'calculator'?)")
+
+    monkeypatch.setitem(__import__("sys").modules, "grpo_mega.tools", types.SimpleNamespace(check_tool_specs=check))
+    config = GRPOConfig()
+    config.rollout.multi_turn.tools = ["calculater"]
+    check_tool_specs(config)  # multi-turn off: nothing is checked
+    config.rollout.multi_turn.enable = True
+    with pytest.raises(ConfigError, match=r"^rollout.multi_turn.tools: unknown tool 'calculater'") as error:
+        check_tool_specs(config)
+    assert "\n" not in str(error.value)
+    config.rollout.multi_turn.tools = ["calculator"]
+    check_tool_specs(config)
 
 
 def test_the_config_refuses_what_cannot_run_with_tools_in_one_line():
