@@ -24,7 +24,7 @@ def evaluate_policy(cfg, policy: str | Path, *, samples: int = 1) -> dict:
     import torch.distributed as dist
 
     from grpo_mega.run.progress import PhaseProgress
-    from grpo_mega.stages.rollout_setup import eval_prompts, run_evaluation
+    from grpo_mega.stages.rollout_setup import eval_prompts, run_evaluation, with_turn_loop
     from prm.policy import load_policy_rollout
 
     if samples < 1:
@@ -37,11 +37,16 @@ def evaluate_policy(cfg, policy: str | Path, *, samples: int = 1) -> dict:
         raise ValueError(f"data.eval_file={cfg.data.eval_file}: no usable prompt")
     progress.finish(f"loaded ({rollout.weights_format})")
     rollout.engine.on_progress = progress
+    engine = with_turn_loop(cfg, rollout.engine, rollout.tokenizer)  # rollout.multi_turn: the policy calls its tools
     runs = []
-    for version in range(samples):
-        progress.start(f"sample {version + 1}/{samples}", len(prompts), "prompts to generate and score")
-        runs.append(run_evaluation(cfg, rollout.engine, prompts, version))
-        progress.finish(f"accuracy {runs[-1]['eval/accuracy']:.3f}")
+    try:
+        for version in range(samples):
+            progress.start(f"sample {version + 1}/{samples}", len(prompts), "prompts to generate and score")
+            runs.append(run_evaluation(cfg, engine, prompts, version))
+            progress.finish(f"accuracy {runs[-1]['eval/accuracy']:.3f}")
+    finally:
+        if engine is not rollout.engine:
+            engine.toolset.close()
     accuracies = [run["eval/accuracy"] for run in runs]
     return {
         "policy": str(policy), "weights_format": rollout.weights_format, "eval_file": str(cfg.data.eval_file),

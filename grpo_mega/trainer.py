@@ -17,6 +17,7 @@ run's life cycle around the step (distributed set-up, resume, metrics log, saves
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -201,6 +202,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             metrics["perf/throughput"] = metrics["perf/num_tokens"] / metrics["timing_s/step"]
         if "timing_s/prm" in metrics:  # the PRM's scoring, inside generation's seconds: its share of the step
             metrics["perf/prm_fraction"] = metrics["timing_s/prm"] / metrics["timing_s/step"]
+        if "timing_s/tools" in metrics:  # multi-turn: the tools' wall clock, inside generation's: its share
+            metrics["perf/tool_fraction"] = metrics["timing_s/tools"] / metrics["timing_s/step"]
 
         # 5. evaluation on schedule; then metrics, and a checkpoint on schedule or when a signal or the time limit
         # stops the run early (the harness)
@@ -309,4 +312,7 @@ def _dump_rollouts(run_dir: Path, step: int, groups: RolloutBatch) -> None:
                 line.update(step_rewards=groups.step_rewards[row], step_ends=groups.step_ends[row])
             if completion.tree_path is not None:  # process_reward.source: tree: the nodes the completion went through
                 line["tree_path"] = completion.tree_path
+            if completion.turns is not None:  # multi-turn: which tokens are the policy's, and the turns' records
+                line["response_mask"] = completion.response_mask
+                line["turns"] = [dataclasses.asdict(turn) for turn in completion.turns]
             out.write(json.dumps(line) + "\n")

@@ -100,6 +100,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"process_reward.step_score_weight={cfg.process_reward.step_score_weight} must be >= 0")
     validate_implicit_prm(cfg)
     validate_tree_rollout(cfg)
+    validate_multi_turn(cfg)
     ignore_prm_shaping_without_prm(cfg)
     validate_reward_functions(cfg)
     if alg.rollout_is_cap <= 0:
@@ -215,6 +216,39 @@ def validate_tree_rollout(cfg: GRPOConfig) -> None:
     if cfg.rollout.routing_replay:
         raise ConfigError("process_reward.source=tree samples a completion in several generate calls, whose routed "
                           "experts are not joined: set rollout.routing_replay=false")
+
+
+def validate_multi_turn(cfg: GRPOConfig) -> None:
+    """``rollout.multi_turn``: its ranges, and what cannot run with it yet (each refused with the reason)."""
+    mt = cfg.rollout.multi_turn
+    check_choice(mt.format, ("hermes", "code"), "rollout.multi_turn.format")
+    check_choice(mt.tool_response_truncate_side, ("left", "right", "middle"),
+                 "rollout.multi_turn.tool_response_truncate_side")
+    for key in ("max_turns", "max_tool_response_tokens"):
+        if getattr(mt, key) < 1:
+            raise ConfigError(f"rollout.multi_turn.{key}={getattr(mt, key)} must be >= 1")
+    if mt.max_tokens_per_turn < 0:
+        raise ConfigError(f"rollout.multi_turn.max_tokens_per_turn={mt.max_tokens_per_turn} must be >= 0 (0: the "
+                          "response budget)")
+    if not mt.sandbox.timeout_s > 0 or mt.sandbox.workers < 1:
+        raise ConfigError("rollout.multi_turn.sandbox.timeout_s must be > 0 and rollout.multi_turn.sandbox.workers "
+                          ">= 1")
+    if not mt.enable:
+        return
+    if not mt.tools:
+        raise ConfigError("rollout.multi_turn.enable=true needs rollout.multi_turn.tools (e.g. [calculator] or "
+                          "[python]): a policy with no tool to call has a single turn")
+    if mt.format == "code" and "python" not in mt.tools:
+        raise ConfigError("rollout.multi_turn.format=code runs ```python blocks on the python tool: add python to "
+                          "rollout.multi_turn.tools")
+    # each turn is a step of the next issue (turn credit); until then step credit cannot see turns
+    if cfg.algorithm.supervision == "process" or cfg.process_reward.source == "tree":
+        raise ConfigError("rollout.multi_turn.enable=true runs with algorithm.supervision=outcome only (process "
+                          "supervision and process_reward.source=tree split a response into steps that cross tool "
+                          "turns; turn-level credit is the next issue)")
+    if cfg.rollout.routing_replay:
+        raise ConfigError("rollout.multi_turn.enable=true with rollout.routing_replay: a multi-turn response is "
+                          "generated over several calls whose routed experts are not joined; turn one of them off")
 
 
 def _speaks() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from grpo_mega.config.multi_turn import MultiTurnConfig
 from grpo_mega.config.sections import DeepSpeedConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig
 
 
@@ -113,6 +114,7 @@ class RolloutConfig:
     caching; unverified until the first GPU run); the hf engine routes the finished sequences in one forward pass.
     Needs engine=megatron, a model with experts and ``parallel.recompute`` other than ``full``
     (``docs/real-models.md``)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

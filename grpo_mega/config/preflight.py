@@ -33,7 +33,25 @@ def load_checked(schema: type, validator: Callable, path: str, overrides: list[s
     if hasattr(cfg.data, "eval_format") and not under_launcher():  # a GRPO config, in the command's own process
         check_prompt_files(cfg)
         check_reward_on_rows(cfg)
+        check_tool_specs(cfg)
     return cfg
+
+
+def check_tool_specs(cfg: Any) -> None:
+    """``rollout.multi_turn.tools`` of an enabled multi-turn config, checked without starting any process
+    (``grpo_mega.tools.check_tool_specs``: a typo, a module that does not import, a name that is not callable):
+    ConfigError naming the key and the spec."""
+    multi_turn = getattr(getattr(cfg, "rollout", None), "multi_turn", None)
+    if multi_turn is None or not multi_turn.enable:
+        return
+    try:
+        from grpo_mega.tools import check_tool_specs as check
+    except ImportError as error:  # the tools package is part of every install: only a broken one gets here
+        raise ConfigError(f"rollout.multi_turn.tools: the tools package does not import ({error})") from None
+    try:
+        check(list(multi_turn.tools))
+    except ValueError as error:
+        raise ConfigError(f"rollout.multi_turn.tools: {error}") from None
 
 
 def print_config(command: str, schema: type, validator: Callable, path: str, overrides: list[str]) -> None:

@@ -40,6 +40,20 @@ def sequences_to_batch(
     )
 
 
+def mask_response_tokens(batch: dict[str, torch.Tensor], masks: Sequence[Sequence[int] | None]) -> None:
+    """Multi-turn rollouts: ``loss_mask`` of row b's k-th response token becomes ``masks[b][k]`` (1 = the policy
+    sampled it, 0 = a tool's output or a template boundary); a None mask keeps the row's response all 1. Every term
+    that reads ``loss_mask`` (policy loss, KL, entropy, the sampler-vs-trainer log-prob diff, the token counts the
+    loss is normalised by) then skips the tool tokens."""
+    for row, mask in enumerate(masks):
+        if mask is None:
+            continue
+        start, length = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
+        if len(mask) != length:
+            raise ValueError(f"row {row}: response mask of {len(mask)} tokens for a response of {length}")
+        batch["loss_mask"][row, start:start + length] = torch.tensor(list(mask), dtype=batch["loss_mask"].dtype)
+
+
 def response_values_to_tokens(batch: dict[str, torch.Tensor], values: Sequence[Sequence[float]]) -> torch.Tensor:
     """Place per-response-token values (e.g. sampling log-probs) at their positions in a [B, L] tensor."""
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)

@@ -31,6 +31,9 @@ class ChatFormat:
     tokenizer: Any
     use_chat_template: bool = True
     prompt_format: str = "{prompt}"
+    tools: tuple | None = None
+    """JSON schemas of the tools the policy may call (``rollout.multi_turn``), given to the chat template as
+    ``tools=`` (where the template lists them: Qwen's system prompt, Llama 3's first user turn)."""
 
     def __post_init__(self) -> None:
         if "{prompt}" not in self.prompt_format:
@@ -45,7 +48,9 @@ class ChatFormat:
         included."""
         check_messages(messages, final_role="user")
         if self.uses_chat_template:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            tools = {"tools": list(self.tools)} if self.tools else {}
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                      **tools)
             return text, self._ids(text, special=False)
         if len(messages) != 1:
             fix = ("the tokenizer has no chat template: use a tokenizer that has one (model.tokenizer)"

@@ -66,8 +66,9 @@ class PromptFormatter:
     """Turns a raw prompt into the policy's input text and ids: chat template if available, else a format string
     (``grpo_mega.data.chat``, the rendering SFT trains on)."""
 
-    def __init__(self, tokenizer, use_chat_template: bool = True, prompt_format: str = "{prompt}") -> None:
-        self.format = ChatFormat(tokenizer, use_chat_template, prompt_format)
+    def __init__(self, tokenizer, use_chat_template: bool = True, prompt_format: str = "{prompt}",
+                 tools: list[dict] | None = None) -> None:
+        self.format = ChatFormat(tokenizer, use_chat_template, prompt_format, tuple(tools) if tools else None)
         self.tokenizer = tokenizer
         self.prompt_format = prompt_format
         self.uses_chat_template = self.format.uses_chat_template
@@ -126,11 +127,14 @@ def load_prompt_dataset(
     prompt_format: str = "{prompt}",
     messages_field: str | None = None,
     format: str = "auto",
+    tools: list[dict] | None = None,
 ) -> PromptDataset:
     """Read, format and tokenize prompt rows from files, folders of shards or save_to_disk folders
     (``grpo_mega.data.sources``), each file with the layout ``format`` chooses from its first row
     (``grpo_mega.data.formats``: the text of ``prompt_field``, or a conversation of system / user turns ending with
     a user turn; the answer of ``answer_field``; fields are dotted paths).
+
+    ``tools``: the tools' JSON schemas, given to the chat template as ``tools=`` (multi-turn rollouts).
 
     ``use_chat_template``: True renders every prompt with the tokenizer's chat template (conversations need one);
     None renders conversations with it (when the tokenizer has one; else a one-turn conversation as
@@ -148,7 +152,7 @@ def load_prompt_dataset(
         raise ValueError("load_prompt_dataset: no files given")
     settings = FieldSettings(format, prompt_field, messages_field, answer_field)
     formatters = {conversation: PromptFormatter(tokenizer, conversation if use_chat_template is None
-                                                else use_chat_template, prompt_format)
+                                                else use_chat_template, prompt_format, tools)
                   for conversation in (False, True)}
     records: list[PromptRecord] = []
     for path in paths:

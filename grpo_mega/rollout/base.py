@@ -20,7 +20,8 @@ trained checkpoint the padded rows, never a target, carry a probability of ~1e-9
 weights) the difference shows in ``rollout/logprob_diff_*``.
 
 ``text`` is always ``decode(response_ids, skip_special_tokens=True)``, so a reward reads exactly the tokens the
-trainer trains on.
+trainer trains on. A multi-turn rollout (``grpo_mega.rollout.turn_loop``) keeps its tool turns in ``response_ids``
+(and so in ``text``: verl's ``solution_str``); ``response_mask`` says which tokens the policy sampled.
 """
 
 from __future__ import annotations
@@ -92,6 +93,45 @@ class SamplingConfig:
 
 
 @dataclass
+class ToolCallRecord:
+    """One tool call of a multi-turn rollout and what it gave back (``grpo_mega.rollout.turn_loop``)."""
+
+    name: str
+    """The tool the policy named ("" when its call could not be parsed)."""
+    arguments: dict[str, Any]
+    """The parsed arguments ({} when the call could not be parsed)."""
+    error: str | None = None
+    """None, or the error kind (``grpo_mega.tools.TOOL_ERROR_KINDS``; "invalid_call" from the turn loop's parser)."""
+    seconds: float = 0.0
+    """Wall-clock seconds of the call in the sandbox."""
+    reward: float | None = None
+    """The tool's own reward for this turn (verl's ``tool_reward_score``); None = the tool gave none."""
+
+
+@dataclass
+class TurnRecord:
+    """One assistant turn of a multi-turn rollout: where its tokens lie in the response, why it ended, the calls it
+    made, and where the tool turn that answered it lies. The next issue (turn credit) makes each turn a step."""
+
+    start: int
+    """Response index of the turn's first (policy) token."""
+    end: int
+    """Response index one past the turn's last policy token."""
+    ended: str
+    """"tool_call" (ended in a call, valid or not), "answer" (end of sequence with a final answer), "void" (end of
+    sequence with neither a call nor an answer), "length" (its token limit or the response budget), "max_turns"
+    (a call made at the last allowed turn: not run)."""
+    calls: list[ToolCallRecord] = field(default_factory=list)
+    """The calls of the turn, run in this order (empty unless ``ended`` is "tool_call")."""
+    tool_end: int | None = None
+    """Response index one past the tool turn appended after it (its tokens start at ``end``; mask 0); None when no
+    tool turn followed."""
+
+    def __post_init__(self) -> None:  # a record rebuilt from builtins (``dataclasses.asdict``, a checkpoint)
+        self.calls = [c if isinstance(c, ToolCallRecord) else ToolCallRecord(**c) for c in self.calls]
+
+
+@dataclass
 class Completion:
     """One sampled response to one prompt."""
 
@@ -119,6 +159,21 @@ class Completion:
     segment_ends: list[int] | None = None
     """With ``tree_path``: the response index of the last token of each segment before the completion's last one
     (where the tree branched). None otherwise."""
+    response_mask: list[int] | None = None
+    """Only from a multi-turn rollout: per response token, 1 where the policy sampled it, 0 for a tool's output and
+    the chat template's boundary tokens around it (their ``response_logprobs`` are 0; the trainer's ``loss_mask``
+    is 0 there). None: every token is the policy's (a single-turn completion)."""
+    turns: list[TurnRecord] | None = None
+    """Only from a multi-turn rollout: its assistant turns in order (``TurnRecord``). None otherwise."""
+
+    def __post_init__(self) -> None:  # turns rebuilt from builtins (``dataclasses.asdict``, a checkpoint)
+        if self.turns is not None:
+            self.turns = [t if isinstance(t, TurnRecord) else TurnRecord(**t) for t in self.turns]
+
+    @property
+    def policy_mask(self) -> list[int]:
+        """``response_mask``, or all 1 for a single-turn completion."""
+        return self.response_mask if self.response_mask is not None else [1] * len(self.response_ids)
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -39,12 +39,14 @@ def replica_of(engine: RolloutEngine) -> ReplicaLayout:
 
 
 def generate_across_ranks(
-    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *, call_seed: int
+    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *, call_seed: int,
+    tool_kwargs: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Completion]:
     """``sampling.n`` completions per prompt, grouped contiguously in prompt order, the same list on every rank.
 
     Replica r samples prompts r, r + replicas, ... with seed ``derive_seed(call_seed, r)``, so the result depends
-    only on ``call_seed`` and the number of replicas.
+    only on ``call_seed`` and the number of replicas. ``tool_kwargs``: per prompt, the per-tool keyword arguments
+    of a multi-turn engine (``grpo_mega.rollout.turn_loop.TurnLoopEngine``); only given to such an engine.
     """
     replica = replica_of(engine)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -52,7 +54,8 @@ def generate_across_ranks(
     local: list[Completion] = []
     if mine:
         replica_sampling = dataclasses.replace(sampling, seed=derive_seed(call_seed, replica.index))
-        local = engine.generate([list(prompt_ids[i]) for i in mine], replica_sampling)
+        extra = {"tool_kwargs": [tool_kwargs[i] for i in mine]} if tool_kwargs is not None else {}
+        local = engine.generate([list(prompt_ids[i]) for i in mine], replica_sampling, **extra)
         for completion in local:
             completion.prompt_index = mine[completion.prompt_index]
     if not replica.leader:  # the replica's leader contributes the same completions

@@ -25,6 +25,7 @@ from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
+from grpo_mega.rollout.turn_metrics import turn_metrics
 from grpo_mega.run.failure import phase
 from grpo_mega.stages.answer_guard import AnswerGuard
 from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
@@ -177,18 +178,26 @@ class RolloutStage:
         return kept, metrics
 
     def generate(self, records: Sequence[PromptRecord], call_seed: int) -> list[Completion]:
-        """G completions of each prompt, from the step-reward source's sampler (the tree) or as G chains."""
+        """G completions of each prompt, from the step-reward source's sampler (the tree) or as G chains (with
+        ``rollout.multi_turn``, G multi-turn rollouts: the engine is the turn loop, given each row's tool
+        arguments; their metrics go into the step's)."""
         prompt_ids = [r.prompt_ids for r in records]
         if self.sampler is not None:
             completions = self.sampler.generate(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
             self._step_metrics.append(self.sampler.metrics)
             return completions
-        return generate_across_ranks(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
+        if not hasattr(self.engine, "pop_tool_seconds"):  # a single-turn engine
+            return generate_across_ranks(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
+        completions = generate_across_ranks(self.engine, prompt_ids, self.sampling, call_seed=call_seed,
+                                            tool_kwargs=[row_tool_kwargs(r.extra) for r in records])
+        self._step_metrics.append({**turn_metrics(completions), "timing_s/tools": self.engine.pop_tool_seconds()})
+        return completions
 
     def generated_tokens(self, completions: Sequence[Completion]) -> int:
+        """The tokens the policy generated (a tree's shared prefixes once; a multi-turn rollout's tool turns not)."""
         if self.sampler is not None:
             return int(self.sampler.metrics["rollout/tree/generated_tokens"])
-        return sum(len(c.response_ids) for c in completions)
+        return sum(sum(c.policy_mask) for c in completions)
 
     def score(self, records: Sequence[PromptRecord], completions: Sequence[Completion]) -> tuple[RolloutBatch, int]:
         """Reward every completion once (sharded over ranks); adds the weighted format reward and the DAPO overlong
@@ -242,6 +251,22 @@ class RolloutStage:
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends
+
+
+def row_tool_kwargs(extra: dict) -> dict:
+    """A row's per-tool keyword arguments: verl's ``extra_info.tools_kwargs`` (or a top-level ``tools_kwargs``
+    column), ``{tool name: {argument: value}}``; verl's ``create_kwargs`` / ``execute_kwargs`` of a tool are merged
+    into one mapping."""
+    info = extra.get("extra_info")
+    found = (info.get("tools_kwargs") if isinstance(info, dict) else None) or extra.get("tools_kwargs") or {}
+    if not isinstance(found, dict):
+        return {}
+    merged = {}
+    for name, value in found.items():
+        if isinstance(value, dict) and ({"create_kwargs", "execute_kwargs"} & set(value)):
+            value = {**(value.get("create_kwargs") or {}), **(value.get("execute_kwargs") or {})}
+        merged[name] = dict(value) if isinstance(value, dict) else {}
+    return merged
 
 
 def stop_if_every_reward_failed(errors: Sequence[str], samples: int, step: int) -> None:

@@ -4,6 +4,8 @@ source, the evaluation. Shared by the trainer (colocated mode) and the rollout w
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import logging
 
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
@@ -13,6 +15,7 @@ from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_e
 from grpo_mega.reward.adapters import RewardRows, reward_rows_of
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.rollout import build_rollout_engine
+from grpo_mega.rollout.base import load_hf_tokenizer
 from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
 from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.evaluation import evaluate
@@ -42,13 +45,58 @@ def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
 
 
 def load_prompts(cfg: GRPOConfig, tokenizer, path: str, *, eval_file: bool = False):
-    """The usable prompt records of ``path`` (``data.*``; ``eval_file``: read with ``data.eval_format``)."""
+    """The usable prompt records of ``path`` (``data.*``; ``eval_file``: read with ``data.eval_format``). With
+    ``rollout.multi_turn`` in the hermes format, a chat template is given the tools' schemas (``tools=``), so the
+    prompt tells the policy what it may call the way its template does."""
     data = cfg.data
+    mt = cfg.rollout.multi_turn
+    tools = toolset_for(cfg).schemas() if mt.enable and mt.format == "hermes" else None
     return load_prompt_dataset(
         path, tokenizer, prompt_length=data.prompt_length, prompt_field=data.prompt_field,
         answer_field=data.answer_field, on_bad_row=data.on_bad_row, use_chat_template=data.chat_template,
-        messages_field=data.messages_field, format=field_settings(data, eval_file=eval_file).format,
+        messages_field=data.messages_field, format=field_settings(data, eval_file=eval_file).format, tools=tools,
     ).records
+
+
+_TOOLSETS: dict[int, object] = {}
+
+
+def toolset_for(cfg: GRPOConfig):
+    """The tools of ``rollout.multi_turn`` (``grpo_mega.tools.build_toolset``: its pool of sandbox workers), built
+    once per process and config; closed with the rollout engine (``TurnLoopEngine.close``), and at the latest when
+    the process exits (a process that only read their schemas for its prompts: async mode's training ranks)."""
+    if id(cfg) not in _TOOLSETS:
+        from grpo_mega.tools import SandboxConfig, build_toolset
+
+        mt = cfg.rollout.multi_turn
+        toolset = build_toolset(list(mt.tools), SandboxConfig(**dataclasses.asdict(mt.sandbox)))
+        atexit.register(_close_quietly, toolset)
+        _TOOLSETS[id(cfg)] = toolset
+    return _TOOLSETS[id(cfg)]
+
+
+def _close_quietly(toolset) -> None:
+    try:
+        toolset.close()
+    except Exception:  # already closed with its engine, or the process is going down anyway
+        pass
+
+
+def with_turn_loop(cfg: GRPOConfig, engine, tokenizer):
+    """``engine`` itself, or with ``rollout.multi_turn.enable`` the turn loop around it
+    (``grpo_mega.rollout.turn_loop``)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return engine
+    from grpo_mega.rollout.tool_turns import tool_turns_for
+    from grpo_mega.rollout.turn_loop import TurnLoopEngine, TurnLoopSettings
+
+    settings = TurnLoopSettings(
+        max_response_tokens=cfg.algorithm.response_length, max_turns=mt.max_turns,
+        max_tokens_per_turn=mt.max_tokens_per_turn or None, max_tool_response_tokens=mt.max_tool_response_tokens,
+        tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format)
+    tool_turns = tool_turns_for(mt.format, tokenizer, use_chat_template=cfg.data.chat_template)
+    return TurnLoopEngine(engine, toolset_for(cfg), tokenizer, settings, tool_turns)
 
 
 def eval_prompts(cfg: GRPOConfig, tokenizer) -> list:
@@ -82,8 +130,9 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
     )
     if cfg.rollout.routing_replay:  # the experts of every token, replayed by the trainer
         engine_settings["return_routed_experts"] = True
-    return build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
-                                dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
+    engine = build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
+                                  dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
+    return with_turn_loop(cfg, engine, load_hf_tokenizer(tokenizer))
 
 
 def row_layout_of(cfg: GRPOConfig) -> RewardRows:
@@ -103,10 +152,13 @@ def run_evaluation(cfg: GRPOConfig, rollout_engine, prompts, version: int, *,
     ``on_completions``: more metrics of the evaluated completions (``grpo_mega.stages.evaluation.evaluate``)."""
     if not prompts:
         return {}
-    return evaluate(rollout_engine, prompts, reward_function_of(cfg),
-                    max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
-                    temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
-                    on_error=cfg.reward.on_error, on_completions=on_completions)
+    try:
+        return evaluate(rollout_engine, prompts, reward_function_of(cfg),
+                        max_new_tokens=cfg.algorithm.response_length, stop=cfg.rollout.stop,
+                        temperature=cfg.trainer.eval_temperature, seed=cfg.parallel.seed + version,
+                        on_error=cfg.reward.on_error, on_completions=on_completions)
+    finally:  # multi-turn: the evaluation's tool seconds are not the next training step's
+        getattr(rollout_engine, "pop_tool_seconds", float)()
 
 
 def close_rollout_engine(rollout_engine, stage=None) -> None:

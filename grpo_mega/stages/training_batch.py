@@ -14,7 +14,7 @@ import torch
 
 from grpo_mega.algo import clip_advantages, clip_rewards, outcome_advantages, process_advantages, whiten
 from grpo_mega.config import AlgorithmConfig
-from grpo_mega.data.batch import response_values_to_tokens, routes_to_tokens, sequences_to_batch
+from grpo_mega.data.batch import mask_response_tokens, response_values_to_tokens, routes_to_tokens, sequences_to_batch
 from grpo_mega.stages.rollout import RolloutBatch
 
 
@@ -27,10 +27,14 @@ def _padded(rows: list[list], fill, dtype) -> torch.Tensor:
 
 
 def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.Tensor:
-    """Advantages [N, T] in response coordinates (T = longest response; 0 past each response's end)."""
+    """Advantages [N, T] in response coordinates (T = longest response; 0 past each response's end and on the tool
+    tokens of a multi-turn rollout, which no advantage, baseline statistic or whitening reads)."""
     G = algorithm.num_return_sequences_in_group
     lengths = torch.tensor([len(c.response_ids) for c in batch.completions])
     response_mask = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float()
+    for row, completion in enumerate(batch.completions):
+        if completion.response_mask is not None:  # multi-turn: tool output and template boundaries are not actions
+            response_mask[row, : len(completion.response_mask)] = torch.tensor(completion.response_mask).float()
     if algorithm.supervision == "process":
         if batch.step_rewards is None:
             raise ValueError(
@@ -63,9 +67,11 @@ def group_advantages(batch: RolloutBatch, algorithm: AlgorithmConfig) -> torch.T
 def build_training_batch(batch: RolloutBatch, algorithm: AlgorithmConfig, pad_id: int) -> dict[str, torch.Tensor]:
     """The engine batch: ``prompt + response`` rows (``grpo_mega.data.batch``), per-token ``advantages`` and the
     sampler's log-probs ``rollout_logprobs``, all aligned with ``input_ids``; with routing replay the rollout's
-    ``routed_experts`` [B, L, layers, top-k] (``grpo_mega.data.batch.routes_to_tokens``)."""
+    ``routed_experts`` [B, L, layers, top-k] (``grpo_mega.data.batch.routes_to_tokens``). Multi-turn rollouts:
+    ``loss_mask`` is their response mask on the response positions (0 on tool tokens)."""
     completions = batch.completions
     rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions], pad_id)
+    mask_response_tokens(rows, [c.response_mask for c in completions])
     advantages = group_advantages(batch, algorithm)
     rows["advantages"] = response_values_to_tokens(
         rows, [advantages[i, : len(c.response_ids)].tolist() for i, c in enumerate(completions)]
