@@ -44,10 +44,8 @@ def check_tool_specs(cfg: Any) -> None:
     multi_turn = getattr(getattr(cfg, "rollout", None), "multi_turn", None)
     if multi_turn is None or not multi_turn.enable:
         return
-    try:
-        from grpo_mega.tools import check_tool_specs as check
-    except ImportError as error:  # the tools package is part of every install: only a broken one gets here
-        raise ConfigError(f"rollout.multi_turn.tools: the tools package does not import ({error})") from None
+    from grpo_mega.tools import check_tool_specs as check
+
     try:
         check(list(multi_turn.tools))
     except ValueError as error:

@@ -17,19 +17,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_mega.tools import ToolCall  # what ToolSet.run takes
+
 FORMATS = ("hermes", "code")
 STOP_STRINGS = {"hermes": ("</tool_call>",), "code": ("```output",)}
 """Where generation pauses for a tool, per format (kept in the turn's tokens, like every stop string)."""
 INVALID_CALL = "invalid_call"
-
-try:  # the tools package (sandbox branch); its ToolCall is what ToolSet.run takes
-    from grpo_mega.tools import ToolCall
-except ImportError:  # pragma: no cover - until grpo_mega.tools is merged: the same frozen record
-    @dataclass(frozen=True)
-    class ToolCall:  # type: ignore[no-redef]
-        name: str
-        arguments: dict[str, Any]
-
 
 @dataclass(frozen=True)
 class ParsedTurn:
