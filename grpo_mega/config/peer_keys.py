@@ -67,6 +67,23 @@ VERL_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "trainer.n_gpus_per_node": ((), "--nproc N (or SLURM)"),
     "trainer.nnodes": ((), "--nproc N per node (or SLURM)"),
     "trainer.total_epochs": (("trainer.total_steps",), "no epochs: steps"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": (("algorithm.policy_loss",), "vanilla is ppo, geo_mean is "
+                                                      "gmpo; gspo, cispo as they are"),
+    "actor_rollout_ref.rollout.multi_turn.enable": (("rollout.multi_turn.enable",), ""),
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": (("rollout.multi_turn.max_turns",), ""),
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": ((), "no simulated user: the turns after the prompt are "
+                                                             "tool turns"),
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": (("rollout.multi_turn.max_tool_response_tokens",),
+                                                                      ""),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": (
+        ("rollout.multi_turn.tool_response_truncate_side",), ""),
+    "actor_rollout_ref.rollout.multi_turn.format": (("rollout.multi_turn.format",), ""),
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": ((), "one call per assistant turn"),
+    "actor_rollout_ref.rollout.multi_turn.function_tool_path": (("rollout.multi_turn.tools",), "a tool spec "
+                                                                 "path/to/file.py:function"),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": (("rollout.multi_turn.tools",), "a tool spec "
+                                                               "path/to/file.py:function"),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ((), "always token in, token out"),
 }
 """verl's keys (its ``ppo_trainer.yaml`` / ``ppo_megatron_trainer.yaml``) -> grpo-mega's."""
 
@@ -105,6 +122,9 @@ TRL_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "output_dir": (("trainer.run_dir",), ""),
     "report_to": (("trainer.loggers",), ""),
     "seed": (("parallel.seed",), ""),
+    "importance_sampling_level": (("algorithm.policy_loss",), "sequence is gspo, token is ppo"),
+    "tools": (("rollout.multi_turn.enable", "rollout.multi_turn.tools"), "each function as path/to/file.py:function"),
+    "max_tool_calling_iterations": (("rollout.multi_turn.max_turns",), "N iterations are N + 1 turns"),
 }
 """TRL's ``GRPOConfig`` fields (and the trainer's ``reward_funcs``) -> grpo-mega's."""
 
