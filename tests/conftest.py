@@ -39,6 +39,10 @@ SLOW_FILES = {
     "test_resume_config_changes.py": 50,  # these two: estimated from runs alone (2026-12-07), as the guard's file
     "test_stop_at_once.py": 80,
     "test_gpu_install.py": 50,
+    "test_turn_loop_vllm.py": 60,  # these four: estimated from runs alone (2026-12-07)
+    "test_tool_sandbox.py": 35,
+    "test_group_step_adam_resume.py": 30,
+    "test_turn_loop_train.py": 20,
     "test_ctrl_c_windows.py": 48,
     "test_hf_conversion.py": 47,
     "test_sft_preemption.py": 44,
