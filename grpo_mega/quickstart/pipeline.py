@@ -261,7 +261,15 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
 def run_quickstart(run_dir: str | Path = "runs/quickstart", *, regime: str = "dense", fast: bool = False,
                    outcome_only: bool = False, oracle: bool = True, iterations: int = 1,
                    implicit: bool = False) -> int:
-    """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
+    """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json. The
+    ``tools`` regime is its own pipeline (``grpo_mega.quickstart.tool_regime``: data and the two SFT policies)."""
+    if regime == "tools":
+        from grpo_mega.quickstart.tool_regime import FAST_TOOLS, TOOLS, print_tool_summary, run_tool_regime
+
+        summary = run_tool_regime(run_dir, FAST_TOOLS if fast else TOOLS)
+        print_tool_summary(summary)
+        print(Path(summary["run_dir"]) / "summary.json")
+        return 0
     if regime not in REGIMES:
         raise ValueError(f"quickstart: unknown regime {regime!r}; known: {sorted(REGIMES)}")
     plan = replace(FAST if fast else REGIMES[regime], iterations=iterations, oracle_arm=oracle and not outcome_only,
