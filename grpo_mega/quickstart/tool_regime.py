@@ -22,7 +22,7 @@ from pathlib import Path
 from grpo_mega.data.synthetic import Difficulty
 from grpo_mega.data.tool_task import SEGMENTS_FIELD, TOOL_DIFFICULTY
 
-SFT_ARMS = ("text", "tool")
+SFT_ARMS = ("tool", "text")
 """The two SFT runs: on the text-only worked solutions, and on the tool demonstrations."""
 
 
@@ -36,7 +36,7 @@ class ToolRegimePlan:
     difficulty: Difficulty = field(default_factory=lambda: TOOL_DIFFICULTY)
     vocab_size: int = 400
     """Enough merges that the hermes call's JSON boilerplate is a few tokens (``"calculator"`` is one)."""
-    sft_steps: int = 600
+    sft_steps: int = 400
     """Steps of each SFT (batch 64, configs/quickstart_sft.yaml's optimiser)."""
     max_length: int = 256
     """SFT's ``data.max_length`` and the policy's context: a three-step tool demonstration is ~150 tokens."""
