@@ -76,6 +76,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=300, help="held-out prompts per measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=220, help="response tokens, tool turns included")
+    parser.add_argument("--measures", nargs="+", default=[name for name, _, _ in MEASURES],
+                        choices=[name for name, _, _ in MEASURES])
     parser.add_argument("--out", default="bench/results/tool_regime_sft.json")
     args = parser.parse_args()
     torch_threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
@@ -95,6 +97,8 @@ def main() -> int:
     problems = read_jsonl(summary["heldout_file"])[: args.prompts]
     figures = {}
     for name, arm, supply in MEASURES:
+        if name not in args.measures:
+            continue
         model = load_sft_policy(summary["sft_checkpoints"][arm], summary["model"])
         figures[name] = measure(model, tokenizer, problems, seed=args.seed, supply_answers=supply,
                                 max_tokens=args.max_tokens)
@@ -109,8 +113,9 @@ def main() -> int:
         "quickstart_command": f"grpo-mega quickstart --regime tools --run-dir {args.run_dir}",
         "machine": f"{platform.node()}: {os.cpu_count()} CPUs shared with other jobs, torch threads {torch_threads}",
         "figures": figures,
-        "gap_points": round(100 * (figures["tool_sft_answers_supplied"]["pass_at_1"]
-                                   - figures["text_sft"]["pass_at_1"]), 1),
+        "gap_points": (round(100 * (figures["tool_sft_answers_supplied"]["pass_at_1"]
+                                    - figures["text_sft"]["pass_at_1"]), 1)
+                       if {"text_sft", "tool_sft_answers_supplied"} <= set(figures) else None),
         "text_sft_pass_at_1_grpo_mega_eval": summary["text_sft_pass_at_1"],
         "plan": summary["plan"],
         "quickstart_stage_seconds": summary["stage_seconds"],
