@@ -78,6 +78,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=220, help="response tokens, tool turns included")
     parser.add_argument("--measures", nargs="+", default=[name for name, _, _ in MEASURES],
                         choices=[name for name, _, _ in MEASURES])
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="ARM=PATH",
+                        help="measure this SFT checkpoint or run directory for arm text|tool instead of the run's "
+                             "(e.g. a longer SFT started from it with model.init_from)")
     parser.add_argument("--out", default="bench/results/tool_regime_sft.json")
     args = parser.parse_args()
     torch_threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
@@ -95,11 +98,17 @@ def main() -> int:
     summary = json.loads((run_dir / "summary.json").read_text())
     tokenizer = load_tokenizer(summary["model"])
     problems = read_jsonl(summary["heldout_file"])[: args.prompts]
+    checkpoints = dict(summary["sft_checkpoints"])
+    for item in args.checkpoint:
+        arm, _, path = item.partition("=")
+        if arm not in checkpoints or not path:
+            parser.error(f"--checkpoint {item!r}: expected ARM=PATH with ARM one of {sorted(checkpoints)}")
+        checkpoints[arm] = str(Path(path).resolve())
     figures = {}
     for name, arm, supply in MEASURES:
         if name not in args.measures:
             continue
-        model = load_sft_policy(summary["sft_checkpoints"][arm], summary["model"])
+        model = load_sft_policy(checkpoints[arm], summary["model"])
         figures[name] = measure(model, tokenizer, problems, seed=args.seed, supply_answers=supply,
                                 max_tokens=args.max_tokens)
         print(name, json.dumps(figures[name]), flush=True)
@@ -116,6 +125,7 @@ def main() -> int:
         "gap_points": (round(100 * (figures["tool_sft_answers_supplied"]["pass_at_1"]
                                     - figures["text_sft"]["pass_at_1"]), 1)
                        if {"text_sft", "tool_sft_answers_supplied"} <= set(figures) else None),
+        "checkpoints": checkpoints,
         "text_sft_pass_at_1_grpo_mega_eval": summary["text_sft_pass_at_1"],
         "plan": summary["plan"],
         "quickstart_stage_seconds": summary["stage_seconds"],

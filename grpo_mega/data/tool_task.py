@@ -21,6 +21,7 @@ sentence).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -136,8 +137,6 @@ def build_tool_task(out_dir: str | Path, *, num_train: int, num_heldout: int, se
     deterministic in ``seed``. The tokenizer is trained on both surface forms of the training problems and its
     round trip is checked on both forms of the held-out ones and on every segment alone (each is encoded on its
     own at rollout time)."""
-    import json
-
     from grpo_mega.data.tokenizer import check_round_trip, train_tokenizer
 
     out_dir = Path(out_dir)
