@@ -37,7 +37,11 @@ class ToolRegimePlan:
     vocab_size: int = 400
     """Enough merges that the hermes call's JSON boilerplate is a few tokens (``"calculator"`` is one)."""
     sft_steps: int = 400
-    """Steps of each SFT (batch 64, configs/quickstart_sft.yaml's optimiser)."""
+    """Steps of each SFT (batch 64, configs/quickstart_sft.yaml's optimiser: warm-up, cosine to 10 %)."""
+    more_sft_steps: int = 600
+    """Then this many more steps of each SFT from its weights (``model.init_from``: a fresh optimiser, warm-up and
+    cosine), in ``sft_<arm>_more``; 0: none. The measured recipe: after 400 steps neither policy copies a
+    multi-digit number (both 0 % held-out); the copying appears within the next 200 steps."""
     max_length: int = 256
     """SFT's ``data.max_length`` and the policy's context: a three-step tool demonstration is ~150 tokens."""
     response_length: int = 80
@@ -50,7 +54,7 @@ class ToolRegimePlan:
 
 
 TOOLS = ToolRegimePlan()
-FAST_TOOLS = ToolRegimePlan(num_train=300, num_heldout=16, sft_steps=6, eval_prompts=16)
+FAST_TOOLS = ToolRegimePlan(num_train=300, num_heldout=16, sft_steps=6, more_sft_steps=2, eval_prompts=16)
 """A shortened run (``--fast``): every command of the regime, a few steps each."""
 
 
@@ -99,7 +103,7 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started, seconds = time.perf_counter(), {}
-    total = 2 + len(SFT_ARMS)
+    total = 2 + len(SFT_ARMS) * (2 if plan.more_sft_steps else 1)
     header = iter(range(1, total + 1))
 
     def announce(text: str) -> None:
@@ -110,16 +114,27 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
     model_dir, train_file, heldout_file = build_tool_data_and_model(run_dir, plan)
     seconds["data"] = time.perf_counter() - begin
     task = [f"model.hf_config={model_dir}", f"data.train_file={train_file}", f"parallel.seed={plan.seed}"]
+    checkpoints = {}
     for arm in SFT_ARMS:
         announce(f"SFT on the {arm} demonstrations (DP=2 on 2 processes), log: {run_dir / f'sft_{arm}.log'}")
         seconds[f"sft_{arm}"] = training_command(
             f"SFT ({arm})", ["sft"], "quickstart_sft.yaml", run_dir / f"sft_{arm}", plan.sft_steps,
             (("nll", "sft/nll"),), [*task, *sft_overrides(arm, plan)], run_dir / f"sft_{arm}.log")
+        checkpoints[arm] = run_dir / f"sft_{arm}"
+        if plan.more_sft_steps:
+            more = run_dir / f"sft_{arm}_more"
+            announce(f"{plan.more_sft_steps} more SFT steps on the {arm} demonstrations from step {plan.sft_steps}'s "
+                     f"weights, log: {more}.log")
+            seconds[f"sft_{arm}_more"] = training_command(
+                f"SFT ({arm}, more)", ["sft"], "quickstart_sft.yaml", more, plan.more_sft_steps,
+                (("nll", "sft/nll"),), [*task, *sft_overrides(arm, plan), f"model.init_from={checkpoints[arm]}"],
+                Path(f"{more}.log"))
+            checkpoints[arm] = more
     announce(f"the text-only SFT policy's sampled pass@1 on {plan.eval_prompts} held-out prompts, log: "
              f"{run_dir / 'eval_text.log'}")
     begin = time.perf_counter()
     text_pass_at_1 = measure_pass_at_1(
-        run_dir / "sft_text", task=task, prompts_file=heldout_file, prompts=plan.eval_prompts,
+        checkpoints["text"], task=task, prompts_file=heldout_file, prompts=plan.eval_prompts,
         samples=plan.eval_samples, response_length=plan.response_length, out=run_dir / "eval_text.json",
         nproc=NPROC)
     seconds["eval_text"] = time.perf_counter() - begin
@@ -129,7 +144,7 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
         "tool_sft_pass_at_1": None,
         "tool_sft_pass_at_1_note": "needs the calculator's answers during generation: the multi-turn rollout loop, "
                                    "or bench/tool_regime_sft.py's evaluation harness",
-        "sft_checkpoints": {arm: str(run_dir / f"sft_{arm}") for arm in SFT_ARMS},
+        "sft_checkpoints": {arm: str(path) for arm, path in checkpoints.items()},
         "model": str(model_dir), "train_file": str(train_file), "heldout_file": str(heldout_file),
         "plan": {**asdict(plan), "difficulty": asdict(plan.difficulty)},
         "wall_seconds": round(time.perf_counter() - started, 1),
