@@ -38,7 +38,8 @@ TOOL_DIFFICULTY = Difficulty(min_steps=2, max_steps=3, start_range=(10, 99), ope
                              max_value=9999)
 """Two or three operations on two-digit operands with values up to 9999: products of two two-digit numbers and
 sums / differences of four-digit ones, which the tiny policy gets wrong in its head but only has to copy with the
-calculator (the measurements: bench/results/tool_regime_sft.json)."""
+calculator (after 1,000 SFT steps: 2.3 % text-only, 87.3 % with the calculator's answers;
+bench/results/tool_regime_sft.json)."""
 
 
 @dataclass(frozen=True)
