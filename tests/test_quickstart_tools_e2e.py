@@ -26,3 +26,9 @@ def test_the_tool_regime_runs_both_sfts_and_writes_its_summary(tmp_path):
     for arm in ("text", "tool"):
         metrics = [json.loads(line) for line in (run_dir / f"sft_{arm}" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics if "sft/nll" in m][-1] == 6
+
+
+def test_grpo_arm_options_are_refused_for_the_tool_regime(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "grpo_mega.cli", "quickstart", "--regime", "tools", "--iterations",
+                             "2", "--run-dir", str(tmp_path / "tools")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--iterations" in result.stderr and not (tmp_path / "tools").exists()
