@@ -4,7 +4,7 @@
     grpo-mega sft   --config FILE [--nproc N] [--print-config] [key=value ...]   supervised fine-tuning of the policy
     grpo-mega eval  --config FILE --policy PATH [--samples K] [--out FILE] [--nproc N] [key=value ...]
                                                                  a policy's held-out accuracy, without training
-    grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense] [--no-oracle] [--implicit] [--fast] [--outcome-only]
+    grpo-mega quickstart [--run-dir DIR] [--regime sparse|dense|tools] [--no-oracle] [--implicit] [--fast] [--outcome-only]
                          [--iterations N]                       the CPU pipeline: data -> SFT -> PRM -> GRPO -> eval
     grpo-mega prm {label,train,score,eval} ...                  the process reward model (see prm/cli.py)
     grpo-mega plan --config FILE [--gpus-per-node N --gpu-memory-gib M --nodes K] [--assume NAME=VALUE] [--gpu-name A100] [--accept-unknown] [--json]
@@ -54,10 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     quick = commands.add_parser("quickstart", help="the CPU quickstart: data -> SFT -> PRM -> GRPO (outcome and "
                                    "process supervision) -> eval, with a summary")
     quick.add_argument("--run-dir", default="runs/quickstart")
-    quick.add_argument("--regime", choices=("dense", "sparse"), default="dense",
+    quick.add_argument("--regime", choices=("dense", "sparse", "tools"), default="dense",
                        help="dense (default): three-step chains every arm learns; sparse: five-step chains from a "
                             "briefly trained policy, where many outcome-GRPO groups carry no signal and the learned "
-                            "PRM's arm comes out ahead (docs/results.md)")
+                            "PRM's arm comes out ahead (docs/results.md); tools: multi-digit chains that need a "
+                            "calculator, text-only and tool-calling SFT policies (docs/quickstart.md)")
     quick.add_argument("--implicit", action="store_true",
                        help="also an arm with an implicit PRM trained online from the outcomes (PRIME: "
                             "process_reward.source=implicit), no step labels")

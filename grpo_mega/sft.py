@@ -2,7 +2,9 @@
 Megatron or DeepSpeed).
 
 ``grpo-mega sft --config FILE [key=value ...]``: the loss is the token-mean negative log-likelihood of the
-response tokens (prompt tokens are context only), normalised over the global batch. Examples are rendered as GRPO
+response tokens (prompt tokens are context only), normalised over the global batch. Tool-use rows
+(``data.segments_field``) are encoded turn by turn as the multi-turn rollout encodes them, and their tool turns
+are context only too. Examples are rendered as GRPO
 renders its prompts (``grpo_mega.data.chat``), so ``data.chat_template`` gives a chat model its own format in both.
 Resume, saves and stopping early are GRPO's (``grpo_mega.harness.lifecycle``): SIGTERM / SIGUSR1 / SIGUSR2 or
 ``trainer.save_before_seconds`` before the time limit save the step in flight and exit with status 3; the same
@@ -20,7 +22,7 @@ import torch
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.config import SFTConfig, SFTDataConfig
 from grpo_mega.data.batch import sequences_to_batch
-from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages
+from grpo_mega.data.chat import ChatFormat, ChatFormatError, check_messages, user_turn
 from grpo_mega.data.fields import field_value
 from grpo_mega.data.prompts import BadRows, check_row, read_rows
 from grpo_mega.data.tokenizer import load_tokenizer
@@ -50,6 +52,8 @@ def sft_messages(row: dict, data: SFTDataConfig) -> list[dict]:
 
 def check_sft_row(row, data: SFTDataConfig) -> str | None:
     """Why a row cannot be an SFT example, naming the config key to change; None when it can."""
+    if data.segments_field is not None:
+        return _check_segments_row(row, data)
     if data.messages_field is None:
         error = check_row(row, data.prompt_field, data.response_field, answer_key="data.response_field",
                           answer_kind="response")
@@ -69,23 +73,53 @@ def check_sft_row(row, data: SFTDataConfig) -> str | None:
     return None
 
 
+def _check_segments_row(row, data: SFTDataConfig) -> str | None:
+    """``check_sft_row`` for tool-use rows: a prompt string and a valid segment list."""
+    from grpo_mega.data.tool_task import check_segments
+
+    error = check_row(row, data.prompt_field, None)
+    if error is None and data.segments_field not in row:
+        error = (f"missing segments field {data.segments_field!r}; set data.segments_field to the field that holds "
+                 f"the tool-use response, or data.segments_field=null for prompt/response rows (this row has "
+                 f"{sorted(row)})")
+    elif error is None:
+        try:
+            check_segments(row[data.segments_field], where=f"segments field {data.segments_field!r}")
+        except ValueError as bad:
+            error = str(bad)
+    return error
+
+
 def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """Tokenized (prompt, response) pairs; bad rows are reported with file:line and skipped or raised.
+    """Tokenized (prompt, response) pairs (``load_sft_data`` without the response masks)."""
+    prompts, responses, _ = load_sft_data(cfg, tokenizer)
+    return prompts, responses
+
+
+def load_sft_data(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[list[int]], list[list[int]] | None]:
+    """Tokenized (prompts, responses, response loss masks or None); bad rows are reported with file:line and
+    skipped or raised.
 
     Rows are conversations (``data.messages_field``) or prompt/response pairs, rendered by
     ``grpo_mega.data.chat.ChatFormat``: with ``data.chat_template`` the prompt is the chat template up to the
     assistant's generation prompt (what GRPO gives the policy) and the response is the last assistant turn through
-    its end-of-turn token; earlier turns are context. Only the response tokens carry the loss."""
+    its end-of-turn token; earlier turns are context. Only the response tokens carry the loss. With
+    ``data.segments_field`` the response is a tool-use trajectory encoded segment by segment
+    (``grpo_mega.data.tool_task.encode_segments``) and the masks are 0 on its tool turns; otherwise the masks are
+    None (every response token carries the loss)."""
     data = cfg.data
     if data.chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"data.chat_template=true but the tokenizer ({cfg.model.tokenizer or cfg.model.hf_config}) "
                          "has no chat template: set data.chat_template=false or use a tokenizer that has one")
     chat = ChatFormat(tokenizer, use_chat_template=data.chat_template)
-    prompts, responses = [], []
+    prompts, responses, masks = [], [], []
     bad_rows = BadRows(data.on_bad_row)
     for location, row, error in read_rows(data.train_file):
         error = error or check_sft_row(row, data)
-        if error is None:
+        mask = None
+        if error is None and data.segments_field is not None:
+            prompt, response, mask = _render_segments_example(chat, row, data)
+        elif error is None:
             try:
                 prompt, response = chat.render_example(sft_messages(row, data))
             except ChatFormatError as format_error:
@@ -97,8 +131,20 @@ def load_sft_examples(cfg: SFTConfig, tokenizer) -> tuple[list[list[int]], list[
             continue
         prompts.append(prompt)
         responses.append(response)
+        masks.append(mask)
     bad_rows.finish(len(prompts), str(data.train_file))
-    return prompts, responses
+    return prompts, responses, (masks if data.segments_field is not None else None)
+
+
+def _render_segments_example(chat: ChatFormat, row: dict, data: SFTDataConfig):
+    """(prompt ids, response ids, response mask) of a checked tool-use row: the prompt as GRPO renders it (plain
+    format), the response segment by segment with EOS appended."""
+    from grpo_mega.data.tool_task import check_segments, encode_segments
+
+    _, prompt = chat.render_prompt(user_turn(field_value(row, data.prompt_field)))
+    segments = check_segments(row[data.segments_field], where=data.segments_field)
+    response, mask = encode_segments(chat.tokenizer, segments, chat.tokenizer.eos_token_id)
+    return prompt, response, mask
 
 
 def run_sft(cfg: SFTConfig) -> Path:
@@ -108,7 +154,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     harness = RunHarness(cfg, command="grpo-mega sft")
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     # Data first: a bad file fails in seconds, before the model is built.
-    prompts, responses = load_sft_examples(cfg, tokenizer)
+    prompts, responses, masks = load_sft_data(cfg, tokenizer)
     harness.startup.mark("data")
     engine = build_policy_engine(
         load_model_hf_config(cfg.model),
@@ -129,7 +175,8 @@ def run_sft(cfg: SFTConfig) -> Path:
     for step in harness.steps():
         # The rows of step s depend only on (seed, s): a resumed run sees the batches it would have seen.
         rows = np.random.default_rng([cfg.parallel.seed, step]).choice(len(prompts), cfg.trainer.batch_size)
-        batch = sequences_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer.pad_token_id)
+        batch = sequences_to_batch([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer.pad_token_id,
+                                   None if masks is None else [masks[i] for i in rows])
         metrics = engine.train_step(batch, sft_loss)
         engine.lr_schedule_step()  # one optimizer step and one schedule step per SFT step
         harness.end_step(step, metrics)

@@ -388,6 +388,9 @@ def validate_sft(cfg: SFTConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"data.messages_field={cfg.data.messages_field!r} holds conversations, which only a chat "
                           "template can render: set data.chat_template=true (or data.messages_field=null for "
                           "prompt/response rows)")
+    if cfg.data.segments_field is not None and (cfg.data.chat_template or cfg.data.messages_field is not None):
+        raise ConfigError(f"data.segments_field={cfg.data.segments_field!r} holds tool-use responses in the fallback "
+                          "format (no chat template): set data.chat_template=false and data.messages_field=null")
     validate_experts(cfg.model, cfg.parallel)
     check_context_length(cfg.model, cfg.data.max_length, "data.max_length")
     for key in ("total_steps", "batch_size"):

@@ -20,6 +20,12 @@ class SFTDataConfig:
     messages_field: Optional[str] = None
     """Conversation rows: the field holding a ``[{role, content}, ...]`` list (e.g. ``messages``) ending with the
     assistant turn to learn; earlier turns are context. Needs ``chat_template: true``. None: prompt/response rows."""
+    segments_field: Optional[str] = None
+    """Tool-use rows (``grpo_mega.data.tool_task``): the field holding the response as a list of segments
+    ``{"text": str, "tool": bool}``, the policy's turns and the tool turns of a multi-turn trajectory. Each segment is
+    encoded on its own, as the multi-turn rollout encodes its turns (token in, token out), and tool segments carry
+    no loss; EOS ends the response. The prompt is ``prompt_field``; needs ``chat_template: false`` (the fallback
+    tool format). None: prompt/response or conversation rows."""
     chat_template: bool = False
     """Render examples with the tokenizer's chat template exactly as GRPO's ``data.chat_template`` renders prompts:
     the loss is on the assistant turn (through its end-of-turn token) only. Set it for a chat / instruct model."""

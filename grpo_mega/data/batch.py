@@ -9,13 +9,15 @@ import torch
 
 
 def sequences_to_batch(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
+    response_masks: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rows ``prompt + response`` right-padded with ``pad_id``.
 
     Returns ``input_ids`` [B, L], ``attention_mask`` [B, L] (real tokens), ``loss_mask`` [B, L] (response
     tokens), ``prompt_lengths`` [B] and ``response_lengths`` [B]. Position ``prompt_lengths[b] + k`` holds the k-th
-    response token of row b.
+    response token of row b. ``response_masks`` (0/1 per response token, e.g. 0 on a tool turn's tokens) clears
+    ``loss_mask`` where it is 0; the tokens stay in the row as context.
     """
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
@@ -31,6 +33,12 @@ def sequences_to_batch(
     positions = torch.arange(width)
     attention_mask = (positions < total[:, None]).long()
     loss_mask = ((positions >= prompt_lengths[:, None]) & (positions < total[:, None])).long()
+    if response_masks is not None:
+        if [len(m) for m in response_masks] != response_lengths.tolist():
+            raise ValueError("response_masks must have one 0/1 value per response token of each row")
+        for row, mask in enumerate(response_masks):
+            start = int(prompt_lengths[row])
+            loss_mask[row, start : start + len(mask)] *= torch.tensor(list(mask), dtype=torch.long)
     return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from grpo_mega.data.tool_format import TOOL_CALL_OPEN
+
 OPERATORS = ("+", "-", "*")
 # One fixed sentence per operator keeps the word -> symbol mapping trivially learnable.
 _OPERATOR_WORDS = {"+": "Add {x}.", "-": "Subtract {x}.", "*": "Multiply by {x}."}
@@ -280,7 +282,8 @@ def _int_or_none(text: str) -> int | None:
 def parse_solution(text: str) -> ParsedSolution:
     """Split a completion into "Step N: ..." segments and the first "The answer is N" sentence.
 
-    A step runs from its marker to the next marker or the answer sentence; text after the answer is ignored.
+    A step runs from its marker to the next marker, the answer sentence or the next ``<tool_call>`` (a tool
+    trajectory calls the calculator between steps: ``grpo_mega.data.tool_task``); text after the answer is ignored.
     """
     answer_match = _ANSWER_MARKER.search(text)
     limit = answer_match.start() if answer_match else len(text)
@@ -288,6 +291,8 @@ def parse_solution(text: str) -> ParsedSolution:
     steps = []
     for i, marker in enumerate(markers):
         segment_end = markers[i + 1].start() if i + 1 < len(markers) else limit
+        call = text.find(TOOL_CALL_OPEN, marker.end(), segment_end)
+        segment_end = call if call >= 0 else segment_end
         body = text[marker.end() : segment_end]
         end = marker.end() + len(body.rstrip())
         equation = _STEP_BODY.match(body)

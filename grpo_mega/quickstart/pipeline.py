@@ -15,6 +15,7 @@ others, and GRPO learns that working the steps is right more often.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -261,7 +262,20 @@ def run_pipeline(run_dir: str | Path, plan: QuickstartPlan) -> dict:
 def run_quickstart(run_dir: str | Path = "runs/quickstart", *, regime: str = "dense", fast: bool = False,
                    outcome_only: bool = False, oracle: bool = True, iterations: int = 1,
                    implicit: bool = False) -> int:
-    """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json."""
+    """``grpo-mega quickstart``: run the pipeline, print the table and, last, the path of summary.json. The
+    ``tools`` regime is its own pipeline (``grpo_mega.quickstart.tool_regime``: data and the two SFT policies)."""
+    if regime == "tools":
+        if outcome_only or implicit or iterations != 1:
+            print("grpo-mega quickstart: --regime tools runs the tool task's data and its two SFT policies; "
+                  "--outcome-only, --implicit and --iterations are options of the GRPO arms of the dense and sparse "
+                  "regimes", file=sys.stderr)
+            return 2
+        from grpo_mega.quickstart.tool_regime import FAST_TOOLS, TOOLS, print_tool_summary, run_tool_regime
+
+        summary = run_tool_regime(run_dir, FAST_TOOLS if fast else TOOLS)
+        print_tool_summary(summary)
+        print(Path(summary["run_dir"]) / "summary.json")
+        return 0
     if regime not in REGIMES:
         raise ValueError(f"quickstart: unknown regime {regime!r}; known: {sorted(REGIMES)}")
     plan = replace(FAST if fast else REGIMES[regime], iterations=iterations, oracle_arm=oracle and not outcome_only,
