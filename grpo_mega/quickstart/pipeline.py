@@ -23,7 +23,7 @@ from pathlib import Path
 from grpo_mega.quickstart.arm_runs import (NPROC, config_steps, grpo_arm, grpo_overrides, rft_arm,
                                           sft_checkpoint, training_command)
 from grpo_mega.quickstart.arms import SHOWN, arm_settings
-from grpo_mega.quickstart.plans import DENSE, FAST, REGIMES, SPARSE, QuickstartPlan  # noqa: F401 (the regimes' home)
+from grpo_mega.quickstart.plans import DENSE, FAST, POLICY_SHAPE, REGIMES, SPARSE, QuickstartPlan  # noqa: F401 (their home)
 from grpo_mega.quickstart.plots import plot_arms
 from grpo_mega.quickstart.report import (
     PRM_COST_STAGES,
@@ -37,11 +37,6 @@ from grpo_mega.quickstart.report import (
 from grpo_mega.run.layout import metrics_path, step_dir_name
 from grpo_mega.run.metrics import read_metrics
 
-
-POLICY_SHAPE = dict(
-    hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
-)
 
 def build_data_and_model(run_dir: Path, plan: QuickstartPlan, seed: int = 0) -> tuple[Path, Path, Path]:
     """Write the synthetic task, its tokenizer and the policy's HF config folder; returns (model, train, heldout)."""

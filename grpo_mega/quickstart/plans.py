@@ -109,3 +109,7 @@ of the pass@1 selection, which measures it) and the PRM from step 40 with greedy
 regime's paths run too."""
 
 # The policy: Qwen2-shaped, tied embeddings, ~0.9M parameters (vocabulary from the trained tokenizer).
+POLICY_SHAPE = dict(
+    hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
+)

@@ -65,7 +65,7 @@ def build_tool_data_and_model(run_dir: Path, plan: ToolRegimePlan) -> tuple[Path
 
     from grpo_mega.data.tokenizer import load_tokenizer
     from grpo_mega.data.tool_task import build_tool_task, check_segments, encode_segments
-    from grpo_mega.quickstart.pipeline import POLICY_SHAPE
+    from grpo_mega.quickstart.plans import POLICY_SHAPE
 
     files = build_tool_task(run_dir / "data", num_train=plan.num_train, num_heldout=plan.num_heldout, seed=0,
                             difficulty=plan.difficulty, vocab_size=plan.vocab_size)

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+from grpo_mega.data.tool_format import FALLBACK_RESPONSE_CLOSE as FALLBACK_CLOSE
+from grpo_mega.data.tool_format import FALLBACK_RESPONSE_OPEN as FALLBACK_OPEN
+from grpo_mega.data.tool_format import fallback_tool_turn_text
+
 TRUNCATE_SIDES = ("left", "right", "middle")
 PLACEHOLDER = "\u2063TURN-LOOP-PLACEHOLDER\u2063"
 """The dummy assistant turn's text (invisible separators make it a string no template or tool writes)."""
-FALLBACK_OPEN, FALLBACK_CLOSE = "<tool_response>", "</tool_response>"
 
 
 def cap_tool_output(content: str, tokenizer: Any, max_tokens: int, side: str) -> str:
@@ -105,7 +108,7 @@ class RawToolTurns:
     """The fallback without a chat template: ``<tool_response>CONTENT</tool_response>`` after the call."""
 
     def text(self, outputs: Sequence[str], turn_text: str = "") -> str:
-        return "".join(f"{FALLBACK_OPEN}{output}{FALLBACK_CLOSE}" for output in outputs)
+        return "".join(fallback_tool_turn_text(output) for output in outputs)  # the SFT demonstrations' form
 
 
 class CodeToolTurns:
