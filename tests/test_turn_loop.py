@@ -48,8 +48,9 @@ def two_turns(prompt, sample, turn, prefix):
     return f"The answer is {3 * (prompt + 1) * (sample + 2)}.</s>"
 
 
-def run(tokenizer, script, prompts=2, n=2, toolset=None, encode=None, tool_kwargs=None, **settings):
+def run(tokenizer, script, prompts=2, n=2, toolset=None, encode=None, tool_kwargs=None, context=None, **settings):
     engine = ScriptedEngine(tokenizer, script, encode)
+    engine.context_length = context
     toolset = toolset or Calculator()
     loop = TurnLoopEngine(engine, toolset, tokenizer, TurnLoopSettings(**{"max_response_tokens": 200, **settings}))
     prompt_ids = [tokenizer.encode(f"Q{p}: compute. A:", add_special_tokens=False) for p in range(prompts)]
@@ -149,6 +150,26 @@ def test_the_response_budget_counts_tool_turns_and_cuts_rows_separately(tokenize
     # a per-turn limit cuts the turn ("length") and ends the rollout
     capped, *_ = run(tokenizer, script, prompts=1, n=1, max_tokens_per_turn=5)
     assert capped[0].turns[0].ended == "length" and len(capped[0].response_ids) == 5
+
+
+def test_a_later_turn_never_asks_the_engine_past_the_context_and_each_row_keeps_its_own_budget(tokenizer):
+    """Rows that reach their next turn at different lengths: one engine call with the largest row's budget would ask
+    for the longest prefix plus that budget, past a context of the longest prompt plus the budget (the hf engine
+    refuses such a call); the loop splits the turn into calls that stay within the engine's context_length, and no
+    row is cut short of its own budget."""
+    def script(prompt, sample, turn, prefix):
+        if turn == 0:
+            return "Let me think. " * (1 + 6 * sample) + CALL % "2 * 3"
+        return "The answer is 6. " * 40 + "</s>"
+
+    budget = 150
+    context = max(len(tokenizer.encode(f"Q{p}: compute. A:", add_special_tokens=False)) for p in range(2)) + budget
+    completions, engine, *_ = run(tokenizer, script, prompts=2, n=3, max_response_tokens=budget, context=context)
+    (first_prompts, _), *later = engine.calls
+    assert later and all(max(len(p) for p in prompts) + sampling.max_new_tokens <= context
+                         for prompts, sampling in later)
+    assert len(later) > 1  # one call would not have fitted
+    assert all(c.finish_reason == "length" and len(c.response_ids) == budget for c in completions)
 
 
 @pytest.mark.parametrize("side,kept", [("right", "start"), ("left", "end"), ("middle", "both")])

@@ -11,8 +11,9 @@ run it unchanged. Its ``generate``:
    (``ToolSet.run``, concurrently on the sandbox's pool), each with its row's ``tools_kwargs`` (verl's
    ``extra_info.tools_kwargs[tool name]``);
 3. the tool turn's tokens (``grpo_mega.rollout.tool_turns``) are appended with mask 0 and log-prob 0;
-4. the next turn is one ``engine.generate`` over the live rows' whole token prefixes (``n = 1``, seed
-   ``derive_seed(seed, turn)``), until every row has ended.
+4. the next turn is ``engine.generate`` over the live rows' whole token prefixes (``n = 1``, seed
+   ``derive_seed(seed, turn)``; split into a few calls where one would pass the context, ``_continue``), until every
+   row has ended.
 
 Token in, token out: the policy's sampled ids and log-probs are kept exactly; only tool outputs and the template's
 turn boundaries are encoded. vLLM's prefix cache serves each row's prefix on the next turn; the hf engine
@@ -115,20 +116,50 @@ class TurnLoopEngine:
             sampling, stop=stop, max_new_tokens=min(per_turn, s.max_response_tokens)))
         rows = [_Row(c.prompt_index, list(prompt_ids[c.prompt_index]),
                      (tool_kwargs[c.prompt_index] if tool_kwargs is not None else None) or {}) for c in first]
+        context = getattr(self.engine, "context_length", None)  # None: the engine stops at its context itself
         outputs = first
         for turn in range(s.max_turns):
             live = [row for row in rows if row.live]
             if turn > 0:
-                budget = max(s.max_response_tokens - len(row.response_ids) for row in live)
-                outputs = self.engine.generate(
-                    [row.prompt_ids + row.response_ids for row in live],
-                    dataclasses.replace(sampling, n=1, seed=derive_seed(sampling.seed, turn), stop=stop,
-                                        max_new_tokens=min(per_turn, budget)))
+                live, outputs = self._continue(live, sampling, stop, per_turn, context, turn)
             calling = [row for row, out in zip(live, outputs) if self._take_turn(row, out, last=turn == s.max_turns - 1)]
             self._run_tools(calling)
             if not any(row.live for row in rows):
                 break
         return [self._completion(row) for row in rows]
+
+    def _continue(self, live: list["_Row"], sampling: SamplingConfig, stop: list[str], per_turn: int,
+                  context: int | None, turn: int) -> tuple[list["_Row"], list[Completion]]:
+        """The next turn of the live rows: ``engine.generate`` over their whole prefixes, ``n = 1``. A call takes one
+        ``max_new_tokens``, the largest live row's own limit (each row is cut to its own in ``_take_turn``). An
+        engine with a ``context_length`` (the hf engine: the model's ``max_position_embeddings``) refuses a call
+        whose longest prefix plus ``max_new_tokens`` passes it, though each row's prefix plus its own limit fits
+        (preflight checks ``data.prompt_length + algorithm.response_length``): there the rows, longest prefix first,
+        are split into as few calls as stay within it. vLLM checks the prompt alone and stops a sequence at its
+        ``max_model_len``: one call. Each call's seed is derived from the turn, and from the call's index when there
+        are several. Returns the rows in call order and their completions."""
+        limit = {id(row): min(per_turn, self.settings.max_response_tokens - len(row.response_ids)) for row in live}
+        order = sorted(live, key=lambda row: -len(row.prompt_ids) - len(row.response_ids))
+        calls: list[list[_Row]] = []
+        for row in order:
+            if calls:
+                head = calls[-1]
+                longest = len(head[0].prompt_ids) + len(head[0].response_ids)
+                if context is None or longest + max(limit[id(row)], *(limit[id(r)] for r in head)) <= context:
+                    head.append(row)
+                    continue
+            calls.append([row])
+        position = {id(row): index for index, row in enumerate(live)}
+        rows, outputs = [], []
+        for index, group in enumerate(calls):
+            group.sort(key=lambda row: position[id(row)])  # each call's rows in the loop's order
+            seed = derive_seed(sampling.seed, turn) if len(calls) == 1 else derive_seed(sampling.seed, turn, index)
+            outputs += self.engine.generate(
+                [row.prompt_ids + row.response_ids for row in group],
+                dataclasses.replace(sampling, n=1, seed=seed, stop=stop,
+                                    max_new_tokens=max(limit[id(row)] for row in group)))
+            rows += group
+        return rows, outputs
 
     # ------------------------------------------------------------------------- one turn
     def _take_turn(self, row: _Row, out: Completion, *, last: bool) -> bool:
