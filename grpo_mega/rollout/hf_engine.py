@@ -221,8 +221,14 @@ class HFRolloutEngine:
                     self.on_progress(done, len(prompt_ids))
         return [completion for group in by_prompt for completion in group]
 
+    @property
+    def context_length(self) -> int | None:
+        """The model's ``max_position_embeddings``: ``generate`` refuses a call whose longest prompt plus
+        ``max_new_tokens`` passes it (the multi-turn loop splits a turn's rows by it)."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def _check_length(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = self.context_length
         longest = max(len(p) for p in prompt_ids)
         if limit is not None and longest + max_new_tokens > limit:
             raise ValueError(
