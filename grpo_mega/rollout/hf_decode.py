@@ -90,6 +90,13 @@ class _StopScan:
         return ended
 
 
+def _sdpa_full_attention(model: torch.nn.Module) -> bool:
+    """Whether every layer of ``model`` is full attention through SDPA (the 4D boolean decode mask applies)."""
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return getattr(config, "_attn_implementation", None) == "sdpa" and layer_types == {"full_attention"}
+
+
 def decode(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -132,6 +139,11 @@ def decode(
     else:
         prompt_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         full_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, max_new_tokens)], dim=1)
+    # Given a 2D padding mask, transformers checks at every step whether it has padding
+    # (``masking_utils._ignore_causal_mask_sdpa``: a host read). For one-token steps of an all-SDPA full-attention
+    # model, the 4D boolean mask SDPA takes (True = attend; one query sees every cached position) is a slice of one
+    # tensor, handed over as transformers' per-layer-type mapping, which it uses as is.
+    mask_4d = full_mask.bool()[:, None, None, :] if full_mask is not None and _sdpa_full_attention(model) else None
     # Built once, sliced per step: the position of generated token s is the prompt's last position + 1 + s.
     positions = prompt_positions[:, -1:] + steps_ahead
     step_input, step_positions = input_ids[:, cached:], prompt_positions[:, cached:]
@@ -147,7 +159,12 @@ def decode(
     for step in range(max_new_tokens):
         steps = step + 1
         row_steps += len(host_rows)
-        mask = None if full_mask is None else full_mask[:, : length + step]
+        if full_mask is None:
+            mask = None
+        elif mask_4d is not None and step_input.shape[1] == 1:
+            mask = {"full_attention": mask_4d[..., : length + step]}
+        else:
+            mask = full_mask[:, : length + step]
         logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
         for fn in masks:
@@ -186,6 +203,7 @@ def decode(
                 batch_rows, live, positions, chosen = (
                     batch_rows[keep], live[keep], positions[keep], chosen[keep])
                 full_mask = None if full_mask is None else full_mask[keep]
+                mask_4d = None if mask_4d is None else mask_4d[keep]
         step_input = chosen[:, None]
         step_positions = positions[:, step: step + 1]
     # The end: one copy of tokens and log-probs (the log-probs' float32 bits carried exactly as integers).
