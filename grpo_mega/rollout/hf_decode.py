@@ -172,7 +172,7 @@ def decode(
         if greedy:
             chosen = logits.argmax(dim=-1)
         else:
-            chosen = sampler.sample(logits, rows, batch_rows)
+            chosen = sampler.sample(logits, rows, batch_rows if len(host_rows) < rows else None)
         chosen = torch.where(live, chosen, pad_token_id)
         chosen_logprobs = torch.log_softmax(logits / logprob_temperature, dim=-1).gather(1, chosen[:, None])[:, 0]
         tokens[:, step].index_copy_(0, batch_rows, chosen)

@@ -67,14 +67,17 @@ class TokenSampler:
                 probs = probs.masked_fill(probs < nucleus_threshold(probs, self.top_p)[:, None], 0.0)
         return probs, ids
 
-    def sample(self, logits: torch.Tensor, call_rows: int, batch_rows: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, call_rows: int, batch_rows: torch.Tensor | None) -> torch.Tensor:
         """[rows] sampled ids for ``logits`` [rows, vocab] (float32), whose rows are the call's rows
-        ``batch_rows`` out of ``call_rows``; noise from the device's default generator, none of it read on the host."""
+        ``batch_rows`` out of ``call_rows`` (None: all of them, in order); noise from the device's default
+        generator, none of it read on the host."""
         probs, ids = self.probabilities(logits)
         noise = torch.empty(call_rows, probs.shape[-1], device=probs.device, dtype=probs.dtype).exponential_()
+        if batch_rows is not None:
+            noise = noise.index_select(0, batch_rows)
         # An Exp(1) draw of exactly 0 (a uniform of 0 in float32) would make 0 / 0: the smallest normal float
         # keeps p / E finite for p <= 1 and 0 for removed tokens.
-        noise = noise.index_select(0, batch_rows).clamp_(min=torch.finfo(probs.dtype).tiny)
+        noise = noise.clamp_(min=torch.finfo(probs.dtype).tiny)
         chosen = (probs / noise).argmax(dim=-1)
         return chosen if ids is None else ids.gather(1, chosen[:, None])[:, 0]
 
