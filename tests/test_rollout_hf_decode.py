@@ -89,9 +89,10 @@ def test_sampled_tokens_do_not_depend_on_which_rows_remain_in_the_batch(model):
         assert torch.equal(late.tokens, kept.tokens)
         torch.testing.assert_close(late.logprobs, kept.logprobs, atol=1e-5, rtol=0)
         assert compacted.row_steps <= late.row_steps <= kept.row_steps
-    # top-k / top-p draw per call row too: still independent of the compaction
-    nucleus = TokenSampler(temperature=0.8, top_p=0.9)
-    assert torch.equal(sampled(0.25, 3, nucleus).tokens, sampled(2.0, 1, nucleus).tokens)
+    # both methods with top-p draw per call row too: still independent of the compaction
+    for method in ("race", "inverse_cdf"):
+        nucleus = TokenSampler(temperature=0.8, top_p=0.9, method=method)
+        assert torch.equal(sampled(0.25, 3, nucleus).tokens, sampled(2.0, 1, nucleus).tokens)
 
 
 @pytest.mark.parametrize("sync_every", [1, 5])

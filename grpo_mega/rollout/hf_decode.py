@@ -19,9 +19,10 @@ sliced. A stop string completed between checkpoints is found at the next one: th
 were sampled from the row's own noise, so the tokens before it are unchanged). Measured by
 tests/test_rollout_hf_decode_syncs.py: at most one host read per ``sync_every`` steps.
 
-Sampling is exact and does not depend on the batch (``grpo_mega.rollout.sampling``): the noise is drawn for every row
-of the call at every step, so a row's tokens are the same whichever rows are still in the batch, with or without
-compaction, and whatever ``sync_every`` (tests/test_rollout_hf_decode.py). Log-probs are ``log_softmax(logits / T)``
+Sampling is exact and does not depend on the batch (``grpo_mega.rollout.sampling``: an exponential race on CUDA, the
+inverse CDF elsewhere, neither sorting the vocabulary): the random numbers are drawn for every row of the call at every
+step, so a row's tokens are the same whichever rows are still in the batch, with or without compaction, and whatever
+``sync_every`` (tests/test_rollout_hf_decode.py). Log-probs are ``log_softmax(logits / T)``
 of the raw logits after the masks (``rollout.base``), gathered at the sampled token.
 """
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_mega.rollout.sampling import TokenSampler
+from grpo_mega.rollout.sampling import TokenSampler, method_for
 
 COMPACT_AT = 0.25
 """Finished rows, as a share of the batch, at which the batch is compacted."""
@@ -120,7 +121,7 @@ def decode(
     continued in place).
 
     ``masks`` apply to the raw logits (their log-softmax at ``logprob_temperature`` gives the log-probs),
-    ``sampler`` (default: temperature 1, no top-k / top-p) then draws; ``greedy`` takes the argmax instead. A row
+    ``sampler`` (default: temperature 1, no top-k / top-p, the device's method) then draws; ``greedy`` takes the argmax instead. A row
     ends at an EOS id (kept) or once ``stopped`` says its tokens so far complete a stop string. ``compact_at`` > 1
     never compacts. ``sync_every``: steps between host reads (default :data:`SYNC_EVERY_CUDA` on CUDA, 1 elsewhere).
     """
@@ -128,7 +129,7 @@ def decode(
         sync_every = SYNC_EVERY_CUDA if input_ids.device.type == "cuda" else 1
     if sync_every < 1:
         raise ValueError(f"decode: sync_every must be >= 1, got {sync_every}")
-    sampler = sampler or TokenSampler()
+    sampler = sampler or TokenSampler(method=method_for(input_ids.device))
     rows, length = input_ids.shape
     device = input_ids.device
     cached = cache.get_seq_length()

@@ -40,7 +40,7 @@ from grpo_mega.rollout.base import (
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.hf_routes import routed_experts
 from grpo_mega.rollout.kv_cache import preallocated_cache
-from grpo_mega.rollout.sampling import TokenSampler
+from grpo_mega.rollout.sampling import TokenSampler, method_for
 from grpo_mega.rollout.stopping import cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
 
@@ -57,12 +57,13 @@ class PastTokenizerMask(LogitsProcessor):
         return scores
 
 
-def _token_sampler(sampling: SamplingConfig) -> TokenSampler | None:
-    """Temperature, top-k, top-p in transformers' order, sampled without a sort (``grpo_mega.rollout.sampling``);
-    None when greedy."""
+def _token_sampler(sampling: SamplingConfig, device: torch.device) -> TokenSampler | None:
+    """Temperature, top-k, top-p in transformers' order, sampled without a sort by the device's method
+    (``grpo_mega.rollout.sampling``); None when greedy."""
     if sampling.greedy:
         return None
-    return TokenSampler(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    return TokenSampler(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                        method=method_for(device))
 
 
 def _eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> set[int]:
@@ -252,7 +253,7 @@ class HFRolloutEngine:
             self.model, input_ids.repeat_interleave(samples, dim=0),
             None if attention_mask is None else attention_mask.repeat_interleave(samples, dim=0),
             cache, max_new_tokens=sampling.max_new_tokens, eos_token_ids=sorted(self.eos_token_ids),
-            pad_token_id=self.pad_token_id, masks=self._masks, sampler=_token_sampler(sampling),
+            pad_token_id=self.pad_token_id, masks=self._masks, sampler=_token_sampler(sampling, self.device),
             greedy=sampling.greedy, logprob_temperature=sampling.logprob_temperature,
             stopped=(lambda ids: any(s in self._decode(ids) for s in stop)) if stop else None,
         )

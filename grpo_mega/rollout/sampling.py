@@ -18,9 +18,12 @@ inverse-CDF sampling needs a cumulative sum over it and a host check for the tar
 
 Batch independence (the decode loop's contract): the noise is drawn for EVERY row of the call at every step
 (``call_rows``), finished or compacted-away rows included, and the batch's rows take their own call row's noise, so a
-row's tokens do not depend on which other rows are still in the batch. The samples differ from the inverse-CDF
+row's tokens do not depend on which other rows are still in the batch. The race's samples differ from the inverse-CDF
 sampler's at the same seed (other random numbers per token); the distribution is the same
-(tests/test_rollout_sampling.py: chi-square against transformers' warpers).
+(tests/test_rollout_sampling.py: chi-square against transformers' warpers). Off CUDA the engine keeps the inverse
+CDF (``method_for``): one uniform per call row, a cumulative sum over the vocabulary (no sort either), the same
+samples as the sampler before issue 77 at a seed, but for ties at the top-k boundary or the nucleus threshold and the
+rounding of an unnormalised versus a renormalised cumulative sum.
 """
 
 from __future__ import annotations
@@ -41,8 +44,14 @@ class TokenSampler:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    method: str = "race"
+    """``race`` (the exponential race: rows x vocabulary noise, no scan) or ``inverse_cdf`` (one uniform per row and
+    a cumulative sum over the vocabulary: the sampler before issue 77, whose samples it reproduces at a seed; 2-3x
+    cheaper than the race's noise on the CPU for vocabularies of 2k-32k ids). :func:`method_for` picks per device."""
 
     def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"TokenSampler.method must be one of {METHODS}, got {self.method!r}")
         if not self.temperature > 0:
             raise ValueError(f"TokenSampler.temperature must be > 0 (greedy is the decode loop's own), "
                              f"got {self.temperature}")
@@ -72,6 +81,13 @@ class TokenSampler:
         ``batch_rows`` out of ``call_rows`` (None: all of them, in order); noise from the device's default
         generator, none of it read on the host."""
         probs, ids = self.probabilities(logits)
+        if self.method == "inverse_cdf":
+            uniform = torch.rand(call_rows, device=probs.device)  # one per row of the call
+            if batch_rows is not None:
+                uniform = uniform.index_select(0, batch_rows)
+            if ids is not None:  # back to vocabulary order, as the warpers left it
+                probs = torch.zeros_like(logits).scatter_(1, ids, probs)
+            return sample_inverse_cdf(probs, uniform)
         noise = torch.empty(call_rows, probs.shape[-1], device=probs.device, dtype=probs.dtype).exponential_()
         if batch_rows is not None:
             noise = noise.index_select(0, batch_rows)
@@ -80,6 +96,15 @@ class TokenSampler:
         noise = noise.clamp_(min=torch.finfo(probs.dtype).tiny)
         chosen = (probs / noise).argmax(dim=-1)
         return chosen if ids is None else ids.gather(1, chosen[:, None])[:, 0]
+
+
+METHODS = ("race", "inverse_cdf")
+
+
+def method_for(device: torch.device) -> str:
+    """The sampling method of a device: the race on CUDA (no scan, no sort; noise is cheap there), the inverse CDF
+    elsewhere (the CPU's random numbers cost more than its scan; the same samples as before issue 77)."""
+    return "race" if torch.device(device).type == "cuda" else "inverse_cdf"
 
 
 def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
