@@ -40,25 +40,28 @@ def engine():
     return HFRolloutEngine(model, tokenizer, generation_batch_size=8)
 
 
-def counted_generate(engine, monkeypatch, prompts, sampling):
-    """One generate call on the CUDA schedule, with its host syncs and sorts counted. The engine runs under
-    ``torch.inference_mode``, which hides ``item`` / ``_to_copy`` from dispatch modes: counted under ``no_grad``."""
+def counted_generate(engine, monkeypatch, prompts, sampling, method="race"):
+    """One generate call on the CUDA schedule (a host read every 16 steps, the CUDA sampler unless ``method`` says
+    otherwise), with its host syncs and sorts counted. The engine runs under ``torch.inference_mode``, which hides
+    ``item`` / ``_to_copy`` from dispatch modes: counted under ``no_grad``."""
     monkeypatch.setattr(hf_engine, "decode", functools.partial(decode, sync_every=SYNC_EVERY_CUDA))
+    monkeypatch.setattr(hf_engine, "method_for", lambda device: method)
     monkeypatch.setattr(torch, "inference_mode", torch.no_grad)
     with HostSyncCounter() as counter:
         completions = engine.generate(prompts, sampling)
     return completions, counter
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.9), (0, 0.9)])
-def test_one_host_read_per_16_decode_steps_and_no_sort_of_the_vocabulary(engine, monkeypatch, top_k, top_p):
+@pytest.mark.parametrize("method, top_k, top_p", [("race", 0, 1.0), ("race", 5, 0.9), ("race", 0, 0.9),
+                                                   ("inverse_cdf", 5, 0.9)])
+def test_one_host_read_per_16_decode_steps_and_no_sort_of_the_vocabulary(engine, monkeypatch, method, top_k, top_p):
     prompts = [engine.tokenizer.encode(text, add_special_tokens=False) for text in ("abc12", "hello", "q9q9q")]
     for new in (32, 64):
         sampling = SamplingConfig(temperature=0.9, top_k=top_k, top_p=top_p, n=4, max_new_tokens=new, seed=1)
-        completions, counter = counted_generate(engine, monkeypatch, prompts, sampling)
+        completions, counter = counted_generate(engine, monkeypatch, prompts, sampling, method)
         assert all(len(c.response_ids) == new for c in completions)  # every row ran every step
         assert counter.syncs <= new // 16, (new, counter.by_op)
-        print(f"{top_k=} {top_p=} {new} steps: {counter.syncs} host reads {dict(counter.by_op)}")
+        print(f"{method} {top_k=} {top_p=} {new} steps: {counter.syncs} host reads {dict(counter.by_op)}")
         # top-k returns k of the vocabulary; nothing sorts or selects over the whole vocabulary
         assert all(name.startswith("aten.topk") and k == top_k for name, _, k in counter.sorts), counter.sorts
         assert bool(counter.sorts) == bool(top_k)
