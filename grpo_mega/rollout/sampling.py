@@ -136,5 +136,5 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     chosen = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # The target rounded up to the total: the token at which the CDF reaches the total (it has probability), found
     # by one search per row rather than a pass over the vocabulary, and with no host check of whether any row did.
-    last_possible = torch.searchsorted(cdf, cdf[:, -1:], right=False).squeeze(1)
+    last_possible = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False).squeeze(1)
     return torch.where(chosen >= probs.shape[1], last_possible, chosen)
