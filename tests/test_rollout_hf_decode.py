@@ -1,13 +1,17 @@
 """The hf engine's decode loop (grpo_mega.rollout.hf_decode): greedy decoding equals transformers' generate token
-for token while ended rows leave the batch; sampled tokens do not depend on the compaction; the inverse-CDF sampler
-draws from the distribution it is given. The engine around it: tests/test_rollout_hf.py."""
+for token while ended rows leave the batch; sampled tokens do not depend on the compaction nor on how often the host
+reads the device (``sync_every``); stop strings found at a later checkpoint end rows where the per-step check did;
+the inverse-CDF reference sampler draws from the distribution it is given. The engine around it:
+tests/test_rollout_hf.py; host syncs and the sampler: tests/test_rollout_hf_decode_syncs.py,
+tests/test_rollout_sampling.py."""
 
 import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_mega.rollout.hf_decode import decode, sample_inverse_cdf
+from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.kv_cache import preallocated_cache
+from grpo_mega.rollout.sampling import TokenSampler, sample_inverse_cdf
 
 PAD = 0
 NEW = 16
@@ -69,9 +73,9 @@ def test_greedy_equals_transformers_generate_while_ended_rows_leave_the_batch(mo
 def test_sampled_tokens_do_not_depend_on_which_rows_remain_in_the_batch(model):
     eos = _ending_token(model)
 
-    def sampled(compact_at):
+    def sampled(compact_at, sync_every=1, sampler=None):
         torch.manual_seed(7)
-        return _decode(model, eos=[eos], compact_at=compact_at)
+        return _decode(model, eos=[eos], compact_at=compact_at, sync_every=sync_every, sampler=sampler)
 
     compacted, kept = sampled(0.25), sampled(2.0)  # 2.0: never compacts
     assert torch.equal(compacted.tokens, kept.tokens)
@@ -79,17 +83,37 @@ def test_sampled_tokens_do_not_depend_on_which_rows_remain_in_the_batch(model):
     assert compacted.row_steps < kept.row_steps == kept.tokens.numel()
     ended = (compacted.tokens == eos).any(dim=1)
     assert ended.any() and not ended.all()  # some rows ended early, the others ran to the limit
+    # The CUDA schedule (a host read every few steps: ended rows wait longer for the compaction) on the same noise
+    for sync_every in (3, 16):
+        late = sampled(0.25, sync_every)
+        assert torch.equal(late.tokens, kept.tokens)
+        torch.testing.assert_close(late.logprobs, kept.logprobs, atol=1e-5, rtol=0)
+        assert compacted.row_steps <= late.row_steps <= kept.row_steps
+    # both methods with top-p draw per call row too: still independent of the compaction
+    for method in ("race", "inverse_cdf"):
+        nucleus = TokenSampler(temperature=0.8, top_p=0.9, method=method)
+        assert torch.equal(sampled(0.25, 3, nucleus).tokens, sampled(2.0, 1, nucleus).tokens)
 
 
-def test_a_stop_callback_ends_a_row_after_the_token_that_completes_it(model):
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_a_stop_callback_ends_a_row_after_the_token_that_completes_it(model, sync_every):
+    """Every step (the CPU's schedule) or found up to 4 steps late at a checkpoint (the CUDA one): the same ends."""
     free = _reference_greedy(model, eos=None)
     target = free[2, 3].item()  # row 2 ends at its 4th token (or earlier if that token came before)
-    ours = _decode(model, eos=[], greedy=True, stopped=lambda ids: target in ids)
+    calls = []
+
+    def stopped(ids):
+        calls.append(len(ids))
+        return target in ids
+
+    ours = _decode(model, eos=[], greedy=True, stopped=stopped, sync_every=sync_every)
     for row in range(free.shape[0]):
         hits = (free[row] == target).nonzero()[:, 0]
         end = int(hits[0]) + 1 if len(hits) else NEW
         assert ours.tokens[row, :end].tolist() == free[row, :end].tolist()
         assert (ours.tokens[row, end:] == PAD).all()
+        assert (ours.logprobs[row, end:] == 0).all() and (ours.logprobs[row, :end] < 0).all()
+    assert max(calls) <= NEW  # never asked about tokens past the limit
 
 
 def test_inverse_cdf_sampling_draws_from_the_distribution_and_never_a_zero_probability_token():

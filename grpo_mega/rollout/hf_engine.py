@@ -5,7 +5,8 @@ call for prompt + new tokens (``grpo_mega.rollout.kv_cache``) instead of growing
 
 Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
 the tokenizer's ids (no top-p / top-k renormalisation; see ``rollout.base`` for the definition), before the
-temperature / top-k / top-p warpers (transformers' own) shape what is sampled.
+temperature / top-k / top-p shape what is sampled (``grpo_mega.rollout.sampling``: transformers' warpers' distribution,
+drawn without sorting the vocabulary).
 Ids past the tokenizer (a checkpoint's padded embedding rows) are masked before it, so they are never sampled.
 
 Sampling is defined by :class:`SamplingConfig` alone: the engine replaces the model's ``generation_config``
@@ -24,9 +25,6 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from grpo_mega.rollout.base import (
@@ -42,6 +40,7 @@ from grpo_mega.rollout.base import (
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.hf_routes import routed_experts
 from grpo_mega.rollout.kv_cache import preallocated_cache
+from grpo_mega.rollout.sampling import TokenSampler, method_for
 from grpo_mega.rollout.stopping import cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
 
@@ -58,18 +57,13 @@ class PastTokenizerMask(LogitsProcessor):
         return scores
 
 
-def _sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
-    """Temperature, top-k, top-p (transformers' own warpers, in transformers' order); none when greedy."""
+def _token_sampler(sampling: SamplingConfig, device: torch.device) -> TokenSampler | None:
+    """Temperature, top-k, top-p in transformers' order, sampled without a sort by the device's method
+    (``grpo_mega.rollout.sampling``); None when greedy."""
     if sampling.greedy:
-        return []
-    warpers: list[LogitsProcessor] = []
-    if sampling.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.top_k > 0:
-        warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
-    if sampling.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
-    return warpers
+        return None
+    return TokenSampler(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                        method=method_for(device))
 
 
 def _eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> set[int]:
@@ -236,14 +230,18 @@ class HFRolloutEngine:
                 f"model's max_position_embeddings ({limit})"
             )
 
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P, L] input ids padded on the left (generation appends on the right) and the attention mask."""
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[P, L] input ids padded on the left (generation appends on the right) and the attention mask; None when
+        every prompt has the same length (decided on the host: a mask on the device would be checked by
+        transformers at every decode step, a host round trip each)."""
         length = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention_mask[row, length - len(prompt) :] = 1
+        if all(len(prompt) == length for prompt in prompts):
+            return input_ids.to(self.device), None
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _generate_chunk(
@@ -258,9 +256,10 @@ class HFRolloutEngine:
                                           capacity=prompt_length + sampling.max_new_tokens)
         stop = sampling.stop
         decoded = decode(
-            self.model, input_ids.repeat_interleave(samples, dim=0), attention_mask.repeat_interleave(samples, dim=0),
+            self.model, input_ids.repeat_interleave(samples, dim=0),
+            None if attention_mask is None else attention_mask.repeat_interleave(samples, dim=0),
             cache, max_new_tokens=sampling.max_new_tokens, eos_token_ids=sorted(self.eos_token_ids),
-            pad_token_id=self.pad_token_id, masks=self._masks, warpers=_sampling_warpers(sampling),
+            pad_token_id=self.pad_token_id, masks=self._masks, sampler=_token_sampler(sampling, self.device),
             greedy=sampling.greedy, logprob_temperature=sampling.logprob_temperature,
             stopped=(lambda ids: any(s in self._decode(ids) for s in stop)) if stop else None,
         )
@@ -291,7 +290,7 @@ class HFRolloutEngine:
         return completions
 
     @torch.no_grad()
-    def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: int, *,
+    def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, samples: int, *,
                              capacity: int):
         """The KV cache generate starts from: each prompt but its last token run once and its cache repeated for
         its ``samples`` rows (what ``num_return_sequences`` would compute ``samples`` times); an empty cache when
@@ -301,8 +300,11 @@ class HFRolloutEngine:
         if samples == 1 or input_ids.shape[1] < 2:
             return cache
         # The positions generate gives left-padded rows: 0 at the first real token.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        self.model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+        if attention_mask is None:  # no padding
+            position_ids, prefix_mask = torch.arange(input_ids.shape[1], device=input_ids.device)[None], None
+        else:
+            position_ids, prefix_mask = (attention_mask.cumsum(-1) - 1).clamp(min=0), attention_mask[:, :-1]
+        self.model(input_ids=input_ids[:, :-1], attention_mask=prefix_mask,
                    position_ids=position_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(samples)
         return cache
