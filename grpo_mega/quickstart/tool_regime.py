@@ -81,8 +81,9 @@ def build_tool_data_and_model(run_dir: Path, plan: ToolRegimePlan) -> tuple[Path
     model_dir = run_dir / "model"
     # Twice the longest sequence: the hf engine refuses a turn-loop call whose longest prefix plus the largest row's
     # budget passes max_position_embeddings, so with no room to spare a later turn is split into many small calls
-    # (measured 2026-12-07: 2 GRPO steps of 32 x 8 rollouts, 148 s and 240 s of generation at 256 on a loaded
-    # machine; 7.2 / 7.3 / 6.3 s per step at 512 on an idle one). RoPE positions past max_length are never trained.
+    # (2026-12-07, 32 x 8 rollouts per step: 7.2 / 7.3 / 6.3 s of generation per step at 512 on an idle machine; the
+    # runs at 256 were on a loaded one, 148 s and 240 s, so not a clean comparison). Positions past max_length are
+    # never trained.
     config = Qwen2Config(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **{**POLICY_SHAPE, "max_position_embeddings": 2 * plan.max_length},
