@@ -62,13 +62,13 @@ def test_a_trained_prm_scores_on_vllm_from_its_run_directory_exported_once(prm_t
     assert "model.safetensors" in manifest["files"] and "tokenizer.json" in manifest["files"]
     assert manifest["source"]["file"] == "complete.json"
     assert not list(export.parent.glob(".tmp-*")), "the staging folder was published by a rename"
-    assert "exporting the PRM" in log
+    assert "writing a Hugging Face export of the PRM" in log and "into its folder" in log
 
     weights = export / "model.safetensors"
     written = weights.stat().st_mtime_ns
     again, log = _score(trained_run, data, tmp_path / "again.jsonl", "vllm")
     assert again == got and weights.stat().st_mtime_ns == written, "a verified export is read, not rewritten"
-    assert "exporting the PRM" not in log
+    assert "export of the PRM" not in log and "exporting the PRM" not in log
 
     # one byte of the exported weights changed, the size kept: found by its CRC-32 and exported again
     raw = bytearray(weights.read_bytes())

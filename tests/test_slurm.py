@@ -266,7 +266,7 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
     assert len(stopped) == 2 and stopped[0] == stopped[1] and 1 <= stopped[0] < total, text[-4000:]
     first, second = text.split("SLURM_RESTART_COUNT=1")
     assert "USR1 received" in first and "step label exited with status 0" in first
-    assert "labelling skipped" in second and "step label" not in second
+    assert "labelling skipped" in second and ": step label " not in second  # the job's step, not a log's words
     assert re.search(rf"resumed from \S*step_{stopped[0]:06d} at step {stopped[0]}", second), second[-4000:]
     # Every PRM step logged exactly once across the two runs, and the final checkpoint written.
     assert _logged_steps(prm_run) == list(range(1, total + 1))

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from grpo_mega.tools import SandboxConfig, ToolCall, build_toolset
-from grpo_mega.tools.isolation import SANDBOX_UID_BASE
+from grpo_mega.tools.isolation import SANDBOX_UID_BASE, WRITABLE_FOLDERS
 
 TIMEOUT_S = 2.0
 AS_ROOT = os.geteuid() == 0
@@ -32,11 +32,33 @@ def toolset():
         yield tools
 
 
+def _visible_to_calls(path: Path) -> bool:
+    """Whether a call can see ``path``: not under the folders it gets a tmpfs of its own on, and every folder above
+    it open to other users (a folder closed to them, /root with a pyenv Python, is hidden but for the interpreter's
+    own folders)."""
+    path = path.resolve()
+    if any(path == Path(w) or Path(w) in path.parents for w in WRITABLE_FOLDERS):
+        return False
+    return all(folder.stat().st_mode & 0o001 for folder in [*reversed(path.parents), path])
+
+
+def _run_folder_parent() -> Path:
+    """Where the test's run folder goes: beside the repository when calls can see it there (a clone under /tmp or
+    /root is hidden from them), else a folder of root's under /var/lib (we are root where the sandbox isolates)."""
+    repo = Path(__file__).resolve().parent.parent
+    if _visible_to_calls(repo) or not AS_ROOT:
+        return repo
+    parent = Path("/var/lib/grpo-mega-tool-tests")
+    parent.mkdir(mode=0o755, exist_ok=True)
+    parent.chmod(0o755)
+    return parent
+
+
 @pytest.fixture(scope="module")
 def run_folder():
     """A run folder as the trainer leaves it (root's, when we are root), where run folders are (not under /tmp:
     the calls have a /tmp of their own and would not even see it): what a call must not touch."""
-    folder = Path(tempfile.mkdtemp(prefix=".test-tool-run-", dir=Path(__file__).resolve().parent.parent))
+    folder = Path(tempfile.mkdtemp(prefix=".test-tool-run-", dir=_run_folder_parent()))
     folder.chmod(0o755)
     (folder / "checkpoints").mkdir()
     (folder / "checkpoints" / "model.pt").write_bytes(b"weights" * 100)

@@ -51,6 +51,7 @@ from grpo_mega.run.folder import check_run_folder
 from grpo_mega.run.interrupts import pause_point
 from grpo_mega.run.layout import CONFIG_FILE, STEP_DIR
 from grpo_mega.run.metrics import MetricsLogger, logger_options
+from grpo_mega.run.progress import forget_skipped_rows
 from grpo_mega.run.watchdog import PhaseWatchdog
 
 def on_schedule(step: int, every: int, total_steps: int) -> bool:
@@ -70,6 +71,7 @@ class RunHarness:
     def __init__(self, cfg: Any, *, command: str = "grpo-mega"):
         self.cfg = cfg
         self.command = command
+        forget_skipped_rows()  # this run's done line names this run's bad rows (its prompt files load after this)
         run = cfg.trainer
         self._resume_point: Path | None = None  # the newest complete checkpoint of this run: where a resume starts
         self.startup = StartupClock()
@@ -190,8 +192,12 @@ class RunHarness:
         saved = match is not None and step is not None and int(match.group(1)) >= step
         what = "during start-up" if step is None else f"after saving step {step}" if saved else \
             f"without saving step {step}"
-        print(f"{self.command}: {reason}: stopped at once {what}; the same command resumes from {where}",
-              file=sys.stderr, flush=True)
+        line = f"{self.command}: {reason}: stopped at once {what}; the same command resumes from {where}\n"
+        sys.stderr.flush()
+        try:  # one write, newline included: the lines of ranks sharing a stderr never interleave
+            os.write(sys.stderr.fileno(), line.encode())
+        except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+            print(line, end="", file=sys.stderr, flush=True)
         os._exit(exit_status_stopped_now(signum))
 
     def fail_step(self, step: int, metrics: dict[str, float]) -> None:

@@ -143,7 +143,8 @@ def decode(
     # Given a 2D padding mask, transformers checks at every step whether it has padding
     # (``masking_utils._ignore_causal_mask_sdpa``: a host read). For one-token steps of an all-SDPA full-attention
     # model, the 4D boolean mask SDPA takes (True = attend; one query sees every cached position) is a slice of one
-    # tensor, handed over as transformers' per-layer-type mapping, which it uses as is.
+    # tensor, handed over as a 4D tensor, which ``create_causal_mask`` returns as is (every model class goes through it;
+    # a per-layer-type dict would be taken as is by Qwen2 / Llama but not by Qwen3-MoE, whose forward has no mapping).
     mask_4d = full_mask.bool()[:, None, None, :] if full_mask is not None and _sdpa_full_attention(model) else None
     # Built once, sliced per step: the position of generated token s is the prompt's last position + 1 + s.
     positions = prompt_positions[:, -1:] + steps_ahead
@@ -163,7 +164,7 @@ def decode(
         if full_mask is None:
             mask = None
         elif mask_4d is not None and step_input.shape[1] == 1:
-            mask = {"full_attention": mask_4d[..., : length + step]}
+            mask = mask_4d[..., : length + step]
         else:
             mask = full_mask[:, : length + step]
         logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions, past_key_values=cache,

@@ -31,6 +31,12 @@ def note_skipped_rows(source: str, count: int, first: str) -> None:
     _SKIPPED_ROWS[source] = (count, first)
 
 
+def forget_skipped_rows() -> None:
+    """Start a run's record afresh: a process that runs several (a test worker, ``grpo_mega.cli.main`` called from
+    Python) must not end one run's ``done`` line with an earlier run's bad rows (``RunHarness`` calls this first)."""
+    _SKIPPED_ROWS.clear()
+
+
 def skipped_rows_text() -> str:
     """``"; skipped 2 bad rows of train.jsonl (the first: train.jsonl:7: ...)"`` per file read, or ``""``."""
     return "".join(f"; skipped {count} bad row{'s' if count > 1 else ''} of {source} (the first: {first:.160})"
