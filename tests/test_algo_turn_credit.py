@@ -153,6 +153,8 @@ def test_max_turns_is_scored_as_the_argument_says(form):
     assert not torch.allclose(as_wrong, plain)
     if form == "bounded":  # the outcome's sign holds: a stopped rollout scored wrong is not paid
         assert as_wrong[3, :4].max() < 0 < as_is[3, :4].min()
+    else:  # `sum`: scored wrong, its well-scored turn still pays it (documented)
+        assert as_wrong[3, :4].min() > 0
 
 
 def test_bounded_hand_computed():
