@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_mega.algo.turn_credit import adjusted_outcomes, turn_advantages, turn_term_credit, turn_token_index
+from grpo_mega.algo.turn_credit import (adjusted_outcomes, turn_advantages, turn_tensors, turn_term_credit,
+                                        turn_token_index)
+from grpo_mega.rollout.base import TurnRecord
 
 TOOL_TOKENS = 2  # tool-output tokens after every turn but the last
 
@@ -194,3 +196,13 @@ def test_bad_input_is_refused_with_the_field():
     with pytest.raises(ValueError, match="form must be one of"):
         turn_advantages(torch.tensor([1.0, 0.0]), rewards, torch.tensor([[[0, 3], [4, 5]], [[0, 1], [-1, -1]]]), 6, 2,
                         form="per_turn_index")
+
+
+def test_turn_tensors_from_turn_records():
+    turns = [[TurnRecord(0, 3, "tool_call", tool_end=5), TurnRecord(5, 7, "answer")],
+             [TurnRecord(0, 2, "tool_call", tool_end=4), TurnRecord(4, 6, "max_turns")],
+             [TurnRecord(0, 4, "void")]]
+    spans, answered, stopped = turn_tensors(turns)
+    assert spans.tolist() == [[[0, 3], [5, 7]], [[0, 2], [4, 6]], [[0, 4], [-1, -1]]]
+    assert answered.tolist() == [True, False, False] and stopped.tolist() == [False, True, False]
+    assert turn_token_index(spans, 8).tolist()[0] == [0, 0, 0, -1, -1, 1, 1, -1]  # tool tokens 3, 4: no turn

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from grpo_mega.algo._checks import check_group_layout
+from typing import Any, Sequence
+
+from grpo_mega.algo._checks import check_finite_rows, check_group_layout
 from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages
 from grpo_mega.algo.choices import MAX_TURNS_OUTCOMES, TURN_CREDIT_FORMS
 
@@ -61,13 +63,29 @@ def turn_token_index(turn_spans: torch.Tensor, response_length: int) -> torch.Te
         inside.shape[0], -1))
 
 
+def turn_tensors(turns: Sequence[Sequence[Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(turn_spans [B, K, 2], answered [B], stopped_at_max_turns [B])`` from each completion's
+    ``Completion.turns`` (``TurnRecord``s with ``start``, ``end``, ``ended``): K the most turns of any completion,
+    answered where a turn ended with a final answer, stopped where the last turn ended at ``max_turns``."""
+    num_turns = max((len(t) for t in turns), default=0)
+    spans = torch.full((len(turns), max(num_turns, 1), 2), -1, dtype=torch.long)
+    for row, records in enumerate(turns):
+        for k, record in enumerate(records):
+            spans[row, k] = torch.tensor([record.start, record.end])
+    answered = torch.tensor([any(r.ended == "answer" for r in records) for records in turns], dtype=torch.bool)
+    stopped = torch.tensor([bool(records) and records[-1].ended == "max_turns" for records in turns],
+                           dtype=torch.bool)
+    return spans[:, :num_turns], answered, stopped
+
+
 def adjusted_outcomes(outcome_rewards: torch.Tensor, answered: torch.Tensor | None,
                       stopped_at_max_turns: torch.Tensor | None, *, wrong_reward: float = 0.0,
                       max_turns_outcome: str = "wrong") -> torch.Tensor:
     """The outcome rewards the advantages use: ``min(r_i, wrong_reward)`` for a completion with no final answer (a
     missing answer never pays more than a wrong one); a rollout stopped at ``max_turns`` is scored by
     ``max_turns_outcome``: ``wrong`` as a wrong answer (``min(r_i, wrong_reward)``), ``as_is`` with its reward as it
-    is (the checker's verdict on whatever it produced), whether it answered or not."""
+    is (the checker's verdict on whatever it produced), whether it answered or not. ``wrong_reward`` is the reward
+    of a wrong answer (the lowest a checked answer gets)."""
     if max_turns_outcome not in MAX_TURNS_OUTCOMES:
         raise ValueError(f"max_turns_outcome must be one of {MAX_TURNS_OUTCOMES}, got {max_turns_outcome!r}")
     capped = outcome_rewards.clamp(max=wrong_reward)
@@ -126,6 +144,7 @@ def turn_advantages(
     token_turn = turn_token_index(turn_spans, response_length)
     policy = token_turn >= 0
     valid = turn_spans[..., 0] >= 0
+    check_finite_rows(torch.where(valid, turn_rewards, torch.zeros_like(turn_rewards)), "turn_rewards", group_size)
     rewards = adjusted_outcomes(outcome_rewards, answered, stopped_at_max_turns, wrong_reward=wrong_reward,
                                 max_turns_outcome=max_turns_outcome)
     outcome = outcome_advantages(rewards, group_size, scale_by_std=scale_by_std, eps=eps)
