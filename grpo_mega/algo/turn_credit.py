@@ -9,7 +9,9 @@ Forms (``TURN_CREDIT_FORMS``); ``A^O_i`` is the outcome advantage (:func:`outcom
 
 - ``sum``: ``A_{i,t} = A^O_i + w * sum_{j >= k(t)} n_{i,j}``, ``n`` the turn rewards normalised over the group's
   pooled turns (DeepSeekMath 4.1.3 suffix sums, :func:`process_advantages`): today's process credit with turns as
-  steps. Unbounded: an extra turn with ``n > 0`` adds to every token before it (the known hazard).
+  steps, the outcome added as its own normalised term (not to the last step's reward, as
+  ``process_reward.outcome_on_last_step`` does) so that both forms carry the same ``A^O``. Unbounded: an extra turn
+  with ``n > 0`` adds to every token before it (the known hazard).
 - ``bounded``: ``A_{i,t} = A^O_i * (1 + m_{i,k(t)})`` (AgentOPSD's reweighting), with
   ``z = normalize_step_rewards(r)`` (pooled over the group's turns, not per turn index: verl #7244's bias),
   ``u_{i,k} = clip(w * z_{i,k}, -b, b)`` and ``m_{i,k} = u_{i,k} - sum_j L_{i,j} u_{i,j} / sum_j L_{i,j}`` (L the
@@ -18,9 +20,9 @@ Forms (``TURN_CREDIT_FORMS``); ``A^O_i`` is the outcome advantage (:func:`outcom
   any, so no extra, void or split turn can raise it. ``|m| <= 2b < 1`` keeps the factor in ``[1-2b, 1+2b]``, so
   ``sign(A_{i,t}) = sign(A^O_i)``: the outcome's sign never flips.
 
-A completion with ``A^O_i = 0`` (a group whose outcomes all agree) gets 0 on every token under ``bounded``: with no
-outcome to anchor a sign, a turn term alone is the unbounded per-turn credit that the hazards are about (IRC, -14
-points), and GRPO gives such a group no gradient either.
+A completion with ``A^O_i = 0`` (a group whose outcomes all agree, or a reward exactly at the group's mean) gets 0
+on every token under ``bounded``: with no outcome to anchor a sign, a turn term alone is the unbounded per-turn
+credit that the hazards are about (IRC, -14 points), and GRPO gives such a group no gradient either.
 """
 
 from __future__ import annotations
