@@ -16,9 +16,11 @@ Forms (``TURN_CREDIT_FORMS``); ``A^O_i`` is the outcome advantage (:func:`outcom
   ``z = normalize_step_rewards(r)`` (pooled over the group's turns, not per turn index: verl #7244's bias),
   ``u_{i,k} = clip(w * z_{i,k}, -b, b)`` and ``m_{i,k} = u_{i,k} - sum_j L_{i,j} u_{i,j} / sum_j L_{i,j}`` (L the
   turns' policy-token counts): the turn term is centred within its completion, token-weighted, so
-  ``sum_t A_{i,t} = A^O_i * L_i`` exactly: the turn term moves credit between a completion's turns and never adds
-  any, so no extra, void or split turn can raise it. ``|m| <= 2b < 1`` keeps the factor in ``[1-2b, 1+2b]``, so
-  ``sign(A_{i,t}) = sign(A^O_i)``: the outcome's sign never flips.
+  ``sum_t A_{i,t} = A^O_i * L_i`` exactly: the turn term moves credit between a completion's turns and adds none
+  (``D_i = sum_t (A_{i,t} - A^O_i) = 0``, :func:`turn_term_credit`), so no extra, void or split turn can raise what
+  turn credit pays. ``|m| <= 2b < 1`` keeps the factor in ``[1-2b, 1+2b]``, so ``sign(A_{i,t}) = sign(A^O_i)``:
+  the outcome's sign never flips. A reweighting was chosen over an additive term capped at ``|A^O_i| (1 - eps)``
+  because its bound needs no per-completion cap and it scales with the outcome's own confidence.
 
 A completion with ``A^O_i = 0`` (a group whose outcomes all agree, or a reward exactly at the group's mean) gets 0
 on every token under ``bounded``: with no outcome to anchor a sign, a turn term alone is the unbounded per-turn
@@ -27,9 +29,9 @@ credit that the hazards are about (IRC, -14 points), and GRPO gives such a group
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any, Sequence
+
+import torch
 
 from grpo_mega.algo._checks import check_finite_rows, check_group_layout
 from grpo_mega.algo.advantages import normalize_step_rewards, outcome_advantages, process_advantages
