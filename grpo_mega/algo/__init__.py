@@ -1,6 +1,6 @@
 """Pure GRPO math: advantages, the policy losses (PPO's clip, GSPO, GSPO-token, GMPO, CISPO), KL estimators, loss
-aggregation, reward shaping, step rewards from PRM scores, and the sampler/trainer mismatch
-(log-prob differences, truncated importance sampling).
+aggregation, reward shaping, step rewards from PRM scores, turn credit of multi-turn rollouts, and the sampler/trainer
+mismatch (log-prob differences, truncated importance sampling).
 
 Functions of tensors only: no process groups, no model. Every later part (trainer, PRM, engines) calls these.
 
@@ -17,12 +17,15 @@ _MODULE_OF = {
     "DEFAULT_LOG_RATIO_CLAMP": "kl",
     "KL_ESTIMATORS": "choices",
     "LOSS_AGG_MODES": "choices",
+    "MAX_TURNS_OUTCOMES": "choices",
     "PER_SEQUENCE_ADVANTAGE_POLICY_LOSSES": "choices",
     "POLICY_LOSSES": "choices",
     "POLICY_LOSS_FORMS": "policy_losses",
     "SEQUENCE_LEVEL_POLICY_LOSSES": "choices",
     "STEP_BASELINES": "choices",
     "STEP_REWARDS": "choices",
+    "TURN_CREDIT_FORMS": "choices",
+    "adjusted_outcomes": "turn_credit",
     "aggregate_loss": "losses",
     "clip_advantages": "shaping",
     "clip_rewards": "shaping",
@@ -45,6 +48,10 @@ _MODULE_OF = {
     "step_rewards_from_scores": "step_rewards",
     "tree_node_values": "tree_values",
     "truncated_importance_weights": "rollout_correction",
+    "turn_advantages": "turn_credit",
+    "turn_tensors": "turn_credit",
+    "turn_term_credit": "turn_credit",
+    "turn_token_index": "turn_credit",
     "whiten": "shaping",
 }
 """Each public name and the module of this package that defines it."""

@@ -54,3 +54,11 @@ rewards)."""
 IMPLICIT_UPDATE_ORDERS = ("before", "after")
 """``implicit_prm.update``: the update before the scoring (scored by the updated PRM) or after it (scored with the
 log-probs of the update's own forward, the PRM before the update)."""
+
+TURN_CREDIT_FORMS = ("bounded", "sum")
+"""The turn credit of multi-turn rollouts (``grpo_mega.algo.turn_credit``): ``bounded`` (the outcome advantage
+reweighted by a clipped turn term centred within the completion, never flipping its sign) or ``sum`` (DeepSeekMath
+suffix sums of group-normalised turn rewards on top of the outcome advantage)."""
+
+MAX_TURNS_OUTCOMES = ("wrong", "as_is")
+"""How a rollout stopped at ``max_turns`` is scored by turn credit: as a wrong answer, or with its outcome as it is."""
