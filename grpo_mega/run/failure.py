@@ -11,9 +11,10 @@ overwrite it; a full disk leaves no file rather than an empty one. A rank prints
 
     grpo-mega train: rank 1 on node7 failed (cause=peer_lost) at step 12 (update): RuntimeError: ...; run/failure.json
 
-(a rank whose failure is the one failure.json already names, as when every rank reads the same bad data row, prints
-nothing more), and keeps its traceback out of the terminal: in failure.json (``traceback``) and in
-``run_dir/tracebacks/rank<R>.txt`` (``GRPO_MEGA_TRACEBACK=1`` prints it on stderr as well).
+(a rank whose failure is the one failure.json already names, as when every rank reads the same bad data row, or a
+consequence of it, as a peer lost after the rank that wrote it stopped, prints nothing more), and keeps its
+traceback out of the terminal: in failure.json (``traceback``) and in ``run_dir/tracebacks/rank<R>.txt``
+(``GRPO_MEGA_TRACEBACK=1`` prints it on stderr as well).
 
 Phases opened with ``bounded=True`` (the weight sync, the vLLM wake / sleep, PRM scoring, the checkpoint save:
 work that no collective timeout bounds) are also watched by the :class:`grpo_mega.run.watchdog.PhaseWatchdog` the
@@ -265,12 +266,16 @@ def save_traceback(run_dir: str | Path, record: dict) -> Path | None:
 
 
 def _already_named(run_dir: str | Path, record: dict) -> bool:
-    """Whether ``run_dir/failure.json``, written by another rank, names the same cause and exception as ``record``
-    (every rank read the same bad row, or hit the same config error): one line says it for all."""
+    """Whether ``run_dir/failure.json``, written by another rank, already says what ended this rank: the same cause
+    and exception (every rank read the same bad row, or hit the same config error), or any cause at all when this
+    rank's is consequential (it lost, waited for or was torn down after the rank that wrote the file: a Ctrl-C that
+    rank 0 honoured after its save, while rank 1 waited at the next collective). One line says it for all."""
     try:
         named = json.loads((Path(run_dir) / FAILURE_FILE).read_text())
     except (OSError, ValueError):
         return False
+    if record["cause"] in CONSEQUENTIAL_CAUSES:
+        return True
     return named.get("cause") == record["cause"] and named.get("exception") == record["exception"]
 
 
