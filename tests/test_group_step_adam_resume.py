@@ -99,15 +99,9 @@ def _group_steps(engine):
 
 
 def _train_step(engine, step):
-    from test_training_checkpoint import _rows
+    from test_training_checkpoint import _grpo_update
 
-    from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
-
-    batch, policy_shift = _rows(step)
-    logprobs, _ = engine.forward_logprobs(batch)
-    batch["old_logprobs"] = logprobs + policy_shift
-    metrics = engine.train_step(batch, grpo_loss_fn(GRPOLossSettings()))
-    engine.lr_schedule_step()
+    metrics = _grpo_update(engine, step)
     return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "group_steps": _group_steps(engine)}
 
 

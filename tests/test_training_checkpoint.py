@@ -68,14 +68,22 @@ def _rng_draws():
     return [random.random(), float(np.random.rand()), torch.rand(1).item(), tracker_draw]
 
 
-def _train_step(engine, step):
+def _grpo_update(engine, step) -> dict:
+    """One GRPO update of ``engine`` on step ``step``'s rows (old log-probs shifted off the policy), then one
+    learning-rate step (one optimizer step per trainer step here); the engine's metrics. Shared by the optimizer
+    resume tests (test_distributed_optimizer, test_group_step_adam_resume)."""
     from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 
     batch, policy_shift = _rows(step)
     logprobs, _ = engine.forward_logprobs(batch)
     batch["old_logprobs"] = logprobs + policy_shift
     metrics = engine.train_step(batch, grpo_loss_fn(GRPOLossSettings()))
-    engine.lr_schedule_step()  # one optimizer step per trainer step here
+    engine.lr_schedule_step()
+    return metrics
+
+
+def _train_step(engine, step):
+    metrics = _grpo_update(engine, step)
     return {"loss": metrics["loss"], "lr": metrics["lr"], "rng": _rng_draws()}
 
 
