@@ -13,8 +13,6 @@
                  bench/chaos.py: a fault during a resume)
   tool_kill      rank RANK SIGKILLs itself inside the first tool call of step STEP (``rollout.multi_turn``): the
                  call has run in the sandbox, its result not yet read by the turn loop
-  turn_kill      rank RANK SIGKILLs itself as the turn loop starts the second turn of step STEP (the tool turns
-                 of the first appended, the engine not yet asked to continue)
   update_kill    rank RANK SIGKILLs itself in the update of step STEP, after its first optimizer step (the
                  weights changed in memory, not saved)
 
@@ -191,9 +189,6 @@ def plant(kind: str, rank: int, step: int) -> None:
         _kill_in_resume(first_call)
     elif kind == "tool_kill":
         _kill_in_tool_call(due)
-    elif kind == "turn_kill":
-        from grpo_mega.rollout.turn_loop import TurnLoopEngine
-        _wrap(TurnLoopEngine, "_continue", due, _kill_self)
     elif kind == "update_kill":
         _kill_after_first_train_step(due)
     else:
