@@ -8,14 +8,14 @@ its own policy tokens (``TurnRecord.start:end``); a turn that made a hermes call
 "arguments"}}``, the form chat templates take), a call that did not parse stays in the text; each call whose tool
 turn was appended gets its ``tool`` message with what the policy was shown (``ToolCallRecord.content``: the output,
 cut as the policy saw it, or the error message). A call that was not run (the ``max_turns``-th turn's) or whose tool
-turn had no room left is not followed by a ``tool`` message: the policy never saw one.
+turn had no room left is not followed by a ``tool`` message: the policy never saw one. The rollout stage gives them
+to the reward functions under ``grpo_mega.reward.adapters.TRAJECTORY_MESSAGES``.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from grpo_mega.reward.adapters import TRAJECTORY_MESSAGES  # noqa: F401  (the key the rollout stage gives them under)
 from grpo_mega.rollout.base import Completion
 
 CALL_OPEN = "<tool_call>"

@@ -19,13 +19,13 @@ from grpo_mega.config import AlgorithmConfig, RewardConfig
 from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.data.step_split import default_step_pattern, split_steps
 from grpo_mega.reward import RewardError, SampleReward, get_reward_function, score_across_ranks
-from grpo_mega.reward.adapters import RewardRows
+from grpo_mega.reward.adapters import TRAJECTORY_MESSAGES, RewardRows
 from grpo_mega.reward.compute import component_metrics
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
-from grpo_mega.rollout.turn_messages import TRAJECTORY_MESSAGES, trajectory_messages
+from grpo_mega.rollout.turn_messages import trajectory_messages
 from grpo_mega.rollout.turn_metrics import turn_metrics
 from grpo_mega.run.failure import phase
 from grpo_mega.stages.answer_guard import AnswerGuard
