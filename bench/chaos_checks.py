@@ -17,8 +17,10 @@ from grpo_mega.run.layout import COMPLETE_FILE, step_dir_name
 from grpo_mega.run.metrics import read_metrics
 from faults import prompts_by_step  # bench/faults.py: the same rollout dumps
 
-NOT_COMPARED = ("timing_s/", "memory/", "startup_s/", "perf/throughput", "perf/prm_fraction", "time", "step_seconds")
-"""Timings and memory: seconds, their ratios, and the start-up's seconds on the first step of every attempt."""
+NOT_COMPARED = ("timing_s/", "memory/", "startup_s/", "perf/throughput", "perf/prm_fraction", "perf/tool_fraction",
+                "tools/call_seconds", "time", "step_seconds")
+"""Timings and memory: seconds, their ratios, and the start-up's seconds on the first step of every attempt (with
+tools: the calls' own seconds and the tools' share of the step)."""
 ASYNC_TIMINGS = ("_s", "_per_s")
 """``async/*`` keys that are seconds or rates (generation_s, rollout_wait_s, ..., generation_tokens_per_s); the
 others (weights_version, staleness_*, weights_versions_in_flight) are the schedule, and are compared."""

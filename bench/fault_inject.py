@@ -11,6 +11,10 @@
                  written and before the checkpoint is published (bench/chaos.py: a fault during a save)
   resume_kill    rank RANK SIGKILLs itself as it starts loading the checkpoint it resumes from (STEP unused;
                  bench/chaos.py: a fault during a resume)
+  tool_kill      rank RANK SIGKILLs itself inside the first tool call of step STEP (``rollout.multi_turn``): the
+                 call has run in the sandbox, its result not yet read by the turn loop
+  update_kill    rank RANK SIGKILLs itself in the update of step STEP, after its first optimizer step (the
+                 weights changed in memory, not saved)
 
 When the fault fires it writes the time to ``$GRPO_FAULT_MARK`` (the bench's fault-to-exit clock). Without
 ``GRPO_FAULT`` this is ``grpo-mega`` itself.
@@ -102,6 +106,45 @@ def _kill_in_resume(first_call) -> None:
     CheckpointManager.load = load
 
 
+def _kill_after_first_train_step(due) -> None:
+    """SIGKILL this rank once the first optimizer step of the update of the due step has been applied."""
+    from grpo_mega.stages.update import UpdateRunner
+
+    original = UpdateRunner.run
+
+    def run(self, *args, **kwargs):
+        if not due():
+            return original(self, *args, **kwargs)
+        train_step = self.policy.train_step
+
+        def train_step_then_die(*step_args, **step_kwargs):
+            train_step(*step_args, **step_kwargs)
+            _mark()
+            _kill_self(None)
+
+        self.policy.train_step = train_step_then_die
+        return original(self, *args, **kwargs)
+
+    UpdateRunner.run = run
+
+
+def _kill_in_tool_call(due) -> None:
+    """SIGKILL this rank once the first call of the due step has run on the tool set (in the sandbox's pool when
+    the tool is not the inline calculator), before the turn loop reads its result."""
+    from grpo_mega.tools.toolset import ToolSet
+
+    original = ToolSet._run_one
+
+    def run_one(self, call, row_kwargs):
+        result = original(self, call, row_kwargs)
+        if due():
+            _mark()
+            _kill_self(None)
+        return result
+
+    ToolSet._run_one = run_one
+
+
 def plant(kind: str, rank: int, step: int) -> None:
     from grpo_mega.run.failure import POSITION
 
@@ -144,6 +187,10 @@ def plant(kind: str, rank: int, step: int) -> None:
         _kill_in_checksums(step, due_from)
     elif kind == "resume_kill":
         _kill_in_resume(first_call)
+    elif kind == "tool_kill":
+        _kill_in_tool_call(due)
+    elif kind == "update_kill":
+        _kill_after_first_train_step(due)
     else:
         raise SystemExit(f"GRPO_FAULT: unknown kind {kind!r}")
 

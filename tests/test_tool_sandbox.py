@@ -42,29 +42,36 @@ def _visible_to_calls(path: Path) -> bool:
     return all(folder.stat().st_mode & 0o001 for folder in [*reversed(path.parents), path])
 
 
-def _run_folder_parent() -> Path:
+def _run_folder_parent() -> tuple[Path, bool]:
     """Where the test's run folder goes: beside the repository when calls can see it there (a clone under /tmp or
-    /root is hidden from them), else a folder of root's under /var/lib (we are root where the sandbox isolates)."""
+    /root is hidden from them), else a folder of root's under /var/lib (we are root where the sandbox isolates);
+    and whether it is that folder of the test's own (removed again once empty)."""
     repo = Path(__file__).resolve().parent.parent
     if _visible_to_calls(repo) or not AS_ROOT:
-        return repo
+        return repo, False
     parent = Path("/var/lib/grpo-mega-tool-tests")
     parent.mkdir(mode=0o755, exist_ok=True)
     parent.chmod(0o755)
-    return parent
+    return parent, True
 
 
 @pytest.fixture(scope="module")
 def run_folder():
     """A run folder as the trainer leaves it (root's, when we are root), where run folders are (not under /tmp:
     the calls have a /tmp of their own and would not even see it): what a call must not touch."""
-    folder = Path(tempfile.mkdtemp(prefix=".test-tool-run-", dir=_run_folder_parent()))
+    parent, own = _run_folder_parent()
+    folder = Path(tempfile.mkdtemp(prefix=".test-tool-run-", dir=parent))
     folder.chmod(0o755)
     (folder / "checkpoints").mkdir()
     (folder / "checkpoints" / "model.pt").write_bytes(b"weights" * 100)
     (folder / "metrics.jsonl").write_text('{"step": 1}\n')
     yield folder
     shutil.rmtree(folder)
+    if own:
+        try:
+            parent.rmdir()  # nothing of the test left on the machine (another run's folder in it keeps it there)
+        except OSError:
+            pass
 
 
 def _snapshot(folder: Path) -> dict:

@@ -51,17 +51,19 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
-def build_bigram_policy(model_dir: Path, folder: Path, *, second_answer_margin: float = 0.0) -> Path:
+def build_bigram_policy(model_dir: Path, folder: Path, *, second_answer_margin: float = 0.0,
+                        call_bodies: tuple[str, ...] = (CALL_BODY,)) -> Path:
     """The scripted policy of the module docstring: the tiny task's tokenizer with the script's pieces added as
     (non-special) tokens, and a 1-layer Qwen2 whose logits at a position are a table of its token (head_dim 32: vLLM's
     CPU attention has no kernel for 16).
     ``second_answer_margin``: how much less likely (in logit / 8) the second answer is (0: a coin flip; > 0: greedy
-    decoding picks the first)."""
+    decoding picks the first). ``call_bodies``: the calls the policy writes after ``<tool_call>``, each as likely."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+    scripted = ["<tool_call>", *call_bodies, "</tool_call>", "<tool_response>", "</tool_response>", *ANSWERS]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.add_tokens(SCRIPTED)
-    ids = {piece: tokenizer.convert_tokens_to_ids(piece) for piece in SCRIPTED}
+    tokenizer.add_tokens(scripted)
+    ids = {piece: tokenizer.convert_tokens_to_ids(piece) for piece in scripted}
     eos = tokenizer.eos_token_id
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -77,14 +79,15 @@ def build_bigram_policy(model_dir: Path, folder: Path, *, second_answer_margin: 
         embed.zero_()
         embed[:, 16:].normal_(0.0, 0.1)  # ordinary tokens: a shared direction (dim 0) plus a little noise
         embed[:, 0] = 1.0
-        own = {token: 1 + k for k, token in enumerate(SCRIPTED)}  # the scripted tokens' own directions
+        own = {token: 1 + k for k, token in enumerate(scripted)}  # the scripted tokens' own directions
         for piece, dim in own.items():
             embed[ids[piece], 16:] = 0.0
             embed[ids[piece], dim] = 8.0
         head = model.lm_head.weight
         head.zero_()
         head[ids["<tool_call>"], 0] = 5.0  # after any ordinary token: open a call
-        transitions = [("<tool_call>", CALL_BODY), (CALL_BODY, "</tool_call>"),
+        transitions = [*(("<tool_call>", body) for body in call_bodies),
+                       *((body, "</tool_call>") for body in call_bodies),
                        ("</tool_response>", ANSWERS[0]), ("</tool_response>", ANSWERS[1])]
         for before, after in transitions:
             head[ids[after], own[before]] = 10.0

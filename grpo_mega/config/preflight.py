@@ -34,6 +34,7 @@ def load_checked(schema: type, validator: Callable, path: str, overrides: list[s
         check_prompt_files(cfg)
         check_reward_on_rows(cfg)
         check_tool_specs(cfg)
+        check_agent_rows(cfg)
     return cfg
 
 
@@ -269,6 +270,24 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
                 if isinstance(problem, str):
                     raise ConfigError(f"{key}={spec} cannot score {location} (completion {completion!r:.40}): "
                                       f"{problem} (the row's other columns: {sorted(extra)})")
+
+
+TOOL_AGENTS = ("tool_agent",)
+"""verl's ``agent_name`` values whose rows call tools (its ``single_turn_agent`` rows do not)."""
+
+
+def check_agent_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
+    """ConfigError naming the row when one of the first ``rows`` rows of ``data.train_file`` asks for verl's tool
+    agent (``agent_name: tool_agent``) and ``rollout.multi_turn`` is off: the run would train those rows with one
+    completion each, no tool ever called, and say nothing."""
+    multi_turn = getattr(getattr(cfg, "rollout", None), "multi_turn", None)
+    if multi_turn is None or multi_turn.enable or not getattr(cfg.data, "train_file", None):
+        return
+    for location, _, _, extra in _first_rows(cfg.data, rows):
+        if extra.get("agent_name") in TOOL_AGENTS:
+            raise ConfigError(f"data.train_file {location}: agent_name {extra['agent_name']!r} asks for verl's tool "
+                              "agent loop: set rollout.multi_turn.enable=true and rollout.multi_turn.tools (e.g. "
+                              "[python] or path/to/file.py:function)")
 
 
 def _first_rows(data: Any, count: int):

@@ -7,9 +7,9 @@ calculator demonstrations (``data.segments_field``: tool turns encoded on their 
 the same steps, seed and problems -> the text-only policy's sampled pass@1 on held-out prompts (``grpo-mega
 eval``, temperature 1) -> ``summary.json``, whose path is the last line printed.
 
-The tool policy's accuracy needs the calculator's answers during generation: the multi-turn rollout loop
-(``rollout.multi_turn``) gives them once merged; until then ``bench/tool_regime_sft.py`` measures both policies
-with an evaluation harness of its own that supplies exact answers (bench/results/tool_regime_sft.json).
+The tool policy's accuracy needs the calculator during generation: ``bench/tool_regime_sft.py`` measures both
+policies through the multi-turn turn loop (``rollout.multi_turn`` with ``tools: [calculator]``;
+bench/results/tool_regime_sft.json).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
         "regime": plan.name,
         "text_sft_pass_at_1": text_pass_at_1,
         "tool_sft_pass_at_1": None,
-        "tool_sft_pass_at_1_note": "needs the calculator's answers during generation: the multi-turn rollout loop, "
-                                   "or bench/tool_regime_sft.py's evaluation harness",
+        "tool_sft_pass_at_1_note": "needs the calculator during generation: bench/tool_regime_sft.py measures it "
+                                   "through the multi-turn turn loop (rollout.multi_turn, tools [calculator])",
         "sft_checkpoints": {arm: str(path) for arm, path in checkpoints.items()},
         "model": str(model_dir), "train_file": str(train_file), "heldout_file": str(heldout_file),
         "plan": {**asdict(plan), "difficulty": asdict(plan.difficulty)},

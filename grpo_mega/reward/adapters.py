@@ -13,7 +13,9 @@ Users bring the reward code they already have. The three signatures are told apa
   a ``completions`` parameter. Called with lists: ``prompts``, ``completions`` and every column of the rows as TRL
   passes them (the answer column under its own name, ``data.answer_field``); for conversation rows
   (``data.messages_field``) the completion is ``[{"role": "assistant", "content": text}]`` and the prompt
-  ``[{"role": "user", "content": prompt}]``. A None in the returned list means "not applicable to this sample", as
+  ``[{"role": "user", "content": prompt}]``; a multi-turn rollout's completion (``rollout.multi_turn``) is its
+  messages, the assistant's turns with a ``{"role": "tool", ...}`` message after each call, as TRL gives them with
+  ``tools`` (``grpo_mega.rollout.turn_messages``). A None in the returned list means "not applicable to this sample", as
   in TRL. The samples a rank scores go to it in one call, as TRL calls it (``score_batch``); when that call raises,
   they go one at a time, so that the error names the sample. Not passed: ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric``, ``environments``; a
   function that requires one is refused when it is loaded.
@@ -31,6 +33,10 @@ from typing import Any, Callable, Sequence
 from grpo_mega.reward.types import StepRewards, WeightedScore
 
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
+TRAJECTORY_MESSAGES = "completion_messages"
+"""The key under which the rollout stage gives a multi-turn completion's messages to the reward functions, beside
+the row's columns (``**extra``; ``grpo_mega.rollout.turn_messages``); TRL's adapter passes them as the
+``completions`` of conversational rows."""
 TRL_NOT_PASSED = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 """What TRL's GRPOTrainer passes a reward function that grpo-mega has no equivalent of (token ids, its trainer
 state, its logging hooks, its environments)."""
@@ -147,13 +153,15 @@ def _trl_reward(fn: Callable, spec: str, layout: RewardRows) -> Callable:
     def score_batch(prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None],
                     extras: Sequence[dict]) -> list:
         """TRL's call: every sample at once, each column a list (a row without a column gives None)."""
-        names = dict.fromkeys(key for extra in extras for key in extra if key not in ("prompts", "completions"))
+        names = dict.fromkeys(key for extra in extras for key in extra
+                              if key not in ("prompts", "completions", TRAJECTORY_MESSAGES))
         columns = {key: [extra.get(key) for extra in extras] for key in names}
         if answer_field is not None and answer_field not in columns:
             columns[answer_field] = list(answers)
         if layout.conversational:
             prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
-            completions = [[{"role": "assistant", "content": completion}] for completion in completions]
+            completions = [extra.get(TRAJECTORY_MESSAGES) or [{"role": "assistant", "content": completion}]
+                           for completion, extra in zip(completions, extras)]
         values = fn(prompts=list(prompts), completions=list(completions), **columns)
         if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != len(completions):
             raise ValueError(f"reward function {spec!r} returned {values!r:.80} for {len(completions)} "

@@ -106,6 +106,9 @@ class ToolCallRecord:
     """Wall-clock seconds of the call in the sandbox."""
     reward: float | None = None
     """The tool's own reward for this turn (verl's ``tool_reward_score``); None = the tool gave none."""
+    content: str = ""
+    """What the policy was shown: the tool's output (or the error message) as cut to ``max_tool_response_tokens``;
+    the ``tool`` message of the trajectory a TRL reward function reads (``grpo_mega.rollout.turn_messages``)."""
 
 
 @dataclass

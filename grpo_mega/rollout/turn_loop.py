@@ -209,6 +209,7 @@ class TurnLoopEngine:
             turn.calls.append(record)
             capped = cap_tool_output(content, self.tokenizer, self.settings.max_tool_response_tokens,
                                      self.settings.tool_response_truncate_side)
+            record.content = capped
             ids = self.tokenizer.encode(self.tool_turns.text([capped], turn_text), add_special_tokens=False)
             if len(row.response_ids) + len(ids) + 1 > self.settings.max_response_tokens:
                 row.live, row.finish_reason = False, "length"  # no room to answer after it: not appended

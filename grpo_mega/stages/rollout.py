@@ -19,12 +19,13 @@ from grpo_mega.config import AlgorithmConfig, RewardConfig
 from grpo_mega.data.prompts import PromptBatches, PromptRecord
 from grpo_mega.data.step_split import default_step_pattern, split_steps
 from grpo_mega.reward import RewardError, SampleReward, get_reward_function, score_across_ranks
-from grpo_mega.reward.adapters import RewardRows
+from grpo_mega.reward.adapters import TRAJECTORY_MESSAGES, RewardRows
 from grpo_mega.reward.compute import component_metrics
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.reward.answer_span import final_answer_end
 from grpo_mega.rollout.base import Completion, RolloutEngine, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
+from grpo_mega.rollout.turn_messages import trajectory_messages
 from grpo_mega.rollout.turn_metrics import turn_metrics
 from grpo_mega.run.failure import phase
 from grpo_mega.stages.answer_guard import AnswerGuard
@@ -203,11 +204,15 @@ class RolloutStage:
         """Reward every completion once (sharded over ranks); adds the weighted format reward and the DAPO overlong
         penalty when configured. Returns the batch and the number of failed reward calls."""
         G, alg, on_error = self.sampling.n, self.algorithm, self.reward.on_error
+        extras = [r.extra for r in records for _ in range(G)]
+        if any(c.turns is not None for c in completions):  # multi-turn: the trajectory as messages (TRL's form)
+            extras = [{**extra, TRAJECTORY_MESSAGES: trajectory_messages(c, self.decode)}
+                      for extra, c in zip(extras, completions)]
         columns = (
             [r.prompt for r in records for _ in range(G)],
             [c.text for c in completions],
             [r.answer for r in records for _ in range(G)],
-            [r.extra for r in records for _ in range(G)],
+            extras,
         )
         with phase("reward scoring", bounded=True):
             results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)

@@ -50,7 +50,11 @@ def load_prompts(cfg: GRPOConfig, tokenizer, path: str, *, eval_file: bool = Fal
     prompt tells the policy what it may call the way its template does."""
     data = cfg.data
     mt = cfg.rollout.multi_turn
-    tools = toolset_for(cfg).schemas() if mt.enable and mt.format == "hermes" else None
+    tools = None
+    if mt.enable and mt.format == "hermes":
+        from grpo_mega.tools import tool_schemas
+
+        tools = tool_schemas(list(mt.tools))
     return load_prompt_dataset(
         path, tokenizer, prompt_length=data.prompt_length, prompt_field=data.prompt_field,
         answer_field=data.answer_field, on_bad_row=data.on_bad_row, use_chat_template=data.chat_template,
@@ -63,8 +67,9 @@ _TOOLSETS: dict[int, object] = {}
 
 def toolset_for(cfg: GRPOConfig):
     """The tools of ``rollout.multi_turn`` (``grpo_mega.tools.build_toolset``: its pool of sandbox workers), built
-    once per process and config; closed with the rollout engine (``TurnLoopEngine.close``), and at the latest when
-    the process exits (a process that only read their schemas for its prompts: async mode's training ranks)."""
+    once per process and config, by the process that runs the turn loop (a process that only renders prompts reads
+    the schemas alone, ``tool_schemas``: async mode's training ranks start no sandbox worker); closed with the
+    rollout engine (``TurnLoopEngine.close``), and at the latest when the process exits."""
     if id(cfg) not in _TOOLSETS:
         from grpo_mega.tools import SandboxConfig, build_toolset
 

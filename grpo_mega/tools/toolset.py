@@ -38,6 +38,12 @@ def _load_specs(specs: Sequence[str]) -> dict[str, UserTool | None]:
     return tools
 
 
+def tool_schemas(specs: Sequence[str]) -> list[dict]:
+    """The schemas of the tools of ``specs`` (as ``ToolSet.schemas``) without starting any process: what a process
+    that renders prompts but runs no tool needs (async mode's training ranks)."""
+    return [BUILTIN_TOOLS[name] if tool is None else tool.schema for name, tool in _load_specs(specs).items()]
+
+
 def check_tool_specs(specs: Sequence[str]) -> None:
     """Raises ValueError with one line naming the bad spec (a typo, a module that does not import, no such function,
     not callable, a schema that cannot be built), without starting any process: the check before launch."""
@@ -53,7 +59,8 @@ class ToolSet:
         self._tools = tools
         self._pool = None
         self._executor = None
-        if any(name != "calculator" for name in tools):  # the calculator alone runs inline: no pool to start
+        # the built-in calculator runs inline: no pool for it alone (a user tool named "calculator" needs one)
+        if any(tool is not None or name != "calculator" for name, tool in tools.items()):
             from grpo_mega.tools.pool import WorkerPool
             self._pool = WorkerPool(sandbox, {name: tool.spec for name, tool in tools.items() if tool is not None})
             self._executor = ThreadPoolExecutor(sandbox.workers, thread_name_prefix="sandbox-call")
