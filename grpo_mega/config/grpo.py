@@ -226,6 +226,26 @@ class AlgorithmConfig:
     step_baseline_min_std: float = 0.25
     """``step_baseline: completion``: the smallest std the returns are divided by (0.25: 16 0/1 outcomes with one
     success), so a group whose returns nearly agree does not blow up the credit within its completions. Must be > 0."""
+    turn_credit: str = "bounded"
+    """Process supervision with ``process_reward.steps: turns`` (``grpo_mega.algo.turn_credit``): ``bounded``
+    (AgentOPSD's reweighting: ``A_{i,t} = A^O_i (1 + m_{i,k(t)})``, the normalised turn term clipped to
+    +-``turn_credit_bound`` and centred within the completion: it moves credit between a completion's turns, adds
+    none and never flips the outcome's sign) or ``sum`` (``A^O_i`` + ``turn_credit_weight`` x the suffix sum of the
+    group-normalised turn rewards: DeepSeekMath's credit with turns as steps, unbounded: an extra well-scored turn
+    pays). docs/training.md, "Turn credit"."""
+    turn_credit_weight: float = 1.0
+    """w, the weight of the turn term of ``turn_credit`` (>= 0; 0 is outcome supervision on the turns' tokens)."""
+    turn_credit_bound: float = 0.25
+    """b of ``turn_credit: bounded``, in (0, 0.5): a turn's factor lies in [1 - 2b, 1 + 2b] (0.25: AgentOPSD's
+    +-25 %)."""
+    max_turns_outcome: str = "wrong"
+    """Turn credit: how a rollout stopped at ``rollout.multi_turn.max_turns`` is scored: ``wrong`` (its outcome reward
+    capped at ``wrong_answer_reward``, whatever its text says) or ``as_is`` (the verifier's verdict on what it
+    wrote)."""
+    wrong_answer_reward: float = 0.0
+    """Turn credit: the reward a wrong answer gets from ``reward.function`` (0 for the shipped verifiers). With
+    ``answer_guard``, a multi-turn rollout without a final answer has its outcome reward capped at it: a missing
+    answer never pays more than a wrong one."""
     answer_guard: bool = True
     """Process supervision: nothing after a completion's first final answer earns credit (its steps are cut there
     and the tokens after it get min(A of the answer's last token, 0)), and a completion without a final answer gets

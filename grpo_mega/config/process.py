@@ -8,7 +8,8 @@ from typing import Optional
 
 from grpo_mega.config.sections import OptimConfig
 
-PROCESS_REWARD_SOURCES = ("function", "prm", "implicit", "tree")
+PROCESS_REWARD_SOURCES = ("function", "prm", "implicit", "tree", "tool")
+STEP_KINDS = ("text", "turns")
 STEP_CREDITS = ("sum", "min")
 
 
@@ -25,7 +26,26 @@ class ProcessRewardConfig:
     rewards ``beta * log(pi_phi / pi_ref)`` are summed into the step scores (docs/training.md, "Implicit PRM").
     ``tree``: no reward model: each group is sampled as a tree (``tree_rollout``) and a segment's score is the mean
     outcome of the completions below its node (VinePPO's Monte-Carlo value from the policy's own samples;
-    docs/training.md, "Tree credit")."""
+    docs/training.md, "Tree credit"). ``tool`` (multi-turn rollouts, ``steps: turns``): the tools' own verdicts
+    on each turn's calls (a tool's reward where it returns one, ``tool_error_reward`` for a failed call,
+    ``tool_void_turn_reward`` for a void turn; docs/training.md, "Turn credit")."""
+    steps: str = "text"
+    """What a step is. ``text``: pieces of the response text (``step_pattern``). ``turns``: each assistant turn of a
+    multi-turn rollout (``rollout.multi_turn.enable``), ending at its last model token; the tool's output and the
+    template's tokens after it carry no credit, and the turn credit is ``algorithm.turn_credit`` (docs/training.md,
+    "Turn credit"). Sources with turns: ``function`` (``reward.function`` returns ``TurnRewards``, e.g.
+    ``tool_task_turns``, the tool task's oracle), ``tool``, ``prm`` (each turn scored with the earlier turns' tool
+    outputs in the PRM's input, read at the turn's last model token)."""
+    tool_error_reward: float = -1.0
+    """``source: tool``: the reward of a call that failed (an error of the tool, an invalid call, an unknown tool, a
+    timeout; ``ToolCallRecord.error``). A turn's reward is the mean of its calls'."""
+    tool_success_reward: float = 0.0
+    """``source: tool``: the reward of a call that ran without error and whose tool returns no reward of its own (a
+    tool's reward, verl's ``tool_reward_score``, is used as it is where it gives one)."""
+    tool_void_turn_reward: float = -1.0
+    """``source: tool``: the reward of a void turn (neither a call nor a final answer: SimpleTIR's void turns). The
+    other turns without a call (the answer, a turn cut at its token limit or at ``max_turns``) get 0: the outcome
+    reward judges them."""
     prm: Optional[str] = None
     """``source: prm``: a grpo-mega PRM checkpoint or run directory, or a Hugging Face PRM folder of either layout
     (``Qwen2ForProcessRewardModel`` classifier, or a causal LM with label tokens)."""
