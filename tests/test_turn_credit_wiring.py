@@ -199,3 +199,36 @@ def test_turn_credit_metrics_count_turns_and_the_flips_the_bound_avoided():
     assert metrics["turn_credit/flips_avoided"] > 0 and metrics["turn_credit/clipped_turn_fraction"] > 0
     summed = turn_credit_metrics(batch, dataclasses.replace(alg, turn_credit="sum"))
     assert summed["turn_credit/flips"] == metrics["turn_credit/flips_avoided"]
+
+
+def test_the_config_runs_turn_credit_where_it_works_and_refuses_the_rest_in_one_line():
+    from grpo_mega.config import ConfigError, GRPOConfig
+    from grpo_mega.config.turn_checks import validate_turn_credit
+
+    def cfg(multi_turn=True, supervision="process", **process):
+        config = GRPOConfig()
+        config.rollout.multi_turn.enable, config.rollout.multi_turn.tools = multi_turn, ["calculator"]
+        config.algorithm.supervision = supervision
+        config.process_reward = dataclasses.replace(config.process_reward, **{"steps": "turns", **process})
+        return config
+
+    for source in ("function", "tool", "prm"):
+        validate_turn_credit(cfg(source=source))
+    validate_turn_credit(cfg(supervision="outcome", steps="text"))  # outcome GRPO with tools: as before
+    bad_bound, bad_form = cfg(), cfg()
+    bad_bound.algorithm.turn_credit_bound = 0.5
+    bad_form.algorithm.turn_credit = "per_turn_index"
+    for config, message in [
+        (cfg(multi_turn=False), "needs rollout.multi_turn.enable=true"),
+        (cfg(supervision="outcome"), "needs algorithm.supervision=process"),
+        (cfg(steps="text"), "needs process_reward.steps=turns"),
+        (cfg(source="tree"), "source=tree with process_reward.steps=turns: the tree branches"),
+        (cfg(source="implicit"), "source=implicit with process_reward.steps=turns"),
+        (cfg(source="tool", steps="text"), "source=tool scores assistant turns"),
+        (cfg(source="prm", max_counted_steps=3), "max_counted_steps"),
+        (bad_bound, "turn_credit_bound=0.5 must lie in"),
+        (bad_form, "algorithm.turn_credit"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as error:
+            validate_turn_credit(config)
+        assert "\n" not in str(error.value)

@@ -128,8 +128,9 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     function: str = "math_verify"
-    """The verifier: a registered reward (``math_verify``, ``synthetic``, ``synthetic_steps``, ``verl_default``: verl's
-    default by the row's ``data_source``, its math sources), ``package.module:function`` (the current folder is
+    """The verifier: a registered reward (``math_verify``, ``synthetic``, ``synthetic_steps``, ``tool_task_turns``: the
+    tool task's per-turn oracle for ``process_reward.steps: turns``, ``verl_default``: verl's default by the row's
+    ``data_source``, its math sources), ``package.module:function`` (the current folder is
     searched too) or a file, ``path/to/file.py:function`` (verl's ``custom_reward_function.path`` and ``.name``).
     The function may have grpo-mega's signature ``fn(prompt, completion, answer, **extra)``, verl's
     ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`` or TRL's
