@@ -232,3 +232,23 @@ def test_the_config_runs_turn_credit_where_it_works_and_refuses_the_rest_in_one_
         with pytest.raises(ConfigError, match=message) as error:
             validate_turn_credit(config)
         assert "\n" not in str(error.value)
+
+
+def test_the_quickstart_turn_credit_arms_are_valid_configs(tmp_path):
+    from pathlib import Path
+
+    from grpo_mega.config import GRPOConfig, load_config, validate
+    from grpo_mega.quickstart.arms import ARMS, TURN_CREDIT_ARMS, arm_settings
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"
+    names = [name for arm in TURN_CREDIT_ARMS for name in (arm, f"{arm}_sum")]
+    assert set(names) <= set(ARMS)
+    for name in names:
+        _, overrides, folder = arm_settings(name)
+        prm = [f"process_reward.prm={tmp_path}"] if "prm" in name else []
+        cfg = load_config(GRPOConfig, config, [*overrides, *prm, "data.train_file=x.jsonl",
+                                               f"model.hf_config={tmp_path}"])
+        validate(cfg, world_size=0)
+        assert cfg.process_reward.steps == "turns" and cfg.rollout.multi_turn.enable
+        assert cfg.algorithm.turn_credit == ("sum" if name.endswith("_sum") else "bounded")
+        assert folder == f"grpo_{name}"
