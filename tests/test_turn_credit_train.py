@@ -1,4 +1,5 @@
-"""``grpo-mega train`` with turn credit (``process_reward.steps=turns``) end to end, one step per step-reward source:
+"""``grpo-mega train`` with turn credit (``process_reward.steps=turns``) end to end, one step per step-reward source
+(the oracle, the tools, a likelihood PRM, the implicit PRM):
 the scripted calculator policy of tests/test_turn_loop_train.py (every rollout: a call turn ``6 * 7``, the tool turn,
 then "The answer is 42." or "... 41." at a coin flip) on rows whose chain is ``6 * 7 = 42``; the hf engine, one
 process. Each run's dumped rollouts carry the advantages the update trained on: they are 0 on every tool token,
@@ -67,6 +68,9 @@ SOURCES = {  # source: (overrides, turn credit form, weight)
              "sum", 0.5),
     "prm": (["reward.function=synthetic", "process_reward.source=prm", "process_reward.layout=likelihood"],
             "bounded", 4.0),
+    # PRIME's implicit PRM updated on the batch's outcomes before it scores (so its token rewards are not all 0)
+    "implicit": (["reward.function=synthetic", "process_reward.source=implicit", "implicit_prm.update=before",
+                  "implicit_prm.optim.lr=1e-2"], "sum", 1.0),
 }
 
 
@@ -101,6 +105,8 @@ def test_turn_credit_trains_on_model_tokens_with_the_turns_rewards(task, tmp_pat
             assert line["step_rewards"] == [1.0, line["score"]]
     elif source == "tool":  # a call that ran (the calculator gives no reward of its own), then the answer turn
         assert all(line["step_rewards"] == [0.5, 0.0] for line in lines)
+    elif source == "implicit":  # a turn's reward: its model tokens' implicit rewards summed
+        assert any(r != 0 for line in lines for r in line["step_rewards"])
     else:  # the PRM reads each turn in context: every rollout's first turn is the same text, so the same score
         firsts = {round(line["step_rewards"][0], 6) for line in lines}
         assert len(firsts) == 1 and all(0 < r <= 1 for line in lines for r in line["step_rewards"])

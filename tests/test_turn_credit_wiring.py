@@ -212,8 +212,10 @@ def test_the_config_runs_turn_credit_where_it_works_and_refuses_the_rest_in_one_
         config.process_reward = dataclasses.replace(config.process_reward, **{"steps": "turns", **process})
         return config
 
-    for source in ("function", "tool", "prm"):
+    for source in ("function", "tool", "prm", "implicit"):
         validate_turn_credit(cfg(source=source))
+    token_steps = cfg(source="implicit")
+    token_steps.implicit_prm.steps = "tokens"
     validate_turn_credit(cfg(supervision="outcome", steps="text"))  # outcome GRPO with tools: as before
     bad_bound, bad_form = cfg(), cfg()
     bad_bound.algorithm.turn_credit_bound = 0.5
@@ -223,7 +225,7 @@ def test_the_config_runs_turn_credit_where_it_works_and_refuses_the_rest_in_one_
         (cfg(supervision="outcome"), "needs algorithm.supervision=process"),
         (cfg(steps="text"), "needs process_reward.steps=turns"),
         (cfg(source="tree"), "source=tree with process_reward.steps=turns: the tree branches"),
-        (cfg(source="implicit"), "source=implicit with process_reward.steps=turns"),
+        (token_steps, "implicit_prm.steps=tokens with process_reward.steps=turns"),
         (cfg(source="tool", steps="text"), "source=tool scores assistant turns"),
         (cfg(source="prm", max_counted_steps=3), "max_counted_steps"),
         (bad_bound, "turn_credit_bound=0.5 must lie in"),

@@ -10,7 +10,7 @@ from grpo_mega.config.checks import check_choice
 from grpo_mega.config.loading import ConfigError
 from grpo_mega.config.process import STEP_KINDS
 
-TURN_SOURCES = ("function", "tool", "prm")
+TURN_SOURCES = ("function", "tool", "prm", "implicit")
 """The ``process_reward.source`` values that score assistant turns."""
 
 
@@ -45,11 +45,13 @@ def validate_turn_credit(cfg) -> None:
         raise ConfigError("rollout.multi_turn.enable=true with algorithm.supervision=process needs "
                           "process_reward.steps=turns (text steps would cross the tool turns)")
     if settings.source not in TURN_SOURCES:
-        reason = {"tree": "the tree branches at fixed token counts, which cut through tool turns; branching at "
-                          "turn boundaries is not built",
-                  "implicit": "the implicit PRM's token rewards are not summed per turn yet"}[settings.source]
+        reason = ("the tree branches at fixed token counts, which cut through tool turns; branching at turn "
+                  "boundaries is not built")
         raise ConfigError(f"process_reward.source={settings.source} with process_reward.steps=turns: {reason}; use "
                           f"one of {', '.join(TURN_SOURCES)}")
-    if settings.source == "prm" and settings.max_counted_steps:
+    if settings.source == "implicit" and cfg.implicit_prm.steps != "text":
+        raise ConfigError(f"implicit_prm.steps={cfg.implicit_prm.steps} with process_reward.steps=turns: the turns are "
+                          "the steps (their model tokens' rewards summed); set implicit_prm.steps=text")
+    if settings.source in ("prm", "implicit") and settings.max_counted_steps:
         raise ConfigError("process_reward.max_counted_steps merges text steps; with process_reward.steps=turns the "
                           "turns are the steps (rollout.multi_turn.max_turns caps them): set it to 0")

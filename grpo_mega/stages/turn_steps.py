@@ -65,6 +65,8 @@ def batch_turn_tensors(completions: Sequence[Completion]) -> tuple[torch.Tensor,
 
 
 def turn_steps_of(cfg) -> bool:
-    """Whether a GRPO config makes each assistant turn a step (process supervision, ``process_reward.steps:
-    turns``)."""
-    return cfg.algorithm.supervision == "process" and cfg.process_reward.steps == "turns"
+    """Whether the rollout stage scores each assistant turn as a step: process supervision with
+    ``process_reward.steps: turns`` from the reward function, the tools or a PRM (the implicit PRM makes its turn
+    steps itself, after the rollout stage: ``grpo_mega.stages.implicit_prm``)."""
+    return (cfg.algorithm.supervision == "process" and cfg.process_reward.steps == "turns"
+            and cfg.process_reward.source != "implicit")
