@@ -115,6 +115,9 @@ def test_the_oracle_scores_each_turn_of_the_tool_task():
     rewards = [tool_task_turn_reward("Q", c.text, "41", steps=STEPS, turns=turn_views(c, decode)).turn_rewards
                for c in (trajectory(*turns) for turns in GROUP + [PERTURBED["void"], PERTURBED["split"]])]
     assert rewards == [[1, 1, 1], [1, 0, 0], [0, 0], [1, 1], [1, 1, 0, 1], [1, 1, 1, 1]]
+    # without turns (the held-out evaluation) it is the outcome verifier
+    assert tool_task_turn_reward("Q", trajectory(*RIGHT).text, "41", steps=STEPS) == 1.0
+    assert tool_task_turn_reward("Q", trajectory(*GROUP[1]).text, "41", steps=STEPS) == 0.0
 
 
 def test_each_source_gives_one_reward_per_turn_ending_at_its_last_model_token():

@@ -41,16 +41,16 @@ def _is_next_operation(call: dict, problem: Problem, done: int) -> bool:
 
 
 def tool_task_turn_reward(prompt: str, completion: str, answer: str, *, steps=None, turns=None,
-                          **extra) -> TurnRewards:
+                          **extra) -> TurnRewards | float:
     """Per-turn ground truth of a tool-task trajectory (see the module docstring). Needs the row's ``steps`` (a
     synthetic task row) and ``turns``, the trainer's view of the trajectory's assistant turns
     (``grpo_mega.stages.turn_steps.turn_views``: each turn's character span ``start`` / ``end`` in ``completion``,
-    its ``ended`` reason and its ``calls``)."""
+    its ``ended`` reason and its ``calls``). Called without ``turns`` (the held-out evaluation, outcome
+    supervision) it is the outcome verifier: ``synthetic``'s score."""
+    if turns is None:
+        return synthetic_reward(prompt, completion, answer)
     if steps is None:
         raise ValueError("tool_task_turns needs the dataset row's 'steps' field (a tool-task row)")
-    if turns is None:
-        raise ValueError("tool_task_turns scores assistant turns: it needs process_reward.steps=turns with "
-                         "rollout.multi_turn.enable=true")
     problem = Problem.from_record({"steps": steps})
     parsed = parse_solution(completion)
     verdicts = check_steps(problem, completion)
