@@ -45,9 +45,12 @@ class ToolTurnRewards:
 
 class PRMTurnRewards:
     """``process_reward.source: prm`` with turns: the PRM scores every turn step of every completion in one batched
-    call (``turn_step_texts``: each step read at its last model token, the earlier tool outputs in its context), the
-    scores shaped by ``process_reward.step_reward`` as text steps are (``shape_step_rewards``). No final-answer step
-    is added: turn credit anchors a missing answer's outcome instead (``algorithm.wrong_answer_reward``)."""
+    call (each step read at its last model token, the earlier tool outputs in its context), the scores shaped by
+    ``process_reward.step_reward`` as text steps are (``shape_step_rewards``). A scorer that reads turn steps from
+    the policy's own tokens (``score_turn_steps`` of ``grpo-mega prm``'s turn rendering, as a PRM trained on
+    turn-split rows was) is given the rollouts' tokens; any other scorer the steps' texts (``turn_step_texts``,
+    re-encoded by the PRM's tokenizer). No final-answer step is added: turn credit anchors a missing answer's
+    outcome instead (``algorithm.wrong_answer_reward``)."""
 
     def __init__(self, scorer, settings: ProcessRewardConfig, decode: Callable[[list[int]], str]) -> None:
         self.prm = PRMStepRewards(scorer, settings)  # its scoring call and on_error handling
@@ -57,7 +60,12 @@ class PRMTurnRewards:
                  rows_extra: Sequence[dict], *, completions: Sequence[Completion]):
         start = time.perf_counter()
         steps = [turn_step_texts(c, self.decode) for c in completions]
-        scores, failed = self.prm._score(prompts, texts, steps)
+        call = None
+        if hasattr(self.prm.scorer, "score_turn_steps"):  # the policy's tokens, as prm/turn_rendering.py renders them
+            from prm.turn_steps import TurnSteps
+
+            call = lambda: self.prm.scorer.score_turn_steps([TurnSteps.of(c) for c in completions])  # noqa: E731
+        scores, failed = self.prm._score(prompts, texts, steps, call=call)
         metrics = PRMStepRewards._metrics(steps, scores)
         starts = step_reward_starts(self.settings, prompts, outcomes)
         rewards = [shape_step_rewards(s, outcome, self.settings, start=s0)
