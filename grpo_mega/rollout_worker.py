@@ -39,6 +39,7 @@ from grpo_mega.run.failure import phase, set_step
 from grpo_mega.run.watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
 from grpo_mega.stages.answer_guard import answer_guard_of
+from grpo_mega.stages.turn_steps import turn_steps_of
 from grpo_mega.stages.rollout import sampling_from_config
 from grpo_mega.stages.rollout_feed import generating_version
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
@@ -109,7 +110,7 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     stage = RolloutStage(engine, prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
                          decode=decode, step_reward_source=step_reward_source(cfg, decode),
                          answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
-                         row_layout=row_layout_of(cfg))
+                         row_layout=row_layout_of(cfg), turn_steps=turn_steps_of(cfg))
     link = RolloutLink(split, engine)
     k, total = cfg.rollout.max_staleness, run.total_steps
 

@@ -45,7 +45,7 @@ from grpo_mega.rollout import SyncStats, sync_weights
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.run.failure import phase as failure_phase
 from grpo_mega.run.layout import ROLLOUTS_DIR, step_dir_name
-from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch
+from grpo_mega.stages import RolloutBatch, RolloutStage, UpdateRunner, build_training_batch, group_advantages
 from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.implicit_prm import build_implicit_prm, implicit_prm_source
 from grpo_mega.stages.rollout import sampling_from_config
@@ -53,6 +53,8 @@ from grpo_mega.stages.rollout_feed import RolloutFeed
 from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_rollout_engine, eval_prompts,
                                             load_prompts, row_layout_of, run_evaluation, settle_rollout_engine,
                                             step_reward_source)
+from grpo_mega.stages.turn_credit_metrics import turn_credit_metrics
+from grpo_mega.stages.turn_steps import turn_steps_of
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             rollout_engine, train_prompts, sampling_from_config(cfg), cfg.reward, alg, seed=cfg.parallel.seed,
             decode=decode, step_reward_source=step_reward_source(cfg, decode),
             answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
-            row_layout=row_layout_of(cfg),
+            row_layout=row_layout_of(cfg), turn_steps=turn_steps_of(cfg),
             batch_step_rewards=(implicit_prm.run_timed if implicit_prm is not None and implicit_prm.before_sampling
                                 else None))
         updater = UpdateRunner(policy, reference, alg, seed=cfg.parallel.seed)
@@ -169,7 +171,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 groups, implicit_metrics = implicit_prm.run(groups)
             metrics.update(implicit_metrics)
         if cfg.trainer.dump_rollouts and harness.is_rank0:
-            _dump_rollouts(harness.run_dir, step, groups)
+            _dump_rollouts(harness.run_dir, step, groups, alg)
         if len(groups) == 0:
             logger.warning("step %d: every sampled group had equal rewards; no update", step)
         else:
@@ -294,14 +296,18 @@ def _batch_metrics(groups: RolloutBatch, batch: dict[str, torch.Tensor], alg) ->
         metrics["reward/steps_per_completion"] = sum(counts) / len(counts)
         if all_steps:
             metrics["reward/step_reward_mean"] = sum(all_steps) / len(all_steps)
+        if any(c.turns is not None for c in groups.completions):  # turn credit: each assistant turn a step
+            metrics.update(turn_credit_metrics(groups, alg))
     return metrics
 
 
-def _dump_rollouts(run_dir: Path, step: int, groups: RolloutBatch) -> None:
-    """``run_dir/rollouts/step_N.jsonl``: one line per trained completion (``trainer.dump_rollouts``)."""
+def _dump_rollouts(run_dir: Path, step: int, groups: RolloutBatch, alg) -> None:
+    """``run_dir/rollouts/step_N.jsonl``: one line per trained completion (``trainer.dump_rollouts``); a multi-turn
+    rollout's line has its per-token ``advantages`` in response coordinates (0 on tool tokens)."""
     folder = run_dir / ROLLOUTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     G = groups.group_size
+    advantages = group_advantages(groups, alg) if len(groups) else None
     with (folder / f"{step_dir_name(step)}.jsonl").open("w", encoding="utf-8") as out:
         for row, completion in enumerate(groups.completions):
             record = groups.records[row // G]
@@ -314,5 +320,6 @@ def _dump_rollouts(run_dir: Path, step: int, groups: RolloutBatch) -> None:
                 line["tree_path"] = completion.tree_path
             if completion.turns is not None:  # multi-turn: which tokens are the policy's, and the turns' records
                 line["response_mask"] = completion.response_mask
+                line["advantages"] = advantages[row, :len(completion.response_ids)].tolist()
                 line["turns"] = [dataclasses.asdict(turn) for turn in completion.turns]
             out.write(json.dumps(line) + "\n")

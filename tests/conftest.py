@@ -47,6 +47,7 @@ SLOW_FILES = {
     "test_turn_loop_resume.py": 150,  # these three: guessed from runs alone at load average 30-60 (2026-12-07:
     "test_turn_loop_peer_data.py": 45,  # 521 s, 60 s and 125 s there)
     "test_turn_loop_parallel.py": 80,
+    "test_turn_credit_train.py": 80,  # estimated: four runs like test_turn_loop_train's (260 s at load average 35)
     "test_ctrl_c_windows.py": 48,
     "test_hf_conversion.py": 47,
     "test_sft_preemption.py": 44,

@@ -14,6 +14,7 @@ import torch
 from grpo_mega.config import AlgorithmConfig, GRPOConfig
 from grpo_mega.config.cross_field import validate_multi_turn
 from grpo_mega.config.loading import ConfigError
+from grpo_mega.config.turn_checks import validate_turn_credit
 from grpo_mega.data.tokenizer import train_tokenizer
 from grpo_mega.data.prompts import PromptRecord
 from grpo_mega.engine.base import LossScale
@@ -315,6 +316,7 @@ def test_the_config_refuses_what_cannot_run_with_tools_in_one_line():
             validate_multi_turn(config)
     process = cfg()
     process.algorithm.supervision = "process"
-    with pytest.raises(ConfigError, match="outcome only") as error:
-        validate_multi_turn(process)
+    validate_multi_turn(process)  # process supervision by turns: grpo_mega.config.turn_checks
+    with pytest.raises(ConfigError, match="needs process_reward.steps=turns") as error:
+        validate_turn_credit(process)
     assert "\n" not in str(error.value)

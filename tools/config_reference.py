@@ -31,7 +31,9 @@ KINDS = {  # page -> (schema "module:Class", the command that reads it, what it 
     "sft": ("grpo_mega.config:SFTConfig", "grpo-mega sft", "supervised fine-tuning"),
     "prm": ("prm.config:PRMConfig", "grpo-mega prm train", "process reward model training"),
 }
-CHECK_MODULES = ("grpo_mega.config.checks", "grpo_mega.config.cross_field", "prm.config")
+CHECK_MODULES = (
+    "grpo_mega.config.checks", "grpo_mega.config.cross_field", "grpo_mega.config.turn_checks", "prm.config",
+)
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ from grpo_mega.config.grpo import PROCESS_REWARD_SOURCES, STEP_CREDITS, GRPOConf
 from grpo_mega.config.loading import ConfigError
 from grpo_mega.config.policy_loss_checks import refuse_verl_loss_mode_name, validate_policy_loss
 from grpo_mega.config.sft import SFTConfig
+from grpo_mega.config.turn_checks import validate_turn_credit
 from grpo_mega.data.formats import FORMATS as DATA_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     validate_implicit_prm(cfg)
     validate_tree_rollout(cfg)
     validate_multi_turn(cfg)
+    validate_turn_credit(cfg)
     ignore_prm_shaping_without_prm(cfg)
     validate_reward_functions(cfg)
     if alg.rollout_is_cap <= 0:
@@ -219,7 +221,8 @@ def validate_tree_rollout(cfg: GRPOConfig) -> None:
 
 
 def validate_multi_turn(cfg: GRPOConfig) -> None:
-    """``rollout.multi_turn``: its ranges, and what cannot run with it yet (each refused with the reason)."""
+    """``rollout.multi_turn``: its ranges, and what cannot run with it yet (each refused with the reason; process
+    supervision by turns: ``turn_checks``)."""
     mt = cfg.rollout.multi_turn
     check_choice(mt.format, ("hermes", "code"), "rollout.multi_turn.format")
     check_choice(mt.tool_response_truncate_side, ("left", "right", "middle"),
@@ -241,11 +244,6 @@ def validate_multi_turn(cfg: GRPOConfig) -> None:
     if mt.format == "code" and "python" not in mt.tools:
         raise ConfigError("rollout.multi_turn.format=code runs ```python blocks on the python tool: add python to "
                           "rollout.multi_turn.tools")
-    # each turn is a step of the next issue (turn credit); until then step credit cannot see turns
-    if cfg.algorithm.supervision == "process" or cfg.process_reward.source == "tree":
-        raise ConfigError("rollout.multi_turn.enable=true runs with algorithm.supervision=outcome only (process "
-                          "supervision and process_reward.source=tree split a response into steps that cross tool "
-                          "turns; turn-level credit is the next issue)")
     if cfg.rollout.routing_replay:
         raise ConfigError("rollout.multi_turn.enable=true with rollout.routing_replay: a multi-turn response is "
                           "generated over several calls whose routed experts are not joined; turn one of them off")

@@ -259,11 +259,18 @@ def check_reward_on_rows(cfg: Any, rows: int = REWARD_CHECK_ROWS) -> None:
             raise ConfigError(f"{key}: {error}") from None
         except Exception as error:  # its module raised on import
             raise ConfigError(f"{key}={spec}: importing it raised {type(error).__name__}: {error}") from None
+    process = getattr(cfg, "process_reward", None)
+    by_turns = (process is not None and process.steps == "turns" and process.source == "function"
+                and cfg.algorithm.supervision == "process")
     for location, prompt, answer, extra in _first_rows(data, rows):
         for completion in (f"The answer is {answer}.", ""):
             for key, spec, function in functions:
+                # process_reward.steps=turns: the reward function is given the turns (here one answer turn, or none)
+                turns = [{"text": completion, "start": 0, "end": len(completion), "ended": "answer",
+                          "calls": []}] if completion else []
+                given = {**extra, "turns": turns} if by_turns and key != "reward.format_function" else extra
                 try:
-                    value = function(prompt, completion, answer, **extra)
+                    value = function(prompt, completion, answer, **given)
                     problem = None if value is None else check_result(value, len(completion))
                 except Exception as error:
                     problem = f"{type(error).__name__}: {error}"

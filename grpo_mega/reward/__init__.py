@@ -9,7 +9,7 @@ It may import ``data`` (the synthetic task, answer formats); the stages, the PRM
 from grpo_mega.reward.compute import ON_ERROR_CHOICES, RewardError, compute_rewards, score_samples
 from grpo_mega.reward.distributed import score_across_ranks
 from grpo_mega.reward.registry import REWARD_FUNCTIONS, get_reward_function
-from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards
+from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards, TurnRewards
 
 __all__ = [
     "ON_ERROR_CHOICES",
@@ -18,6 +18,7 @@ __all__ = [
     "RewardFunction",
     "SampleReward",
     "StepRewards",
+    "TurnRewards",
     "compute_rewards",
     "get_reward_function",
     "score_across_ranks",

@@ -13,7 +13,7 @@ import numbers
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards, WeightedScore
+from grpo_mega.reward.types import RewardFunction, SampleReward, StepRewards, TurnRewards, WeightedScore
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,12 @@ def check_result(value: Any, text_length: int) -> SampleReward | str:
         if any(not isinstance(e, int) or not 0 < e <= text_length for e in ends) or ends != sorted(set(ends)):
             return f"expected step ends strictly increasing in (0, {text_length}]"
         return SampleReward(score, steps, ends)
+    if isinstance(value, TurnRewards):
+        score = _as_float(value.score)
+        turns = [_as_float(r) for r in value.turn_rewards]
+        if score is None or any(r is None for r in turns):
+            return "expected a finite score and finite turn rewards"
+        return SampleReward(score, turn_rewards=turns)
     if value is None:
         return "expected a finite number or StepRewards (None: no reward function applies to it, TRL's convention)"
     number = _as_float(value)

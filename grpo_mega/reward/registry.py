@@ -23,6 +23,7 @@ from grpo_mega.reward.adapters import RewardRows, adapt, weighted_sum
 from grpo_mega.reward.format import boxed_format_reward, step_format_reward
 from grpo_mega.reward.math_answer import math_verify_reward
 from grpo_mega.reward.synthetic import synthetic_reward, synthetic_step_reward
+from grpo_mega.reward.tool_task import tool_task_turn_reward
 from grpo_mega.reward.types import RewardFunction
 from grpo_mega.reward.verl_sources import verl_default_reward
 
@@ -31,6 +32,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "math_verify": math_verify_reward,
     "synthetic": synthetic_reward,
     "synthetic_steps": synthetic_step_reward,
+    "tool_task_turns": tool_task_turn_reward,
     "step_format": step_format_reward,
     "boxed_format": boxed_format_reward,
     "verl_default": verl_default_reward,

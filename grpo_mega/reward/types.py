@@ -27,12 +27,24 @@ class StepRewards:
 
 
 @dataclass(frozen=True)
+class TurnRewards:
+    """What a reward function returns to reward each assistant turn of a multi-turn rollout
+    (``process_reward.steps: turns``): ``turn_rewards[k]`` is turn k's reward, one per entry of the ``turns`` the
+    function is given (``grpo_mega.stages.turn_steps.turn_views``); ``score`` is the completion's reward."""
+
+    score: float
+    turn_rewards: Sequence[float]
+
+
+@dataclass(frozen=True)
 class SampleReward:
     """The validated reward of one sample: its score and, when the function gave them, its step rewards."""
 
     score: float
     step_rewards: list[float] | None = None
     step_ends: list[int] | None = None
+    turn_rewards: list[float] | None = None
+    """With ``process_reward.steps: turns``: one reward per assistant turn (``TurnRewards``, or a turn source's)."""
     failed: bool = False
     error: str = field(default="", compare=False)
     components: dict[str, float | None] | None = field(default=None, compare=False)

@@ -44,7 +44,7 @@ from grpo_mega.algo.implicit_reward import (
 )
 from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.config import GRPOConfig
-from grpo_mega.data.batch import sequences_to_batch
+from grpo_mega.data.batch import mask_response_tokens, sequences_to_batch
 from grpo_mega.data.step_split import default_step_pattern, step_char_ends
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.batching import slice_rows
@@ -61,6 +61,7 @@ from grpo_mega.stages.implicit_prm_eval import (
 from grpo_mega.stages.process_reward import segment_completion, shape_step_rewards, step_reward_starts
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
+from grpo_mega.stages.turn_steps import turn_step_ends
 
 COMPANION_NAME = "implicit_prm"
 """The implicit PRM's subfolder in each policy checkpoint (``grpo_mega.checkpoint.companions``)."""
@@ -162,8 +163,12 @@ class ImplicitPRM:
         return dataclasses.replace(groups, step_rewards=step_rewards, step_ends=step_ends), metrics
 
     def _rows(self, completions: Sequence[Completion]) -> dict[str, torch.Tensor]:
-        return sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions],
+        """``prompt + response`` rows; a multi-turn rollout's tool tokens out of ``loss_mask`` (the PRM neither
+        learns from nor rewards what the tools wrote)."""
+        rows = sequences_to_batch([c.prompt_ids for c in completions], [c.response_ids for c in completions],
                                   self.pad_id)
+        mask_response_tokens(rows, [c.response_mask for c in completions])
+        return rows
 
     def _token_rewards(self, rows: dict[str, torch.Tensor], ref_logprobs: torch.Tensor) -> torch.Tensor:
         """The implicit PRM's token rewards on ``rows`` (a forward pass) against the reference's log-probs."""
@@ -261,7 +266,10 @@ class ImplicitPRM:
         starts = step_reward_starts(process, [record.prompt for record in groups.records for _ in range(G)], outcomes)
         all_rewards, all_ends = [], []
         for row, completion in enumerate(groups.completions):
-            ends, missing = self._token_step_ends(completion.text, completion.response_ids, pattern)
+            if process.steps == "turns":  # each assistant turn a step: its model tokens' rewards summed (tool: 0)
+                ends, missing = turn_step_ends(completion), False
+            else:
+                ends, missing = self._token_step_ends(completion.text, completion.response_ids, pattern)
             if not ends:
                 all_rewards.append([])
                 all_ends.append([])

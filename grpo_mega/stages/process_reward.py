@@ -106,12 +106,15 @@ class PRMStepRewards:
         metrics["prm/failures"] = float(failed)
         return rewards, ends, metrics
 
-    def _score(self, prompts: Sequence[str], texts: Sequence[str], steps: list[list[str]]) -> tuple[list, int]:
+    def _score(self, prompts: Sequence[str], texts: Sequence[str], steps: list[list[str]],
+               call=None) -> tuple[list, int]:
         """The PRM's step scores and how many completions failed; a failure raises :class:`PRMScoringError`
-        naming the completion, or (``on_error: zero``) scores the completion's steps 0."""
+        naming the completion, or (``on_error: zero``) scores the completion's steps 0. ``call``: what scores the
+        steps (None: ``scorer.score_steps(prompts, steps)``)."""
         raise_errors = self.settings.on_error == "raise"
         try:
-            scores = [list(map(float, row)) for row in self.scorer.score_steps(list(prompts), steps)]
+            found = call() if call is not None else self.scorer.score_steps(list(prompts), steps)
+            scores = [list(map(float, row)) for row in found]
         except Exception as error:
             if raise_errors:
                 raise PRMScoringError(f"the PRM failed on the {len(texts)} completions of this step (first prompt "

@@ -30,6 +30,7 @@ from grpo_mega.rollout.turn_metrics import turn_metrics
 from grpo_mega.run.failure import phase
 from grpo_mega.stages.answer_guard import AnswerGuard
 from grpo_mega.stages.step_tokens import one_step_per_token, step_end_tokens
+from grpo_mega.stages.turn_steps import turn_step_ends, turn_views
 
 
 @dataclass
@@ -105,7 +106,7 @@ class RolloutStage:
         algorithm: AlgorithmConfig, *, seed: int, decode, step_reward_source: Callable | None = None,
         answer_guard: AnswerGuard | None = None, step_pattern: str | None = None,
         batch_step_rewards: Callable[[RolloutBatch], tuple[RolloutBatch, dict[str, float]]] | None = None,
-        row_layout: RewardRows = RewardRows(),
+        row_layout: RewardRows = RewardRows(), turn_steps: bool = False,
     ):
         """``step_reward_source``: where process supervision's step rewards come from
         (``grpo_mega.stages.step_sources``; e.g. ``grpo_mega.stages.process_reward.PRMStepRewards``) called as
@@ -118,7 +119,11 @@ class RolloutStage:
         ``batch_step_rewards``: step rewards made from each sampling round's whole scored batch, before dynamic
         sampling (the implicit PRM, ``implicit_prm.before_dynamic_sampling``): ``batch -> (batch with step rewards,
         metrics)``.
-        ``row_layout``: what a TRL reward function needs to know of the rows (``rollout_setup.row_layout_of``)."""
+        ``row_layout``: what a TRL reward function needs to know of the rows (``rollout_setup.row_layout_of``).
+        ``turn_steps``: each assistant turn of a multi-turn rollout is a step (``process_reward.steps: turns``): the
+        reward function is given the turns (``turns=``, ``grpo_mega.stages.turn_steps.turn_views``) and returns
+        ``TurnRewards``, or the step-reward source scores the turns; the steps end at the turns' last model
+        tokens."""
         self.engine, self.prompts, self.sampling = engine, prompts, sampling
         self.reward, self.algorithm, self.seed, self.decode = reward, algorithm, seed, decode
         self.reward_fn = build_reward_function(reward.function, reward.functions, reward.weights, row_layout)
@@ -128,6 +133,7 @@ class RolloutStage:
         self.answer_guard = answer_guard
         self.step_pattern = step_pattern
         self.batch_step_rewards = batch_step_rewards
+        self.turn_steps = turn_steps
         self._step_metrics: list[dict[str, float]] = []
         self._verifier_failures: list[str] = []  # this step's failed verifier calls, their messages
 
@@ -150,7 +156,9 @@ class RolloutStage:
                 scored, batch_metrics = self.batch_step_rewards(scored)
                 self._step_metrics.append(batch_metrics)
             if alg.dynamic_sampling:
-                by_steps = alg.supervision == "process" and scored.step_rewards is not None
+                # bounded turn credit gives a group of equal outcomes no gradient, whatever its turns' rewards
+                by_steps = (alg.supervision == "process" and scored.step_rewards is not None
+                            and not (self.turn_steps and alg.turn_credit == "bounded"))
                 scored = keep_informative_groups(scored, G, by_steps=by_steps)
             kept = RolloutBatch.concat(kept, scored)
             if len(kept) >= alg.rollout_batch_size:
@@ -214,18 +222,22 @@ class RolloutStage:
             [r.answer for r in records for _ in range(G)],
             extras,
         )
+        if self.turn_steps and self.step_reward_source is None:  # the reward function scores the turns
+            columns = (*columns[:3], [{**extra, "turns": turn_views(c, self.decode)}
+                                      for extra, c in zip(columns[3], completions)])
         with phase("reward scoring", bounded=True):
             results = score_across_ranks(self.reward_fn, *columns, on_error=on_error)
         self._step_metrics.append(component_metrics(results))  # reward/<func>/mean of reward.functions, as TRL's
         pattern = self.step_pattern or default_step_pattern(columns[3])
         self._step_metrics.append(answer_metrics(columns[1], self.answer_guard, pattern))
-        if self.answer_guard is not None and self.step_reward_source is None:
+        if self.answer_guard is not None and self.step_reward_source is None and not self.turn_steps:
             results = [self.answer_guard.guard_reward(r, text) for r, text in zip(results, columns[1])]
         if self.step_reward_source is not None:
             with phase("prm scoring", bounded=True):
                 step_rewards, step_ends, step_metrics = self.step_reward_source(
                     columns[0], columns[1], [r.score for r in results], columns[3], completions=completions)
-            results = [dataclasses.replace(r, step_rewards=rewards, step_ends=ends)
+            field = "turn_rewards" if self.turn_steps else "step_rewards"  # a turn source's ends are the turns'
+            results = [dataclasses.replace(r, **{field: rewards}, step_ends=None if self.turn_steps else ends)
                        for r, rewards, ends in zip(results, step_rewards, step_ends)]
             self._step_metrics.append(step_metrics)
         self._verifier_failures += [r.error for r in results if r.failed]
@@ -239,7 +251,8 @@ class RolloutStage:
         if alg.overlong_buffer:
             lengths = torch.tensor([len(c.response_ids) for c in completions])
             rewards += overlong_penalty(lengths, alg.response_length, alg.overlong_buffer, alg.overlong_penalty)
-        step_rewards, step_ends = self._steps(results, completions)
+        step_rewards, step_ends = (turn_step_rewards(results, completions) if self.turn_steps
+                                   else self._steps(results, completions))
         return RolloutBatch(list(records), list(completions), rewards, scores, step_rewards, step_ends), failures
 
     def _steps(self, results: list[SampleReward], completions: Sequence[Completion]):
@@ -256,6 +269,27 @@ class RolloutStage:
             step_rewards.append(rewards)
             step_ends.append(ends)
         return step_rewards, step_ends
+
+
+def turn_step_rewards(results: Sequence[SampleReward], completions: Sequence[Completion]):
+    """Per completion, one reward per turn step (``SampleReward.turn_rewards``) ending at the turn's last model token
+    (``turn_step_ends``). A failed sample's turns get 0 (its outcome score is 0 too); a reward function that gave
+    no turn rewards, or a count other than the turns', is an error naming the completion."""
+    step_rewards, step_ends = [], []
+    for row, (result, completion) in enumerate(zip(results, completions)):
+        ends = turn_step_ends(completion)
+        rewards = result.turn_rewards
+        if rewards is None and result.failed:
+            rewards = [0.0] * len(ends)
+        if rewards is None:
+            raise RewardError(f"completion {row}: process_reward.steps=turns needs a reward per assistant turn, and "
+                              "the reward function returned a score alone: return TurnRewards (e.g. "
+                              "reward.function=tool_task_turns) or use process_reward.source=tool or prm")
+        if len(rewards) != len(ends):
+            raise RewardError(f"completion {row} has {len(ends)} assistant turns but {len(rewards)} turn rewards")
+        step_rewards.append(list(rewards))
+        step_ends.append(ends)
+    return step_rewards, step_ends
 
 
 def row_tool_kwargs(extra: dict) -> dict:

@@ -51,8 +51,22 @@ def _learned_prm(cfg: GRPOConfig, decode):
     """A PRM on its own forward-only engine of the policy's kind (``grpo_mega.stages.process_reward``)."""
     from grpo_mega.stages.process_reward import build_prm_step_rewards
 
-    return build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
-                                  engine_kind=cfg.engine, deepspeed=cfg.deepspeed, answer_guard=answer_guard_of(cfg))
+    prm = build_prm_step_rewards(cfg.process_reward, max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+                                 engine_kind=cfg.engine, deepspeed=cfg.deepspeed, answer_guard=answer_guard_of(cfg))
+    if cfg.process_reward.steps == "turns":  # each assistant turn a step (grpo_mega.stages.turn_rewards)
+        from grpo_mega.stages.turn_rewards import PRMTurnRewards
+
+        return PRMTurnRewards(prm.scorer, cfg.process_reward, decode)
+    return prm
+
+
+@register_step_reward_source("tool")
+def _tools(cfg: GRPOConfig, decode):
+    """The tools' own verdicts on each assistant turn's calls (``process_reward.steps: turns``;
+    ``grpo_mega.stages.turn_rewards``)."""
+    from grpo_mega.stages.turn_rewards import ToolTurnRewards
+
+    return ToolTurnRewards(cfg.process_reward)
 
 
 @register_step_reward_source("implicit")
