@@ -44,7 +44,7 @@ from grpo_mega.rollout.base import (
 )
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.hf_routes import routed_experts
-from grpo_mega.rollout.kv_cache import RowCache, batch_cache_from_rows, full_attention_only, preallocated_cache
+from grpo_mega.rollout.kv_cache import RowCache, continued_batch, full_attention_only, preallocated_cache
 from grpo_mega.rollout.sampling import TokenSampler, method_for
 from grpo_mega.rollout.stopping import cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
@@ -299,8 +299,11 @@ class HFRolloutEngine:
                                               capacity=width + sampling.max_new_tokens)
             real_columns = [list(range(width - len(p), width)) for p in prompts]
         else:
-            input_ids, attention_mask, cache, real_columns = self._continued_batch(prompts, caches,
-                                                                                   sampling.max_new_tokens)
+            input_ids, attention_mask, cache, real_columns = continued_batch(
+                prompts, caches, pad_token_id=self.pad_token_id, model_config=self.model.config,
+                max_new_tokens=sampling.max_new_tokens)
+            input_ids = input_ids.to(self.device)
+            attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         stop = sampling.stop
         keep_columns = None
         if keep and stop:
@@ -352,34 +355,6 @@ class HFRolloutEngine:
                                        "response cut disagree)")
             kept[prompt_in_chunk].extend([row_cache] * (sampling.n // samples))
         return completions, kept
-
-    def _continued_batch(self, prompts: list[list[int]], caches: list[RowCache | None], max_new_tokens: int):
-        """(input ids, attention mask or None, cache, each row's real columns) of a call whose rows continue
-        ``caches``. Row r's cached positions are right-aligned at column ``width`` (the longest cached part) and
-        its uncached tokens at the end, each part left-padded: ``[pad, cached, pad, new]``. The mask hides the
-        padding and the positions count real tokens (``decode``: the cumulative mask), so each row sees exactly
-        its own tokens at its own positions; the holes cost a 2D mask where rows differ, as left padding does."""
-        cached = []
-        for prompt, row_cache in zip(prompts, caches):
-            length = 0 if row_cache is None else min(len(row_cache.token_ids), len(prompt) - 1)
-            if length and tuple(prompt[:length]) != row_cache.token_ids[:length]:
-                raise ValueError("generate_with_caches: a cache does not hold its prompt's first tokens")
-            cached.append(length)
-        width = max(cached)
-        fresh = [len(prompt) - length for prompt, length in zip(prompts, cached)]
-        total = width + max(fresh)
-        input_ids = torch.full((len(prompts), total), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), total), dtype=torch.long)
-        real_columns = []
-        for row, (prompt, length, new) in enumerate(zip(prompts, cached, fresh)):
-            columns = list(range(width - length, width)) + list(range(total - new, total))
-            input_ids[row, columns] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, columns] = 1
-            real_columns.append(columns)
-        cache = batch_cache_from_rows(self.model.config, caches, cached, width, capacity=total + max_new_tokens)
-        unpadded = len(set(cached)) == 1 and len(set(fresh)) == 1
-        return (input_ids.to(self.device), None if unpadded else attention_mask.to(self.device), cache,
-                real_columns)
 
     @torch.no_grad()
     def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, samples: int, *,

@@ -11,8 +11,8 @@ update: the layer sees its keys are no longer a view of its buffer and re-alloca
 
 Between the turns of a multi-turn rollout (``grpo_mega.rollout.turn_loop``) a row's cache outlives its ``generate``
 call as a :class:`RowCache`: the keys and values of its real tokens only (no padding), cut out of the batch cache by
-:func:`take_row_cache` when the row ends at a stop string, and laid into the next call's batch cache by
-:func:`batch_cache_from_rows`. Each row's positions are its own (0 at its first real token, as the engine numbers
+:func:`take_row_cache` when the row ends at a stop string, and laid into the next call's batch by
+:func:`continued_batch`. Each row's positions are its own (0 at its first real token, as the engine numbers
 left-padded rows), so its keys, rotated at those positions, are valid wherever the next batch puts them.
 """
 
@@ -129,3 +129,35 @@ def batch_cache_from_rows(model_config, rows: Sequence[RowCache | None], lengths
                 values[r, :, width - length:] = row.layers[index][1][:, :length]
         layer.update(keys, values)
     return cache
+
+
+def continued_batch(prompts: Sequence[Sequence[int]], caches: Sequence[RowCache | None], *, pad_token_id: int,
+                    model_config, max_new_tokens: int):
+    """(input ids, attention mask or None, both on the CPU; the cache, on the caches' device; each row's real
+    columns) of a generate call whose row r continues ``caches[r]`` (None: none) with the tokens of ``prompts[r]``
+    after it. Row r's cached positions are right-aligned at column ``width`` (the longest cached part) and its
+    uncached tokens at the end, each part left-padded: ``[pad, cached, pad, new]``. The mask hides the padding and
+    the decode loop's positions count real tokens (the cumulative mask), so each row sees exactly its own tokens at
+    its own positions; the holes cost a 2D mask where rows differ, as left padding does. A cache that holds a whole
+    prompt is used but for its last token (whose logits the first step needs). ValueError when a cache's tokens
+    are not its prompt's first tokens."""
+    cached = []
+    for prompt, row_cache in zip(prompts, caches):
+        length = 0 if row_cache is None else min(len(row_cache.token_ids), len(prompt) - 1)
+        if length and tuple(prompt[:length]) != row_cache.token_ids[:length]:
+            raise ValueError("generate_with_caches: a cache does not hold its prompt's first tokens")
+        cached.append(length)
+    width = max(cached)
+    fresh = [len(prompt) - length for prompt, length in zip(prompts, cached)]
+    total = width + max(fresh)
+    input_ids = torch.full((len(prompts), total), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), total), dtype=torch.long)
+    real_columns = []
+    for row, (prompt, length, new) in enumerate(zip(prompts, cached, fresh)):
+        columns = list(range(width - length, width)) + list(range(total - new, total))
+        input_ids[row, columns] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, columns] = 1
+        real_columns.append(columns)
+    cache = batch_cache_from_rows(model_config, caches, cached, width, capacity=total + max_new_tokens)
+    unpadded = len(set(cached)) == 1 and len(set(fresh)) == 1
+    return input_ids, None if unpadded else attention_mask, cache, real_columns
