@@ -306,9 +306,10 @@ class HFRolloutEngine:
             attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         stop = sampling.stop
         keep_columns = None
-        if keep and stop:
-            keep_columns = [torch.tensor(real_columns[row // samples], dtype=torch.long, device=self.device)
-                            for row in range(len(prompts) * samples)]
+        if keep and stop:  # one copy to the device, split per prompt (its samples share it)
+            flat = torch.tensor([c for columns in real_columns for c in columns], dtype=torch.long, device=self.device)
+            per_prompt = flat.split([len(columns) for columns in real_columns])
+            keep_columns = [per_prompt[row // samples] for row in range(len(prompts) * samples)]
         decoded = decode(
             self.model, input_ids.repeat_interleave(samples, dim=0),
             None if attention_mask is None else attention_mask.repeat_interleave(samples, dim=0),
