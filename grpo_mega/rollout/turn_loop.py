@@ -124,7 +124,7 @@ class TurnLoopEngine:
         stop = list(sampling.stop) + [x for x in STOP_STRINGS[s.format] if x not in sampling.stop]
         per_turn = min(s.max_tokens_per_turn or s.max_response_tokens, s.max_response_tokens)
         first, caches = self._generate(prompt_ids, dataclasses.replace(
-            sampling, stop=stop, max_new_tokens=min(per_turn, s.max_response_tokens)))
+            sampling, stop=stop, max_new_tokens=min(per_turn, s.max_response_tokens)), keep=s.max_turns > 1)
         rows = [_Row(c.prompt_index, list(prompt_ids[c.prompt_index]),
                      (tool_kwargs[c.prompt_index] if tool_kwargs is not None else None) or {}, cache=cache)
                 for c, cache in zip(first, caches)]
@@ -172,18 +172,20 @@ class TurnLoopEngine:
             group_outputs, kept = self._generate(
                 [row.prompt_ids + row.response_ids for row in group],
                 dataclasses.replace(sampling, n=1, seed=seed, stop=stop,
-                                    max_new_tokens=max(limit[id(row)] for row in group)), caches)
+                                    max_new_tokens=max(limit[id(row)] for row in group)),
+                caches, keep=turn < self.settings.max_turns - 1)
             for row, cache in zip(group, kept):
                 row.cache = cache
             outputs += group_outputs
             rows += group
         return rows, outputs
 
-    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, caches: list | None = None
-                  ) -> tuple[list[Completion], list]:
-        """The engine's completions and the caches it kept (all None where it keeps none)."""
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, caches: list | None = None, *,
+                  keep: bool) -> tuple[list[Completion], list]:
+        """The engine's completions and the caches it kept (all None where it keeps none; ``keep``: a later turn
+        may follow)."""
         if self.continues_kv:
-            return self.engine.generate_with_caches(prompt_ids, sampling, caches, keep=True)
+            return self.engine.generate_with_caches(prompt_ids, sampling, caches, keep=keep)
         outputs = self.engine.generate(prompt_ids, sampling)
         return outputs, [None] * len(outputs)
 
