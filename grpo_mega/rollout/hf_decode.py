@@ -29,10 +29,11 @@ of the raw logits after the masks (``rollout.base``), gathered at the sampled to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from grpo_mega.rollout.kv_cache import take_row_cache
 from grpo_mega.rollout.sampling import TokenSampler, method_for
 
 COMPACT_AT = 0.25
@@ -55,6 +56,10 @@ class Decoded:
     """[rows, steps] float32 log-probs of those tokens (0 after a row's end), on the CPU."""
     row_steps: int
     """Sum over decode steps of the rows computed (finished rows waiting for a compaction included)."""
+    prefill_tokens: int = 0
+    """Positions of the first step's forward pass (rows x the input's uncached columns, padding included)."""
+    kept: dict[int, tuple] = field(default_factory=dict)
+    """With ``keep_columns``: call row -> its cache (``kv_cache.take_row_cache``) for each row a stop string ended."""
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,6 +119,7 @@ def decode(
     stopped: Callable[[list[int]], bool] | None = None,
     compact_at: float = COMPACT_AT,
     sync_every: int | None = None,
+    keep_columns: Sequence[torch.Tensor] | None = None,
 ) -> Decoded:
     """Generate up to ``max_new_tokens`` tokens after each row of ``input_ids`` ([rows, L], left-padded, with its
     ``attention_mask``; None when no row is padded, which spares transformers a check of the mask at every step),
@@ -124,6 +130,11 @@ def decode(
     ``sampler`` (default: temperature 1, no top-k / top-p, the device's method) then draws; ``greedy`` takes the argmax instead. A row
     ends at an EOS id (kept) or once ``stopped`` says its tokens so far complete a stop string. ``compact_at`` > 1
     never compacts. ``sync_every``: steps between host reads (default :data:`SYNC_EVERY_CUDA` on CUDA, 1 elsewhere).
+
+    ``keep_columns[r]`` (with ``stopped``): the cache columns of call row r's real input tokens (a LongTensor on the
+    device, in order). The cache of each row a stop string ends is then kept (``Decoded.kept``): its keys and values
+    at those columns and at its generated tokens before the one that completed the stop string (never fed), cut out
+    before a compaction drops the row or at the end, with no host read of its own.
     """
     if sync_every is None:
         sync_every = SYNC_EVERY_CUDA if input_ids.device.type == "cuda" else 1
@@ -158,6 +169,18 @@ def decode(
     scan = _StopScan(rows, set(eos_token_ids), stopped) if stopped is not None else None
     scanned = 0  # tokens of every row the stop scan has read
     row_steps = steps = 0
+    kept: dict[int, tuple] = {}
+
+    def keep(batch_indices: Sequence[int]) -> None:
+        """Cut out the caches of the rows at ``batch_indices`` that a stop string ended (while still in ``cache``)."""
+        if keep_columns is None or scan is None:
+            return
+        for index in batch_indices:
+            row = host_rows[index]
+            if row in scan.ends and row not in kept:
+                generated = torch.arange(length, length + scan.ends[row], device=device)
+                kept[row] = take_row_cache(cache, index, torch.cat([keep_columns[row], generated]))
+
     for step in range(max_new_tokens):
         steps = step + 1
         row_steps += len(host_rows)
@@ -199,13 +222,14 @@ def decode(
             waiting = live_host.count(False)
             if waiting >= max(1.0, compact_at * len(live_host)):
                 keep_host = [index for index, alive in enumerate(live_host) if alive]
-                keep = torch.tensor(keep_host, device=device)
-                cache.batch_select_indices(keep)
+                keep([index for index, alive in enumerate(live_host) if not alive])
+                kept_rows = torch.tensor(keep_host, device=device)
+                cache.batch_select_indices(kept_rows)
                 host_rows = [host_rows[index] for index in keep_host]
                 batch_rows, live, positions, chosen = (
-                    batch_rows[keep], live[keep], positions[keep], chosen[keep])
-                full_mask = None if full_mask is None else full_mask[keep]
-                mask_4d = None if mask_4d is None else mask_4d[keep]
+                    batch_rows[kept_rows], live[kept_rows], positions[kept_rows], chosen[kept_rows])
+                full_mask = None if full_mask is None else full_mask[kept_rows]
+                mask_4d = None if mask_4d is None else mask_4d[kept_rows]
         step_input = chosen[:, None]
         step_positions = positions[:, step: step + 1]
     # The end: one copy of tokens and log-probs (the log-probs' float32 bits carried exactly as integers).
@@ -217,4 +241,6 @@ def decode(
         for row, end in scan.ends.items():  # tokens sampled after a stop string, before the check found it
             tokens_host[row, end + 1:] = pad_token_id
             logprobs_host[row, end + 1:] = 0.0
-    return Decoded(tokens=tokens_host, logprobs=logprobs_host, row_steps=row_steps)
+        keep(range(len(host_rows)))
+    return Decoded(tokens=tokens_host, logprobs=logprobs_host, row_steps=row_steps,
+                   prefill_tokens=rows * (length - cached), kept=kept)

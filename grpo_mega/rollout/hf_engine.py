@@ -9,6 +9,11 @@ temperature / top-k / top-p shape what is sampled (``grpo_mega.rollout.sampling`
 drawn without sorting the vocabulary).
 Ids past the tokenizer (a checkpoint's padded embedding rows) are masked before it, so they are never sampled.
 
+Multi-turn rollouts continue each row's KV cache (:meth:`HFRolloutEngine.generate_with_caches`): a call may keep the
+cache of every row that ends at a stop string (a tool call) and the next call, over those rows' prefixes (their
+turn plus the tool turn), starts from it and prefills only the tokens after it. The calls, their batches and their
+random numbers are those of ``generate`` over the same prefixes: only the prefix's forward pass is saved.
+
 Sampling is defined by :class:`SamplingConfig` alone: the engine replaces the model's ``generation_config``
 (a checkpoint's ``generation_config.json`` often sets top_k / top_p / repetition_penalty, and transformers fills
 unset values with top_k=50), keeping only its EOS ids, for any caller of the model's own ``generate``.
@@ -39,7 +44,7 @@ from grpo_mega.rollout.base import (
 )
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.hf_routes import routed_experts
-from grpo_mega.rollout.kv_cache import preallocated_cache
+from grpo_mega.rollout.kv_cache import RowCache, continued_batch, full_attention_only, preallocated_cache
 from grpo_mega.rollout.sampling import TokenSampler, method_for
 from grpo_mega.rollout.stopping import cut_response
 from grpo_mega.rollout.weight_tracking import WeightUpdateTracker, checkpoint_state_dict
@@ -144,6 +149,11 @@ class HFRolloutEngine:
         self._weights_ready = weights_ready
         self.weight_version = 0
         """Complete weight updates received so far."""
+        self.continues_kv = full_attention_only(preallocated_cache(model.config, 1))
+        """Whether ``generate_with_caches`` can keep and continue rows' caches (every layer full attention)."""
+        self.forward_tokens = {"prefill": 0, "decode": 0}
+        """Positions put through the model since construction, padding included: ``prefill`` in forward passes of
+        several positions per row (shared prompt prefixes, each call's first step), ``decode`` one per row."""
         self.on_progress: Callable[[int, int], None] | None = None
         """Called after each generated batch of a ``generate`` call with (prompts done, prompts in the call): the
         progress lines of the commands that generate for minutes (``grpo-mega eval``, ``prm label``)."""
@@ -189,6 +199,28 @@ class HFRolloutEngine:
         ``sampling.seed`` for fresh samples (the trainer derives it from seed, step, round and rank). The caller's RNG state is
         left as it was. With temperature 0 (greedy) the n completions of a prompt are identical.
         """
+        return self.generate_with_caches(prompt_ids, sampling)[0]
+
+    def generate_with_caches(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                             caches: list[RowCache | None] | None = None, *, keep: bool = False
+                             ) -> tuple[list[Completion], list[RowCache | None]]:
+        """``generate``, continuing and keeping rows' KV caches (the multi-turn loop's next turn).
+
+        ``caches[p]``: a cache of prompt p's first tokens (from an earlier call; None: none), which the call starts
+        from, prefilling only the tokens after it (``sampling.n`` must be 1). ``keep``: return the cache of every
+        completion that ended at a stop string (None for the others), aligned with the completions. The completions
+        are ``generate``'s: the same calls, batches and random numbers; only the cached positions' keys and values
+        come from the earlier call instead of a recomputation (equal up to float rounding: a different batch
+        layout). A kept cache holds the row's real tokens only; the caller holds it until the next call. The
+        ``caches`` list is consumed: each entry is set to None once its batch starts (its memory then freed).
+        """
+        if caches is not None and (len(caches) != len(prompt_ids) or sampling.n != 1):
+            raise ValueError(f"generate_with_caches: {len(caches)} caches for {len(prompt_ids)} prompts, "
+                             f"n={sampling.n} (continuing a cache needs one cache or None per prompt and n=1)")
+        if (caches is not None and any(c is not None for c in caches)) or keep:
+            if not self.continues_kv:
+                raise ValueError("generate_with_caches: the model has layers that are not full attention; its "
+                                 "rows' caches cannot be kept")
         if not self._weights_ready:
             raise RuntimeError(
                 "hf rollout engine has placeholder weights (model folder without weights, or an incomplete "
@@ -205,15 +237,23 @@ class HFRolloutEngine:
             else:
                 torch.random.default_generator.manual_seed(seed)
             by_prompt: list[list[Completion]] = [[] for _ in prompt_ids]
+            kept: list[list[RowCache | None]] = [[] for _ in prompt_ids]
             lengths = [len(p) for p in prompt_ids]
             done = 0
             for batch in length_batches(lengths, self.generation_batch_size, MIN_BUCKET_PROMPTS):
-                for index, group in zip(batch, self._generate_chunk([prompt_ids[i] for i in batch], batch, sampling)):
-                    by_prompt[index] = group
+                chunk_caches = None if caches is None else [caches[i] for i in batch]
+                if caches is not None:  # consumed: the chunk's batch cache holds them from here on
+                    for i in batch:
+                        caches[i] = None
+                groups, group_caches = self._generate_chunk([prompt_ids[i] for i in batch], batch, sampling,
+                                                            chunk_caches, keep)
+                for index, group, group_cache in zip(batch, groups, group_caches):
+                    by_prompt[index], kept[index] = group, group_cache
                 done += len(batch)
                 if self.on_progress is not None:
                     self.on_progress(done, len(prompt_ids))
-        return [completion for group in by_prompt for completion in group]
+        return ([completion for group in by_prompt for completion in group],
+                [cache for group in kept for cache in group])
 
     @property
     def context_length(self) -> int | None:
@@ -245,16 +285,31 @@ class HFRolloutEngine:
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _generate_chunk(
-        self, prompts: list[list[int]], indices: list[int], sampling: SamplingConfig
-    ) -> list[list[Completion]]:
-        """The n completions of each of ``prompts`` (whose indices in the call are ``indices``), one generate."""
-        input_ids, attention_mask = self._left_pad(prompts)
-        prompt_length = input_ids.shape[1]
+        self, prompts: list[list[int]], indices: list[int], sampling: SamplingConfig,
+        caches: list[RowCache | None] | None = None, keep: bool = False,
+    ) -> tuple[list[list[Completion]], list[list[RowCache | None]]]:
+        """The n completions of each of ``prompts`` (whose indices in the call are ``indices``), one generate, and
+        with ``keep`` the cache of each that ended at a stop string; ``caches``: see ``generate_with_caches``."""
         # Greedy rows of one prompt are identical: generate once, copy n times.
         samples = 1 if sampling.greedy else sampling.n
-        cache = self._shared_prompt_cache(input_ids, attention_mask, samples,
-                                          capacity=prompt_length + sampling.max_new_tokens)
+        if caches is None or all(c is None for c in caches):
+            input_ids, attention_mask = self._left_pad(prompts)
+            width = input_ids.shape[1]
+            cache = self._shared_prompt_cache(input_ids, attention_mask, samples,
+                                              capacity=width + sampling.max_new_tokens)
+            real_columns = [list(range(width - len(p), width)) for p in prompts]
+        else:
+            input_ids, attention_mask, cache, real_columns = continued_batch(
+                prompts, caches, pad_token_id=self.pad_token_id, model_config=self.model.config,
+                max_new_tokens=sampling.max_new_tokens)
+            input_ids = input_ids.to(self.device)
+            attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         stop = sampling.stop
+        keep_columns = None
+        if keep and stop:  # one copy to the device, split per prompt (its samples share it)
+            flat = torch.tensor([c for columns in real_columns for c in columns], dtype=torch.long, device=self.device)
+            per_prompt = flat.split([len(columns) for columns in real_columns])
+            keep_columns = [per_prompt[row // samples] for row in range(len(prompts) * samples)]
         decoded = decode(
             self.model, input_ids.repeat_interleave(samples, dim=0),
             None if attention_mask is None else attention_mask.repeat_interleave(samples, dim=0),
@@ -262,9 +317,14 @@ class HFRolloutEngine:
             pad_token_id=self.pad_token_id, masks=self._masks, sampler=_token_sampler(sampling, self.device),
             greedy=sampling.greedy, logprob_temperature=sampling.logprob_temperature,
             stopped=(lambda ids: any(s in self._decode(ids) for s in stop)) if stop else None,
+            keep_columns=keep_columns,
         )
+        rows = len(prompts) * samples
+        self.forward_tokens["prefill"] += decoded.prefill_tokens
+        self.forward_tokens["decode"] += decoded.row_steps - rows
         generated, logprobs = decoded.tokens.tolist(), decoded.logprobs
         completions: list[list[Completion]] = [[] for _ in prompts]
+        kept: list[list[RowCache | None]] = [[] for _ in prompts]
         cuts = [cut_response(token_ids, eos_token_ids=self.eos_token_ids, stop=sampling.stop, decode=self._decode,
                              max_new_tokens=sampling.max_new_tokens) for token_ids in generated]
         routes = [None] * len(generated)
@@ -287,7 +347,15 @@ class HFRolloutEngine:
             )
             completions[prompt_in_chunk].extend(
                 [completion] if samples == sampling.n else self._copies(completion, sampling.n))
-        return completions
+            row_cache = None
+            if cut.finish_reason == "stop" and row in decoded.kept:
+                row_cache = RowCache(tuple(prompts[prompt_in_chunk]) + tuple(response[:-1]), decoded.kept[row])
+                if row_cache.layers[0][0].shape[-2] != len(row_cache.token_ids):
+                    raise RuntimeError(f"hf engine: a kept cache of {row_cache.layers[0][0].shape[-2]} positions "
+                                       f"for {len(row_cache.token_ids)} tokens (the decode loop's stop and the "
+                                       "response cut disagree)")
+            kept[prompt_in_chunk].extend([row_cache] * (sampling.n // samples))
+        return completions, kept
 
     @torch.no_grad()
     def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, samples: int, *,
@@ -306,6 +374,7 @@ class HFRolloutEngine:
             position_ids, prefix_mask = (attention_mask.cumsum(-1) - 1).clamp(min=0), attention_mask[:, :-1]
         self.model(input_ids=input_ids[:, :-1], attention_mask=prefix_mask,
                    position_ids=position_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.forward_tokens["prefill"] += input_ids.shape[0] * (input_ids.shape[1] - 1)
         cache.batch_repeat_interleave(samples)
         return cache
 

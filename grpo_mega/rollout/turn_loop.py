@@ -16,8 +16,15 @@ run it unchanged. Its ``generate``:
    row has ended.
 
 Token in, token out: the policy's sampled ids and log-probs are kept exactly; only tool outputs and the template's
-turn boundaries are encoded. vLLM's prefix cache serves each row's prefix on the next turn; the hf engine
-recomputes the prefix every turn (a KV-cache continuation there is later work). A turn that runs past
+turn boundaries are encoded. vLLM's prefix cache serves each row's prefix on the next turn. An engine that can keep
+its rows' KV caches (``continues_kv``: the hf engine on a model whose layers are all full attention) continues them
+instead (``generate_with_caches``): each call keeps the cache of every row that stopped at a call, and the next
+turn's call starts from it, prefilling only the last sampled token, the tool turn and the boundary tokens; the
+prefix is never recomputed. Its calls, batches and random numbers are those of the recomputing path, so the
+trajectories are the same (up to the float rounding of a differently laid-out batch, which can only flip a near
+tie). Memory: between turns, the caches of the rows waiting for a tool, at most rows x (prompt + response budget)
+positions x 2 x layers x KV heads x head dim x the dtype's bytes, the KV cache of the step's rollouts at full
+length (one generate call's batch cache on top while the next turn runs). A turn that runs past
 ``max_tokens_per_turn`` or the response budget (``algorithm.response_length``, tool turns included) ends its
 rollout ("length"); so does a tool turn that would not leave one token of budget (it is not appended). A call made
 in the ``max_turns``-th turn is not run: the rollout ends there.
@@ -73,6 +80,8 @@ class _Row:
     turns: list[TurnRecord] = field(default_factory=list)
     finish_reason: str = "length"
     live: bool = True
+    cache: Any = None
+    """The engine's KV cache of the row's tokens so far (``generate_with_caches``), while it waits for its tool."""
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], mask_value: int) -> None:
         self.response_ids += list(ids)
@@ -88,6 +97,8 @@ class TurnLoopEngine:
         self.engine, self.toolset, self.tokenizer, self.settings = engine, toolset, tokenizer, settings
         self.tool_turns = tool_turns if tool_turns is not None else tool_turns_for(settings.format, tokenizer)
         self.tool_seconds = 0.0
+        self.continues_kv = bool(getattr(engine, "continues_kv", False)) and hasattr(engine, "generate_with_caches")
+        """Whether later turns continue the rows' KV caches (else each turn recomputes the rows' prefixes)."""
 
     def __getattr__(self, name: str):  # weight updates, replica layout, release_memory, ...: the engine's
         return getattr(self.__dict__["engine"], name)
@@ -112,10 +123,11 @@ class TurnLoopEngine:
         s = self.settings
         stop = list(sampling.stop) + [x for x in STOP_STRINGS[s.format] if x not in sampling.stop]
         per_turn = min(s.max_tokens_per_turn or s.max_response_tokens, s.max_response_tokens)
-        first = self.engine.generate(prompt_ids, dataclasses.replace(
-            sampling, stop=stop, max_new_tokens=min(per_turn, s.max_response_tokens)))
+        first, caches = self._generate(prompt_ids, dataclasses.replace(
+            sampling, stop=stop, max_new_tokens=min(per_turn, s.max_response_tokens)), keep=s.max_turns > 1)
         rows = [_Row(c.prompt_index, list(prompt_ids[c.prompt_index]),
-                     (tool_kwargs[c.prompt_index] if tool_kwargs is not None else None) or {}) for c in first]
+                     (tool_kwargs[c.prompt_index] if tool_kwargs is not None else None) or {}, cache=cache)
+                for c, cache in zip(first, caches)]
         context = getattr(self.engine, "context_length", None)  # None: the engine stops at its context itself
         outputs = first
         for turn in range(s.max_turns):
@@ -154,12 +166,28 @@ class TurnLoopEngine:
         for index, group in enumerate(calls):
             group.sort(key=lambda row: position[id(row)])  # each call's rows in the loop's order
             seed = derive_seed(sampling.seed, turn) if len(calls) == 1 else derive_seed(sampling.seed, turn, index)
-            outputs += self.engine.generate(
+            caches = [row.cache for row in group]
+            for row in group:
+                row.cache = None  # the engine frees each once it is in a batch cache
+            group_outputs, kept = self._generate(
                 [row.prompt_ids + row.response_ids for row in group],
                 dataclasses.replace(sampling, n=1, seed=seed, stop=stop,
-                                    max_new_tokens=max(limit[id(row)] for row in group)))
+                                    max_new_tokens=max(limit[id(row)] for row in group)),
+                caches, keep=turn < self.settings.max_turns - 1)
+            for row, cache in zip(group, kept):
+                row.cache = cache
+            outputs += group_outputs
             rows += group
         return rows, outputs
+
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, caches: list | None = None, *,
+                  keep: bool) -> tuple[list[Completion], list]:
+        """The engine's completions and the caches it kept (all None where it keeps none; ``keep``: a later turn
+        may follow)."""
+        if self.continues_kv:
+            return self.engine.generate_with_caches(prompt_ids, sampling, caches, keep=keep)
+        outputs = self.engine.generate(prompt_ids, sampling)
+        return outputs, [None] * len(outputs)
 
     # ------------------------------------------------------------------------- one turn
     def _take_turn(self, row: _Row, out: Completion, *, last: bool) -> bool:
@@ -181,6 +209,8 @@ class TurnLoopEngine:
             ended = "answer" if final_answer_end(text) is not None else "void"
         row.turns.append(TurnRecord(start=start, end=len(row.response_ids), ended=ended))
         row.live = ended == "tool_call"
+        if not row.live:
+            row.cache = None
         return row.live
 
     def _run_tools(self, rows: list[_Row]) -> None:
@@ -212,7 +242,7 @@ class TurnLoopEngine:
             record.content = capped
             ids = self.tokenizer.encode(self.tool_turns.text([capped], turn_text), add_special_tokens=False)
             if len(row.response_ids) + len(ids) + 1 > self.settings.max_response_tokens:
-                row.live, row.finish_reason = False, "length"  # no room to answer after it: not appended
+                row.live, row.finish_reason, row.cache = False, "length", None  # no room to answer: not appended
                 continue
             row.add(ids, [0.0] * len(ids), 0)
             turn.tool_end = len(row.response_ids)
