@@ -16,8 +16,9 @@ writes), ``prm train`` / ``score`` / ``eval`` on those rows, and the trainer's P
   completion whose first turn made no call has one turn, so one step, the same.
 
 A stored (stepwise) row of turn steps carries, beside its text steps (``completions``), the field
-``TURN_STEPS_FIELD``: ``{"response_ids": [...], "step_ends": [...]}``, from which the same step ends (and, with the
-policy's tokenizer, the same step texts) come back: ``TurnSteps.from_row`` checks it and names what is wrong.
+``TURN_STEPS_FIELD``: ``{"prompt_ids", "response_ids", "step_starts", "step_ends"}`` (the policy's tokens and each
+step's first and last model token), from which the same steps come back: ``TurnSteps.from_row`` checks it and names
+what is wrong. A PRM reads a turn step from these tokens, not from its text (``prm.turn_rendering``).
 """
 
 from __future__ import annotations
@@ -50,19 +51,31 @@ def check_step_ends(step_ends: Sequence[int], response_length: int) -> None:
         previous = end
 
 
-def step_ends_of_turns(turns: Sequence[TurnRecord] | None, response_length: int) -> list[int]:
-    """The response index of each step's last model token (the module docstring): ``turn.end - 1`` of every turn
-    with a policy token; ``[response_length - 1]`` for a completion without turns. ValueError for a completion
-    with no response token or turns that do not lie in order within the response."""
+def step_bounds_of_turns(turns: Sequence[TurnRecord] | None, response_length: int) -> tuple[list[int], list[int]]:
+    """(first model token, last model token) response indices of each step (the module docstring): ``turn.start``
+    and ``turn.end - 1`` of every turn with a policy token; ``([0], [response_length - 1])`` for a completion
+    without turns. ValueError for a completion with no response token or turns out of order."""
     if response_length < 1:
         raise ValueError("a completion without a response token has no step")
-    if not turns:
-        return [response_length - 1]
-    ends = [turn.end - 1 for turn in turns if turn.end > turn.start]
-    if not ends:
-        return [response_length - 1]
-    check_step_ends(ends, response_length)
-    return ends
+    steps = [turn for turn in turns or [] if turn.end > turn.start]
+    if not steps:
+        return [0], [response_length - 1]
+    starts, ends = [turn.start for turn in steps], [turn.end - 1 for turn in steps]
+    check_step_bounds(starts, ends, response_length)
+    return starts, ends
+
+
+def check_step_bounds(step_starts: Sequence[int], step_ends: Sequence[int], response_length: int) -> None:
+    """``check_step_ends``, and each step's first model token after the previous step's end and not after its own."""
+    check_step_ends(step_ends, response_length)
+    if len(step_starts) != len(step_ends):
+        raise ValueError(f"{len(step_starts)} step starts for {len(step_ends)} step ends")
+    previous = -1
+    for k, (start, end) in enumerate(zip(step_starts, step_ends)):
+        if isinstance(start, bool) or not isinstance(start, int) or not previous < start <= end:
+            raise ValueError(f"step start {k} is {start!r}, not a token after step {k - 1}'s end ({previous}) and "
+                             f"up to its own end ({end})")
+        previous = end
 
 
 def step_spans(step_ends: Sequence[int]) -> list[tuple[int, int]]:
@@ -73,19 +86,24 @@ def step_spans(step_ends: Sequence[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class TurnSteps:
-    """A turn-split response: its token ids and the response index of each step's last model token."""
+    """A turn-split rollout: the prompt's and the response's token ids as the policy had them, and the response
+    index of each step's first and last model token (its turn's span; the tool turn before it is not the step's
+    own)."""
 
+    prompt_ids: list[int]
     response_ids: list[int]
+    step_starts: list[int]
     step_ends: list[int]
 
     def __post_init__(self) -> None:
-        check_step_ends(self.step_ends, len(self.response_ids))
+        check_step_bounds(self.step_starts, self.step_ends, len(self.response_ids))
 
     @classmethod
     def of(cls, completion: Completion) -> TurnSteps:
         """The turn steps of a rollout's completion (its ``turns``; one step without them)."""
         ids = list(completion.response_ids)
-        return cls(ids, step_ends_of_turns(completion.turns, len(ids)))
+        starts, ends = step_bounds_of_turns(completion.turns, len(ids))
+        return cls(list(completion.prompt_ids), ids, starts, ends)
 
     def texts(self, tokenizer: Any) -> list[str]:
         """Each step's text: its span of the response (``step_spans``) decoded as a completion's text is."""
@@ -95,24 +113,27 @@ class TurnSteps:
 
     def to_row(self) -> dict:
         """The value of ``TURN_STEPS_FIELD`` in a stored row."""
-        return {"response_ids": list(self.response_ids), "step_ends": list(self.step_ends)}
+        return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
+                "step_starts": list(self.step_starts), "step_ends": list(self.step_ends)}
 
     @classmethod
     def from_row(cls, value: Any, num_steps: int) -> TurnSteps:
         """The turn steps stored in a row's ``TURN_STEPS_FIELD`` for a solution of ``num_steps`` text steps;
         ValueError naming the field and what is wrong (the reader adds the file and line)."""
         where = f"field {TURN_STEPS_FIELD!r}"
+        names = ("prompt_ids", "response_ids", "step_starts", "step_ends")
         if not isinstance(value, dict):
-            raise ValueError(f"{where} must be an object with 'response_ids' and 'step_ends', got {value!r:.80}")
-        ids, ends = value.get("response_ids"), value.get("step_ends")
-        for name, values in (("response_ids", ids), ("step_ends", ends)):
+            raise ValueError(f"{where} must be an object with {', '.join(names)}, got {value!r:.80}")
+        lists = [value.get(name) for name in names]
+        for name, values in zip(names, lists):
             if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool)
                                                        for v in values):
                 raise ValueError(f"{where}.{name} must be a list of integers, got {values!r:.80}")
+        prompt_ids, ids, starts, ends = lists
         if len(ends) != num_steps:
             raise ValueError(f"{where} has {len(ends)} step ends for {num_steps} steps ('completions')")
         try:
-            check_step_ends(ends, len(ids))
+            check_step_bounds(starts, ends, len(ids))
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
-        return cls(list(ids), list(ends))
+        return cls(list(prompt_ids), list(ids), list(starts), list(ends))
