@@ -16,7 +16,8 @@ from prm.examples import StepExample
 from prm.labeling import is_correct, monte_carlo_labels, sample_solutions
 from prm.policy import load_policy_rollout
 from prm.turn_labeling import monte_carlo_turn_labels, sample_turn_solutions
-from prm.turn_setup import add_turn_arguments, build_toolset_of, build_turn_loop, multi_turn_settings
+from prm.turn_setup import (add_turn_arguments, build_toolset_of, build_turn_loop, multi_turn_settings,
+                            step_kind_of)
 
 # torch and the distributed helpers are imported where they are used: every `grpo-mega` command builds the parser
 # with this module's flags (add_label_arguments), also the launcher process that only execs torchrun.
@@ -149,8 +150,6 @@ def run_label(args: argparse.Namespace) -> Path:
         raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
     reward_fn = get_reward_function(args.reward)
     check_fraction(args.perturb_fraction)
-    if args.steps == "turns" and args.perturb_fraction:
-        raise ValueError("--perturb-fraction changes a number in a text step; it does not apply to --steps turns")
     toolset = None
     out = Path(args.out)
     started = time.perf_counter()
@@ -160,7 +159,10 @@ def run_label(args: argparse.Namespace) -> Path:
         progress.start(f"loading the policy {args.policy}")
         policy = load_policy_rollout(args.policy, generation_batch_size=args.generation_batch_size)
         policy.engine.on_progress = progress
-        turns = multi_turn_settings(args, policy.run_config) if args.steps == "turns" else None
+        step_kind = step_kind_of(args, policy.run_config)
+        if step_kind == "turns" and args.perturb_fraction:
+            raise ValueError("--perturb-fraction changes a number in a text step; it does not apply to --steps turns")
+        turns = multi_turn_settings(args, policy.run_config) if step_kind == "turns" else None
         toolset = build_toolset_of(turns) if turns is not None else None
         schemas = toolset.schemas() if turns is not None and turns.format == "hermes" else None
         records = load_prompt_dataset(
@@ -222,7 +224,7 @@ def run_label(args: argparse.Namespace) -> Path:
             "n": args.n, "samples_per_prompt": args.samples_per_prompt, "temperature": args.temperature,
             "completer_temperature": continuation.temperature,
             "perturb_fraction": args.perturb_fraction,
-            "step_kind": args.steps, "step_pattern": step_pattern if turns is None else None,
+            "step_kind": step_kind, "step_pattern": step_pattern if turns is None else None,
             **({} if turns is None else {"multi_turn": dataclasses.asdict(turns),
                                          "turns_per_solution": steps / max(len(examples), 1)}),
             "reward": args.reward, "policy": str(args.policy),

@@ -17,9 +17,10 @@ a multi-turn tool rollout a step (``prm.turn_steps``)."""
 
 def add_turn_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``prm label`` that choose turns as steps and the turn loop's settings."""
-    parser.add_argument("--steps", choices=STEP_KINDS, default="text", help="what a step is: text (split by "
+    parser.add_argument("--steps", choices=STEP_KINDS, default=None, help="what a step is: text (split by "
                         "--step-pattern) or turns (each assistant turn of a multi-turn tool rollout, sampled and "
-                        "continued through the turn loop; docs/prm.md, 'PRMs on turns')")
+                        "continued through the turn loop; docs/prm.md, 'PRMs on turns'); default: the policy "
+                        "checkpoint's process_reward.steps, else text")
     parser.add_argument("--tools", default=None, help="--steps turns: the tools, comma-separated (calculator, "
                         "python, path/to/file.py:function), as rollout.multi_turn.tools (default: the policy "
                         "checkpoint's rollout.multi_turn.tools)")
@@ -32,6 +33,15 @@ def add_turn_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tool-response-tokens", type=int, default=None,
                         help="--steps turns: rollout.multi_turn.max_tool_response_tokens (default: the policy's, "
                         "else 256)")
+
+
+def step_kind_of(args: argparse.Namespace, run_config: dict | None) -> str:
+    """``--steps``, else the policy checkpoint's ``process_reward.steps`` (a GRPO run trained with turn credit),
+    else ``text``."""
+    if args.steps is not None:
+        return args.steps
+    saved = ((run_config or {}).get("process_reward") or {}).get("steps")
+    return saved if saved in STEP_KINDS else "text"
 
 
 def multi_turn_settings(args: argparse.Namespace, run_config: dict | None) -> MultiTurnConfig:

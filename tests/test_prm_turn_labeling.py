@@ -18,7 +18,7 @@ from grpo_mega.rollout.turn_loop import TurnLoopEngine, TurnLoopSettings
 from grpo_mega.tools import SandboxConfig, build_toolset
 from prm.label_command import add_label_arguments
 from prm.turn_labeling import monte_carlo_turn_labels, sample_turn_solutions, turn_prefix
-from prm.turn_setup import multi_turn_settings
+from prm.turn_setup import multi_turn_settings, step_kind_of
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -150,5 +150,9 @@ def test_turn_settings_come_from_the_policy_config_under_the_flags():
     assert (settings.tools, settings.max_turns, settings.format) == (["calculator"], 4, "hermes")
     with pytest.raises(ValueError, match="--steps turns needs tools: pass --tools"):
         multi_turn_settings(label_args("--steps", "turns"), {"rollout": {"multi_turn": {"enable": False}}})
+    # what a step is: the flag, else a GRPO checkpoint's process_reward.steps, else text
+    assert step_kind_of(label_args(), {"process_reward": {"steps": "turns"}}) == "turns"
+    assert step_kind_of(label_args("--steps", "text"), {"process_reward": {"steps": "turns"}}) == "text"
+    assert step_kind_of(label_args(), None) == "text"
     with pytest.raises(ValueError, match="--max-turns must be >= 1, got 0"):
         multi_turn_settings(label_args("--steps", "turns", "--tools", "calculator", "--max-turns", "0"), None)
