@@ -140,6 +140,7 @@ def run_label(args: argparse.Namespace) -> Path:
     from grpo_mega.reward import get_reward_function
     from grpo_mega.rollout.base import SamplingConfig, derive_seed
     from grpo_mega.run.progress import PhaseProgress
+    from grpo_mega.stages.rollout import row_tool_kwargs
     from prm.data import write_stepwise
     from prm.perturb import check_fraction
 
@@ -184,7 +185,7 @@ def run_label(args: argparse.Namespace) -> Path:
                                    max_response_tokens=args.max_new_tokens, use_chat_template=args.chat_template)
             turn_items, dropped = sample_turn_solutions(
                 loop, policy.tokenizer, records, samples_per_prompt=args.samples_per_prompt, sampling=sampling,
-                seed=derive_seed(args.seed, 0))
+                seed=derive_seed(args.seed, 0), tool_kwargs=[row_tool_kwargs(r.extra) for r in records])
             items, plans = [t.item for t in turn_items], []
         sampled = time.perf_counter()
         progress.finish(f"{len(items)} solutions ({len(plans)} of them perturbed copies)")

@@ -66,16 +66,16 @@ def turn_prefix(completion: Completion, num_steps: int) -> Completion:
 
 def sample_turn_solutions(
     loop, tokenizer, records: Sequence[PromptRecord], *, samples_per_prompt: int, sampling: SamplingConfig,
-    seed: int,
+    seed: int, tool_kwargs: Sequence[dict] | None = None,
 ) -> SampledTurnSolutions:
     """``samples_per_prompt`` multi-turn rollouts per record through ``loop`` (a ``TurnLoopEngine``; collective),
-    each split into turn steps; a rollout with no text is dropped and counted."""
+    each split into turn steps; a rollout with no text is dropped and counted. ``tool_kwargs[p]``: record p's
+    per-tool keyword arguments (``grpo_mega.stages.rollout.row_tool_kwargs`` of its row; none by default)."""
     from grpo_mega.rollout.distributed import generate_across_ranks
-    from grpo_mega.stages.rollout import row_tool_kwargs
 
     if samples_per_prompt < 1:
         raise ValueError(f"sample_turn_solutions: samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    kwargs = [row_tool_kwargs(r.extra) for r in records]
+    kwargs = list(tool_kwargs) if tool_kwargs is not None else [{} for _ in records]
     completions = generate_across_ranks(loop, [r.prompt_ids for r in records],
                                         dataclasses.replace(sampling, n=samples_per_prompt, seed=seed),
                                         call_seed=seed, tool_kwargs=kwargs)
