@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from grpo_mega.data.prompts import BadRowError
 from grpo_mega.data.tokenizer import train_tokenizer
@@ -17,6 +18,7 @@ from grpo_mega.rollout.turn_loop import TurnLoopEngine, TurnLoopSettings
 from prm.data import read_examples, write_stepwise
 from prm.examples import StepExample
 from prm.rendering import RenderSettings
+from prm.scoring import StepScorer
 from prm.turn_rendering import render_example, render_turn_steps, tag_ids_of
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps, check_step_ends, step_bounds_of_turns, step_spans
 from turn_loop_doubles import Calculator, ScriptedEngine
@@ -128,3 +130,26 @@ def test_a_row_whose_step_ends_pass_its_tokens_is_one_line_naming_file_and_line(
     path.write_text(json.dumps(uneven) + "\n")
     with pytest.raises(BadRowError, match="has 1 step ends for 2 steps"):
         read_examples(path, "auto", on_bad_row="error")
+
+
+class IdEngine:
+    """A forward-only engine double whose P(good) at a position is a function of the token there
+    (``(id % 7 + 1) / 8``), so a score says which token it was read at."""
+
+    def forward(self, batch):
+        ids = batch["input_ids"].float()
+        return {"good_logprob": torch.log((ids % 7 + 1) / 8)}
+
+
+def test_the_trainers_call_and_prm_score_read_each_turn_at_the_same_token(tokenizer, tmp_path):
+    completions = scripted_rollouts(tokenizer)
+    examples = [StepExample(prompt="p", steps=TurnSteps.of(c).texts(tokenizer), labels=[True] * 3,
+                            extra={TURN_STEPS_FIELD: TurnSteps.of(c).to_row()}) for c in completions]
+    read = read_examples(write_stepwise(tmp_path / "t.jsonl", examples), "auto", on_bad_row="error")
+    for tag in ("", " ки"):
+        scorer = StepScorer(IdEngine(), tokenizer, RenderSettings(step_tag=tag))
+        live = scorer.score_turn_steps([TurnSteps.of(c) for c in completions])
+        assert live == scorer.score_examples(read)
+        if not tag:  # read at each turn's last model token
+            assert live == [[pytest.approx((c.response_ids[t.end - 1] % 7 + 1) / 8) for t in c.turns]
+                            for c in completions]
