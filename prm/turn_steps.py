@@ -1,4 +1,4 @@
-"""Turns as steps: where each step of a multi-turn (tool) completion ends, and the text a PRM reads for it. One
+"""Turns as steps: where each step of a multi-turn (tool) completion begins and ends, and its text. One
 convention for everything that splits a tool rollout into steps: ``grpo-mega prm label --steps turns`` (the rows it
 writes), ``prm train`` / ``score`` / ``eval`` on those rows, and the trainer's PRM call on turns
 (``process_reward.steps: turns``).
@@ -8,10 +8,12 @@ writes), ``prm train`` / ``score`` / ``eval`` on those rows, and the trainer's P
 - The step ends at the turn's LAST MODEL TOKEN: response index ``turns[k].end - 1`` (the step's credit and its PRM
   score sit there).
 - The PRM's input for step k is the prompt plus the whole response through that token, earlier tool turns included;
-  the tool turn that answers step k is not in its context. So step k's text (what ``prm.rendering`` writes before
-  its tag) is the response tokens after step k-1's end through step k's end, decoded (``decode_response``): the
-  tool turn that answered turn k-1 opens step k's text, and the text of steps 1..k is the decoded response through
-  step k's end. Tokens after the last step's end (a tool turn the rollout ended on) are in no step.
+  the tool turn that answers step k is not in its context. A PRM reads it from the policy's token ids
+  (``prm.turn_rendering``: ``StepScorer.score_turn_steps`` for a rollout, ``score_examples`` for a stored row). Step
+  k's text (what a stored row keeps in ``completions``, for people and text tools) is the response tokens after
+  step k-1's end through step k's end, decoded (``decode_response``): the tool turn that answered turn k-1 opens it,
+  and the texts of steps 1..k are the decoded response through step k's end. Tokens after the last step's end (a
+  tool turn the rollout ended on) are in no step.
 - A completion with no turns (a single-turn completion) is one step ending at its last response token; a multi-turn
   completion whose first turn made no call has one turn, so one step, the same.
 
