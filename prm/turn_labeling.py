@@ -61,7 +61,8 @@ def turn_prefix(completion: Completion, num_steps: int) -> Completion:
     cut = turn.tool_end
     return dataclasses.replace(
         completion, response_ids=completion.response_ids[:cut], response_logprobs=completion.response_logprobs[:cut],
-        response_mask=completion.policy_mask[:cut], turns=completion.turns[:steps[num_steps - 1] + 1], finish_reason="stop")
+        response_mask=completion.policy_mask[:cut], turns=completion.turns[:steps[num_steps - 1] + 1],
+        finish_reason="stop")
 
 
 def sample_turn_solutions(

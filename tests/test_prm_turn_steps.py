@@ -116,7 +116,8 @@ def test_completion_steps_and_the_stored_row_agree(tokenizer, tmp_path):
 
 def test_a_row_whose_step_ends_pass_its_tokens_is_one_line_naming_file_and_line(tmp_path):
     good = {"prompt": "Q", "completions": ["a", "b"], "labels": [True, False],
-            TURN_STEPS_FIELD: {"prompt_ids": [4], "response_ids": [5, 6, 7], "step_starts": [0, 1], "step_ends": [0, 2]}}
+            TURN_STEPS_FIELD: {"prompt_ids": [4], "response_ids": [5, 6, 7], "step_starts": [0, 1],
+                               "step_ends": [0, 2]}}
     bad = {**good, TURN_STEPS_FIELD: {**good[TURN_STEPS_FIELD], "step_ends": [0, 3]}}
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
