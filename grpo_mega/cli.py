@@ -271,7 +271,7 @@ def _bad_count(args) -> str | None:
     """Why a count option of ``args`` is unusable (0 or negative), or None."""
     for name, flag in COUNTS.items():
         value = getattr(args, name, None)
-        if value is not None and not value > 0:
+        if isinstance(value, (int, float)) and not value > 0:  # prm label's --steps is a word (text | turns)
             return f"{flag} {value:g} must be > 0" if isinstance(value, float) else f"{flag} {value} must be >= 1"
     return None
 

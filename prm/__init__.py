@@ -14,6 +14,8 @@ Library modules, one job each:
 - ``examples``   the one in-memory form of a PRM example: a prompt, its steps and (when known) their labels
 - ``rendering``  the rendering contract shared by label, train, score and eval: prompt + step_1 + tag + ...,
                  and the token index of each tag's last token
+- ``turn_steps`` turns as steps: where each step of a multi-turn (tool) rollout ends, its text, the stored
+                 row's ``turn_steps``; ``turn_rendering`` a PRM's input read from the policy's tokens
 - ``data``       readers for Math-Shepherd, PRM800K, stepwise (TRL), ProcessBench and the synthetic task
 - ``synthetic``  step truth and planted-error solutions for the synthetic arithmetic task
 - ``heads``      the two published head layouts (``classifier`` as Qwen2.5-Math-PRM, ``lm_tokens`` as
@@ -22,7 +24,8 @@ Library modules, one job each:
 - ``config``     the PRM training config
 - ``metrics``    step accuracy / F1, ProcessBench F1, best-of-N, label agreement (pure functions)
 - ``policy``     the policy to sample from: an hf rollout engine with its weights, from any checkpoint format
-- ``labeling``   Monte-Carlo step labels from a policy's rollout engine; ``perturb`` error injection
+- ``labeling``   Monte-Carlo step labels from a policy's rollout engine; ``perturb`` error injection;
+                 ``turn_labeling`` the same for turn steps through the turn loop (``turn_setup`` its settings)
 - ``scoring``    ``StepScorer.score_steps`` and ``grpo-mega prm score``
 - ``evaluate``   the report's figures on step-labelled data; ``best_of_n`` reranking a policy's samples
 

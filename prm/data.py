@@ -18,7 +18,9 @@ Formats (``FORMATS``), one row each, as published:
   the default). ``extra`` keeps the raw ``ratings`` and ``finish_reason``; ``answer`` is ``ground_truth_answer``.
 - ``stepwise`` (TRL): ``prompt``, ``completions`` (the steps), ``labels`` (bools; null or absent when unknown),
   optional ``soft_labels``, ``first_error``, ``answer``; every other field goes to ``extra``. ``write_stepwise``
-  writes this layout.
+  writes this layout. A turn-split row (``prm label --steps turns``) also has ``turn_steps`` (``prm.turn_steps``:
+  the response's token ids and each step's last model token), checked here: step ends past its tokens, out of
+  order, or not one per step make the row bad.
 - ``processbench``: ``problem``, ``steps``, ``label`` (index of the earliest wrong step, -1 if none). Labels past
   the first error are unknown, so ``labels`` stays None and ``first_error`` holds ``label``; ``id``, ``generator``
   and ``final_answer_correct`` go to ``extra``.
@@ -43,6 +45,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 from grpo_mega.data.prompts import BadRows, read_rows
 from prm.examples import StepExample, first_error_of
 from prm.synthetic import example_from_synthetic_row
+from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 MATH_SHEPHERD_TAG = "ки"
 
@@ -210,6 +213,11 @@ def stepwise_example(row: dict) -> StepExample:
         raise RowError(
             f"field 'first_error' is {first_error} but the labels' first bad step is {first_error_of(labels)}"
         )
+    if TURN_STEPS_FIELD in row:  # a turn-split solution (prm.turn_steps): its tokens must hold its step ends
+        try:
+            TurnSteps.from_row(row[TURN_STEPS_FIELD], len(steps))
+        except ValueError as error:
+            raise RowError(str(error)) from None
     extra = {k: v for k, v in row.items() if k not in STEPWISE_FIELDS}
     return StepExample(prompt=prompt, steps=steps, labels=labels, soft_labels=soft, first_error=first_error,
                        answer=_optional_answer(row), extra=extra)

@@ -15,6 +15,9 @@ from grpo_mega.data.step_split import default_step_pattern
 from prm.examples import StepExample
 from prm.labeling import is_correct, monte_carlo_labels, sample_solutions
 from prm.policy import load_policy_rollout
+from prm.turn_labeling import monte_carlo_turn_labels, sample_turn_solutions
+from prm.turn_setup import (add_turn_arguments, build_toolset_of, build_turn_loop, multi_turn_settings,
+                            step_kind_of)
 
 # torch and the distributed helpers are imported where they are used: every `grpo-mega` command builds the parser
 # with this module's flags (add_label_arguments), also the launcher process that only execs torchrun.
@@ -43,7 +46,8 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--completer-temperature", type=float, default=None, help="temperature of the Monte-Carlo "
                         "continuations (default: --temperature); 0 with --n 1: the completer's greedy continuation "
                         "of each prefix")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens of a solution or continuation; "
+                        "with --steps turns the whole response, tool turns included (algorithm.response_length)")
     parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify, "
                         "verl_default), package.module:function or path/to/file.py:function (grpo-mega's, verl's or "
                         "TRL's signature, as reward.function); a score > 0.5 is a correct solution")
@@ -58,6 +62,7 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-batch-size", type=int, default=64, help="prompts per generate call")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the engine that loads a checkpoint")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_turn_arguments(parser)
 
 
 def summary_path(out: str | Path) -> Path:
@@ -135,8 +140,9 @@ def run_label(args: argparse.Namespace) -> Path:
     from grpo_mega.reward import get_reward_function
     from grpo_mega.rollout.base import SamplingConfig, derive_seed
     from grpo_mega.run.progress import PhaseProgress
+    from grpo_mega.stages.rollout import row_tool_kwargs
     from prm.data import write_stepwise
-    from prm.perturb import check_fraction, perturbed_solutions, plan_perturbations
+    from prm.perturb import check_fraction
 
     for name in ("n", "samples_per_prompt", "max_new_tokens", "generation_batch_size", "tp", "prompt_length"):
         if getattr(args, name) < 1:
@@ -145,6 +151,7 @@ def run_label(args: argparse.Namespace) -> Path:
         raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
     reward_fn = get_reward_function(args.reward)
     check_fraction(args.perturb_fraction)
+    toolset = None
     out = Path(args.out)
     started = time.perf_counter()
     init_distributed(args.tp, 1, seed=args.seed, device=args.device)
@@ -153,55 +160,75 @@ def run_label(args: argparse.Namespace) -> Path:
         progress.start(f"loading the policy {args.policy}")
         policy = load_policy_rollout(args.policy, generation_batch_size=args.generation_batch_size)
         policy.engine.on_progress = progress
+        step_kind = step_kind_of(args, policy.run_config)
+        if step_kind == "turns" and args.perturb_fraction:
+            raise ValueError("--perturb-fraction changes a number in a text step; it does not apply to --steps turns")
+        turns = multi_turn_settings(args, policy.run_config) if step_kind == "turns" else None
+        toolset = build_toolset_of(turns) if turns is not None else None
+        schemas = toolset.schemas() if turns is not None and turns.format == "hermes" else None
         records = load_prompt_dataset(
             args.data, policy.tokenizer, prompt_length=args.prompt_length, prompt_field=args.prompt_field,
-            answer_field=args.answer_field, use_chat_template=args.chat_template,
+            answer_field=args.answer_field, use_chat_template=args.chat_template, tools=schemas,
         ).records[: args.max_prompts]
         step_pattern = args.step_pattern or default_step_pattern(r.extra for r in records)
         sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
         loaded = time.perf_counter()
         progress.finish(f"loaded, {len(records)} prompts")
-        progress.start("sampling solutions", len(records) * args.samples_per_prompt, "solutions")
-        solutions = sample_solutions(policy.engine, records, samples_per_prompt=args.samples_per_prompt,
-                                     sampling=sampling, step_pattern=step_pattern, seed=derive_seed(args.seed, 0))
-        plans = plan_perturbations([item.steps for item in solutions.items], args.perturb_fraction,
-                                   derive_seed(args.seed, 2))
-        items = solutions.items + perturbed_solutions(
-            policy.engine, policy.tokenizer, solutions.items, plans, sampling=sampling, step_pattern=step_pattern,
-            seed=derive_seed(args.seed, 3))
-        sampled = time.perf_counter()
-        progress.finish(f"{len(items)} solutions ({len(plans)} of them perturbed copies)")
         continuation = sampling if args.completer_temperature is None else dataclasses.replace(
             sampling, temperature=args.completer_temperature)
         completer = policy if args.completer is None else load_completer(args.completer, policy, args)
+        progress.start("sampling solutions", len(records) * args.samples_per_prompt, "solutions")
+        if turns is None:
+            items, dropped, plans = _text_solutions(policy, records, sampling, step_pattern, args)
+        else:
+            loop = build_turn_loop(policy.engine, policy.tokenizer, turns, toolset,
+                                   max_response_tokens=args.max_new_tokens, use_chat_template=args.chat_template)
+            turn_items, dropped = sample_turn_solutions(
+                loop, policy.tokenizer, records, samples_per_prompt=args.samples_per_prompt, sampling=sampling,
+                seed=derive_seed(args.seed, 0), tool_kwargs=[row_tool_kwargs(r.extra) for r in records])
+            items, plans = [t.item for t in turn_items], []
+        sampled = time.perf_counter()
+        progress.finish(f"{len(items)} solutions ({len(plans)} of them perturbed copies)")
         completer.engine.on_progress = progress
         prefixes = sum(len(item.steps) - 1 for item in items)
         progress.start(f"labelling: {args.n} continuations of each step prefix", prefixes, "prefixes")
-        examples = monte_carlo_labels(completer.engine, completer.tokenizer, items, n=args.n, sampling=continuation,
-                                      reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
-                                      on_error=args.on_reward_error)
+        if turns is None:
+            examples = monte_carlo_labels(completer.engine, completer.tokenizer, items, n=args.n,
+                                          sampling=continuation, reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
+                                          on_error=args.on_reward_error)
+        else:
+            completer_loop = loop if completer is policy else build_turn_loop(
+                completer.engine, completer.tokenizer, turns, toolset, max_response_tokens=args.max_new_tokens,
+                use_chat_template=args.chat_template)
+            examples = monte_carlo_turn_labels(completer_loop, turn_items, n=args.n, sampling=continuation,
+                                               reward_fn=reward_fn, seed=derive_seed(args.seed, 1),
+                                               on_error=args.on_reward_error)
         labelled = time.perf_counter()
         progress.finish(f"{sum(len(e.steps) for e in examples)} steps labelled")
-        for item, example in zip(items, examples):
-            truths = true_labels_of(item.extra, item.steps, item.source)
-            if truths is not None:
-                example.extra.update(truths)
+        if turns is None:  # the synthetic task's step checker reads text steps
+            for item, example in zip(items, examples):
+                truths = true_labels_of(item.extra, item.steps, item.source)
+                if truths is not None:
+                    example.extra.update(truths)
         steps = sum(len(e.steps) for e in examples)
         summary = {
             "prompts": len(records),
             "solutions": len(examples),
-            "dropped_empty_solutions": solutions.dropped_empty,
+            "dropped_empty_solutions": dropped,
             "steps": steps,
             "perturbed_solutions": len(plans),
             "generations": len(records) * args.samples_per_prompt + len(plans) + (steps - len(examples)) * args.n,
             # the policy's own solutions only (the perturbed copies follow them)
-            "solution_accuracy": sum(is_correct(e.extra["outcome"]) for e in examples[: len(solutions.items)])
-            / max(len(solutions.items), 1),
+            "solution_accuracy": sum(is_correct(e.extra["outcome"]) for e in examples[: len(items) - len(plans)])
+            / max(len(items) - len(plans), 1),
             "good_label_fraction": sum(map(sum, (e.labels for e in examples))) / max(steps, 1),
             "n": args.n, "samples_per_prompt": args.samples_per_prompt, "temperature": args.temperature,
             "completer_temperature": continuation.temperature,
             "perturb_fraction": args.perturb_fraction,
-            "step_pattern": step_pattern, "reward": args.reward, "policy": str(args.policy),
+            "step_kind": step_kind, "step_pattern": step_pattern if turns is None else None,
+            **({} if turns is None else {"multi_turn": dataclasses.asdict(turns),
+                                         "turns_per_solution": steps / max(len(examples), 1)}),
+            "reward": args.reward, "policy": str(args.policy),
             "completer": str(args.completer or args.policy),
             "policy_format": policy.weights_format,
             "world_size": dist.get_world_size(),
@@ -218,5 +245,23 @@ def run_label(args: argparse.Namespace) -> Path:
                         summary["seconds"], out)
         dist.barrier()  # the files exist before any rank returns their path
     finally:
+        if toolset is not None:
+            toolset.close()
         destroy_distributed()
     return out
+
+
+def _text_solutions(policy, records, sampling, step_pattern: str, args: argparse.Namespace):
+    """(items, empty solutions dropped, perturbation plans): the policy's solutions split into text steps, and the
+    perturbed copies of ``--perturb-fraction`` of them (``prm.perturb``) after them."""
+    from grpo_mega.rollout.base import derive_seed
+    from prm.perturb import perturbed_solutions, plan_perturbations
+
+    solutions = sample_solutions(policy.engine, records, samples_per_prompt=args.samples_per_prompt,
+                                 sampling=sampling, step_pattern=step_pattern, seed=derive_seed(args.seed, 0))
+    plans = plan_perturbations([item.steps for item in solutions.items], args.perturb_fraction,
+                               derive_seed(args.seed, 2))
+    items = solutions.items + perturbed_solutions(
+        policy.engine, policy.tokenizer, solutions.items, plans, sampling=sampling, step_pattern=step_pattern,
+        seed=derive_seed(args.seed, 3))
+    return items, solutions.dropped_empty, plans

@@ -24,6 +24,9 @@ class PolicyRollout:
     weights_format: str
     """``hf``, ``mcore_model``, ``training_checkpoint`` or ``training_run`` (:class:`ModelSource` ``kind``)."""
     sync_seconds: float = 0.0
+    run_config: dict | None = None
+    """A grpo-mega checkpoint's saved run config (its ``rollout.multi_turn`` for ``prm label --steps turns``);
+    None for an HF or converted folder."""
 
 
 def policy_folders(policy: str | Path) -> tuple[ModelSource, Path, Path]:
@@ -65,7 +68,7 @@ def load_policy_rollout(policy: str | Path, *, generation_batch_size: int) -> Po
     engine = build_rollout_engine("hf", model_path=hf_config, tokenizer=tokenizer,
                                   dtype="bfloat16" if device.type == "cuda" else "float32",
                                   generation_batch_size=generation_batch_size, device=device)
-    result = PolicyRollout(engine, tokenizer, hf_config, source.kind)
+    result = PolicyRollout(engine, tokenizer, hf_config, source.kind, run_config=source.run_config)
     if source.kind != "hf":
         forward = build_reference_engine(AutoConfig.from_pretrained(hf_config), max_tokens_per_micro_batch=4096)
         load_initial_weights(forward, source)

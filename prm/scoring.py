@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from prm.examples import StepExample
 from prm.rendering import LIKELIHOOD_TOKENS, RenderedExample, RenderSettings, tokenize_rendered
+from prm.turn_rendering import render_example, render_turn_steps, tag_ids_of
+from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 if TYPE_CHECKING:
     import torch
@@ -155,8 +157,29 @@ class StepScorer:
         return scores
 
     def score_examples(self, examples: Sequence[StepExample]) -> list[list[float]]:
-        """``score_steps`` of examples' prompts and steps."""
-        return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
+        """``score_steps`` of examples' prompts and steps; a turn-split row read from its tokens
+        (``prm.turn_rendering``)."""
+        if not any(TURN_STEPS_FIELD in e.extra for e in examples):
+            return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
+        with_steps = [i for i, e in enumerate(examples) if e.steps]
+        rendered = [render_example(self.tokenizer, examples[i], self.settings, max_length=self.max_length)
+                    for i in with_steps]
+        scores: list[list[float]] = [[] for _ in examples]
+        for index, row_scores in zip(with_steps, self.score_rendered(rendered)):
+            scores[index] = row_scores
+        return scores
+
+    def score_turn_steps(self, rows: Sequence[TurnSteps]) -> list[list[float]]:
+        """``scores[i][k]`` in [0, 1]: the PRM's probability that turn step k of rollout i is good (``TurnSteps.of``
+        a completion: what process supervision on turns scores), read from the rollouts' tokens
+        (``prm.turn_rendering``)."""
+        start = time.perf_counter()
+        tag_ids = tag_ids_of(self.tokenizer, self.settings)
+        rendered = [render_turn_steps(row, tag_ids, max_length=self.max_length, vocab_size=len(self.tokenizer),
+                                      where=f"rollout {i}") for i, row in enumerate(rows)]
+        scores = self.score_rendered(rendered) if rendered else []
+        self.last_seconds = time.perf_counter() - start
+        return scores
 
 
 # ----------------------------------------------------------------------------- grpo-mega prm score

@@ -31,7 +31,8 @@ from grpo_mega.model.config_map import load_model_hf_config
 from prm.config import PRMConfig
 from prm.examples import StepExample
 from prm.metrics import step_classification
-from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+from prm.rendering import RenderedExample, RenderSettings
+from prm.turn_rendering import render_example
 from prm.scoring import StepScorer, rendered_batch
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def render_training_set(
             continue
         steps, values = steps_and_targets
         try:
-            rendered.append(tokenize_rendered(tokenizer, example.prompt, steps, settings, max_length=max_length))
+            rendered.append(render_example(tokenizer, example, settings, num_steps=len(steps), max_length=max_length))
         except ValueError as error:
             bad_rows.reject(example.source, str(error))
             continue

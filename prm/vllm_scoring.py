@@ -49,6 +49,8 @@ import torch.distributed as dist
 
 from prm.examples import StepExample
 from prm.rendering import RenderedExample, RenderSettings, tokenize_rendered
+from prm.turn_rendering import render_example, render_turn_steps, tag_ids_of
+from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +245,32 @@ class VLLMStepScorer:
         return scores
 
     def score_examples(self, examples: Sequence[StepExample]) -> list[list[float]]:
-        """``score_steps`` of examples' prompts and steps."""
-        return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
+        """``score_steps`` of examples' prompts and steps; a turn-split row read from its tokens
+        (``prm.turn_rendering``)."""
+        if not any(TURN_STEPS_FIELD in e.extra for e in examples):
+            return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
+        with_steps = [i for i, e in enumerate(examples) if e.steps]
+        rendered = [render_example(self.tokenizer, examples[i], self.settings, max_length=self.max_length)
+                    for i in with_steps]
+        scores: list[list[float]] = [[] for _ in examples]
+        if rendered:
+            with self.awake():
+                for index, row_scores in zip(with_steps, self.score_rendered(rendered)):
+                    scores[index] = row_scores
+        return scores
+
+    def score_turn_steps(self, rows: Sequence[TurnSteps]) -> list[list[float]]:
+        """``prm.scoring.StepScorer.score_turn_steps``: turn steps read from the rollouts' tokens."""
+        start = time.perf_counter()
+        tag_ids = tag_ids_of(self.tokenizer, self.settings)
+        rendered = [render_turn_steps(row, tag_ids, max_length=self.max_length, vocab_size=len(self.tokenizer),
+                                      where=f"rollout {i}") for i, row in enumerate(rows)]
+        scores: list[list[float]] = []
+        if rendered:
+            with self.awake():
+                scores = self.score_rendered(rendered)
+        self.last_seconds = time.perf_counter() - start
+        return scores
 
     @contextlib.contextmanager
     def awake(self):

@@ -252,3 +252,35 @@ class TurnLoopEngine:
             prompt_index=row.prompt_index, prompt_ids=row.prompt_ids, response_ids=row.response_ids,
             response_logprobs=row.logprobs, text=decode_response(self.tokenizer, row.response_ids),
             finish_reason=row.finish_reason, response_mask=row.mask, turns=row.turns)
+
+    # ------------------------------------------------------------------------- continuing a rollout
+    def continue_rollouts(self, prefixes: Sequence[Completion], sampling: SamplingConfig,
+                          tool_kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[Completion]:
+        """``sampling.n`` continuations of each prefix, grouped contiguously like ``generate``'s (Monte-Carlo
+        labels of turn prefixes, ``prm.turn_labeling``). A prefix is a multi-turn completion cut right after a
+        tool turn: its response through its last turn's ``tool_end``, its turns through that one. The loop goes on
+        from the next turn as if it had sampled the prefix itself: the prefix's turns count towards ``max_turns``
+        and its tokens towards the response budget. Each continuation is the whole completion, the prefix's
+        tokens, log-probs, mask and turns first. Call ``i`` of the loop samples with ``derive_seed(seed, i)``."""
+        s = self.settings
+        rows = []
+        for index, prefix in enumerate(prefixes):
+            turns = prefix.turns or []
+            if not turns or turns[-1].tool_end != len(prefix.response_ids) or len(turns) >= s.max_turns:
+                raise ValueError(f"continue_rollouts: prefix {index} does not end with a tool turn within "
+                                 f"max_turns={s.max_turns} (turns: {len(turns)})")
+            kwargs = (tool_kwargs[index] if tool_kwargs is not None else None) or {}
+            for _ in range(sampling.n):
+                rows.append(_Row(index, list(prefix.prompt_ids), kwargs, list(prefix.response_ids),
+                                 list(prefix.response_logprobs), list(prefix.policy_mask),
+                                 [dataclasses.replace(t, calls=list(t.calls)) for t in turns], "stop"))
+        stop = list(sampling.stop) + [x for x in STOP_STRINGS[s.format] if x not in sampling.stop]
+        per_turn = min(s.max_tokens_per_turn or s.max_response_tokens, s.max_response_tokens)
+        context = getattr(self.engine, "context_length", None)
+        call = 0
+        while any(row.live for row in rows):
+            call += 1
+            live, outputs = self._continue([row for row in rows if row.live], sampling, stop, per_turn, context, call)
+            self._run_tools([row for row, out in zip(live, outputs)
+                             if self._take_turn(row, out, last=len(row.turns) == s.max_turns - 1)])
+        return [self._completion(row) for row in rows]

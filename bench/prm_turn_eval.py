@@ -1,0 +1,129 @@
+"""Turn-level accuracy and AUROC of PRMs on the tool task's turn-split rows (``grpo-mega prm label --steps turns``)
+against the task's oracle, and how well the Monte-Carlo labels themselves agree with it.
+
+The oracle judges each assistant turn of a calculator trajectory (``grpo_mega.data.tool_task``) as the tool task's
+per-turn checker does (``reward.function: tool_task_turns``; the same rule, written here from the stored tokens so
+that this bench needs no trainer): a turn is right when every "Step N: a op b = c" it writes is right
+(``check_steps``: the problem's N-th operation on the true carried value), its calculator call, if any, is valid and
+computes the chain's next operation (the problem's (s+1)-th operation on the true carried value, s the steps written
+so far; a + b and a * b either way round), the final answer, if it states it, is the gold one, and it does one of
+these (a void turn is wrong).
+
+    python bench/prm_turn_eval.py --rows HELDOUT_LABELS.jsonl --data heldout.jsonl --tokenizer TOKENIZER \
+        --scores trained=SCORES.jsonl untrained=SCORES0.jsonl --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from grpo_mega.data.synthetic import Problem, StepVerdict, check_steps, parse_solution
+from grpo_mega.data.tool_task import CALCULATOR
+from grpo_mega.reward.synthetic import synthetic_reward
+from grpo_mega.rollout.base import decode_response
+from grpo_mega.rollout.tool_calls import parse_turn
+from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
+
+_EXPRESSION = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
+
+
+def next_operation(expression: str, problem: Problem, done: int) -> bool:
+    """Whether ``expression`` is the problem's operation ``done + 1`` on the true carried value."""
+    match = _EXPRESSION.match(expression)
+    if match is None or done >= len(problem.steps):
+        return False
+    lhs, op, rhs = int(match.group(1)), match.group(2), int(match.group(3))
+    want = problem.steps[done]
+    return op == want.op and ((lhs, rhs) == (want.lhs, want.rhs) or (op in "+*" and (lhs, rhs) == (want.rhs,
+                                                                                                      want.lhs)))
+
+
+def oracle_turns(row: dict, problem: Problem, tokenizer) -> list[bool]:
+    """The oracle's verdict on each turn step of a stored row (module docstring)."""
+    steps = TurnSteps.from_row(row[TURN_STEPS_FIELD], len(row["completions"]))
+    ids = steps.response_ids
+    completion = decode_response(tokenizer, ids)
+    parsed, verdicts = parse_solution(completion), check_steps(problem, completion)
+    score = synthetic_reward(row["prompt"], completion, row["answer"])
+    truth = []
+    for first, last in zip(steps.step_starts, steps.step_ends):
+        start, end = len(decode_response(tokenizer, ids[:first])), len(decode_response(tokenizer, ids[:last + 1]))
+        text = completion[start:end]
+        inside = [v for s, v in zip(parsed.steps, verdicts) if start < s.end <= end]
+        written = sum(1 for s in parsed.steps if s.end <= end)
+        answered = parsed.answer_end is not None and start < parsed.answer_end <= end
+        calls = "</tool_call>" in text
+        right = all(v is StepVerdict.CORRECT for v in inside) and (not answered or score == 1.0)
+        if calls:
+            call = parse_turn(text, "hermes").call
+            right = right and call is not None and call.name == CALCULATOR and next_operation(
+                str(call.arguments.get("expression", "")), problem, written)
+        truth.append(right and bool(inside or calls or answered))
+    return truth
+
+
+def auroc(scores: list[float], truth: list[bool]) -> float | None:
+    """P(score of a right turn > score of a wrong one), ties counted half (Mann-Whitney); None without both."""
+    ranked = sorted(zip(scores, truth))
+    positives = sum(truth)
+    negatives = len(truth) - positives
+    if not positives or not negatives:
+        return None
+    rank_sum, index = 0.0, 0
+    while index < len(ranked):
+        tied = index
+        while tied < len(ranked) and ranked[tied][0] == ranked[index][0]:
+            tied += 1
+        average_rank = (index + tied + 1) / 2  # 1-based ranks index+1 .. tied
+        rank_sum += average_rank * sum(1 for _, t in ranked[index:tied] if t)
+        index = tied
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", required=True, help="turn-split rows (prm label --steps turns)")
+    parser.add_argument("--data", required=True, help="the tool task's dataset the rows' prompts come from")
+    parser.add_argument("--tokenizer", required=True, help="the policy's tokenizer folder")
+    parser.add_argument("--scores", nargs="*", default=[], help="NAME=PATH of prm score outputs of --rows")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    problems = {}
+    for line in Path(args.data).read_text().splitlines():
+        record = json.loads(line)
+        problems[record["prompt"]] = Problem.from_record({"steps": record["steps"]})
+    rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines()]
+    truth = [oracle_turns(row, problems[row["prompt"]], tokenizer) for row in rows]
+    flat = [t for turns in truth for t in turns]
+    hard = [bool(v) for row in rows for v in row["labels"]]
+    soft = [float(v) for row in rows for v in row["soft_labels"]]
+    result = {
+        "rows": len(rows), "turns": len(flat), "oracle_right_fraction": sum(flat) / len(flat),
+        "solution_accuracy": sum(row["outcome"] > 0.5 for row in rows) / len(rows),
+        "mc_hard_label_agreement": sum(h == t for h, t in zip(hard, flat)) / len(flat),
+        "mc_soft_label_auroc": auroc(soft, flat),
+        "scorers": {},
+    }
+    for spec in args.scores:
+        name, path = spec.split("=", 1)
+        scored = [json.loads(line)["step_scores"] for line in Path(path).read_text().splitlines()]
+        if [len(s) for s in scored] != [len(t) for t in truth]:
+            raise SystemExit(f"{path}: its step counts differ from {args.rows}'s")
+        values = [v for s in scored for v in s]
+        result["scorers"][name] = {
+            "auroc": auroc(values, flat),
+            "accuracy_at_0.5": sum((v > 0.5) == t for v, t in zip(values, flat)) / len(flat),
+            "auroc_vs_mc_hard_labels": auroc(values, hard),
+        }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
