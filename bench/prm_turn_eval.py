@@ -2,8 +2,8 @@
 against the task's oracle, and how well the Monte-Carlo labels themselves agree with it.
 
 The oracle judges each assistant turn of a calculator trajectory (``grpo_mega.data.tool_task``) as the tool task's
-per-turn checker does (``reward.function: tool_task_turns``; the same rule, written here from the stored tokens so
-that this bench needs no trainer): a turn is right when every "Step N: a op b = c" it writes is right
+per-turn checker does (``reward.function: tool_task_turns``, called here on the turns of the stored tokens, their
+calls parsed back from the text): a turn is right when every "Step N: a op b = c" it writes is right
 (``check_steps``: the problem's N-th operation on the true carried value), its calculator call, if any, is valid and
 computes the chain's next operation (the problem's (s+1)-th operation on the true carried value, s the steps written
 so far; a + b and a * b either way round), the final answer, if it states it, is the gold one, and it does one of
@@ -17,52 +17,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
-from grpo_mega.data.synthetic import Problem, StepVerdict, check_steps, parse_solution
-from grpo_mega.data.tool_task import CALCULATOR
-from grpo_mega.reward.synthetic import synthetic_reward
+from grpo_mega.reward.tool_task import tool_task_turn_reward
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.tool_calls import parse_turn
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
-_EXPRESSION = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
 
-
-def next_operation(expression: str, problem: Problem, done: int) -> bool:
-    """Whether ``expression`` is the problem's operation ``done + 1`` on the true carried value."""
-    match = _EXPRESSION.match(expression)
-    if match is None or done >= len(problem.steps):
-        return False
-    lhs, op, rhs = int(match.group(1)), match.group(2), int(match.group(3))
-    want = problem.steps[done]
-    return op == want.op and ((lhs, rhs) == (want.lhs, want.rhs) or (op in "+*" and (lhs, rhs) == (want.rhs,
-                                                                                                      want.lhs)))
-
-
-def oracle_turns(row: dict, problem: Problem, tokenizer) -> list[bool]:
-    """The oracle's verdict on each turn step of a stored row (module docstring)."""
-    steps = TurnSteps.from_row(row[TURN_STEPS_FIELD], len(row["completions"]))
-    ids = steps.response_ids
+def oracle_turns(row: dict, steps: list[dict], tokenizer) -> list[bool]:
+    """The oracle's verdict on each turn step of a stored row: ``reward.function=tool_task_turns``
+    (grpo_mega.reward.tool_task) given the turns the trainer would give it, their calls parsed back from the text."""
+    turn_steps = TurnSteps.from_row(row[TURN_STEPS_FIELD], len(row["completions"]))
+    ids = turn_steps.response_ids
     completion = decode_response(tokenizer, ids)
-    parsed, verdicts = parse_solution(completion), check_steps(problem, completion)
-    score = synthetic_reward(row["prompt"], completion, row["answer"])
-    truth = []
-    for first, last in zip(steps.step_starts, steps.step_ends):
+    turns = []
+    for first, last in zip(turn_steps.step_starts, turn_steps.step_ends):
         start, end = len(decode_response(tokenizer, ids[:first])), len(decode_response(tokenizer, ids[:last + 1]))
         text = completion[start:end]
-        inside = [v for s, v in zip(parsed.steps, verdicts) if start < s.end <= end]
-        written = sum(1 for s in parsed.steps if s.end <= end)
-        answered = parsed.answer_end is not None and start < parsed.answer_end <= end
-        calls = "</tool_call>" in text
-        right = all(v is StepVerdict.CORRECT for v in inside) and (not answered or score == 1.0)
-        if calls:
+        calls = []
+        if "</tool_call>" in text:
             call = parse_turn(text, "hermes").call
-            right = right and call is not None and call.name == CALCULATOR and next_operation(
-                str(call.arguments.get("expression", "")), problem, written)
-        truth.append(right and bool(inside or calls or answered))
-    return truth
+            calls.append({"name": call.name, "arguments": call.arguments, "error": None} if call is not None
+                         else {"name": None, "arguments": None, "error": "invalid_call"})
+        turns.append({"text": text, "start": start, "end": end, "calls": calls})
+    verdict = tool_task_turn_reward(row["prompt"], completion, row["answer"],
+                                    steps=steps, turns=turns)
+    return [reward == 1.0 for reward in verdict.turn_rewards]
 
 
 def auroc(scores: list[float], truth: list[bool]) -> float | None:
@@ -97,7 +78,7 @@ def main() -> None:
     problems = {}
     for line in Path(args.data).read_text().splitlines():
         record = json.loads(line)
-        problems[record["prompt"]] = Problem.from_record({"steps": record["steps"]})
+        problems[record["prompt"]] = record["steps"]
     rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines()]
     truth = [oracle_turns(row, problems[row["prompt"]], tokenizer) for row in rows]
     flat = [t for turns in truth for t in turns]
