@@ -48,7 +48,7 @@ def _grouped_batch(seed: int):
     return batch
 
 
-def _policy(hf_dir):
+def _policy(hf_dir, dropout: float = 0.0):
     from grpo_mega.checkpoint.initial_weights import load_initial_weights
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
@@ -57,7 +57,7 @@ def _policy(hf_dir):
     # adam_eps 1e-4: see tests/test_engine_megatron.py (reduction-order noise in near-zero gradient entries)
     policy = build_policy_engine(
         _hf_config(), optim=OptimConfig(lr=1e-2, adam_eps=1e-4), total_steps=3, max_tokens_per_micro_batch=BUDGET,
-        attach_adapters=lora_attacher(LoRAConfig(rank=RANK, alpha=ALPHA), seed=7, base=hf_dir))
+        attach_adapters=lora_attacher(LoRAConfig(rank=RANK, alpha=ALPHA, dropout=dropout), seed=7, base=hf_dir))
     load_initial_weights(policy, hf_dir)
     return policy
 
@@ -127,6 +127,19 @@ def _layout_run(hf_dir, work_dir, previous_checkpoint):
     CheckpointManager(f"{work_dir}/run").load(resumed, checkpoint, seed=0)
     _grpo_step(resumed, AdaptersOffReference(resumed), seed=2)
     result["resumed"] = dict(resumed.export_hf_weights())
+    # the checkpoint as a whole model (model.init_from, grpo-mega eval): its base with the adapters merged in
+    whole = build_reference_engine(_hf_config(), max_tokens_per_micro_batch=BUDGET)
+    load_initial_weights(whole, str(checkpoint))
+    result["checkpoint_as_whole_model"] = logprobs(whole)
+    if mpu.get_tensor_model_parallel_world_size() == 2:  # dropout: A of a column-parallel linear stays one tensor
+        dropped = _policy(hf_dir, dropout=0.3)
+        before = dropped.lora.modules["layer0_linear_qkv"].A.detach().clone()
+        _grpo_step(dropped, AdaptersOffReference(dropped), seed=1)
+        a = dropped.lora.modules["layer0_linear_qkv"].A.detach()
+        replicas = [torch.empty_like(a) for _ in range(2)]
+        torch.distributed.all_gather(replicas, a, group=mpu.get_tensor_model_parallel_group())
+        result["dropout_replicas_equal"] = torch.equal(replicas[0], replicas[1])
+        result["dropout_moved_a"] = not torch.equal(a, before)
     if previous_checkpoint is not None:  # the previous layout's checkpoint, at this layout
         other = _policy(hf_dir)
         CheckpointManager(f"{work_dir}/other").load(other, previous_checkpoint, seed=0)
@@ -193,6 +206,12 @@ def test_a_grpo_step_moves_the_adapters_only_and_the_reference_stays_the_base(ru
         assert any(key.startswith("lora.") for key in result["checkpoint_keys"])
         for name, value in result["resumed"].items():
             assert torch.equal(value, result["continued"][name]), name
+        torch.testing.assert_close(result["checkpoint_as_whole_model"], result["after_on"], atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_keeps_the_replicas_of_a_whole_adapter_equal_at_tp2(runs):
+    for result in _per_rank(runs, (2, 1)):
+        assert result["dropout_replicas_equal"] and result["dropout_moved_a"]
 
 
 def test_the_adapter_update_is_the_same_at_every_layout(runs):

@@ -41,14 +41,18 @@ class StageAdapters:
     """The adapters of one stage and what the engine does with them: switch them off (the KL reference is the
     base), merge them into exported weights, save and load them alone."""
 
-    def __init__(self, stage: torch.nn.Module, lora, *, seed: int, base: str | None = None):
+    def __init__(self, stage: torch.nn.Module, lora, *, seed: int, base: str | None = None, attach: bool = True):
+        """``attach`` False: the adapters are built (to read a checkpoint's into and merge them, ``merge_into_base``)
+        but the stage is left as it is: no hook, no submodule, nothing frozen."""
         self.settings = lora
         self.base = base
         self.enabled = True
         self.modules = _AdapterModules()
         self._by_weight: dict[int, LoRAAdapter] = {}
+        self._bases: dict[str, torch.nn.Module] = {}
         self._keys: dict[str, tuple[str, LoRAAdapter, bool]] = {}  # checkpoint key prefix -> (kind, adapter, glu)
-        stage.requires_grad_(False)
+        if attach:
+            stage.requires_grad_(False)
         gated = bool(getattr(stage.config, "gated_linear_unit", False))
         for layer in getattr(getattr(stage, "decoder", None), "layers", []):
             index = layer.layer_number - 1  # global: the same adapter names at any PP layout
@@ -65,10 +69,13 @@ class StageAdapters:
                 self._by_weight[id(base_linear.weight)] = adapter
                 name = f"lora.decoder.layers.{index}.{_TARGET_PARENTS[target]}.{target}"
                 self._keys[name] = (target, adapter, gated and target == "linear_fc1")
-                base_linear.register_forward_hook(self._hook(adapter))
-        stage.add_module(ADAPTERS_MODULE, self.modules)
-        # Whole-model state dicts (an HF folder, a full checkpoint) load into the base without the adapters.
-        stage.register_load_state_dict_post_hook(_ignore_missing_adapters)
+                self._bases[key] = base_linear
+                if attach:
+                    base_linear.register_forward_hook(self._hook(adapter))
+        if attach:
+            stage.add_module(ADAPTERS_MODULE, self.modules)
+            # Whole-model state dicts (an HF folder, a full checkpoint) load into the base without the adapters.
+            stage.register_load_state_dict_post_hook(_ignore_missing_adapters)
 
     def _hook(self, adapter: LoRAAdapter):
         def add_adapter_output(module, args, output):
@@ -97,6 +104,13 @@ class StageAdapters:
         if adapter is None:
             return weight
         return (weight.detach().float() + adapter.delta()).to(weight.dtype)
+
+    @torch.no_grad()
+    def merge_into_base(self) -> None:
+        """W <- W + s B A in every adapted linear, in place (a LoRA checkpoint read as whole weights)."""
+        for key, adapter in self.modules.items():
+            weight = self._bases[key].weight
+            weight.copy_(self.merged(weight))
 
     # ----------------------------------------------------------------- counts
     def local_parameters(self) -> int:
