@@ -7,6 +7,8 @@ log-probs; a checkpoint holds the adapters alone and resumes bit-equal, also at 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -252,7 +254,8 @@ def _grpo_config(**lora) -> GRPOConfig:
     ({"rank": -1}, "megatron", "model.lora.rank=-1"),
     ({"rank": 8, "alpha": 0.0}, "megatron", "model.lora.alpha"),
     ({"rank": 8, "dropout": 1.0}, "megatron", "model.lora.dropout"),
-    ({"rank": 8, "target_modules": ["q_proj"]}, "megatron", "model.lora.target_modules"),
+    ({"rank": 8, "target_modules": ["q_proj"]}, "megatron", "'q_proj' is Hugging Face's name; megatron's is linear_qkv"),
+    ({"rank": 8, "target_modules": ["linear_q"]}, "megatron", "model.lora.target_modules='linear_q'"),
     ({"rank": 8, "target_modules": []}, "megatron", "model.lora.target_modules"),
     ({"rank": 8}, "deepspeed", "engine=megatron"),
 ])
@@ -261,7 +264,7 @@ def test_bad_lora_settings_are_refused_in_one_line(lora, engine, message):
 
     cfg = _grpo_config(**lora)
     cfg.engine = engine
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as error:
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
         validate_lora(cfg)
     assert "\n" not in str(error.value)
 

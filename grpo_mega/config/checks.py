@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from grpo_mega.config.loading import ConfigError
-from grpo_mega.config.lora import LORA_TARGETS
+from grpo_mega.config.lora import HF_TARGET_NAMES, LORA_TARGETS
 from grpo_mega.config.sections import DEVICE_CHOICES, ENGINES, RECOMPUTE_CHOICES, ModelConfig, OptimConfig, ParallelConfig
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -127,6 +127,10 @@ def validate_lora(cfg) -> None:
     if not lora.target_modules:
         raise ConfigError(f"model.lora.target_modules is empty: name some of {list(LORA_TARGETS)}")
     for target in lora.target_modules:
+        if target in HF_TARGET_NAMES or target == "all-linear":
+            meant = HF_TARGET_NAMES.get(target, "all four (the default)")
+            raise ConfigError(f"model.lora.target_modules: {target!r} is Hugging Face's name; megatron's is "
+                              f"{meant} (choose from {list(LORA_TARGETS)})")
         check_choice(target, LORA_TARGETS, "model.lora.target_modules")
     if not hasattr(cfg, "algorithm"):  # SFT and PRM training
         raise ConfigError("model.lora is for the policy of grpo-mega train (GRPO); SFT and PRM training train "

@@ -11,6 +11,10 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 the fused query/key/value projection, the attention output projection, the MLP's first (gate and up, fused) and
 second (down) layers. Hugging Face's q/k/v_proj, o_proj, gate/up_proj, down_proj."""
 
+HF_TARGET_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+                   "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+"""Hugging Face's (peft's, verl's) target names -> megatron's, for the message that refuses them."""
+
 
 @dataclass
 class LoRAConfig:
