@@ -107,6 +107,15 @@ def _layout_run(hf_dir, work_dir, previous_checkpoint):
 
     metrics = _grpo_step(policy, reference, seed=1)
     result["grad_norm"] = metrics["grad_norm"]
+    # grpo-mega plan's static bytes of this stage (grpo_mega.plan.static) against the engine's tensors
+    from grpo_mega.plan.counts import param_infos
+    from grpo_mega.plan.measure import engine_static_bytes
+    from grpo_mega.plan.static import training_static_bytes
+
+    planned = training_static_bytes(param_infos(policy.stage), mpu.get_data_parallel_world_size(),
+                                    policy.distributed_optimizer)
+    result["planned_static"] = {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
+    result["engine_static"] = engine_static_bytes(policy)
     base_after = dict(export_hf_weights(policy.stage, _hf_config()))
     result["base_unchanged"] = all(torch.equal(base_before[k], base_after[k]) for k in base_before)
     merged = dict(policy.export_hf_weights())
@@ -225,6 +234,16 @@ def test_the_adapter_update_is_the_same_at_every_layout(runs):
             assert result["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
             for name, delta in reference["delta"].items():
                 torch.testing.assert_close(result["delta"][name], delta, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only(runs, layout):
+    for result in _per_rank(runs, layout):
+        planned, engine = result["planned_static"], result["engine_static"]
+        assert planned["grads"] == engine["grads"] and planned["optimizer"] == engine["optimizer"]
+        # the frozen base's weights are held all the same; the adapters' Adam moments (8 bytes each) are a sliver
+        # of what full training's would be (8 bytes per fp32 parameter: twice the weights' bytes)
+        assert planned["params"] >= engine["params"] and 0 < engine["optimizer"] < engine["params"] / 4
 
 
 def test_the_merged_weight_is_w_plus_scaled_b_a(runs):
