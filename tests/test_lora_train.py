@@ -57,6 +57,7 @@ def _steps(run_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows if "actor/loss" in row}
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_against_its_base_and_resumes_bit_equal(task, tmp_path):
     first = _train(task, tmp_path / "run")
     assert first.returncode == 0, first.stderr[-3000:]
