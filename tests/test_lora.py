@@ -8,6 +8,7 @@ log-probs; a checkpoint holds the adapters alone and resumes bit-equal, also at 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from dist_utils import run_distributed, tiny_qwen2_config
 from grpo_mega.config import ConfigError, GRPOConfig
 from grpo_mega.config.lora import LoRAConfig
 
+REPO = Path(__file__).resolve().parent.parent
 VOCAB = 301
 BUDGET = 30
 RANK, ALPHA = 4, 8.0
@@ -301,4 +303,10 @@ def test_lora_needs_a_base_and_grpo():
     with pytest.raises(ConfigError, match="grpo-mega train"):
         validate_lora(sft)
     validate_lora(_grpo_config(rank=8))  # a GRPO config with a base passes
+    moe = _grpo_config(rank=8)
+    moe.model.hf_config = str(REPO / "configs" / "models" / "qwen3-30b-a3b")
+    with pytest.raises(ConfigError, match=r"\['linear_fc1', 'linear_fc2'\] are not adapted in a mixture-of-experts"):
+        validate_lora(moe)
+    moe.model.lora.target_modules = ["linear_qkv", "linear_proj"]
+    validate_lora(moe)
     validate_lora(SFTConfig())  # off: nothing to check

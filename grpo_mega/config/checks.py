@@ -140,6 +140,11 @@ def validate_lora(cfg) -> None:
     if not cfg.model.init_from:
         raise ConfigError("model.lora.rank > 0 needs model.init_from: the base the adapters train on (kept frozen; "
                           "checkpoints hold the adapters and point to it)")
+    _, hf = model_config_json(cfg.model)
+    mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+    if hf is not None and num_experts(hf) and mlp_targets:
+        raise ConfigError(f"model.lora.target_modules: {mlp_targets} are not adapted in a mixture-of-experts model "
+                          f"({cfg.model.hf_config}: its MLPs are experts): set [linear_qkv, linear_proj]")
     if cfg.process_reward.source == "implicit":
         raise ConfigError("model.lora with process_reward.source=implicit is not supported yet (the implicit PRM "
                           "is a full model trained beside the policy): set model.lora.rank=0")
