@@ -37,6 +37,7 @@ from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.harness.lifecycle import RunHarness
 from grpo_mega.harness.resume import grpo_state
+from grpo_mega.lora import AdaptersOffReference, lora_attacher
 from grpo_mega.model.config_map import load_model_hf_config
 from grpo_mega.parallel import get_device
 from grpo_mega.parallel.roles import ROLLOUT, split_roles
@@ -116,13 +117,15 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                                                   bucket_bytes=cfg.rollout.sync_bucket_mb * 2**20)
     # model.init_from, resolved once: the reference always starts from it, the policy only when no checkpoint resumes
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
+    if cfg.model.lora.enabled:  # the frozen base, under a resumed run's adapters too (checkpoints hold only those)
+        load_initial_weights(policy, source)
     start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
                                initial_weights=lambda: _load_initial_weights(policy, source, implicit_prm, cfg),
                                shown=GRPO_SHOWN, companions=implicit_prm.companions() if implicit_prm else None)
     # Set-up after a resume restored the generators (engines built with a random initialisation) must not draw
     # from them, or a resumed run's streams would differ from an uninterrupted one's (bench/chaos.py).
     with rng_state_kept():
-        if reference is not None:
+        if reference is not None and not cfg.model.lora.enabled:  # with LoRA the reference is the policy's base
             load_initial_weights(reference, source)
         offload = cfg.parallel.offload_during_rollout
         if feed is not None:  # the rollout world starts from this version of the weights
@@ -234,15 +237,25 @@ def _build_engines(cfg: GRPOConfig):
     )
     policy = build_policy_engine(hf_config, optim=cfg.optim, total_steps=cfg.trainer.total_steps,
                                  distributed_optimizer=cfg.parallel.distributed_optimizer,
-                                 routing_replay=cfg.rollout.routing_replay, **shared)
-    reference = build_reference_engine(hf_config, **shared) if cfg.algorithm.use_kl_loss else None
+                                 routing_replay=cfg.rollout.routing_replay,
+                                 attach_adapters=lora_attacher(cfg.model.lora, seed=cfg.parallel.seed,
+                                                               base=cfg.model.init_from), **shared)
+    if cfg.model.lora.enabled:
+        logger.info("LoRA rank %d (alpha %g) on %s: %d trainable parameters, the base frozen",
+                    cfg.model.lora.rank, cfg.model.lora.alpha, ", ".join(cfg.model.lora.target_modules),
+                    policy.lora.trainable_parameters())
+    if not cfg.algorithm.use_kl_loss:
+        return policy, None
+    # LoRA: the KL reference is the base, i.e. the policy with its adapters off (no second model held)
+    reference = AdaptersOffReference(policy) if cfg.model.lora.enabled else build_reference_engine(hf_config, **shared)
     return policy, reference
 
 
 def _load_initial_weights(policy, source, implicit_prm, cfg: GRPOConfig) -> None:
-    """A new run's weights: the policy's (``model.init_from``) and the implicit PRM's, if any (a resumed run has
-    both from its checkpoint)."""
-    load_initial_weights(policy, source)
+    """A new run's weights: the policy's (``model.init_from``; with LoRA already loaded as the base) and the
+    implicit PRM's, if any (a resumed run has both from its checkpoint)."""
+    if not cfg.model.lora.enabled:
+        load_initial_weights(policy, source)
     if implicit_prm is not None:
         implicit_prm.load_initial_weights(implicit_prm_source(cfg))
 

@@ -58,6 +58,8 @@ SLOW_FILES = {
     "test_data_formats_cli.py": 26,
     "test_reward_preflight.py": 25,
     "test_eval_command.py": 25,
+    "test_lora.py": 63,  # these two: alone at load average ~15 (2026-12-07)
+    "test_lora_train.py": 85,
 }
 
 

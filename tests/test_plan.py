@@ -12,7 +12,7 @@ from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 REAL_CONFIGS = ["qwen2.5-math-1.5b_grpo", "qwen2.5-math-7b_grpo", "qwen2.5-math-7b_grpo_prm",
                 "qwen2.5-math-7b_grpo_2node", "llama-3.1-8b_grpo", "llama-3.1-8b_grpo_2node",
                 "qwen2.5-math-7b_grpo_async", "qwen2.5-math-7b_grpo_prm_async", "qwen3-8b_grpo",
-                "qwen3-30b-a3b_grpo_2node", "qwen2.5-math-7b_grpo_implicit"]
+                "qwen3-30b-a3b_grpo_2node", "qwen2.5-math-7b_grpo_implicit", "qwen2.5-math-7b_grpo_lora"]
 # The PRM config points at a downloaded folder; plan it with the architecture shipped in configs/models.
 PRM_ARCHITECTURE = "process_reward.prm=configs/models/qwen2.5-math-prm-7b"
 
@@ -45,6 +45,18 @@ def test_shipped_config_fits_its_documented_hardware(name):
         assert plan.vllm.sequences_held >= 1
     if "prm" in name:
         assert plan.prm and plan.prm > 0 and plan.phase("prm_scoring").total > plan.phase("generation").total
+
+
+def test_lora_fits_the_7b_on_2_gpus_where_full_training_does_not():
+    """model.lora: the frozen base has no gradients or optimizer state and the KL reference is the base itself."""
+    lora = _plan("qwen2.5-math-7b_grpo_lora", "algorithm.use_kl_loss=true")
+    full = _plan("qwen2.5-math-7b_grpo_lora", "algorithm.use_kl_loss=true", "model.lora.rank=0")
+    assert lora.fits and not full.fits
+    update, full_update = lora.phase("update"), full.phase("update")
+    assert update.items["reference (KL)"] == 0 and full_update.items["reference (KL)"] > 0
+    assert update.items["optimizer"] < full_update.items["optimizer"] / 100
+    assert update.items["gradients"] < full_update.items["gradients"] / 100
+    assert update.items["parameters"] >= full_update.items["parameters"]  # the base, plus the adapters
 
 
 def test_the_implicit_prm_is_a_second_trained_policy_in_every_phase_and_shares_the_kl_reference():

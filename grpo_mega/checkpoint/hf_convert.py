@@ -17,7 +17,7 @@ the rank's EP rank instead of its TP rank, and gathered over the EP group on exp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -344,8 +344,13 @@ def _full_tensors(row: StageRow, tensor: torch.Tensor, dims: ModelDims,
         yield from zip(names, row.layout.to_hf([part], dims))
 
 
-def export_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model: torch.nn.Module, hf_config: Any,
+                      shard_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every HF weight, in HF order; collective over all ranks.
+
+    ``shard_transform`` maps each of this rank's model tensors to the shard exported in its place, one at a time
+    (LoRA: the base weight with its adapter merged in, ``grpo_mega.lora.StageAdapters.merged``).
 
     Every rank of the job must iterate to the end, in step: each tensor costs one all-gather over the
     TP group (for split layouts) and, with PP > 1, one broadcast over the PP group from the stage that
@@ -379,7 +384,8 @@ def export_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[
         if stage == my_stage:
             expected = {name: shape for name, shape, _ in manifest}
             for row in rows:
-                for name, full in _full_tensors(row, tensors[row.mcore], dims, groups):
+                shard = tensors[row.mcore] if shard_transform is None else shard_transform(tensors[row.mcore])
+                for name, full in _full_tensors(row, shard, dims, groups):
                     if tuple(full.shape) != expected[name]:
                         raise ValueError(
                             f"exported {name!r} has shape {tuple(full.shape)}, the config implies {expected[name]}"

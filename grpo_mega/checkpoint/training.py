@@ -257,6 +257,8 @@ class CheckpointManager:
             "param_dtype": str(engine.param_dtype).removeprefix("torch."),
             "distributed_optimizer": _distributed_optimizer(engine),
             "lr_schedule_unit": "trainer_steps",
+            # LoRA: the model holds the adapters alone; "base" names the frozen weights they go with
+            **({"lora": engine.lora.describe()} if getattr(engine, "lora", None) is not None else {}),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from grpo_mega.config.loading import ConfigError
+from grpo_mega.config.lora import HF_TARGET_NAMES, LORA_TARGETS
 from grpo_mega.config.sections import DEVICE_CHOICES, ENGINES, RECOMPUTE_CHOICES, ModelConfig, OptimConfig, ParallelConfig
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -111,11 +112,50 @@ def validate_world_size(parallel: ParallelConfig, world_size: int) -> None:
         f"{replica}) or set parallel.tensor x parallel.pipeline to a divisor of {world_size}")
 
 
+def validate_lora(cfg) -> None:
+    """``model.lora`` of a GRPO, SFT or PRM config: its ranges and target names, and what LoRA runs with so far
+    (GRPO on the Megatron engine, from a base in ``model.init_from``, without the implicit PRM)."""
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank} must be >= 0 (0: LoRA off)")
+    if not lora.enabled:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0 (the adapters' scale is alpha / rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    if not lora.target_modules:
+        raise ConfigError(f"model.lora.target_modules is empty: name some of {list(LORA_TARGETS)}")
+    for target in lora.target_modules:
+        if target in HF_TARGET_NAMES or target == "all-linear":
+            meant = HF_TARGET_NAMES.get(target, "all four (the default)")
+            raise ConfigError(f"model.lora.target_modules: {target!r} is Hugging Face's name; megatron's is "
+                              f"{meant} (choose from {list(LORA_TARGETS)})")
+        check_choice(target, LORA_TARGETS, "model.lora.target_modules")
+    if not hasattr(cfg, "algorithm"):  # SFT and PRM training
+        raise ConfigError("model.lora is for the policy of grpo-mega train (GRPO); SFT and PRM training train "
+                          "every weight: set model.lora.rank=0")
+    if cfg.engine != "megatron":
+        raise ConfigError("model.lora needs engine=megatron (the DeepSpeed engine has no LoRA yet)")
+    if not cfg.model.init_from:
+        raise ConfigError("model.lora.rank > 0 needs model.init_from: the base the adapters train on (kept frozen; "
+                          "checkpoints hold the adapters and point to it)")
+    _, hf = model_config_json(cfg.model)
+    mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+    if hf is not None and num_experts(hf) and mlp_targets:
+        raise ConfigError(f"model.lora.target_modules: {mlp_targets} are not adapted in a mixture-of-experts model "
+                          f"({cfg.model.hf_config}: its MLPs are experts): set [linear_qkv, linear_proj]")
+    if cfg.process_reward.source == "implicit":
+        raise ConfigError("model.lora with process_reward.source=implicit is not supported yet (the implicit PRM "
+                          "is a full model trained beside the policy): set model.lora.rank=0")
+
+
 def validate_engine(cfg) -> None:
     """``engine`` and ``deepspeed.*`` of a GRPO, SFT or PRM config: a known engine, a layout it runs, and deepspeed
-    installed when chosen."""
+    installed when chosen; and ``model.lora`` (``validate_lora``)."""
     check_choice(cfg.engine, ENGINES, "engine")
     validate_memory_settings(cfg)
+    validate_lora(cfg)
     if cfg.engine != "deepspeed":
         return
     check_choice(cfg.deepspeed.zero_stage, (1, 2, 3), "deepspeed.zero_stage")

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from grpo_mega.config.lora import LoRAConfig
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 """``parallel.recompute``; their megatron settings: ``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``."""
@@ -32,6 +34,9 @@ class ModelConfig:
     """Mixture-of-experts models (Qwen3-MoE): the weight of megatron's load-balancing loss (``aux_loss``, per MoE
     layer) in the trained models' loss; null takes the HF config's ``router_aux_loss_coef`` (0.001 for
     Qwen3-30B-A3B), 0 turns it off. Set on a dense model it is an error."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on the policy's linear layers (``model.lora.rank`` > 0): the base weights frozen, only
+    the adapters trained and saved (docs/training.md, "LoRA")."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ from megatron.core import parallel_state as mpu
 from grpo_mega.engine.megatron_engine import MegatronEngine
 from grpo_mega.engine.megatron_base import MegatronForwardEngine, StageModelProvider
 from grpo_mega.model import LMHead, build_gpt_model, gpt_config_from_hf
+from grpo_mega.model.gpt import local_layer_spec
 from grpo_mega.parallel import get_device
 
 
@@ -23,6 +24,7 @@ def stage_provider(
     sequence_parallel: bool | None = None,
     recompute: str = "none",
     routing_replay: bool = False,
+    local_layers: bool = False,
 ) -> StageModelProvider:
     """``provider(pre_process, post_process)`` of a GPT backbone from ``hf_config`` with ``head_factory()`` on
     the last stage, at megatron's current TP / PP (``grpo_mega.parallel.init_distributed``). ``dtype`` None:
@@ -31,7 +33,8 @@ def stage_provider(
     (``parallel.sequence_parallel``): None is on whenever TP > 1; ``recompute``: ``parallel.recompute``
     (``grpo_mega.model.config_map.RECOMPUTE_SETTINGS``); ``routing_replay``: the MoE routers replay the rollout's
     experts (``rollout.routing_replay``; megatron's ``moe_enable_routing_replay``,
-    ``grpo_mega.engine.routing_replay``)."""
+    ``grpo_mega.engine.routing_replay``); ``local_layers``: megatron-core's local layers also where Transformer
+    Engine's would run (LoRA adapts megatron-core's parallel linears, not TE's fused norm + linear)."""
     if dtype is None and get_device().type == "cpu":
         dtype = torch.float32
     tp = mpu.get_tensor_model_parallel_world_size()
@@ -50,7 +53,8 @@ def stage_provider(
 
     def provider(pre_process: bool, post_process: bool) -> torch.nn.Module:
         backbone = build_gpt_model(gpt_config, pre_process=pre_process, post_process=post_process,
-                                   lm_output=lm_output)
+                                   lm_output=lm_output,
+                                   layer_spec=local_layer_spec(gpt_config.transformer) if local_layers else None)
         if post_process:
             backbone.head = head_factory()
         return backbone
@@ -84,14 +88,17 @@ def build_engine(
     recompute: str = "none",
     distributed_optimizer: bool = True,
     routing_replay: bool = False,
+    attach_adapters=None,
 ) -> MegatronEngine:
     """A training :class:`MegatronEngine` over a GPT backbone from ``hf_config`` with ``head_factory()`` on the
     last stage; ``total_steps`` is the length of the learning-rate schedule in trainer steps; ``lm_output`` as
     in :func:`stage_provider`, and ``sequence_parallel``, ``recompute``; ``distributed_optimizer``:
-    ``parallel.distributed_optimizer``; ``routing_replay`` as in :func:`stage_provider`."""
+    ``parallel.distributed_optimizer``; ``routing_replay`` as in :func:`stage_provider`; ``attach_adapters``:
+    LoRA (``grpo_mega.lora.lora_attacher``; the stage then uses megatron's local layers, whose linears it adapts)."""
     return MegatronEngine(
         stage_provider(hf_config, head_factory, dtype, lm_output=lm_output, sequence_parallel=sequence_parallel,
-                       recompute=recompute, routing_replay=routing_replay),
+                       recompute=recompute, routing_replay=routing_replay,
+                       local_layers=attach_adapters is not None),
         optim=optim,
         total_steps=total_steps,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
@@ -100,6 +107,7 @@ def build_engine(
         hf_config=hf_config,
         share_prompt_prefix=share_prompt_prefix,
         distributed_optimizer=distributed_optimizer,
+        attach_adapters=attach_adapters,
     )
 
 
@@ -148,6 +156,7 @@ def build_policy_engine(
     recompute: str = "none",
     distributed_optimizer: bool = True,
     routing_replay: bool = False,
+    attach_adapters=None,
 ) -> MegatronEngine:
     """The policy: GPT backbone + :class:`~grpo_mega.model.LMHead` (log-probs and entropies of the tokens,
     computed with ``logits / temperature`` so they match the sampler; ``logits_in_fp32``: the head's logits in
@@ -158,9 +167,12 @@ def build_policy_engine(
     engine only). ``routing_replay``: its MoE routers replay the rollout's experts from the batch's ``routed_experts``
     (``rollout.routing_replay``; Megatron engine only; the KL reference never replays). ``engine_kind="deepspeed"``:
     the HF model on a
-    :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``)."""
+    :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
+    ``attach_adapters``: LoRA (``model.lora``, ``grpo_mega.lora.lora_attacher``); Megatron engine only."""
     if engine_kind == "deepspeed":
         _check_megatron_only(sequence_parallel, recompute)
+        if attach_adapters is not None:
+            raise ValueError("model.lora needs engine=megatron (the DeepSpeed engine has no LoRA yet)")
         if routing_replay:
             raise ValueError("rollout.routing_replay needs engine=megatron (megatron-core's router replay)")
         from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
@@ -185,6 +197,7 @@ def build_policy_engine(
         recompute=recompute,
         distributed_optimizer=distributed_optimizer,
         routing_replay=routing_replay,
+        attach_adapters=attach_adapters,
     )
 
 

@@ -77,6 +77,8 @@ class MegatronStageEngine:
     stage wrapped in DDP) after ``_build_stage``."""
 
     model: torch.nn.Module
+    lora = None
+    """``grpo_mega.lora.StageAdapters`` of a policy trained with LoRA (``model.lora``), else None."""
 
     def _build_stage(
         self,
@@ -213,7 +215,9 @@ class MegatronStageEngine:
         """(HF name, full tensor) one at a time, gathered over TP / PP; collective (every rank iterates)."""
         from grpo_mega.checkpoint.hf_convert import export_hf_weights
 
-        return export_hf_weights(self.stage, self.hf_config)
+        # LoRA: the base weights with the adapters merged in, W + (alpha / rank) B A, one tensor at a time
+        return export_hf_weights(self.stage, self.hf_config,
+                                 shard_transform=self.lora.merged if self.lora is not None else None)
 
     # ----------------------------------------------------------------- weights (sharded, any layout)
     @property
@@ -229,12 +233,27 @@ class MegatronStageEngine:
         return next(self.stage.parameters()).dtype
 
     def model_sharded_state_dict(self) -> dict:
-        """The model's megatron ShardedStateDict (global shapes: loadable at any TP / PP)."""
+        """The trained model's megatron ShardedStateDict (global shapes: loadable at any TP / PP): the whole model,
+        or with LoRA the adapters alone (what a LoRA run's checkpoints hold)."""
+        if self.lora is not None:
+            return self.lora.sharded_state_dict()
         return self.stage.sharded_state_dict()
 
     def load_model_state_dict(self, state: dict) -> None:
-        """Copy a loaded model state into the model (see ``reload_after_weight_load``)."""
+        """Copy a loaded ``model_sharded_state_dict()`` into the model (see ``reload_after_weight_load``)."""
+        if self.lora is not None:
+            self.lora.load_state_dict(state)
+            return
         self.stage.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def _whole_model(self):
+        """Inside: the model's state is the whole model's, also with LoRA (a source's weights are the base's)."""
+        lora, self.lora = self.lora, None
+        try:
+            yield
+        finally:
+            self.lora = lora
 
     def load_hf_weights(self, hf_weights) -> None:
         """Copy HF-named full tensors (a mapping, e.g. ``HFWeights(folder)``) into this rank's shards; collective."""
@@ -256,7 +275,12 @@ class MegatronStageEngine:
 
         ``backbone_only``: the source's LM output layer is not read and this model's head keeps its values (a
         classifier PRM started from a causal LM); raises ValueError naming the folder when backbone tensors lack.
+        With LoRA the source's weights are the frozen base's.
         """
+        with self._whole_model():
+            self._load_model_source(source, backbone_only=backbone_only)
+
+    def _load_model_source(self, source, *, backbone_only: bool) -> None:
         from grpo_mega.engine.source_weights import holds_hf_weights, load_source_weights, source_hf_weights
 
         if not backbone_only:

@@ -67,6 +67,8 @@ class MegatronEngine(MegatronStageEngine):
             with one copy of it (``grpo_mega.engine.shared_prefix``; exact, megatron's local layers only).
         distributed_optimizer: shard the fp32 master weights and Adam moments over the data-parallel ranks
             (megatron's DistributedOptimizer) when DP > 1 (``parallel.distributed_optimizer``); exact.
+        attach_adapters: ``stage -> grpo_mega.lora.StageAdapters | None`` (``model.lora``): freezes the stage's
+            weights and attaches LoRA adapters before DDP and the optimizer are built, so both hold the adapters only.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class MegatronEngine(MegatronStageEngine):
         hf_config=None,
         share_prompt_prefix: bool = False,
         distributed_optimizer: bool = True,
+        attach_adapters=None,
     ):
         module = self._build_stage(
             stage_model_provider,
@@ -90,6 +93,7 @@ class MegatronEngine(MegatronStageEngine):
             hf_config=hf_config,
             share_prompt_prefix=share_prompt_prefix,
         )
+        self.lora = attach_adapters(module) if attach_adapters is not None else None
         self.config.finalize_model_grads_func = finalize_model_grads
         self.distributed_optimizer = shards_optimizer_state(distributed_optimizer)
         self.model = DistributedDataParallel(

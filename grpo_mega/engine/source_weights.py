@@ -8,7 +8,8 @@ each through the engine's own loaders (``grpo_mega.engine.base.ForwardEngine``):
 - a training checkpoint of the DeepSpeed engine: its ZeRO partitions merged to HF-named fp32 tensors
   (``engine.deepspeed_checkpoint``), ``load_hf_weights``;
 - a training checkpoint of the Megatron engine: the model keys of ``model_sharded_state_dict`` read with
-  dist_checkpointing at this job's layout, ``load_model_state_dict``, then ``reload_after_weight_load``.
+  dist_checkpointing at this job's layout, ``load_model_state_dict``, then ``reload_after_weight_load``; a LoRA
+  run's checkpoint (adapters only): its base, then the adapters merged in (``grpo_mega.lora.checkpoint``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def load_source_weights(engine, source) -> None:
         engine.load_mcore_model(str(source.folder))
     else:
         from grpo_mega.checkpoint.weights_only import read_checkpoint_model
+        from grpo_mega.lora.checkpoint import load_merged_lora_checkpoint, lora_settings
 
-        engine.load_model_state_dict(read_checkpoint_model(engine.model_sharded_state_dict(), source.folder))
+        lora = lora_settings(source.folder)
+        if lora is not None:  # a LoRA run's checkpoint: its base with the adapters merged in (Megatron engines)
+            if not hasattr(engine, "stage"):
+                raise ValueError(f"{source.folder} holds LoRA adapters only: load it with engine=megatron, or "
+                                 "export merged weights first (tools/convert_mcore_to_hf.py)")
+            load_merged_lora_checkpoint(engine.stage, source.folder, lora)
+        else:
+            engine.load_model_state_dict(read_checkpoint_model(engine.model_sharded_state_dict(), source.folder))
         engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights

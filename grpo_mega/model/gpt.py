@@ -247,6 +247,14 @@ def transformer_layer_spec(config: TransformerConfig | None = None) -> ModuleSpe
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                          qk_layernorm=qk_layernorm)
+    return local_layer_spec(config)
+
+
+def local_layer_spec(config: TransformerConfig | None = None) -> ModuleSpec:
+    """megatron-core's local layers, as :func:`transformer_layer_spec` picks them without Transformer Engine, on any
+    device (LoRA adapts their parallel linears: ``grpo_mega.lora``)."""
+    qk_layernorm = bool(config is not None and config.qk_layernorm)
+    num_experts = config.num_moe_experts if config is not None else None
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                     qk_layernorm=qk_layernorm)
     use_sdpa_core_attention(spec)

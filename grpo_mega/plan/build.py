@@ -113,7 +113,10 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     # rollout.engine=auto takes vLLM on a GPU where it is installed (grpo_mega.rollout.engine_choice): plan for it
     vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and not cpu)
     rollout_tp = rollout_tensor_parallel(cfg)
-    requests = [ModelRequest(policy_hf, tp, pp, dtype)]
+    lora = cfg.model.lora
+    lora_fields = ({"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+                   if lora.enabled else None)
+    requests = [ModelRequest(policy_hf, tp, pp, dtype, lora=lora_fields)]
     if vllm:
         requests.append(ModelRequest(policy_hf, rollout_tp, 1, "bfloat16"))
     generators = rollout_ranks(cfg)  # rollout.mode=async: GPUs of their own generate (and score with the PRM)
@@ -152,7 +155,12 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     statics = [training_static_bytes(stage, dp, settings.distributed_optimizer) for stage in policy_stages]
     worst = max(range(pp), key=lambda i: statics[i].total)
     policy = statics[worst]
-    reference = forward_only_bytes(policy_stages[worst]) if cfg.algorithm.use_kl_loss else 0
+    # LoRA: the KL reference is the policy with its adapters off (grpo_mega.lora.reference), no second model
+    reference = forward_only_bytes(policy_stages[worst]) if cfg.algorithm.use_kl_loss and not lora.enabled else 0
+    if lora.enabled:
+        trainable = sum(p.numel for p in policy_stages[worst] if p.trainable)
+        notes.append(f"model.lora: rank {lora.rank}, {trainable:,} trainable parameters on the most loaded stage "
+                     "(gradients and optimizer state for those only); the KL reference is the base (no second model)")
     prm = prm_activations = 0
     prm_plan = None
     if prm_request is not None and vllm_prm:

@@ -39,6 +39,8 @@ class ParamInfo:
     shared_embedding: bool = False
     """megatron's flag for the last stage's copy of tied embeddings (a bucket of its own with the distributed
     optimizer)."""
+    trainable: bool = True
+    """Requires a gradient: in DDP's buffers and the optimizer. False for the frozen base of a LoRA policy."""
 
     @property
     def bytes(self) -> int:
@@ -47,7 +49,8 @@ class ParamInfo:
 
 def param_infos(model: torch.nn.Module) -> list[ParamInfo]:
     """The planner's view of ``model``'s parameters, in ``named_parameters`` order."""
-    return [ParamInfo(name, p.numel(), str(p.dtype).removeprefix("torch."), bool(getattr(p, "shared_embedding", False)))
+    return [ParamInfo(name, p.numel(), str(p.dtype).removeprefix("torch."), bool(getattr(p, "shared_embedding", False)),
+                      p.requires_grad)
             for name, p in model.named_parameters()]
 
 
@@ -64,6 +67,9 @@ class ModelRequest:
     head: str = "none"
     """Parameters of the head on the last stage: ``none`` (LM head, likelihood / label-token PRM) or
     ``classifier`` (Qwen2.5-Math-PRM's score head, ``prm.heads.ClassifierHead``)."""
+    lora: dict | None = None
+    """``model.lora``'s fields (rank, alpha, dropout, target_modules) of a policy trained with LoRA: the stage is
+    counted with its adapters, the base frozen (``grpo_mega.lora``); None: every weight trained."""
 
     @property
     def ep(self) -> int:
@@ -111,6 +117,11 @@ def _build_stage_params(request: ModelRequest, pp_rank: int) -> list[ParamInfo]:
                 from prm.heads import ClassifierHead
 
                 model.head = ClassifierHead(int(request.hf_config["hidden_size"]))
+            if request.lora:
+                from grpo_mega.config.lora import LoRAConfig
+                from grpo_mega.lora import attach_lora
+
+                attach_lora(model, LoRAConfig(**request.lora), seed=0)
         return param_infos(model)
     finally:
         parallel_state.destroy_model_parallel()

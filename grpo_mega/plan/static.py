@@ -98,14 +98,17 @@ def _shard_elements(layout: BufferLayout, data_parallel: int, dp_rank: int) -> i
 
 
 def training_static_bytes(params: list[ParamInfo], data_parallel: int, distributed_optimizer: bool) -> StaticBytes:
-    """Static bytes of the most loaded DP rank of a stage whose trainable parameters are ``params``."""
+    """Static bytes of the most loaded DP rank of a stage whose parameters are ``params``. Frozen ones (a LoRA
+    policy's base) hold their weights only: no gradient buffer, no optimizer state, outside DDP's param buffer."""
+    frozen = sum(p.bytes for p in params if not p.trainable)
+    params = [p for p in params if p.trainable]
     layouts = buffer_layouts(params, data_parallel, distributed_optimizer)
     grads = sum(layout.numel for layout in layouts) * GRAD_BYTES
     if not distributed_optimizer:
-        weights = sum(p.bytes for p in params)
+        weights = frozen + sum(p.bytes for p in params)
         optimizer = sum(p.numel * (MOMENT_BYTES + (MASTER_BYTES if DTYPE_BYTES[p.dtype] < 4 else 0)) for p in params)
         return StaticBytes(weights, grads, optimizer)
-    weights = sum(layout.numel * DTYPE_BYTES[layout.dtype] for layout in layouts)
+    weights = frozen + sum(layout.numel * DTYPE_BYTES[layout.dtype] for layout in layouts)
     optimizer = max(
         sum(_shard_elements(layout, data_parallel, rank)
             * (MOMENT_BYTES + (MASTER_BYTES if DTYPE_BYTES[layout.dtype] < 4 else 0)) for layout in layouts)
@@ -137,7 +140,9 @@ def checkpoint_save_bytes(params: list[ParamInfo], data_parallel: int, distribut
     the whole model-parallel shard, on every DP rank. So the GPU holds one bucket's fp32 slice and its gathered
     copies at a time, and host RAM the three fp32 tensors of every parameter of the stage, plus the bucket being
     concatenated. Without it each rank's state tensors are written from where they are; the writer stages on the
-    host what the rank writes (at most its parameters, master weights and moments)."""
+    host what the rank writes (at most its parameters, master weights and moments). A LoRA policy saves its
+    adapters alone: only trainable parameters count."""
+    params = [p for p in params if p.trainable]
     if distributed_optimizer:
         layouts = buffer_layouts(params, data_parallel, distributed_optimizer)
         largest_bucket = max((end - start for layout in layouts for start, end in layout.buckets), default=0)

@@ -1,0 +1,29 @@
+"""LoRA on the Megatron engine (``model.lora``): adapters on megatron-core's tensor-parallel linears, sharded as
+they are (``adapter``), attached to a pipeline stage with the base frozen (``stage``), and the KL reference as the
+base with the adapters off (``reference``).
+
+Megatron-Bridge's PEFT (``megatron.bridge.peft.lora``) was the first choice and cannot be installed beside this
+package: its releases with megatron-core 0.16 (0.3.x) pin transformers < 5 and require Transformer Engine (CUDA
+only) and mamba-ssm; 0.4-0.6.2 need Python 3.12 and pin transformers <= 5.12.1, and its ``lora_layers`` imports
+``transformer_engine.pytorch`` at import time (no CPU build). This is the smallest wrapper in its API's shape:
+``target_modules`` (its names), ``rank`` (its ``dim``), ``alpha``, ``dropout`` (position ``pre``), A random and B
+zero at the start, adapters saved alone and merged for export."""
+
+from __future__ import annotations
+
+import functools
+
+from grpo_mega.lora.adapter import LoRAAdapter
+from grpo_mega.lora.reference import AdaptersOffReference
+from grpo_mega.lora.stage import ADAPTERS_MODULE, StageAdapters, attach_lora
+
+
+def lora_attacher(lora, *, seed: int, base: str | None = None):
+    """``stage -> StageAdapters`` for ``MegatronEngine(attach_adapters=...)`` when ``lora.rank`` > 0, else None."""
+    if lora is None or not lora.enabled:
+        return None
+    return functools.partial(attach_lora, lora=lora, seed=seed, base=base)
+
+
+__all__ = ["ADAPTERS_MODULE", "AdaptersOffReference", "LoRAAdapter", "StageAdapters", "attach_lora",
+           "lora_attacher"]
