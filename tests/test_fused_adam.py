@@ -15,14 +15,23 @@ from tests.test_engine_shared_prefix import _grouped_batch
 STEPS = 3
 
 
-def _engine(ref_dir):
+def _engine(ref_dir, fused=True):
     """adam_eps 1e-4 as in tests/test_engine_megatron.py: an entry whose gradient is near 0 moves by up to lr on the
     last bit of its gradient, and the two kernels' weights differ in the last bit after one step."""
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
 
-    engine = build_policy_engine(tiny_qwen2_config(tied=False), optim=OptimConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-4),
-                                 total_steps=STEPS, max_tokens_per_micro_batch=64)
+    import grpo_mega.engine.megatron_engine as megatron_engine
+
+    switch = megatron_engine.fused_adam_for_device
+    if not fused:  # megatron-core's own choice: torch's foreach kernels
+        megatron_engine.fused_adam_for_device = lambda optimizer, device: None
+    try:
+        engine = build_policy_engine(tiny_qwen2_config(tied=False),
+                                     optim=OptimConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-4),
+                                     total_steps=STEPS, max_tokens_per_micro_batch=64)
+    finally:
+        megatron_engine.fused_adam_for_device = switch
     engine.load_model_weights(ref_dir)
     return engine
 
@@ -44,7 +53,7 @@ def _job(ref_dir):
 
     from grpo_mega.config import OptimConfig
     from grpo_mega.engine import build_policy_engine
-    from grpo_mega.engine.fused_adam import torch_adam_optimizers, use_fused_adam
+    from grpo_mega.engine.fused_adam import torch_adam_optimizers
     from grpo_mega.parallel import init_distributed
 
     init_distributed(1, 1, seed=3, device="cpu")
@@ -60,7 +69,7 @@ def _job(ref_dir):
     adam_module._fused_adam = counting
     out = {}
     try:
-        foreach = _engine(ref_dir)
+        foreach = _engine(ref_dir, fused=False)
         out["foreach_losses"] = [_step(foreach, step) for step in range(1, STEPS)]
         saved = copy.deepcopy(foreach.optimizer.state_dict())  # after STEPS - 1 steps, groups without 'fused'
         saved_weights = _params(foreach)
@@ -68,15 +77,14 @@ def _job(ref_dir):
         out["foreach"] = _params(foreach)
         out["foreach_fused_calls"] = len(fused_calls)
 
-        fused = _engine(ref_dir)
-        out["switched"] = use_fused_adam(fused.optimizer)
+        fused = _engine(ref_dir)  # the engine switches to the fused kernel itself (the CPU has it)
+        out["switched"] = [group["fused"] for o in torch_adam_optimizers(fused.optimizer) for group in o.param_groups]
         out["groups"] = sum(len(o.param_groups) for o in torch_adam_optimizers(fused.optimizer))
         out["fused_losses"] = [_step(fused, step) for step in range(1, STEPS + 1)]
         out["fused"] = _params(fused)
         out["fused_calls"] = len(fused_calls)
 
         resumed = _engine(ref_dir)
-        use_fused_adam(resumed.optimizer)
         with torch.no_grad():
             for name, param in resumed.stage.named_parameters():
                 param.copy_(saved_weights[name])
@@ -101,7 +109,7 @@ def runs(tmp_path_factory):
 
 
 def test_fused_adamw_trains_as_the_foreach_fallback(runs):
-    assert runs["switched"] == 1 and runs["foreach_fused_calls"] == 0
+    assert set(runs["switched"]) == {True} and runs["foreach_fused_calls"] == 0
     # one fused kernel call per param group (weight decay on / off) and step: one device, one dtype
     assert runs["fused_calls"] == STEPS * runs["groups"]
     assert runs["fused_losses"] == pytest.approx(runs["foreach_losses"], rel=1e-5)
@@ -118,17 +126,29 @@ def test_a_resumed_optimizer_steps_fused_from_its_saved_state(runs):
         torch.testing.assert_close(runs["resumed"][name], value, atol=2e-6, rtol=1e-5, msg=name)
 
 
-def test_the_switch_is_made_only_on_cuda_and_only_for_torch_adam():
+def test_the_switch_is_made_where_the_kernel_runs_and_only_for_torch_adam():
     from grpo_mega.engine.fused_adam import fused_adam_for_device, torch_adam_optimizers, use_fused_adam
 
     param = torch.nn.Parameter(torch.ones(3))
     adamw = torch.optim.AdamW([param], lr=0.1)
+    fused_adam_for_device(adamw, torch.device("meta"))
+    assert adamw.param_groups[0]["fused"] is None  # no fused kernel there: megatron's choice stays
     fused_adam_for_device(adamw, torch.device("cpu"))
-    assert adamw.param_groups[0]["fused"] is None  # the CPU keeps megatron's choice
+    assert adamw.param_groups[0]["fused"] is True and adamw.param_groups[0]["foreach"] is False
     assert torch_adam_optimizers(torch.optim.SGD([param], lr=0.1)) == []
     assert use_fused_adam(torch.optim.SGD([param], lr=0.1)) == 0
     integer = torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)
     assert use_fused_adam(torch.optim.AdamW([integer], lr=0.1)) == 0  # no fused kernel for integer tensors
+
+
+def test_a_resume_does_not_report_the_kernel_as_a_changed_setting():
+    from grpo_mega.engine.lr_schedule import keep_optimizer_settings, optimizer_settings
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, fused=True)
+    built = optimizer_settings(optimizer)
+    optimizer.param_groups[0].update(fused=None, foreach=None, eps=1e-6)  # a checkpoint of the foreach kernel
+    assert keep_optimizer_settings(optimizer, built) == ["eps 1e-06 -> 1e-08"]
+    assert optimizer.param_groups[0]["fused"] is True
 
 
 def test_a_state_dict_without_the_flag_or_with_host_steps_steps_fused():

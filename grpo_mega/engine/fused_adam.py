@@ -66,10 +66,11 @@ def use_fused_adam(optimizer) -> int:
 
 
 def fused_adam_for_device(optimizer, device: torch.device) -> None:
-    """On CUDA, :func:`use_fused_adam` with a log line saying what it did; elsewhere nothing (on this project's CPU
-    the fused kernel is no faster than foreach at the quickstart's sizes: bench/results/update_fixed_costs.json)."""
-    if torch.device(device).type != "cuda":
+    """:func:`use_fused_adam` where the kernel runs (CUDA, the CPU), with a log line saying what it did. On this
+    project's CPU one AdamW step of the quickstart policy takes 1.7 ms fused against 23 ms foreach, of two layers of
+    the Qwen2.5-0.5B shape 0.12 s against 1.25 s (bench/results/update_fixed_costs.json)."""
+    if torch.device(device).type not in ("cuda", "cpu"):
         return
-    switched = use_fused_adam(optimizer)
-    if switched:
-        logger.info("optimizer: torch's fused AdamW kernel (Transformer Engine and apex absent)")
+    if use_fused_adam(optimizer):
+        logger.info("optimizer: torch's fused AdamW kernel on %s (Transformer Engine and apex absent)",
+                    torch.device(device).type)

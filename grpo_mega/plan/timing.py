@@ -65,11 +65,15 @@ def _model(hf: dict, dtype_bytes: int) -> ModelCost:
     return ModelCost.from_shapes(Shapes.from_hf(hf, padded_vocab_size(int(hf["vocab_size"]), 1)), dtype_bytes)
 
 
-def _micro_batches(cfg, rows_per_rank: float) -> int:
-    """Micro-batches per mini-batch and DP rank: full-length rows filling parallel.max_tokens_per_micro_batch."""
-    row = cfg.data.prompt_length + cfg.algorithm.response_length
-    per_micro = max(1, cfg.parallel.max_tokens_per_micro_batch // row)
-    return max(1, math.ceil(rows_per_rank / per_micro))
+def _micro_batches(cfg, rows_per_rank: float, lengths: Lengths) -> int:
+    """Micro-batches per mini-batch and DP rank: the rows' mean tokens (with ``parallel.share_prompt_prefix`` on the
+    Megatron engine one prompt per group) over ``parallel.max_tokens_per_micro_batch``. The engine packs them into
+    that few: first fit, largest first (bench/results/update_fixed_costs.json: 2 micro-batches, the fewest possible,
+    for the gpu_check step that full-length rows counted as 4)."""
+    shared = cfg.parallel.share_prompt_prefix and cfg.engine == "megatron"
+    prompt = lengths.prompt / cfg.algorithm.num_return_sequences_in_group if shared else lengths.prompt
+    tokens = rows_per_rank * (prompt + lengths.response_mean)
+    return max(1, math.ceil(tokens / cfg.parallel.max_tokens_per_micro_batch))
 
 
 def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | None = None,
@@ -128,8 +132,8 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     phases = {"generation": gen["prefill"] + gen["decode"]}
     mini = alg.mini_batch_size or groups
     optimizer_steps = alg.ppo_epochs * math.ceil(groups / mini)
-    micro = _micro_batches(cfg, mini * group / plan.data)
-    calls = _micro_batches(cfg, rows / plan.data)  # a forward pass over every row of the step
+    micro = _micro_batches(cfg, mini * group / plan.data, lengths)
+    calls = _micro_batches(cfg, rows / plan.data, lengths)  # a forward pass over every row of the step
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
         prm = _model(plan.prm_hf_config, dtype_bytes)
         if cfg.process_reward.scorer == "vllm":  # replicas of vllm_tensor_parallel ranks split the rows
@@ -140,7 +144,7 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         else:
             prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
         phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro,
-                                                     calls=_micro_batches(cfg, rows / prm_layout.data))
+                                                     calls=_micro_batches(cfg, rows / prm_layout.data, lengths))
     elif cfg.process_reward.source == "prm":
         notes.append("PRM unknown (no readable config.json): its scoring is not counted")
     forward = forward_pass_seconds(policy, lengths, rows, layout, device, eff, micro_batches=micro, calls=calls)
