@@ -29,20 +29,20 @@ class Efficiency:
     run's steps (``bench/step_time_gpu.py``, ``bench/results/step_time_gpu.json``: the H200 gpu_check steps within
     21 % per phase, the published rows as their own fit placed them)."""
 
-    mfu_train: float = 0.656
+    mfu_train: float = 0.660
     """Model FLOP utilisation of the update (forward + backward + optimizer, 6 N per token plus attention, recompute
     not counted as useful work)."""
     mfu_forward: float = 0.299
     """Model FLOP utilisation of forward-only passes: prefill, old / reference log-probs, PRM scoring."""
-    decode_bandwidth: float = 0.675
+    decode_bandwidth: float = 0.680
     """Share of the memory bandwidth decoding reaches (weights + KV cache read per token step; kernel launches,
     sampling, scheduling and the shorter last waves included)."""
-    comm: float = 0.411
+    comm: float = 0.404
     """Share of the link bandwidth collectives reach (TP all-reduces, DP gradient reduction, weight sync)."""
-    decode_step_overhead: float = 0.00411
+    decode_step_overhead: float = 0.00412
     """Seconds each decode token step costs beyond its roofline (the engine's scheduling, sampling and launch work
     per step): what keeps a tail-bound rollout from getting faster on more GPUs."""
-    layer_overhead: float = 0.00119
+    layer_overhead: float = 0.00118
     """Seconds each layer costs per eager pass of the training engine beyond its roofline (kernel launches, Python,
     small-kernel tails): every forward or backward of a micro-batch through a rank's layers. On a GPU the host's
     fixed costs overlap the device's work (``DeviceProfile.host_overlap``): a pass takes the longer of the two."""
@@ -75,7 +75,7 @@ class Efficiency:
 
 CPU_EFFICIENCY = Efficiency(mfu_train=0.639, mfu_forward=0.323, decode_bandwidth=0.0820, comm=0.0578,
                             decode_step_overhead=1.0e-5, layer_overhead=5.95e-4, eager_decode_overhead=5.95e-4,
-                            collective_latency=1.0e-6)
+                            optimizer_step_overhead=0.0, collective_latency=1.0e-6)
 """The factors fitted on this project's 2-core CPU (``bench/step_time_cpu.py``, ``bench/results/step_time_cpu.json``:
 five configs fitted, five judged; 2 processes x 1 thread, the hf engine, fp32): its decode is bound by the eager
 layers (0.6 ms per layer and pass, one factor for the training passes and the decode steps when it was fitted), not

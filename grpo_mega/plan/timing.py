@@ -53,10 +53,12 @@ def _lengths(cfg, a: Assumptions) -> Lengths:
 
 
 GPU_MEASUREMENT = "a 0.5B policy on one H200, bench/results/gpu_check_h200.json"
-"""The only GPU run the model has been compared with (docs/performance.md, "The first GPU run")."""
+"""This project's GPU run whose steps the shipped factors are fitted on (bench/step_time_gpu.py; docs/performance.md,
+"The first GPU run")."""
 
 SMALL_MODEL_PARAMS = 1e9
-"""Below this many matmul parameters a GPU step is bound by launches and Python, which the model has no term for."""
+"""Below this many matmul parameters a GPU step is bound by fixed costs (launches, Python, the optimizer step), which
+the model prices from that one run."""
 
 
 def _model(hf: dict, dtype_bytes: int) -> ModelCost:
@@ -117,13 +119,12 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         replicas, rtp = max(1, rollout_gpus // (plan.tensor * plan.pipeline)), plan.tensor
         concurrent = generated / replicas
         if device.name != "CPU":
-            notes.append("rollout.engine=hf on a GPU: generation priced as bandwidth-bound decoding, a floor; the one "
-                         f"GPU measurement ({GPU_MEASUREMENT}) generated 25x slower than this model, bound by launches "
-                         "and Python: use rollout.engine=vllm on GPUs")
+            notes.append("rollout.engine=hf on a GPU: generation priced by the eager decode loop's per-layer cost fitted "
+                         f"on {GPU_MEASUREMENT} (a host read and a vocabulary sort every step then; issue 77 removed "
+                         "both: expect it faster): use rollout.engine=vllm on GPUs")
     if device.name != "CPU" and policy.matmul_params < SMALL_MODEL_PARAMS:
-        notes.append(f"a policy under {SMALL_MODEL_PARAMS / 1e9:g}B matmul parameters on a GPU: its kernels are too "
-                     f"small for the fitted efficiencies; the one GPU measurement ({GPU_MEASUREMENT}) ran its update "
-                     "20x slower than this model")
+        notes.append(f"a policy under {SMALL_MODEL_PARAMS / 1e9:g}B matmul parameters on a GPU: its step is fixed "
+                     f"costs (per layer pass, per optimizer step), priced from one run ({GPU_MEASUREMENT})")
     if cfg.process_reward.source == "tree":
         notes.append("process_reward.source=tree: sampled as G independent chains (the tree's shared prefixes and "
                      "its extra generation passes, one per level, are not modelled)")
