@@ -39,8 +39,9 @@ from grpo_mega.plan.step_time import Efficiency  # noqa: E402
 GPU_CHECK_RESULT = ROOT / "bench/results/gpu_check_h200.json"
 GPU_BOUNDS = {**BOUNDS, "layer_overhead": (1e-7, 0.05), "eager_decode_overhead": (1e-7, 0.05),
               "optimizer_step_overhead": (1e-4, 5.0)}
-"""The published script's ranges, the optimizer step's fixed cost 0.1 ms - 5 s, the per-layer fixed costs up to 50 ms (on a GPU they overlap the device's work,
-so a large model's rows do not see them, and the hf engine's eager decode on the H200 cost ~6 ms per layer-step)."""
+"""The published script's ranges; the optimizer step's fixed cost 0.1 ms - 5 s, the per-layer fixed costs up to 50 ms
+(on a GPU they overlap the device's work, so a large model's rows do not see them, and the hf engine's eager decode
+on the H200 cost ~6 ms per layer-step)."""
 PREVIOUS = Efficiency(mfu_train=0.648, mfu_forward=0.300, decode_bandwidth=0.539, comm=0.289,
                       decode_step_overhead=0.0037, layer_overhead=0.0, eager_decode_overhead=0.0,
                       optimizer_step_overhead=0.0, collective_latency=0.0)
@@ -144,7 +145,8 @@ def main() -> None:
             "factors": {k: float(f"{v:.4g}") for k, v in asdict(joint).items()},
             "factors_before": {k: float(f"{v:.4g}") for k, v in asdict(PREVIOUS).items()},
             "in_sample": {
-                "published": {row.name: {k: round(v, 3) for k, v in errors(row, predict(row, joint, ASSUMPTIONS)).items()}
+                "published": {row.name: {k: round(v, 3)
+                                         for k, v in errors(row, predict(row, joint, ASSUMPTIONS)).items()}
                               for row in ROWS},
                 "gpu_check_h200": gpu_errors(gpu, joint)},
             "gpu_check_h200_with_the_factors_before": gpu_errors(gpu, PREVIOUS),

@@ -308,9 +308,10 @@ def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout:
                    device: DeviceProfile, eff: Efficiency, *, epochs: int, optimizer_steps: int,
                    micro_batches: int, distributed_optimizer: bool, recompute: bool = False) -> float:
     """epochs x ((3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance [+ or max,
-    ``with_fixed_costs``] c x l / PP x 3 (4) x layer_overhead) x (1 + bubble) + TP traffic of forward and backward) + optimizer_steps x DP gradient
-    traffic and optimizer_step_overhead: all-reduce of 4 bytes (fp32 gradients) per parameter of a model-parallel rank, or with the
-    distributed optimizer reduce-scatter of 4 bytes + all-gather of dtype bytes. c = micro_batches x
+    ``with_fixed_costs``] c x l / PP x 3 (4) x layer_overhead) x (1 + bubble) + TP traffic of forward and backward)
+    + optimizer_steps x (DP gradient traffic + optimizer_step_overhead); the traffic: all-reduce of 4 bytes (fp32
+    gradients) per parameter of a model-parallel rank, or with the distributed optimizer reduce-scatter of 4 bytes +
+    all-gather of dtype bytes. c = micro_batches x
     optimizer_steps / epochs: the micro-batches a rank runs per epoch (a forward pass and a backward, which
     launches about twice the forward's kernels)."""
     passes = 4 if recompute else 3

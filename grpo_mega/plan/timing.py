@@ -119,9 +119,9 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         replicas, rtp = max(1, rollout_gpus // (plan.tensor * plan.pipeline)), plan.tensor
         concurrent = generated / replicas
         if device.name != "CPU":
-            notes.append("rollout.engine=hf on a GPU: generation priced by the eager decode loop's per-layer cost fitted "
-                         f"on {GPU_MEASUREMENT} (a host read and a vocabulary sort every step then; issue 77 removed "
-                         "both: expect it faster): use rollout.engine=vllm on GPUs")
+            notes.append("rollout.engine=hf on a GPU: generation priced by the eager decode loop's per-layer cost "
+                         f"fitted on {GPU_MEASUREMENT} (a host read and a vocabulary sort every step then; issue 77 "
+                         "removed both: expect it faster): use rollout.engine=vllm on GPUs")
     if device.name != "CPU" and policy.matmul_params < SMALL_MODEL_PARAMS:
         notes.append(f"a policy under {SMALL_MODEL_PARAMS / 1e9:g}B matmul parameters on a GPU: its step is fixed "
                      f"costs (per layer pass, per optimizer step), priced from one run ({GPU_MEASUREMENT})")
