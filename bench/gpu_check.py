@@ -55,7 +55,8 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
 ``--quick`` (the check that fits one device call, <= 9 min on one H100 / H200) runs ``environment``, ``tf32``,
 ``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``update``, a
 10-step ``sft`` and ``grpo`` as one run of ``--grpo-steps`` steps (no resume), and records the rest as skipped
-(``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load average 20-30):
+(``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load
+average 20-30):
 ``python bench/gpu_check.py --device cpu --quick --work /tmp/gc --out /tmp/gc.json``.
 
 It needs no network: the tokenizer and data are the synthetic task's, the weights random. On a bare GPU machine
