@@ -7,6 +7,9 @@
    response tokens per row measured there, 36 here).
 2. ``optimizer``: one AdamW step over real parameter sets with torch's foreach kernels (what megatron-core builds
    without Transformer Engine / apex) and with the fused kernel (``grpo_mega.engine.fused_adam``), median seconds.
+   ``engine_update``: whole ``train_step`` seconds of the quickstart policy's shape (``workload`` size 1m) on a
+   GRPO batch of the quickstart's size (32 x 8 rows, 16 + 48 tokens), foreach and fused, their steps interleaved,
+   median wall and CPU seconds of ``--steps`` / 2.
 3. ``logprob_pass``: whether the log-prob pass is fused with the loss (a statement read from the code, no figure).
 
     python bench/update_fixed_costs.py            # ~1 min; writes bench/results/update_fixed_costs.json
@@ -111,6 +114,60 @@ def optimizer_seconds(shapes, fused: bool, steps: int) -> float:
     return statistics.median(times)
 
 
+def _engine(fused: bool):
+    """The quickstart policy's shape (``workload`` size 1m) on the Megatron engine, with megatron-core's foreach
+    AdamW (``fused=False``) or the engine's fused switch."""
+    from transformers import Qwen2Config
+
+    import grpo_mega.engine.megatron_engine as megatron_engine
+    from grpo_mega.config import OptimConfig
+    from grpo_mega.engine import build_policy_engine
+    from workload import SIZES
+
+    switch = megatron_engine.fused_adam_for_device
+    if not fused:
+        megatron_engine.fused_adam_for_device = lambda optimizer, device: None
+    try:
+        hf = Qwen2Config(vocab_size=320, max_position_embeddings=256, tie_word_embeddings=True, **SIZES["1m"])
+        return build_policy_engine(hf, optim=OptimConfig(lr=1e-5), total_steps=100, max_tokens_per_micro_batch=4096)
+    finally:
+        megatron_engine.fused_adam_for_device = switch
+
+
+def engine_update_seconds(steps: int, rows: int = 256, prompt: int = 16, response: int = 48) -> dict:
+    """One GRPO ``train_step`` of the Megatron engine (world size 1, the CPU), foreach and fused AdamW, the two
+    engines' steps interleaved so that the machine's load falls on both alike: median wall and CPU seconds (this
+    process's CPU time: what another tenant's load moves least)."""
+    import torch
+
+    from grpo_mega.config import AlgorithmConfig
+    from grpo_mega.stages.update import grpo_loss_fn, loss_settings
+
+    engines = {"foreach": _engine(False), "fused": _engine(True)}
+    length = prompt + response
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 320, (rows, length), generator=generator)
+    loss_mask = torch.zeros(rows, length, dtype=torch.long)
+    loss_mask[:, prompt:] = 1
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
+                 advantages=torch.randn(rows, length, generator=generator) * loss_mask,
+                 rollout_logprobs=torch.full((rows, length), -5.0) * loss_mask,
+                 response_lengths=torch.full((rows,), response))
+    loss_fn = grpo_loss_fn(loss_settings(AlgorithmConfig(), on_policy=True))
+    wall: dict[str, list[float]] = {name: [] for name in engines}
+    cpu: dict[str, list[float]] = {name: [] for name in engines}
+    for engine in engines.values():
+        engine.train_step(batch, loss_fn)  # warm-up
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start, cpu_start = time.perf_counter(), time.process_time()
+            engine.train_step(batch, loss_fn)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
+    return {f"{name}_{kind}_s": round(statistics.median(values[name]), 4)
+            for kind, values in (("wall", wall), ("cpu", cpu)) for name in engines}
+
+
 LOGPROB_PASS = (
     "already fused: the training forward's last stage computes the log-probs (and entropies) of the loss_mask "
     "tokens only, chunk by chunk without materialising the logits (grpo_mega.model.logprobs: the backward "
@@ -146,6 +203,15 @@ def main() -> None:
                            "foreach_s": round(foreach, 6), "fused_s": round(fused, 6),
                            "fused_over_foreach": round(fused / foreach, 3)}
     result["optimizer"] = optimizer
+    from grpo_mega.parallel import destroy_distributed, init_distributed
+
+    init_distributed(1, 1, seed=0, device="cpu")
+    try:
+        engine_steps = max(3, args.steps // 2)
+        result["engine_update"] = {"shape": "workload 1m (the quickstart policy's size), 256 rows x 64 tokens",
+                                   "steps": engine_steps, **engine_update_seconds(engine_steps)}
+    finally:
+        destroy_distributed()
     result["logprob_pass"] = LOGPROB_PASS
     result["seconds"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
