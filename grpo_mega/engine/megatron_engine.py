@@ -34,6 +34,7 @@ from grpo_mega.engine.distributed_optimizer import (
     shards_optimizer_state,
     static_memory_bytes,
 )
+from grpo_mega.engine.fused_adam import fused_adam_for_device
 from grpo_mega.engine.lr_schedule import (
     build_lr_schedule, keep_optimizer_settings, optimizer_settings, restore_lr_schedule,
 )
@@ -124,6 +125,7 @@ class MegatronEngine(MegatronStageEngine):
             # The global group is already gloo on CPU; on GPU the optimizer needs no extra gloo groups either.
             use_gloo_process_groups=False,
         )
+        fused_adam_for_device(self.optimizer, self.device)  # torch's fused AdamW on CUDA without TE / apex
         self.scheduler = build_lr_schedule(self.optimizer, optim, total_steps)
         self.steps_done = 0
         self._offload = StorageOffload()

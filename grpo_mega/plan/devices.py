@@ -45,17 +45,20 @@ class DeviceProfile:
     memory_gib: float
     storage_bandwidth: float = 2e9
     """Bytes/s a node writes a checkpoint at (an assumption: a shared file system)."""
+    host_overlap: bool = False
+    """The host queues work ahead of the device (a GPU's asynchronous kernel launches): a pass takes the longer of
+    its device time and its host-side fixed costs, not their sum (the CPU runs both in turn)."""
 
 
 TERA = 1e12
 GB = 1e9
 
 PROFILES: dict[str, DeviceProfile] = {
-    "H100": DeviceProfile("H100", 989e12, 3.35e12, 450 * GB, 50 * GB, 79.6),
-    "H200": DeviceProfile("H200", 989e12, 4.8e12, 450 * GB, 50 * GB, 139.8),
-    "H20": DeviceProfile("H20", 148e12, 4.0e12, 450 * GB, 50 * GB, 95.6),
-    "A100": DeviceProfile("A100", 312e12, 2.039e12, 300 * GB, 25 * GB, 79.3),
-    "B200": DeviceProfile("B200", 2250e12, 8.0e12, 900 * GB, 50 * GB, 178.4),
+    "H100": DeviceProfile("H100", 989e12, 3.35e12, 450 * GB, 50 * GB, 79.6, host_overlap=True),
+    "H200": DeviceProfile("H200", 989e12, 4.8e12, 450 * GB, 50 * GB, 139.8, host_overlap=True),
+    "H20": DeviceProfile("H20", 148e12, 4.0e12, 450 * GB, 50 * GB, 95.6, host_overlap=True),
+    "A100": DeviceProfile("A100", 312e12, 2.039e12, 300 * GB, 25 * GB, 79.3, host_overlap=True),
+    "B200": DeviceProfile("B200", 2250e12, 8.0e12, 900 * GB, 50 * GB, 178.4, host_overlap=True),
     # 2-core Intel Xeon of this project's CI, 2 threads: fp32 matmul 394-438 GFLOP/s idle (bench/matmul_peak.py,
     # docs/performance.md); memory 6.5 GB/s (bench/matmul_peak.py --bandwidth, 1 thread, 2026-11-28 at load average
     # 13: a lower bound); gloo between processes and the disk: 2 and 0.5 GB/s, assumed, not measured.

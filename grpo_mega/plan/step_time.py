@@ -24,31 +24,42 @@ from grpo_mega.plan.devices import DeviceProfile
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The model's only free figures: shares of a device's peak that each kind of work reaches. Defaults: the
-    least-squares fit (in log seconds) on the published GPU rows, ``bench/results/step_time_published.json``."""
+    """The model's only free figures: shares of a device's peak that each kind of work reaches, and fixed costs.
+    Defaults: the least-squares fit (in log seconds) on the published GPU rows together with this project's own GPU
+    run's steps (``bench/step_time_gpu.py``, ``bench/results/step_time_gpu.json``: the H200 gpu_check steps within
+    21 % per phase, the published rows as their own fit placed them)."""
 
-    mfu_train: float = 0.648
+    mfu_train: float = 0.660
     """Model FLOP utilisation of the update (forward + backward + optimizer, 6 N per token plus attention, recompute
     not counted as useful work)."""
-    mfu_forward: float = 0.300
+    mfu_forward: float = 0.299
     """Model FLOP utilisation of forward-only passes: prefill, old / reference log-probs, PRM scoring."""
-    decode_bandwidth: float = 0.539
+    decode_bandwidth: float = 0.680
     """Share of the memory bandwidth decoding reaches (weights + KV cache read per token step; kernel launches,
     sampling, scheduling and the shorter last waves included)."""
-    comm: float = 0.289
+    comm: float = 0.404
     """Share of the link bandwidth collectives reach (TP all-reduces, DP gradient reduction, weight sync)."""
-    decode_step_overhead: float = 0.0037
+    decode_step_overhead: float = 0.00412
     """Seconds each decode token step costs beyond its roofline (the engine's scheduling, sampling and launch work
     per step): what keeps a tail-bound rollout from getting faster on more GPUs."""
-    layer_overhead: float = 0.0
-    """Seconds each layer costs per eager pass beyond its roofline (kernel launches, Python, small-kernel tails):
-    every forward or backward of a micro-batch through a rank's layers, and every decode step of the hf engine
-    (vLLM decodes through CUDA graphs: its per-step cost is decode_step_overhead's)."""
+    layer_overhead: float = 0.00118
+    """Seconds each layer costs per eager pass of the training engine beyond its roofline (kernel launches, Python,
+    small-kernel tails): every forward or backward of a micro-batch through a rank's layers. On a GPU the host's
+    fixed costs overlap the device's work (``DeviceProfile.host_overlap``): a pass takes the longer of the two."""
+    eager_decode_overhead: float = 0.00543
+    """Seconds each layer costs per decode step (and once per prefill) of the hf engine's eager decode loop beyond
+    its roofline: launches, Python, sampling (vLLM decodes through CUDA graphs: its per-step cost is
+    decode_step_overhead's)."""
+    optimizer_step_overhead: float = 1.03
+    """Seconds each optimizer step costs beyond its gradient traffic: megatron's step outside the layers (gradient
+    finalisation, the global norm and its host read, clipping, Adam over every parameter, the metrics' reads). The
+    norm's host read ends the step's overlap, so it adds to the passes' time."""
     collective_latency: float = 0.0
     """Seconds each collective call costs beyond its bytes over the link (the latency of a TP all-reduce: 2 per
     layer per forward, backward or decode step at TP > 1)."""
 
-    SECONDS = ("decode_step_overhead", "layer_overhead", "collective_latency")
+    SECONDS = ("decode_step_overhead", "layer_overhead", "eager_decode_overhead", "optimizer_step_overhead",
+               "collective_latency")
     """The factors that are seconds (the others are shares of a peak)."""
 
     def __post_init__(self) -> None:
@@ -58,15 +69,17 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name}={value}: expected a share in (0, 1]")
         for name in self.SECONDS:
             value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"Efficiency.{name}={value}: expected seconds in [0, 1)")
+            if not 0 <= value < 60:
+                raise ValueError(f"Efficiency.{name}={value}: expected seconds in [0, 60)")
 
 
 CPU_EFFICIENCY = Efficiency(mfu_train=0.639, mfu_forward=0.323, decode_bandwidth=0.0820, comm=0.0578,
-                            decode_step_overhead=1.0e-5, layer_overhead=5.95e-4, collective_latency=1.0e-6)
+                            decode_step_overhead=1.0e-5, layer_overhead=5.95e-4, eager_decode_overhead=5.95e-4,
+                            optimizer_step_overhead=0.0, collective_latency=1.0e-6)
 """The factors fitted on this project's 2-core CPU (``bench/step_time_cpu.py``, ``bench/results/step_time_cpu.json``:
 five configs fitted, five judged; 2 processes x 1 thread, the hf engine, fp32): its decode is bound by the eager
-layers (0.6 ms per layer and pass), not by bytes; the per-step and per-call costs fit at their lower bounds."""
+layers (0.6 ms per layer and pass, one factor for the training passes and the decode steps when it was fitted), not
+by bytes; the per-step and per-call costs fit at their lower bounds."""
 
 
 def fitted_efficiency(device: DeviceProfile) -> Efficiency:
@@ -184,6 +197,14 @@ def eager_layer_seconds(layers: float, passes: float, eff: Efficiency) -> float:
     return layers * passes * eff.layer_overhead
 
 
+def with_fixed_costs(device_seconds: float, fixed_seconds: float, device: DeviceProfile) -> float:
+    """A pass's seconds from its device work and its host-side fixed costs: max of the two where the host queues
+    work ahead of the device (``device.host_overlap``: GPUs), their sum where it does not (the CPU)."""
+    if device.host_overlap:
+        return max(device_seconds, fixed_seconds)
+    return device_seconds + fixed_seconds
+
+
 def decode_steps(sequences: float, concurrent: float, lengths: Lengths) -> float:
     """Token steps a replica decodes: Lt + Lm max(0, S / B - 1). All S fit at once: the longest response sets the
     pace (Lt steps). More than fit: continuous batching refills freed slots, S Lm / B steps of full batches, and the
@@ -228,10 +249,11 @@ def generation_seconds(model: ModelCost, lengths: Lengths, *, sequences: float, 
     tail = (steps - full) * model.weight_bytes / bandwidth
     traffic = tensor_parallel_seconds(model, per_replica * lengths.response_mean, tp, device.intra_node_bandwidth,
                                       eff, 1, calls_per_layer=steps)
-    eager_steps = eager_layer_seconds(model.layers, steps, eff) if eager else 0.0
-    eager_prefill = eager_layer_seconds(model.layers, 1, eff) if eager else 0.0
-    return {"prefill": prefill + eager_prefill,
-            "decode": max(memory, compute) + tail + steps * eff.decode_step_overhead + eager_steps + traffic}
+    eager_steps = model.layers * steps * eff.eager_decode_overhead if eager else 0.0
+    eager_prefill = model.layers * eff.eager_decode_overhead if eager else 0.0
+    return {"prefill": with_fixed_costs(prefill, eager_prefill, device),
+            "decode": with_fixed_costs(max(memory, compute) + tail, eager_steps, device)
+            + steps * eff.decode_step_overhead + traffic}
 
 
 @dataclass(frozen=True)
@@ -267,7 +289,8 @@ def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, l
                          device: DeviceProfile, eff: Efficiency, *, micro_batches: int,
                          calls: int | None = None) -> float:
     """One forward pass over the step's rows on the training GPUs (log-probs, reference, PRM scoring):
-    (forward_flops / (gpus F mfu_forward) x imbalance + calls x l / PP x layer_overhead) x (1 + bubble) + TP
+    (forward_flops / (gpus F mfu_forward) x imbalance [+ or max, ``with_fixed_costs``] calls x l / PP x
+    layer_overhead) x (1 + bubble) + TP
     traffic (one pass, ``calls`` micro-batches). ``micro_batches``: per mini-batch and DP rank (the bubble's m);
     ``calls``: the micro-batches a rank runs over all the rows (default ``micro_batches``)."""
     calls = micro_batches if calls is None else calls
@@ -278,16 +301,17 @@ def forward_pass_seconds(model: ModelCost, lengths: Lengths, sequences: float, l
     tokens_per_rank = sequences * (lengths.prompt + lengths.response_mean) / layout.data  # every stage sees them all
     traffic = tensor_parallel_seconds(model, tokens_per_rank, layout.tensor, device.intra_node_bandwidth, eff, 1,
                                       calls_per_layer=calls, layers=stage_layers)
-    return (compute + fixed) * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
+    return with_fixed_costs(compute, fixed, device) * (1 + pipeline_bubble(layout.pipeline, micro_batches)) + traffic
 
 
 def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout: TrainLayout,
                    device: DeviceProfile, eff: Efficiency, *, epochs: int, optimizer_steps: int,
                    micro_batches: int, distributed_optimizer: bool, recompute: bool = False) -> float:
-    """epochs x ((3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance + c x l / PP x 3 (4)
-    x layer_overhead) x (1 + bubble) + TP traffic of forward and backward) + optimizer_steps x DP gradient
-    traffic: all-reduce of 4 bytes (fp32 gradients) per parameter of a model-parallel rank, or with the
-    distributed optimizer reduce-scatter of 4 bytes + all-gather of dtype bytes. c = micro_batches x
+    """epochs x ((3 forward_flops (4 with full recompute) / (gpus F mfu_train) x imbalance [+ or max,
+    ``with_fixed_costs``] c x l / PP x 3 (4) x layer_overhead) x (1 + bubble) + TP traffic of forward and backward)
+    + optimizer_steps x (DP gradient traffic + optimizer_step_overhead); the traffic: all-reduce of 4 bytes (fp32
+    gradients) per parameter of a model-parallel rank, or with the distributed optimizer reduce-scatter of 4 bytes +
+    all-gather of dtype bytes. c = micro_batches x
     optimizer_steps / epochs: the micro-batches a rank runs per epoch (a forward pass and a backward, which
     launches about twice the forward's kernels)."""
     passes = 4 if recompute else 3
@@ -307,7 +331,8 @@ def update_seconds(model: ModelCost, lengths: Lengths, sequences: float, layout:
     else:
         grads = ring_seconds(4 * params_per_rank, layout.data, bandwidth, eff.comm)
     bubble = pipeline_bubble(layout.pipeline, micro_batches)
-    return epochs * ((compute + fixed) * (1 + bubble) + traffic) + optimizer_steps * grads
+    return epochs * (with_fixed_costs(compute, fixed, device) * (1 + bubble) + traffic) + \
+        optimizer_steps * (grads + eff.optimizer_step_overhead)
 
 
 def weight_sync_seconds(model: ModelCost, device: DeviceProfile, eff: Efficiency, *, across_nodes: bool,

@@ -53,10 +53,12 @@ def _lengths(cfg, a: Assumptions) -> Lengths:
 
 
 GPU_MEASUREMENT = "a 0.5B policy on one H200, bench/results/gpu_check_h200.json"
-"""The only GPU run the model has been compared with (docs/performance.md, "The first GPU run")."""
+"""This project's GPU run whose steps the shipped factors are fitted on (bench/step_time_gpu.py; docs/performance.md,
+"The first GPU run")."""
 
 SMALL_MODEL_PARAMS = 1e9
-"""Below this many matmul parameters a GPU step is bound by launches and Python, which the model has no term for."""
+"""Below this many matmul parameters a GPU step is bound by fixed costs (launches, Python, the optimizer step), which
+the model prices from that one run."""
 
 
 def _model(hf: dict, dtype_bytes: int) -> ModelCost:
@@ -65,11 +67,15 @@ def _model(hf: dict, dtype_bytes: int) -> ModelCost:
     return ModelCost.from_shapes(Shapes.from_hf(hf, padded_vocab_size(int(hf["vocab_size"]), 1)), dtype_bytes)
 
 
-def _micro_batches(cfg, rows_per_rank: float) -> int:
-    """Micro-batches per mini-batch and DP rank: full-length rows filling parallel.max_tokens_per_micro_batch."""
-    row = cfg.data.prompt_length + cfg.algorithm.response_length
-    per_micro = max(1, cfg.parallel.max_tokens_per_micro_batch // row)
-    return max(1, math.ceil(rows_per_rank / per_micro))
+def _micro_batches(cfg, rows_per_rank: float, lengths: Lengths) -> int:
+    """Micro-batches per mini-batch and DP rank: the rows' mean tokens (with ``parallel.share_prompt_prefix`` on the
+    Megatron engine one prompt per group) over ``parallel.max_tokens_per_micro_batch``. The engine packs them into
+    that few: first fit, largest first (bench/results/update_fixed_costs.json: 2 micro-batches, the fewest possible,
+    for the gpu_check step that full-length rows counted as 4)."""
+    shared = cfg.parallel.share_prompt_prefix and cfg.engine == "megatron"
+    prompt = lengths.prompt / cfg.algorithm.num_return_sequences_in_group if shared else lengths.prompt
+    tokens = rows_per_rank * (prompt + lengths.response_mean)
+    return max(1, math.ceil(tokens / cfg.parallel.max_tokens_per_micro_batch))
 
 
 def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | None = None,
@@ -113,13 +119,12 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         replicas, rtp = max(1, rollout_gpus // (plan.tensor * plan.pipeline)), plan.tensor
         concurrent = generated / replicas
         if device.name != "CPU":
-            notes.append("rollout.engine=hf on a GPU: generation priced as bandwidth-bound decoding, a floor; the one "
-                         f"GPU measurement ({GPU_MEASUREMENT}) generated 25x slower than this model, bound by launches "
-                         "and Python: use rollout.engine=vllm on GPUs")
+            notes.append("rollout.engine=hf on a GPU: generation priced by the eager decode loop's per-layer cost "
+                         f"fitted on {GPU_MEASUREMENT} (a host read and a vocabulary sort every step then; issue 77 "
+                         "removed both: expect it faster): use rollout.engine=vllm on GPUs")
     if device.name != "CPU" and policy.matmul_params < SMALL_MODEL_PARAMS:
-        notes.append(f"a policy under {SMALL_MODEL_PARAMS / 1e9:g}B matmul parameters on a GPU: its kernels are too "
-                     f"small for the fitted efficiencies; the one GPU measurement ({GPU_MEASUREMENT}) ran its update "
-                     "20x slower than this model")
+        notes.append(f"a policy under {SMALL_MODEL_PARAMS / 1e9:g}B matmul parameters on a GPU: its step is fixed "
+                     f"costs (per layer pass, per optimizer step), priced from one run ({GPU_MEASUREMENT})")
     if cfg.process_reward.source == "tree":
         notes.append("process_reward.source=tree: sampled as G independent chains (the tree's shared prefixes and "
                      "its extra generation passes, one per level, are not modelled)")
@@ -128,8 +133,8 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
     phases = {"generation": gen["prefill"] + gen["decode"]}
     mini = alg.mini_batch_size or groups
     optimizer_steps = alg.ppo_epochs * math.ceil(groups / mini)
-    micro = _micro_batches(cfg, mini * group / plan.data)
-    calls = _micro_batches(cfg, rows / plan.data)  # a forward pass over every row of the step
+    micro = _micro_batches(cfg, mini * group / plan.data, lengths)
+    calls = _micro_batches(cfg, rows / plan.data, lengths)  # a forward pass over every row of the step
     if cfg.process_reward.source == "prm" and plan.prm_hf_config is not None:
         prm = _model(plan.prm_hf_config, dtype_bytes)
         if cfg.process_reward.scorer == "vllm":  # replicas of vllm_tensor_parallel ranks split the rows
@@ -140,7 +145,7 @@ def config_step_time(cfg, plan: Plan, device: DeviceProfile, eff: Efficiency | N
         else:
             prm_layout = TrainLayout(1, 1, generators, hw.gpus_per_node) if generators else layout
         phases["prm_scoring"] = forward_pass_seconds(prm, lengths, rows, prm_layout, device, eff, micro_batches=micro,
-                                                     calls=_micro_batches(cfg, rows / prm_layout.data))
+                                                     calls=_micro_batches(cfg, rows / prm_layout.data, lengths))
     elif cfg.process_reward.source == "prm":
         notes.append("PRM unknown (no readable config.json): its scoring is not counted")
     forward = forward_pass_seconds(policy, lengths, rows, layout, device, eff, micro_batches=micro, calls=calls)
