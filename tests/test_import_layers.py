@@ -42,8 +42,9 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
     ("a run's life below the engines: launching, the run folder's names, metrics log, stop requests, failure "
      "records, watchdog, reaper, command runner, library warnings",
      frozenset({"grpo_mega.run"})),
-    ("the Megatron GPT model, datasets, tokenizers and batch layout, reward functions, the tools' sandbox",
-     frozenset({"grpo_mega.model", "grpo_mega.data", "grpo_mega.reward", "grpo_mega.tools"})),
+    ("the Megatron GPT model and its LoRA adapters, datasets, tokenizers and batch layout, reward functions, the "
+     "tools' sandbox",
+     frozenset({"grpo_mega.model", "grpo_mega.lora", "grpo_mega.data", "grpo_mega.reward", "grpo_mega.tools"})),
     ("weights on disk: Hugging Face conversion, converted folders, training checkpoints",
      frozenset({"grpo_mega.checkpoint"})),
     ("engines that hold a model on the devices: training, forward-only, rollout (generation)",
