@@ -25,14 +25,9 @@ def read_checkpoint_model(model_sharded_state: dict, folder: str | os.PathLike) 
 
 def load_model_state(model: torch.nn.Module, path: str | os.PathLike) -> Path:
     """Load the model weights of a training checkpoint (or a run directory's newest) into a built model of this
-    job's layout (a LoRA run's: its base with the adapters merged in); collective. Returns the folder loaded."""
+    job's layout; collective. Returns the folder loaded. (A LoRA run's checkpoint holds adapters only: the engines
+    read it through ``grpo_mega.engine.source_weights``, its base with the adapters merged in.)"""
     folder = locate_checkpoint(path)
-    from grpo_mega.lora.checkpoint import load_merged_lora_checkpoint, lora_settings
-
-    lora = lora_settings(folder)
-    if lora is not None:  # a LoRA run's: its base with the adapters merged in
-        load_merged_lora_checkpoint(model, folder, lora)
-        return folder
     model.load_state_dict(read_checkpoint_model(model.sharded_state_dict(), folder))
     return folder
 

@@ -9,10 +9,16 @@ each through the engine's own loaders (``grpo_mega.engine.base.ForwardEngine``):
   (``engine.deepspeed_checkpoint``), ``load_hf_weights``;
 - a training checkpoint of the Megatron engine: the model keys of ``model_sharded_state_dict`` read with
   dist_checkpointing at this job's layout, ``load_model_state_dict``, then ``reload_after_weight_load``; a LoRA
-  run's checkpoint (adapters only): its base, then the adapters merged in (``grpo_mega.lora.checkpoint``).
+  run's checkpoint (adapters only): its base, then the adapters merged in (:func:`load_merged_lora_checkpoint`).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 
 def source_hf_weights(source):
@@ -39,7 +45,6 @@ def load_source_weights(engine, source) -> None:
         engine.load_mcore_model(str(source.folder))
     else:
         from grpo_mega.checkpoint.weights_only import read_checkpoint_model
-        from grpo_mega.lora.checkpoint import load_merged_lora_checkpoint, lora_settings
 
         lora = lora_settings(source.folder)
         if lora is not None:  # a LoRA run's checkpoint: its base with the adapters merged in (Megatron engines)
@@ -50,3 +55,59 @@ def load_source_weights(engine, source) -> None:
         else:
             engine.load_model_state_dict(read_checkpoint_model(engine.model_sharded_state_dict(), source.folder))
         engine.reload_after_weight_load()  # fp32 master copies (bf16) follow the loaded weights
+
+
+# A LoRA run's checkpoint read as whole weights: its base (the run's ``model.init_from``, named in the checkpoint's
+# ``grpo_mega_checkpoint.json``) with its adapters merged in, W + (alpha / rank) B A: how such a checkpoint is a model
+# source anywhere a whole model is wanted (``model.init_from``, ``grpo-mega eval --policy``,
+# ``tools/convert_mcore_to_hf.py``).
+
+def lora_settings(folder: str | os.PathLike) -> dict | None:
+    """The ``lora`` entry of a training checkpoint's info (rank, alpha, target_modules, base), or None when the
+    checkpoint holds a whole model."""
+    from grpo_mega.checkpoint.training_files import read_checkpoint_state
+
+    return read_checkpoint_state(Path(folder)).get("lora")
+
+
+def load_merged_lora_checkpoint(stage: torch.nn.Module, folder: str | os.PathLike, settings: dict) -> None:
+    """Load the LoRA checkpoint ``folder`` (``settings``: its :func:`lora_settings`) into the megatron ``stage``
+    (a whole model, no adapters of its own) at this job's layout: its base, then its adapters merged in; collective.
+    ValueError naming the folder when the base cannot be found."""
+    from grpo_mega.checkpoint.source import resolve_model_source
+    from grpo_mega.checkpoint.weights_only import read_checkpoint_model
+    from grpo_mega.lora.stage import StageAdapters
+
+    base = settings.get("base")
+    if not base:
+        raise ValueError(f"{folder} holds LoRA adapters whose base is not recorded (model.init_from was not set)")
+    try:
+        source = resolve_model_source(base)
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"{folder} holds LoRA adapters only; their base {base} (model.init_from of the run) cannot "
+                         f"be read: {error}") from error
+    load_stage_weights(stage, source)
+    # the adapters' saved settings, in the shape of model.lora (dropout plays no part in a merge)
+    lora = SimpleNamespace(rank=int(settings["rank"]), alpha=float(settings["alpha"]), dropout=0.0, enabled=True,
+                           target_modules=list(settings["target_modules"]))
+    adapters = StageAdapters(stage, lora, seed=0, attach=False)
+    adapters.load_state_dict(read_checkpoint_model(adapters.sharded_state_dict(), folder))
+    adapters.merge_into_base()
+
+
+def load_stage_weights(stage: torch.nn.Module, source) -> None:
+    """The whole model of ``source`` (a ``ModelSource`` of any kind) into a bare megatron stage; collective."""
+    if holds_hf_weights(source):
+        from grpo_mega.checkpoint.hf_convert import load_hf_weights
+
+        load_hf_weights(stage, source_hf_weights(source), source.hf_config)
+    elif source.kind == "mcore_model":
+        from grpo_mega.checkpoint.mcore_checkpoint import load_mcore_checkpoint
+
+        load_mcore_checkpoint(stage, source.folder)
+    elif lora_settings(source.folder) is not None:  # a base that is itself a LoRA run's checkpoint
+        load_merged_lora_checkpoint(stage, source.folder, lora_settings(source.folder))
+    else:
+        from grpo_mega.checkpoint.weights_only import load_model_state
+
+        load_model_state(stage, source.folder)

@@ -1,6 +1,7 @@
 """LoRA on the Megatron engine (``model.lora``): adapters on megatron-core's tensor-parallel linears, sharded as
 they are (``adapter``), attached to a pipeline stage with the base frozen (``stage``), and the KL reference as the
-base with the adapters off (``reference``).
+base with the adapters off (``reference``). It may import megatron-core and torch only (it sits beside the model
+it adapts, below the checkpoints: a LoRA checkpoint read as whole weights is ``grpo_mega.engine.source_weights``'s).
 
 Megatron-Bridge's PEFT (``megatron.bridge.peft.lora``) was the first choice and cannot be installed beside this
 package: its releases with megatron-core 0.16 (0.3.x) pin transformers < 5 and require Transformer Engine (CUDA
