@@ -52,7 +52,13 @@ from grpo_mega.quickstart.arms import ARMS, TOOL_ARMS, arm_settings, tool_arm_se
 from grpo_mega.quickstart.arm_runs import add_arms  # noqa: E402
 from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
 from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures, learned_prm_arm  # noqa: E402
-from grpo_mega.quickstart.tool_pipeline import FAST_TOOL_GRPO, ToolGRPOPlan, run_tool_seed, tool_flat_figures  # noqa: E402
+from grpo_mega.quickstart.tool_pipeline import (  # noqa: E402
+    FAST_TOOL_GRPO,
+    ToolGRPOPlan,
+    run_tool_seed,
+    sparse_start,
+    tool_flat_figures,
+)
 from grpo_mega.run.layout import metrics_path  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
@@ -132,6 +138,10 @@ def main() -> int:
             parser.error(f"--regime tools: {refused} are options of the text regimes' PRM arms")
         base = replace(FAST_TOOL_GRPO if args.fast else ToolGRPOPlan(), sft_run=str(args.sft_run.resolve()),
                        more_arms=tuple(args.arms))
+        try:
+            sparse_start(args.sft_run.resolve())
+        except (OSError, ValueError) as error:
+            parser.error(f"--sft-run: {error}")
     else:
         unknown = [arm for arm in (*args.arms, *args.add_arms) if arm not in ARMS]
         if unknown:

@@ -77,7 +77,8 @@ def main() -> int:
     for arm, overrides in (("tool", TOOL_ROLLOUTS), ("text", ())):
         checkpoint = Path(record[f"{arm}_checkpoint"])
         value = measure_pass_at_1(
-            checkpoint, task=[*task, *tool_task_overrides(TOOLS), *overrides], prompts_file=Path(summary["heldout_file"]),
+            checkpoint, task=[*task, *tool_task_overrides(TOOLS), *overrides],
+            prompts_file=Path(summary["heldout_file"]),
             prompts=TOOLS.eval_prompts, samples=1, response_length=TOOLS.tool_response_length,
             out=run_dir / "sparse_selection" / f"{arm}_heldout.json", nproc=2)
         heldout[arm] = {"pass_at_1": value, "standard_error": binomial_standard_error(value, TOOLS.eval_prompts, 1)}

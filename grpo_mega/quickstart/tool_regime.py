@@ -180,8 +180,8 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
     if selects_sparse_start(plan):
         from grpo_mega.quickstart.tool_selection import select_sparse_start
 
-        announce(f"the GRPO arms' sparse start: the tool checkpoint closest to {plan.sparse_pass_at_1:g} sampled pass@1 "
-                 f"through the turn loop, logs: {run_dir / 'sparse_selection'}/")
+        announce(f"the GRPO arms' sparse start: the tool checkpoint closest to {plan.sparse_pass_at_1:g} sampled "
+                 f"pass@1 through the turn loop, logs: {run_dir / 'sparse_selection'}/")
         begin = time.perf_counter()
         sparse = select_sparse_start(run_dir, plan, tool_sft=checkpoints["tool"], text_sft=checkpoints["text"],
                                      task=task, train_file=train_file, nproc=NPROC)
