@@ -187,7 +187,8 @@ def main() -> int:
                 continue
             differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
                 [r[f"{key}_minus_os{suffix}"] for r in results])
-            print(f"{key} - outcome, held-out accuracy at {when}, per seed: "
+            print(f"{key} - {'outcome' if baseline == 'outcome' else arm_key(baseline)}, held-out accuracy at {when}, "
+                  "per seed: "
                   f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
                   f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
         if key not in ("ps", "oracle", "text"):  # the step-reward arms, the implicit PRM's, tool arms
@@ -201,7 +202,7 @@ def main() -> int:
     plot = args.plot or result.with_suffix(".png")
     extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in arms}, plot,
                                          f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
-    report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
+    report_seeds(args.seeds, results, columns, result, width=24 if args.regime == "tools" else 14, extra=extra)
     return 0
 
 

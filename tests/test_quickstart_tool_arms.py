@@ -120,3 +120,48 @@ def test_the_more_sft_keeps_the_candidates_and_refuses_steps_it_would_not_save()
     assert more_sft_saves(TOOLS) == ["trainer.save_every=25", "trainer.keep_last=25"]
     with pytest.raises(ValueError, match="selection_steps=\\(210, 400\\)"):
         more_sft_saves(replace(TOOLS, selection_steps=(210, 400)))
+
+
+def test_a_seed_runs_both_arms_from_their_checkpoints_and_add_arms_keeps_them(tmp_path, monkeypatch):
+    """``run_tool_seed`` with the GRPO command replaced by one that writes a metrics log: each arm starts from its SFT
+    checkpoint; ``arms=`` (``--add-arms``) runs only those and keeps the seed's other arms; a seed that started
+    elsewhere is refused."""
+    from grpo_mega.quickstart import tool_pipeline
+    from grpo_mega.quickstart.tool_selection import SELECTION_FILE
+
+    sft = tmp_path / "regime"
+    sft.mkdir()
+    (sft / "summary.json").write_text(json.dumps({"regime": "tools", "model": "m", "train_file": "t.jsonl",
+                                                  "heldout_file": "h.jsonl"}))
+    start = {"tool_checkpoint": "sft_tool/step_000275", "text_checkpoint": "sft_text/step_000275",
+             "total_sft_steps": 675}
+    (sft / SELECTION_FILE).write_text(json.dumps(start))
+    started_from = {}
+
+    def fake_command(title, command, config, run_dir, steps, shown, overrides, log):
+        started_from[run_dir.name] = [o for o in overrides if o.startswith("model.init_from=")]
+        tool = "rollout.multi_turn.enable=true" in overrides
+        rows = [{"step": 0, "time": 1.0, "eval/accuracy": 0.2 if tool else 0.02},
+                {"step": 1, "time": 5.0, "rollout/zero_signal_group_fraction": 0.5,
+                 **({"tools/call_rate": 0.9} if tool else {})},
+                {"step": 2, "time": 9.0, "eval/accuracy": 0.3 if tool else 0.03,
+                 **({"tools/call_rate": 0.8} if tool else {})}]
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return 10.0
+
+    monkeypatch.setattr(tool_pipeline, "training_command", fake_command)
+    plan = ToolGRPOPlan(sft_run=str(sft), grpo_steps=2, seed=2)
+    summary = tool_pipeline.run_tool_seed(tmp_path / "seed2", plan)
+    assert started_from == {"grpo_text": ["model.init_from=sft_text/step_000275"],
+                            "grpo_tool": ["model.init_from=sft_tool/step_000275"]}
+    assert summary["tool_minus_text"] == pytest.approx(0.27) and summary["policy_sft_step"] == 675
+    assert summary["tool_call_rate_over_sft"] == pytest.approx(0.8 / 0.9)
+    assert summary["arms"]["tool_grpo"]["tool_call_rate_start"] == 0.9
+    assert summary["arms"]["text_grpo"]["tool_call_rate_end"] is None
+
+    summary = tool_pipeline.run_tool_seed(tmp_path / "seed2", plan, ("ppo_mb4",))
+    assert list(summary["arms"]) == ["text_grpo", "tool_grpo", "ppo_mb4"] and "ppo_mb4_minus_os" in summary
+    (sft / SELECTION_FILE).write_text(json.dumps({**start, "tool_checkpoint": "sft_tool/step_000300"}))
+    with pytest.raises(ValueError, match="cannot be compared"):
+        tool_pipeline.run_tool_seed(tmp_path / "seed2", plan, ("cispo_mb4",))
