@@ -5,7 +5,9 @@ data (``grpo_mega.data.tool_task``: multi-digit chains, each row in two surface 
 forms -> the tiny Qwen2-shaped policy's config -> text-only SFT on the worked solutions and tool SFT on the
 calculator demonstrations (``data.segments_field``: tool turns encoded on their own and masked out of the loss),
 the same steps, seed and problems -> the text-only policy's sampled pass@1 on held-out prompts (``grpo-mega
-eval``, temperature 1) -> ``summary.json``, whose path is the last line printed.
+eval``, temperature 1) -> the GRPO arms' sparse start (``grpo_mega.quickstart.tool_selection``: the tool checkpoint
+nearest 20 % sampled pass@1 through the turn loop, the text one of the same step) -> ``summary.json``, whose path is
+the last line printed. ``bench/pipeline_seeds.py --regime tools --sft-run RUN_DIR`` runs the GRPO arms from there.
 
 The tool policy's accuracy needs the calculator's answers during generation: the multi-turn rollout loop
 (``rollout.multi_turn``) gives them once merged; until then ``bench/tool_regime_sft.py`` measures both policies
@@ -208,3 +210,10 @@ def print_tool_summary(summary: dict) -> None:
     """The regime's figures, one per line."""
     print(f"tool regime: text-only SFT sampled pass@1 {summary['text_sft_pass_at_1']:.3f} on held-out prompts; "
           f"the tool SFT policy: {summary['tool_sft_pass_at_1_note']}", flush=True)
+    sparse = summary.get("sparse_start")
+    if sparse:
+        tool = sparse["tool_pass_at_1"][str(sparse["more_sft_step"])]["pass_at_1"]
+        print(f"sparse start (GRPO arms): after {sparse['total_sft_steps']} SFT steps, the tool policy {tool:.3f} and "
+              f"the text-only policy {sparse['text_pass_at_1']['pass_at_1']:.3f} sampled pass@1 on "
+              f"{sparse['prompts']} training prompts ({sparse['tool_checkpoint']}, {sparse['text_checkpoint']})",
+              flush=True)
