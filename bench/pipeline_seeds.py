@@ -201,7 +201,9 @@ def main() -> int:
     extra["arm_figures"] = arm_figures(results, arms)
     plot = args.plot or result.with_suffix(".png")
     extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in arms}, plot,
-                                         f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
+                                         f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT "
+                                         + ("step (the text and the tool policy)" if args.regime == "tools"
+                                            else "checkpoint")))
     report_seeds(args.seeds, results, columns, result, width=24 if args.regime == "tools" else 14, extra=extra)
     return 0
 
