@@ -26,6 +26,11 @@ update from one SFT checkpoint; on the machine type of a recorded run, ``--recor
 ``--add-arms ARM ...`` runs only the arms named in seeds already run in OUT (e.g. the implicit PRM's arms beside the
 recorded ones: ``--out runs/pipeline_seeds --add-arms implicit implicit_all_groups``); its report goes to
 OUT/pipeline_seeds_<regime>.json unless ``--result`` names a file (the recorded one is rewritten by ``--reuse``).
+``--regime tools`` runs the tool task's arms (``grpo_mega.quickstart.tool_pipeline``) from a finished ``grpo-mega
+quickstart --regime tools`` run (``--sft-run DIR``, with its sparse start: bench/tool_sparse_start.py): text-only GRPO
+and tool GRPO (outcome) from the SFT pair of the same step, every arm set against tool GRPO, and issue 75's floor:
+tool - text held-out accuracy and the tool-call rate at the last step over the SFT policy's, per seed (``--arms`` /
+``--add-arms`` take the tool arms and any arm of ARMS, run with the calculator).
 """
 
 from __future__ import annotations
@@ -43,15 +48,26 @@ sys.path.insert(0, str(ROOT))
 from bench.seed_curves import equal_groups, equal_seconds, plot_seed_curves  # noqa: E402
 from bench.seed_table import report_seeds  # noqa: E402
 from grpo_mega.algo import STEP_REWARDS  # noqa: E402
-from grpo_mega.quickstart.arms import ARMS, arm_settings  # noqa: E402
+from grpo_mega.quickstart.arms import ARMS, TOOL_ARMS, arm_settings, tool_arm_settings  # noqa: E402
 from grpo_mega.quickstart.arm_runs import add_arms  # noqa: E402
 from grpo_mega.quickstart.pipeline import FAST, REGIMES, run_pipeline  # noqa: E402
 from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, flat_figures, learned_prm_arm  # noqa: E402
+from grpo_mega.quickstart.tool_pipeline import (  # noqa: E402
+    FAST_TOOL_GRPO,
+    ToolGRPOPlan,
+    run_tool_seed,
+    sparse_start,
+    tool_flat_figures,
+)
 from grpo_mega.run.layout import metrics_path  # noqa: E402
 
 COLUMNS = ("sft_accuracy", "os_accuracy", "ps_accuracy", "oracle_accuracy", "os_gain", "ps_gain", "oracle_gain",
            "os_zero_signal", "ps_zero_signal", "ps_minus_os", "ps_minus_os_equal_seconds", "oracle_minus_os",
            "prm_f1", "prm_label_agreement", "prm_value_label_agreement")
+TOOL_COLUMNS = ("text_sft_accuracy", "sft_accuracy", "text_accuracy", "tool_accuracy", "text_gain", "tool_gain",
+                "tool_minus_text", "text_zero_signal", "tool_zero_signal", "tool_call_rate_over_sft")
+"""The tool regime's table: ``sft_accuracy`` is the tool SFT policy's, ``tool_call_rate_over_sft`` the floor's."""
+ALL_ARMS = sorted({*ARMS, *TOOL_ARMS})
 
 
 def value_label_agreement(summary: dict) -> float | None:
@@ -77,7 +93,10 @@ def difference_report(differences: list[float]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--regime", choices=sorted(REGIMES), default="dense")
+    parser.add_argument("--regime", choices=sorted({*REGIMES, "tools"}), default="dense")
+    parser.add_argument("--sft-run", type=Path, default=ROOT / "runs" / "tool_regime",
+                        help="--regime tools: the finished `grpo-mega quickstart --regime tools` run (with its "
+                        "sparse_selection.json) whose data, model and SFT checkpoints every seed starts from")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline_seeds")
     parser.add_argument("--result", type=Path, default=None,
                         help="default: bench/results/pipeline_seeds_<regime>.json (with --add-arms: "
@@ -89,7 +108,7 @@ def main() -> int:
                         help="more learned-PRM arms, one per process_reward.step_reward option")
     parser.add_argument("--implicit", action="store_true",
                         help="also the implicit-PRM arm (process_reward.source: implicit, PRIME: trained online)")
-    parser.add_argument("--arms", nargs="+", default=[], metavar="ARM", choices=sorted(ARMS),
+    parser.add_argument("--arms", nargs="+", default=[], metavar="ARM", choices=ALL_ARMS,
                         help="more arms in each new seed's pipeline, after the default ones (e.g. tree_222 tree_42 "
                         "process_completion)")
     parser.add_argument("--no-oracle", action="store_true", help="leave the oracle arm (with the pooled baseline) out")
@@ -100,7 +119,7 @@ def main() -> int:
                         help="add to each seed the arms it lacks from DIR/seed<N>/summary.json (a recorded run, e.g. "
                         "bench/results/pipeline_seeds_sparse_runs), when both started from the same SFT checkpoint "
                         "step and held-out accuracy (this machine type reproduces a seed bit for bit)")
-    parser.add_argument("--add-arms", nargs="+", default=[], metavar="ARM", choices=sorted(ARMS),
+    parser.add_argument("--add-arms", nargs="+", default=[], metavar="ARM", choices=ALL_ARMS,
                         help="run only these arms in each seed's finished OUT/seed<N> (its data, SFT checkpoint and "
                         "PRM) and add them to its summary.json, then report every arm it has")
     parser.add_argument("--reuse", action="store_true", help="take a seed's OUT/seed<N>/summary.json when one of "
@@ -111,7 +130,23 @@ def main() -> int:
         needing = [arm for arm in args.arms if learned_prm_arm(arm) or arm == "rft"]  # RFT trains on its labels
         if needing or args.step_rewards:
             parser.error(f"--no-learned-prm: {needing or ['--step-rewards']} need the learned PRM")
-    base = FAST if args.fast else REGIMES[args.regime]
+    if args.regime == "tools":
+        refused = [flag for flag, used in (("--step-rewards", args.step_rewards), ("--implicit", args.implicit),
+                                           ("--recorded", args.recorded), ("--no-learned-prm", args.no_learned_prm))
+                   if used]
+        if refused:
+            parser.error(f"--regime tools: {refused} are options of the text regimes' PRM arms")
+        base = replace(FAST_TOOL_GRPO if args.fast else ToolGRPOPlan(), sft_run=str(args.sft_run.resolve()),
+                       more_arms=tuple(args.arms))
+        try:
+            sparse_start(args.sft_run.resolve())
+        except (OSError, ValueError) as error:
+            parser.error(f"--sft-run: {error}")
+    else:
+        unknown = [arm for arm in (*args.arms, *args.add_arms) if arm not in ARMS]
+        if unknown:
+            parser.error(f"{unknown}: arms of --regime tools only")
+        base = FAST if args.fast else REGIMES[args.regime]
     result = default_result(args)
     if args.result is None and not args.add_arms:
         keep_a_larger_record(result, args.seeds)
@@ -119,7 +154,9 @@ def main() -> int:
     for seed in args.seeds:
         print(f"== seed {seed}", flush=True)
         done = args.out / f"seed{seed}" / "summary.json"
-        if args.add_arms:
+        if args.regime == "tools" and not (args.reuse and done.is_file() and not args.add_arms):
+            summary = run_tool_seed(args.out / f"seed{seed}", replace(base, seed=seed), args.add_arms or None)
+        elif args.add_arms:
             summary = add_arms(args.out / f"seed{seed}", replace(base, seed=seed), args.add_arms)
         elif args.reuse and done.is_file() and json.loads(done.read_text()).get("regime") == base.name:
             print(f"   reusing {done}", flush=True)
@@ -136,12 +173,12 @@ def main() -> int:
             except ValueError as refused:  # another machine's run (its BLAS): this seed's own arms are reported
                 print(f"   seed {seed}: the recorded arms are left out: {refused}", flush=True)
         results.append(with_comparisons(summary))
-    extra, columns = {}, list(COLUMNS)
-    arms = common_arms(results)
+    extra, columns = {}, list(TOOL_COLUMNS if args.regime == "tools" else COLUMNS)
+    arms, baseline = common_arms(results), results[0].get("baseline_arm", "outcome")
     if len(arms) < len(results[0]["arms"]):
         print(f"arms not in every seed, left out of the comparison: "
               f"{sorted(set().union(*(r['arms'] for r in results)) - set(arms))}")
-    for key in [arm_key(arm) for arm in arms if arm != "outcome"]:
+    for key in [arm_key(arm) for arm in arms if arm != baseline]:
         for suffix, when in (("", "equal steps"), ("_equal_seconds", "equal seconds"),
                              ("_equal_seconds_set_aside", "equal seconds, the PRM's one-off cost set aside"),
                              ("_equal_groups", "equal data (groups trained)"),
@@ -150,19 +187,44 @@ def main() -> int:
                 continue
             differences = extra[f"{key}_minus_os{suffix}"] = difference_report(
                 [r[f"{key}_minus_os{suffix}"] for r in results])
-            print(f"{key} - outcome, held-out accuracy at {when}, per seed: "
+            print(f"{key} - {'outcome' if baseline == 'outcome' else arm_key(baseline)}, held-out accuracy at {when}, "
+                  "per seed: "
                   f"{', '.join(f'{d:+.3f}' for d in differences['per_seed'])}; mean {differences['mean']:+.3f}, "
                   f"sd {differences['sd']:.3f}, standard error {differences['standard_error']:.3f}")
-        if key not in ("ps", "oracle"):  # the step-reward arms and the implicit PRM's
+        if key not in ("ps", "oracle", "text"):  # the step-reward arms, the implicit PRM's, tool arms
             columns += [f"{key}_accuracy", f"{key}_gain", f"{key}_zero_signal", f"{key}_minus_os",
                         f"{key}_minus_os_equal_seconds"]
-    columns.append("oracle_minus_os_equal_seconds")
+    if args.regime == "tools":
+        extra.update(tool_floor(results))
+    else:
+        columns.append("oracle_minus_os_equal_seconds")
     extra["arm_figures"] = arm_figures(results, arms)
     plot = args.plot or result.with_suffix(".png")
     extra["plot"] = str(plot_seed_curves(results, {arm: arm_title(arm) for arm in arms}, plot,
-                                         f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT checkpoint"))
-    report_seeds(args.seeds, results, columns, result, width=14, extra=extra)
+                                         f"{base.name} regime, {len(results)} seeds: GRPO from the same SFT "
+                                         + ("step (the text and the tool policy)" if args.regime == "tools"
+                                            else "checkpoint")))
+    report_seeds(args.seeds, results, columns, result, width=24 if args.regime == "tools" else 14, extra=extra)
     return 0
+
+
+def tool_floor(results: list[dict]) -> dict:
+    """Issue 75's floor over the seeds: tool GRPO - text-only GRPO in held-out accuracy (mean > 2 SE and >= 10
+    points), and every seed's tool-call rate at the last step >= 80 % of the SFT policy's (tool GRPO's first
+    step); printed and returned for the record."""
+    if not all("tool_minus_text" in r for r in results):
+        return {}
+    lead = difference_report([r["tool_minus_text"] for r in results])
+    rates = [r.get("tool_call_rate_over_sft") for r in results]
+    floor = {"tool_minus_text": lead, "tool_call_rate_over_sft": rates,
+             "floor_met": lead["mean"] >= 0.10 and lead["mean_over_two_standard_errors"]
+             and all(rate is not None and rate >= 0.8 for rate in rates)}
+    print(f"tool - text GRPO, held-out accuracy at equal steps, per seed: "
+          f"{', '.join(f'{d:+.3f}' for d in lead['per_seed'])}; mean {lead['mean']:+.3f}, sd {lead['sd']:.3f}, "
+          f"standard error {lead['standard_error']:.3f}; tool-call rate at the last step over the SFT policy's: "
+          f"{', '.join('n/a' if r is None else f'{r:.2f}' for r in rates)}; issue 75's floor (>= +0.10, > 2 SE, "
+          f"rate >= 0.80): {'met' if floor['floor_met'] else 'not met'}")
+    return floor
 
 
 def default_result(args) -> Path:
@@ -231,21 +293,21 @@ def with_comparisons(summary: dict) -> dict:
     ``bench.seed_curves.equal_seconds``), and the label agreements."""
     row = {**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement"),
            "prm_value_label_agreement": value_label_agreement(summary)}
-    arms = summary["arms"]
+    arms, baseline = summary["arms"], summary.get("baseline_arm", "outcome")  # the tool regime's: tool GRPO
     if "oracle" in arms:
-        row["oracle_minus_os"] = arms["oracle"]["accuracy"] - arms["outcome"]["accuracy"]
+        row["oracle_minus_os"] = arms["oracle"]["accuracy"] - arms[baseline]["accuracy"]
     for arm, report in arms.items():
-        if arm != "outcome":
-            key = arm_key(arm)
-            row[f"{key}_equal_seconds"] = compared = equal_seconds(report, arms["outcome"])
+        if arm != baseline:
+            key, reference = arm_key(arm), arms[baseline]
+            row[f"{key}_equal_seconds"] = compared = equal_seconds(report, reference)
             row[f"{key}_minus_os_equal_seconds"] = compared["minus_os"]
             if report.get("prm_seconds"):
-                aside = equal_seconds(report, arms["outcome"], set_aside=report["prm_seconds"])
+                aside = equal_seconds(report, reference, set_aside=report["prm_seconds"])
                 row[f"{key}_minus_os_equal_seconds_set_aside"] = aside["minus_os"]
-            if "groups_curve" in report and "groups_curve" in arms["outcome"]:
-                row[f"{key}_minus_os_equal_groups"] = equal_groups(report, arms["outcome"])["minus_os"]
-            if report.get("tokens_curve") and arms["outcome"].get("tokens_curve"):
-                row[f"{key}_minus_os_equal_tokens"] = equal_groups(report, arms["outcome"],
+            if "groups_curve" in report and "groups_curve" in reference:
+                row[f"{key}_minus_os_equal_groups"] = equal_groups(report, reference)["minus_os"]
+            if report.get("tokens_curve") and reference.get("tokens_curve"):
+                row[f"{key}_minus_os_equal_tokens"] = equal_groups(report, reference,
                                                                    curve="tokens_curve")["minus_os"]
     return row
 
@@ -254,18 +316,23 @@ FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "generat
            "response_length_start", "response_length_end", "pieces_per_completion_start", "pieces_per_completion_end",
            "clip_ratio_end", "text_after_answer_fraction_start", "text_after_answer_fraction_end",
            "no_answer_fraction_end", "tree_sampling_seconds",
-           "implicit_f1_first", "implicit_f1_end", "implicit_step_f1_first", "implicit_step_f1_end")
+           "implicit_f1_first", "implicit_f1_end", "implicit_step_f1_first", "implicit_step_f1_end",
+           "turns_per_rollout_start", "turns_per_rollout_end", "tool_calls_per_rollout_start",
+           "tool_calls_per_rollout_end", "tool_call_rate_start", "tool_call_rate_end", "tool_error_fraction_start",
+           "tool_error_fraction_end", "void_turn_fraction_start", "void_turn_fraction_end", "max_turns_fraction_end")
 
 
 def refreshed(summary: dict) -> dict:
     """A reused seed's summary with each arm's report made again from its ``metrics.jsonl`` where the run folder
     still has it (figures added to ``arm_report`` since the seed ran), its seconds kept."""
-    run_dir = Path(summary["run_dir"])
+    run_dir, tools = Path(summary["run_dir"]), summary.get("regime") == "tools"
     for arm, report in summary["arms"].items():
-        metrics = metrics_path(run_dir / arm_settings(arm)[2])
+        metrics = metrics_path(run_dir / (tool_arm_settings(arm) if tools else arm_settings(arm))[2])
         if metrics.is_file():
             prm_seconds = report.get("prm_seconds", 0.0)
             summary["arms"][arm] = arm_report(metrics, report["seconds"] - prm_seconds, prm_seconds)
+    if tools:
+        summary.update(tool_flat_figures(summary["arms"]))
     return summary
 
 

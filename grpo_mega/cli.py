@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="dense (default): three-step chains every arm learns; sparse: five-step chains from a "
                             "briefly trained policy, where many outcome-GRPO groups carry no signal and the learned "
                             "PRM's arm comes out ahead (docs/results.md); tools: multi-digit chains that need a "
-                            "calculator, text-only and tool-calling SFT policies (docs/quickstart.md)")
+                            "calculator, text-only and tool-calling SFT policies and the GRPO arms' sparse start (the tool "
+                            "checkpoint nearest 20 %% pass@1; GRPO arms: bench/pipeline_seeds.py --regime tools; "
+                            "docs/quickstart.md)")
     quick.add_argument("--implicit", action="store_true",
                        help="also an arm with an implicit PRM trained online from the outcomes (PRIME: "
                             "process_reward.source=implicit), no step labels")

@@ -1,6 +1,7 @@
 """End to end: ``grpo-mega quickstart --regime tools --fast`` writes the tool task in its two surface forms and its
 tokenizer, runs the tool SFT (tool turns masked) and the text-only SFT on 2 processes, measures the text-only
-policy with ``grpo-mega eval`` and writes its summary (about a minute on an idle 2-core machine)."""
+policy with ``grpo-mega eval``, picks the sparse start (the tool checkpoints through the turn loop) and writes its
+summary (about a minute on an idle 2-core machine)."""
 
 import json
 import subprocess
@@ -20,6 +21,10 @@ def test_the_tool_regime_runs_both_sfts_and_writes_its_summary(tmp_path):
     assert lines[-1] == str(run_dir / "summary.json")
     summary = json.loads(Path(lines[-1]).read_text())
     assert summary["regime"] == "tools" and 0.0 <= summary["text_sft_pass_at_1"] <= 1.0
+    sparse = summary["sparse_start"]  # both "more" checkpoints measured through the turn loop (none passes 20 %)
+    assert list(sparse["tool_pass_at_1"]) == ["1", "2"] and sparse["more_sft_step"] in (1, 2)
+    assert Path(sparse["tool_checkpoint"]).is_dir() and Path(sparse["text_checkpoint"]).is_dir()
+    assert "sparse start (GRPO arms): after" in result.stdout
     row = json.loads((run_dir / "data" / "train.jsonl").read_text().splitlines()[0])
     assert row["solution"].endswith(f"The answer is {row['answer']}.")
     assert row["tool_segments"][1]["tool"] and row["tool_segments"][1]["text"].startswith("<tool_response>")

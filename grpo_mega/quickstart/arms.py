@@ -99,6 +99,33 @@ for _arm in POLICY_LOSS_ARMS:
 for _arm in (*TREE_PLANS, "tree_222_pooled", "process_completion", "process_delta_completion", "oracle_completion",
              "rft", *POLICY_LOSS_ARMS):
     ARM_FOLDERS[_arm] = f"grpo_{_arm}"
+# The tool task (``--regime tools``, grpo_mega.quickstart.tool_pipeline): text-only GRPO from the text SFT checkpoint
+# and tool GRPO (outcome supervision, the turn loop with the calculator in hermes calls) from the tool SFT checkpoint,
+# on the same prompts, seed, steps, batch and token budget. Any arm of ARMS run there (``--add-arms``) is a tool arm:
+# its overrides on top of TOOL_ROLLOUTS, from the tool SFT checkpoint.
+TOOL_ROLLOUTS = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
+                 "rollout.multi_turn.format=hermes")
+TOOL_ARMS = {"text_grpo": ("GRPO, text only (no tool), outcome supervision", (), "text"),
+             "tool_grpo": ("GRPO with the calculator (multi-turn rollouts), outcome supervision", TOOL_ROLLOUTS,
+                           "tool")}
+"""name -> (title, overrides, the SFT policy it starts from: ``text`` or ``tool``)."""
+TOOL_BASELINE = "tool_grpo"
+"""The tool regime's reference arm: every other arm's ``<key>_minus_os`` is against it (issue 76 sets turn credit
+against tool GRPO with outcome supervision; issue 75's floor is ``tool_minus_text``)."""
+TOOL_SHOWN = (*SHOWN["outcome"], ("calls", "tools/calls_per_rollout"), ("turns", "num_turns/mean"))
+ARM_FOLDERS.update(text_grpo="grpo_text", tool_grpo="grpo_tool")
+
+
+def tool_arm_settings(arm: str) -> tuple[str, tuple[str, ...], str, str]:
+    """(title, overrides, folder, start: ``text`` | ``tool``) of ``arm`` in the tool regime: one of ``TOOL_ARMS``,
+    or an arm of ``ARMS`` with the turn loop and the calculator (from the tool SFT checkpoint)."""
+    if arm in TOOL_ARMS:
+        title, overrides, start = TOOL_ARMS[arm]
+        return title, overrides, ARM_FOLDERS[arm], start
+    if arm not in ARMS:
+        raise ValueError(f"tool regime: unknown arm {arm!r}; known: {sorted({*TOOL_ARMS, *ARMS})}")
+    title, overrides, folder = arm_settings(arm)
+    return f"{title}, with the calculator", (*TOOL_ROLLOUTS, *overrides), folder, "tool"
 
 
 def arm_settings(arm: str) -> tuple[str, tuple[str, ...], str]:

@@ -14,7 +14,7 @@ ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "i
             "tree_222_pooled": "tree_222_pooled", "tree_82": "tree_82",
             "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
             "oracle_completion": "oracle_completion", "rft": "rft", "ppo_mb4": "ppo_mb4",
-            "gspo_token_mb4": "gspo_token_mb4", "cispo_mb4": "cispo_mb4"}
+            "gspo_token_mb4": "gspo_token_mb4", "cispo_mb4": "cispo_mb4", "text_grpo": "text", "tool_grpo": "tool"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
@@ -28,7 +28,8 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "oracle_completion": "process supervision (oracle, completion baseline)",
               "rft": "outcome supervision after RFT", "ppo_mb4": "outcome supervision, 4 mini-batches, PPO clip",
               "gspo_token_mb4": "outcome supervision, 4 mini-batches, GSPO-token",
-              "cispo_mb4": "outcome supervision, 4 mini-batches, CISPO"}
+              "cispo_mb4": "outcome supervision, 4 mini-batches, CISPO",
+              "text_grpo": "text-only GRPO (no tool)", "tool_grpo": "tool GRPO (calculator), outcome supervision"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 
@@ -123,8 +124,15 @@ def cost_split(rows: list[dict]) -> dict:
 BEHAVIOUR = {"response_length": "response_length/mean", "pieces_per_completion": "rollout/pieces_per_completion",
              "clip_ratio": "rollout/sampled_response_length/clip_ratio",
              "text_after_answer_fraction": "rollout/text_after_answer_fraction",
-             "no_answer_fraction": "rollout/no_answer_fraction"}
-"""What a gamed credit form changes in the completions (issue 47), each at an arm's first and last step."""
+             "no_answer_fraction": "rollout/no_answer_fraction",
+             # multi-turn rollouts (grpo_mega.rollout.turn_metrics): a policy that stops calling its tool, or takes
+             # turns that neither call nor answer, shows here (issues 75 and 76)
+             "turns_per_rollout": "num_turns/mean", "tool_calls_per_rollout": "tools/calls_per_rollout",
+             "tool_call_rate": "tools/call_rate", "tool_error_fraction": "tools/error_fraction",
+             "void_turn_fraction": "tools/void_turn_fraction", "max_turns_fraction": "tools/max_turns_fraction",
+             "tool_output_token_fraction": "tools/output_token_fraction"}
+"""What a gamed credit form changes in the completions (issue 47), and a tool policy's calls and turns, each at an
+arm's first and last step (None where the arm never logs it: a single-turn arm has no turns)."""
 
 
 def behaviour(rows: list[dict]) -> dict:

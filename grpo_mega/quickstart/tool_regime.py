@@ -5,7 +5,9 @@ data (``grpo_mega.data.tool_task``: multi-digit chains, each row in two surface 
 forms -> the tiny Qwen2-shaped policy's config -> text-only SFT on the worked solutions and tool SFT on the
 calculator demonstrations (``data.segments_field``: tool turns encoded on their own and masked out of the loss),
 the same steps, seed and problems -> the text-only policy's sampled pass@1 on held-out prompts (``grpo-mega
-eval``, temperature 1) -> ``summary.json``, whose path is the last line printed.
+eval``, temperature 1) -> the GRPO arms' sparse start (``grpo_mega.quickstart.tool_selection``: the tool checkpoint
+nearest 20 % sampled pass@1 through the turn loop, the text one of the same step) -> ``summary.json``, whose path is
+the last line printed. ``bench/pipeline_seeds.py --regime tools --sft-run RUN_DIR`` runs the GRPO arms from there.
 
 The tool policy's accuracy needs the calculator during generation: ``bench/tool_regime_sft.py`` measures both
 policies through the multi-turn turn loop (``rollout.multi_turn`` with ``tools: [calculator]``;
@@ -50,11 +52,28 @@ class ToolRegimePlan:
     eval_prompts: int = 300
     eval_samples: int = 1
     """Evaluations at temperature 1 (seeds ``seed + k``) averaged into the text-only policy's sampled pass@1."""
+    save_every: int = 25
+    """The "more" SFTs keep a checkpoint every this many steps: the candidates of the sparse start."""
+    sparse_pass_at_1: float | None = 0.20
+    """The GRPO arms' tool policy: the checkpoint whose sampled pass@1 through the turn loop is closest to this
+    (``grpo_mega.quickstart.tool_selection``; issue 76's sparse start); None: no selection."""
+    selection_steps: tuple[int, int] = (200, 400)
+    """The "more" SFT steps whose checkpoints are candidates (600 - 800 steps in all: where the tool policy's
+    pass@1 climbs from 3 % to 82 %)."""
+    selection_prompts: int = 300
+    """Training prompts each candidate is measured on (at temperature 1)."""
+    selection_samples: int = 1
+    tool_response_length: int = 200
+    """Tokens of a tool rollout, tool output included (a three-call conversation is ~150; at 120 the SFT policy's
+    pass@1 fell from 89.7 % to 30 %); the text-only arm gets the same budget."""
+    prompt_length: int = 48
+    """``data.prompt_length`` of the tool task's rollouts (its prompts are <= 30 tokens)."""
     seed: int = 1234
 
 
 TOOLS = ToolRegimePlan()
-FAST_TOOLS = ToolRegimePlan(num_train=300, num_heldout=16, sft_steps=6, more_sft_steps=2, eval_prompts=16)
+FAST_TOOLS = ToolRegimePlan(num_train=300, num_heldout=16, sft_steps=6, more_sft_steps=2, eval_prompts=16,
+                            save_every=1, selection_steps=(1, 2), selection_prompts=16, tool_response_length=160)
 """A shortened run (``--fast``): every command of the regime, a few steps each."""
 
 
@@ -100,6 +119,21 @@ def sft_overrides(arm: str, plan: ToolRegimePlan) -> list[str]:
     return [f"data.max_length={plan.max_length}", *([f"data.segments_field={SEGMENTS_FIELD}"] if arm == "tool" else [])]
 
 
+def more_sft_saves(plan: ToolRegimePlan) -> list[str]:
+    """The "more" SFTs' checkpoint settings: one every ``plan.save_every`` steps, all kept (the sparse start's
+    candidates); ValueError when the selection's steps are not among them."""
+    first, last = plan.selection_steps
+    if plan.sparse_pass_at_1 is not None and not (
+            0 < first <= last <= plan.more_sft_steps and first % plan.save_every == 0):
+        raise ValueError(f"ToolRegimePlan.selection_steps={plan.selection_steps}: must be saved steps (multiples of "
+                         f"save_every={plan.save_every}) within the {plan.more_sft_steps} more SFT steps")
+    return [f"trainer.save_every={plan.save_every}", f"trainer.keep_last={plan.more_sft_steps // plan.save_every + 1}"]
+
+
+def selects_sparse_start(plan: ToolRegimePlan) -> bool:
+    return plan.sparse_pass_at_1 is not None and plan.more_sft_steps > 0
+
+
 def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
     """Every part of ``plan`` under ``run_dir``; writes and returns ``summary.json``'s content."""
     from grpo_mega.quickstart.arm_runs import NPROC, training_command
@@ -108,7 +142,7 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started, seconds = time.perf_counter(), {}
-    total = 2 + len(SFT_ARMS) * (2 if plan.more_sft_steps else 1)
+    total = 2 + len(SFT_ARMS) * (2 if plan.more_sft_steps else 1) + selects_sparse_start(plan)
     header = iter(range(1, total + 1))
 
     def announce(text: str) -> None:
@@ -132,7 +166,8 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
                      f"weights, log: {more}.log")
             seconds[f"sft_{arm}_more"] = training_command(
                 f"SFT ({arm}, more)", ["sft"], "quickstart_sft.yaml", more, plan.more_sft_steps,
-                (("nll", "sft/nll"),), [*task, *sft_overrides(arm, plan), f"model.init_from={checkpoints[arm]}"],
+                (("nll", "sft/nll"),), [*task, *sft_overrides(arm, plan), f"model.init_from={checkpoints[arm]}",
+                                        *more_sft_saves(plan)],
                 Path(f"{more}.log"))
             checkpoints[arm] = more
     announce(f"the text-only SFT policy's sampled pass@1 on {plan.eval_prompts} held-out prompts, log: "
@@ -143,6 +178,16 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
         samples=plan.eval_samples, response_length=plan.response_length, out=run_dir / "eval_text.json",
         nproc=NPROC)
     seconds["eval_text"] = time.perf_counter() - begin
+    sparse = None
+    if selects_sparse_start(plan):
+        from grpo_mega.quickstart.tool_selection import select_sparse_start
+
+        announce(f"the GRPO arms' sparse start: the tool checkpoint closest to {plan.sparse_pass_at_1:g} sampled "
+                 f"pass@1 through the turn loop, logs: {run_dir / 'sparse_selection'}/")
+        begin = time.perf_counter()
+        sparse = select_sparse_start(run_dir, plan, tool_sft=checkpoints["tool"], text_sft=checkpoints["text"],
+                                     task=task, train_file=train_file, nproc=NPROC)
+        seconds["sparse_selection"] = time.perf_counter() - begin
     summary = {
         "regime": plan.name,
         "text_sft_pass_at_1": text_pass_at_1,
@@ -150,6 +195,7 @@ def run_tool_regime(run_dir: str | Path, plan: ToolRegimePlan = TOOLS) -> dict:
         "tool_sft_pass_at_1_note": "needs the calculator during generation: bench/tool_regime_sft.py measures it "
                                    "through the multi-turn turn loop (rollout.multi_turn, tools [calculator])",
         "sft_checkpoints": {arm: str(path) for arm, path in checkpoints.items()},
+        "sparse_start": sparse,
         "model": str(model_dir), "train_file": str(train_file), "heldout_file": str(heldout_file),
         "plan": {**asdict(plan), "difficulty": asdict(plan.difficulty)},
         "wall_seconds": round(time.perf_counter() - started, 1),
@@ -164,3 +210,10 @@ def print_tool_summary(summary: dict) -> None:
     """The regime's figures, one per line."""
     print(f"tool regime: text-only SFT sampled pass@1 {summary['text_sft_pass_at_1']:.3f} on held-out prompts; "
           f"the tool SFT policy: {summary['tool_sft_pass_at_1_note']}", flush=True)
+    sparse = summary.get("sparse_start")
+    if sparse:
+        tool = sparse["tool_pass_at_1"][str(sparse["more_sft_step"])]["pass_at_1"]
+        print(f"sparse start (GRPO arms): after {sparse['total_sft_steps']} SFT steps, the tool policy {tool:.3f} and "
+              f"the text-only policy {sparse['text_pass_at_1']['pass_at_1']:.3f} sampled pass@1 on "
+              f"{sparse['prompts']} training prompts ({sparse['tool_checkpoint']}, {sparse['text_checkpoint']})",
+              flush=True)

@@ -1,0 +1,153 @@
+"""The tool task's GRPO arms over a seed (``bench/pipeline_seeds.py --regime tools``; issue 75's floor, issue 76's
+base): from a finished ``grpo-mega quickstart --regime tools`` run (its data, model and the sparse start chosen by
+``grpo_mega.quickstart.tool_selection``), text-only GRPO from the text SFT checkpoint and tool GRPO (outcome
+supervision through the turn loop with the calculator) from the tool SFT checkpoint of the same SFT step, on the same
+prompts, seed, steps, batch and token budget (``ToolGRPOPlan``). The seed moves GRPO only (sampling, the data order):
+the SFT policies are the regime's, one pair for every seed.
+
+Each seed's folder holds one run per arm and ``summary.json``: per arm held-out sampled pass@1 at the start and end
+(``grpo_mega.quickstart.report.arm_report``, which also keeps calls and turns per rollout, the tool-call rate, tool
+errors, void turns and text after the answer at the first and last step), every arm's difference to tool GRPO
+(``<key>_minus_os``: the reference of issue 76's turn-credit arms) and ``tool_minus_text`` (issue 75's floor).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_mega.quickstart.arm_runs import optional, training_command
+from grpo_mega.quickstart.arms import TOOL_ARMS, TOOL_BASELINE, TOOL_SHOWN, tool_arm_settings
+from grpo_mega.quickstart.plots import plot_arms
+from grpo_mega.quickstart.report import arm_key, arm_report, arm_title
+from grpo_mega.quickstart.tool_selection import SELECTION_FILE
+from grpo_mega.run.layout import metrics_path
+
+
+@dataclass(frozen=True)
+class ToolGRPOPlan:
+    """Sizes of the tool task's GRPO arms (configs/quickstart_grpo.yaml's batch: 32 prompts x 8 completions)."""
+
+    name: str = "tools"
+    sft_run: str = "runs/tool_regime"
+    """A finished ``grpo-mega quickstart --regime tools`` run with its ``sparse_selection.json``."""
+    grpo_steps: int = 60
+    response_length: int = 200
+    """Every arm's token budget: a three-call tool conversation is ~150 tokens with its tool turns (at 120 the tool
+    SFT policy's pass@1 fell from 89.7 % to 30 %); the text-only arm gets the same (its solutions are <= 67)."""
+    prompt_length: int = 48
+    eval_prompts: int = 300
+    eval_every: int = 30
+    """Held-out sampled pass@1 (temperature 1) at the start, every this many steps and at the end."""
+    more_arms: tuple[str, ...] = ()
+    """Arms after text-only and tool GRPO: ``TOOL_ARMS`` or any of ``ARMS`` run with the calculator."""
+    seed: int = 1
+
+
+FAST_TOOL_GRPO = ToolGRPOPlan(grpo_steps=2, response_length=160, eval_prompts=8, eval_every=2)
+
+
+def sparse_start(sft_run: Path) -> tuple[dict, dict]:
+    """(the regime's summary, its sparse start) from ``sft_run``; FileNotFoundError naming what is missing."""
+    for name in ("summary.json", SELECTION_FILE):
+        if not (sft_run / name).is_file():
+            raise FileNotFoundError(f"{sft_run / name}: missing; the tool arms need a finished `grpo-mega quickstart "
+                                    f"--regime tools` run with its sparse start (bench/tool_sparse_start.py)")
+    summary = json.loads((sft_run / "summary.json").read_text())
+    if summary.get("regime") != "tools":
+        raise ValueError(f"{sft_run / 'summary.json'}: a run of regime {summary.get('regime')!r}, not 'tools'")
+    return summary, json.loads((sft_run / SELECTION_FILE).read_text())
+
+
+def tool_grpo_overrides(plan: ToolGRPOPlan, regime: dict) -> list[str]:
+    """Every tool-task arm's overrides of configs/quickstart_grpo.yaml: the task, its evaluation and sizes."""
+    return [f"model.hf_config={regime['model']}", f"data.train_file={regime['train_file']}",
+            f"parallel.seed={plan.seed}", f"data.eval_file={regime['heldout_file']}",
+            f"data.max_eval_prompts={plan.eval_prompts}", *optional("trainer.eval_every", plan.eval_every),
+            f"algorithm.response_length={plan.response_length}", f"data.prompt_length={plan.prompt_length}",
+            "trainer.eval_temperature=1.0"]
+
+
+def run_tool_arm(arm: str, plan: ToolGRPOPlan, run_dir: Path, regime: dict, start: dict, announce) -> dict:
+    """One arm's GRPO run in ``run_dir/<its folder>`` from its SFT checkpoint; its report."""
+    title, overrides, folder, policy = tool_arm_settings(arm)
+    announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
+    seconds = training_command(
+        f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", run_dir / folder, plan.grpo_steps, TOOL_SHOWN,
+        [*tool_grpo_overrides(plan, regime), f"model.init_from={start[f'{policy}_checkpoint']}", *overrides],
+        run_dir / f"{folder}.log")
+    return arm_report(metrics_path(run_dir / folder), seconds)
+
+
+def tool_flat_figures(arms: dict[str, dict]) -> dict:
+    """``<key>_accuracy`` / ``_gain`` / ``_zero_signal`` of every arm, ``<key>_minus_os`` against tool GRPO,
+    ``tool_minus_text`` and the tool-call rate at the last step over the SFT policy's (tool GRPO's first step)."""
+    figures = {}
+    for arm, report in arms.items():
+        key = arm_key(arm)
+        figures.update({f"{key}_accuracy": report["accuracy"], f"{key}_gain": report["gain"],
+                        f"{key}_zero_signal": report["zero_signal_group_fraction"]})
+        if arm != TOOL_BASELINE and TOOL_BASELINE in arms:
+            figures[f"{key}_minus_os"] = report["accuracy"] - arms[TOOL_BASELINE]["accuracy"]
+        rate, sft_rate = report.get("tool_call_rate_end"), (arms.get(TOOL_BASELINE) or {}).get("tool_call_rate_start")
+        if rate is not None and sft_rate:
+            figures[f"{key}_call_rate_over_sft"] = rate / sft_rate
+    if {"text_grpo", "tool_grpo"} <= set(arms):
+        figures["tool_minus_text"] = arms["tool_grpo"]["accuracy"] - arms["text_grpo"]["accuracy"]
+    return figures
+
+
+def write_tool_summary(run_dir: Path, plan: ToolGRPOPlan, regime: dict, start: dict, arms: dict[str, dict],
+                       seconds: dict[str, float], wall: float) -> dict:
+    """``run_dir/summary.json`` of one seed (and its plot); returns it."""
+    first = arms.get(TOOL_BASELINE) or next(iter(arms.values()))
+    summary = {
+        "regime": plan.name, "seed": plan.seed, "baseline_arm": TOOL_BASELINE,
+        "sft_accuracy": first["start_accuracy"],
+        "text_sft_accuracy": arms["text_grpo"]["start_accuracy"] if "text_grpo" in arms else None,
+        "policy_sft_step": start["total_sft_steps"], "sft_run": plan.sft_run, "sparse_start": start,
+        **tool_flat_figures(arms),
+        "steps": first["steps"], "eval_prompts": plan.eval_prompts, "response_length": plan.response_length,
+        "wall_seconds": round(wall, 1), "stage_seconds": {key: round(value, 1) for key, value in seconds.items()},
+        "arms": arms, "run_dir": str(run_dir),
+    }
+    summary["plot"] = str(plot_arms(
+        {arm_title(arm): metrics_path(run_dir / tool_arm_settings(arm)[2]) for arm in arms},
+        run_dir / "reward_accuracy.png", title=f"tool task: text-only and tool GRPO, seed {plan.seed}"))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def run_tool_seed(run_dir: str | Path, plan: ToolGRPOPlan, arms: tuple[str, ...] | None = None) -> dict:
+    """Every arm of ``plan`` (text-only GRPO, tool GRPO, then ``plan.more_arms``) in ``run_dir``; with ``arms``,
+    only those, added to the seed's summary.json beside the arms it has (``--add-arms``; an arm it has runs again
+    and replaces its report). Writes and returns the summary."""
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sft_run = Path(plan.sft_run).resolve()
+    regime, start = sparse_start(sft_run)
+    reports, seconds, wall = {}, {}, 0.0
+    done = run_dir / "summary.json"
+    if arms is not None and done.is_file():
+        previous = json.loads(done.read_text())
+        if (previous.get("regime"), previous.get("seed")) != (plan.name, plan.seed):
+            raise ValueError(f"{done} is a run of regime {previous.get('regime')!r} seed {previous.get('seed')}, not "
+                             f"of {plan.name!r} seed {plan.seed}")
+        if previous["sparse_start"]["tool_checkpoint"] != start["tool_checkpoint"]:
+            raise ValueError(f"{done} started from {previous['sparse_start']['tool_checkpoint']}, {sft_run} now "
+                             f"names {start['tool_checkpoint']}: its arms cannot be compared")
+        reports, seconds, wall = previous["arms"], previous["stage_seconds"], previous["wall_seconds"]
+    todo = list(arms) if arms is not None else list(dict.fromkeys(("text_grpo", "tool_grpo", *plan.more_arms)))
+    for arm in todo:
+        tool_arm_settings(arm)  # an unknown arm is refused before any run
+    header = iter(range(1, len(todo) + 1))
+    announce = lambda text: print(f"[{next(header)}/{len(todo)}] {text}", flush=True)  # noqa: E731
+    for arm in todo:
+        begin = time.perf_counter()
+        reports[arm] = run_tool_arm(arm, plan, run_dir, regime, start, announce)
+        seconds[tool_arm_settings(arm)[2]] = time.perf_counter() - begin
+        wall += time.perf_counter() - begin
+    ordered = {arm: reports[arm] for arm in (*TOOL_ARMS, *reports) if arm in reports}
+    return write_tool_summary(run_dir, plan, regime, start, ordered, seconds, wall)
