@@ -243,13 +243,14 @@ def test_the_quickstart_turn_credit_arms_are_valid_configs(tmp_path):
     from pathlib import Path
 
     from grpo_mega.config import GRPOConfig, load_config, validate
-    from grpo_mega.quickstart.arms import ARMS, TURN_CREDIT_ARMS, arm_settings
+    from grpo_mega.quickstart.arms import ARMS, TURN_CREDIT_ARMS, tool_arm_settings
 
     config = Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"
     names = [name for arm in TURN_CREDIT_ARMS for name in (arm, f"{arm}_sum")]
     assert set(names) <= set(ARMS)
     for name in names:
-        _, overrides, folder = arm_settings(name)
+        _, overrides, folder, start = tool_arm_settings(name)  # the tools regime adds the turn loop
+        assert start == "tool"
         prm = [f"process_reward.prm={tmp_path}"] if "prm" in name else []
         cfg = load_config(GRPOConfig, config, [*overrides, *prm, "data.train_file=x.jsonl",
                                                f"model.hf_config={tmp_path}"])

@@ -137,12 +137,12 @@ def arm_settings(arm: str) -> tuple[str, tuple[str, ...], str]:
             (*ARMS["process"][1], f"process_reward.step_reward={step_reward}"), f"grpo_{arm}")
 
 
-# Turn credit on the tool task (issue 76): the tool arm's multi-turn rollouts with each assistant turn a step
-# (process_reward.steps=turns), credited by the bounded form (the default) or by suffix sums (`_sum`). The oracle is
-# the task's per-turn checker; `tool` the calculator's own verdicts (a failed call or a void turn -1, a call that ran
-# 0); `prm` a learned PRM, whose checkpoint the caller adds as process_reward.prm=PATH (one labelled and trained on
-# turn-split rows: `grpo-mega prm label/train` on turns).
-TOOL_ARM_OVERRIDES = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]")
+# Turn credit on the tool task (issue 76), arms of the tools regime (`bench/pipeline_seeds.py --regime tools`, which
+# adds the turn loop with the calculator, TOOL_ROLLOUTS, and starts them from the tool SFT checkpoint): each assistant
+# turn a step (process_reward.steps=turns), credited by the bounded form (the default) or by suffix sums (`_sum`). The
+# oracle is the task's per-turn checker; `tool` the calculator's own verdicts (a failed call or a void turn -1, a call
+# that ran 0); `prm` a learned PRM, whose checkpoint the caller adds as process_reward.prm=PATH (one labelled and
+# trained on turn-split rows: `grpo-mega prm label/train` on turns).
 TURN_STEPS = ("algorithm.supervision=process", "process_reward.steps=turns")
 TURN_CREDIT_ARMS = {
     "tool_turn_oracle": ("the task's per-turn checker (oracle)",
@@ -151,10 +151,9 @@ TURN_CREDIT_ARMS = {
     "tool_turn_prm": ("the learned PRM", ("process_reward.source=prm",)),
 }
 for _arm, (_what, _overrides) in list(TURN_CREDIT_ARMS.items()):
-    _tool = ARMS["tool_grpo"][1] if "tool_grpo" in ARMS else TOOL_ARM_OVERRIDES
-    ARMS[_arm] = (f"GRPO with tools, bounded turn credit from {_what}", (*_tool, *TURN_STEPS, *_overrides))
-    ARMS[f"{_arm}_sum"] = (f"GRPO with tools, summed turn credit from {_what}",
-                           (*_tool, *TURN_STEPS, *_overrides, "algorithm.turn_credit=sum"))
+    ARMS[_arm] = (f"GRPO, bounded turn credit from {_what}", (*TURN_STEPS, *_overrides))
+    ARMS[f"{_arm}_sum"] = (f"GRPO, summed turn credit from {_what}",
+                           (*TURN_STEPS, *_overrides, "algorithm.turn_credit=sum"))
     for _name in (_arm, f"{_arm}_sum"):
         SHOWN[_name] = (*SHOWN["outcome"], ("turn reward", "turn_credit/turn_reward_mean"))
         ARM_FOLDERS[_name] = f"grpo_{_name}"
