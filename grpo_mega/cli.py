@@ -25,6 +25,7 @@ from pathlib import Path
 
 from grpo_mega.run.forked_command import can_run_forked
 from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
+from grpo_mega.run.lifeline import end_with_the_launcher
 from grpo_mega.run.launcher import under_launcher
 from grpo_mega.run.torchrun import relaunch_with_torchrun
 from grpo_mega.run.library_warnings import quiet_libraries
@@ -188,6 +189,7 @@ def _run_training(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     catch_ctrl_c()  # first: a process started with SIGINT ignored (a script's background job) must still stop
+    end_with_the_launcher()  # a rank that grpo_mega.run.torchrun started as an interpreter dies with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
     command_line = argv is None  # this process is the command (not a caller of main's): it may hand its work off

@@ -129,6 +129,19 @@ def is_open_fd(fd: int) -> bool:
 
 
 def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: dict) -> int:
+    """The first code of ours a forked process runs (it unpickles its arguments; the rest of them, torch's queues
+    among them, come after): end with the launcher (``grpo_mega.run.lifeline.tie_to_launcher``), quietly at once if
+    it has gone already (it has said what ended it: nothing here would be of use), then take on its side."""
+    import signal
+
+    from grpo_mega.run.interrupts import pause_point
+    from grpo_mega.run.lifeline import tie_to_launcher
+
+    # A Ctrl-C before the process's own handler (the CLI's first call) ends it without a word: its launcher says
+    # what happened. A launcher's own server ignores SIGINT, and its processes would keep ignoring it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if not tie_to_launcher(launcher):
+        os._exit(0)
     os.environ.clear()
     os.environ.update(environ)
     for fd, inherited in streams.items():
@@ -136,6 +149,7 @@ def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: dict) 
         if source != fd:
             os.dup2(source, fd)
             os.close(source)
+    pause_point("fork.arrive")  # tests: a Ctrl-C or SIGKILL to the launcher while its ranks are being forked
     return launcher
 
 
