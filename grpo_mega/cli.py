@@ -165,6 +165,8 @@ def _run_training(args) -> int:
     if verdict.complete:
         if not launched:  # the ranks of a job go on together: they resume at the last step and end
             return 0
+    if not launched:
+        _announce_start(args, cfg)
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
     from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
@@ -185,6 +187,23 @@ def _run_training(args) -> int:
 
         return exit_status(report_failure(f"grpo-mega {args.command}", cfg.trainer.run_dir, error))
     return 0
+
+
+def _announce_start(args, cfg) -> None:
+    """The line that says what ``train`` / ``sft`` builds before its first step (``grpo_mega.run.progress``)."""
+    from grpo_mega.run.progress import announce_start
+
+    builds, engines = ["the policy"], []
+    if args.command == "train":
+        builds.append(f"the rollout engine (rollout.engine={cfg.rollout.engine})")
+        engines.append(cfg.rollout.engine)
+        if cfg.process_reward.source == "prm":
+            builds.append(f"the PRM (process_reward.scorer={cfg.process_reward.scorer})")
+            engines.append(cfg.process_reward.scorer)
+        elif cfg.process_reward.source == "implicit":
+            builds.append("the implicit PRM")
+    slow = "vLLM takes a minute or more to start" if "vllm" in engines else ""
+    announce_start(f"grpo-mega {args.command}", args.nproc, builds, slow)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +319,11 @@ def _run_eval(args, argv: list[str]) -> int:
     except ConfigError as error:
         print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2
+    if not launched:
+        from grpo_mega.run.progress import announce_start
+
+        # on stderr, where its phase lines go
+        announce_start("grpo-mega eval", args.nproc, ["the policy"], then="a line per phase follows", out=sys.stderr)
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
     from grpo_mega.eval_command import run_eval_command

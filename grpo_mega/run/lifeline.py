@@ -11,7 +11,7 @@ thread of its own to poll and nothing the parent must do. Three links use it:
   with a multiprocessing traceback (``SemLock._rebuild ... FileNotFoundError``: the launcher's semaphores unlinked);
 - a rank forked from that server dies with the server, so with the launcher
   (``grpo_mega.run.shared_fork_server._adopt_launcher_side``, the first code of ours a forked rank runs);
-- a rank torchrun starts as an interpreter (CUDA builds of torch, ``GRPO_MEGA_FORK_RANKS=0``, SLURM) dies with
+- a rank torchrun starts as an interpreter (CUDA builds of torch, ``GRPO_MEGA_FORK_RANKS=0``) dies with
   torchrun's agent when the agent is ours (``grpo_mega.run.torchrun`` names itself in :data:`LAUNCHER_ENV`;
   :func:`end_with_the_launcher`, the first call of the CLI).
 
@@ -72,7 +72,8 @@ def start_fork_server(preload: list[str]) -> None:
     process (from the main thread only: the kernel ties the parent-death signal to the thread that forked) and a
     Ctrl-C to the terminal's process group, which the server is in, does not interrupt its preload with a
     ``KeyboardInterrupt`` traceback (the server ignores SIGINT once its preload is done; it is started with SIGINT
-    ignored, which its imports keep, and its ranks set it back, ``shared_fork_server._adopt_launcher_side``)."""
+    ignored, which its imports keep, and its ranks set it back, ``shared_fork_server._adopt_launcher_side``; a Ctrl-C
+    to this process in the milliseconds of the server's fork and exec is lost)."""
     import multiprocessing
     import multiprocessing.forkserver
 
