@@ -42,6 +42,8 @@ PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal this process gets when its parent (the thread that forked it) ends."""
 SERVER_PARENT_ENV = "GRPO_MEGA_FORK_SERVER_PARENT"
 """Set, for the start of a fork server only, to the pid of the launcher the server must end with."""
+QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""The resource tracker's warning filter (``PYTHONWARNINGS``): its leaked-objects notice after a killed launcher."""
 LAUNCHER_ENV = "GRPO_MEGA_LAUNCHER_PID"
 """The pid of ``grpo_mega.run.torchrun``'s agent, in its ranks' environment: a rank whose parent it is ends with it."""
 
@@ -71,23 +73,35 @@ def start_fork_server(preload: list[str]) -> None:
     """Start this process's multiprocessing fork server now, preloading ``preload``, so that it ends with this
     process (from the main thread only: the kernel ties the parent-death signal to the thread that forked) and a
     Ctrl-C to the terminal's process group, which the server is in, does not interrupt its preload with a
-    ``KeyboardInterrupt`` traceback (the server ignores SIGINT once its preload is done; it is started with SIGINT
-    ignored, which its imports keep, and its ranks set it back, ``shared_fork_server._adopt_launcher_side``; a Ctrl-C
-    to this process in the milliseconds of the server's fork and exec is lost)."""
+    ``KeyboardInterrupt`` traceback: the server starts with SIGINT blocked (a mask survives fork and exec) and keeps
+    it blocked (it ignores SIGINT itself once its preload is done), its processes unblock it
+    (``shared_fork_server._adopt_launcher_side``). Blocked here for the spawn only, a Ctrl-C to this process is
+    delivered once the server is started, not lost (ignoring it for the spawn lost it, 1 of 7 tries)."""
     import multiprocessing
     import multiprocessing.forkserver
+    from multiprocessing import resource_tracker
 
     multiprocessing.set_forkserver_preload(preload)
-    if threading.current_thread() is not threading.main_thread():
-        multiprocessing.forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ[SERVER_PARENT_ENV] = str(os.getpid())
+    # started first: its own start blocks and then unblocks SIGINT, which would unblock it for the server's. Without
+    # its warning on a SIGKILLed launcher ("There appear to be 9 leaked semaphore objects"): it unlinks them anyway.
+    warnings = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [warnings, QUIET_TRACKER]))
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if warnings is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = warnings
+    main_thread = threading.current_thread() is threading.main_thread()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if main_thread:
+        os.environ[SERVER_PARENT_ENV] = str(os.getpid())
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        del os.environ[SERVER_PARENT_ENV]
-        signal.signal(signal.SIGINT, previous)
+        os.environ.pop(SERVER_PARENT_ENV, None)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     global _server_ends_first
     if not _server_ends_first:
         _server_ends_first = True
