@@ -76,7 +76,7 @@ def start_fork_server(preload: list[str]) -> None:
     ``KeyboardInterrupt`` traceback: the server starts with SIGINT blocked (a mask survives fork and exec) and keeps
     it blocked (it ignores SIGINT itself once its preload is done), its processes unblock it
     (``shared_fork_server._adopt_launcher_side``). Blocked here for the spawn only, a Ctrl-C to this process is
-    delivered once the server is started, not lost (ignoring it for the spawn lost it, 1 of 7 tries)."""
+    delivered once the server is started, not lost (ignoring it for the spawn could lose it)."""
     import multiprocessing
     import multiprocessing.forkserver
     from multiprocessing import resource_tracker
