@@ -156,5 +156,7 @@ def test_a_sigkilled_command_leaves_no_process_of_its_job(task, tmp_path, interp
     before = job_processes(job)  # the launcher, its fork server, the ranks, their reapers, a resource tracker
     assert len(before) >= 5, before
     os.kill(child.pid, signal.SIGKILL)
-    child.communicate(timeout=60)  # its pipes close once every process holding them is gone
-    assert not left_after(job), f"of {before}"
+    child.wait(timeout=60)
+    left = left_after(job)  # (they would hold its pipes open: read them only once they are gone)
+    child.communicate(timeout=60)
+    assert not left, f"of {before}"
