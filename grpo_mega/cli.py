@@ -25,6 +25,7 @@ from pathlib import Path
 
 from grpo_mega.run.forked_command import can_run_forked
 from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
+from grpo_mega.run.lifeline import end_with_the_launcher
 from grpo_mega.run.launcher import under_launcher
 from grpo_mega.run.torchrun import relaunch_with_torchrun
 from grpo_mega.run.library_warnings import quiet_libraries
@@ -166,6 +167,8 @@ def _run_training(args) -> int:
     if verdict.complete:
         if not launched:  # the ranks of a job go on together: they resume at the last step and end
             return 0
+    if not launched:
+        _announce_start(args, cfg)
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
     from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
@@ -188,8 +191,26 @@ def _run_training(args) -> int:
     return 0
 
 
+def _announce_start(args, cfg) -> None:
+    """The line that says what ``train`` / ``sft`` builds before its first step (``grpo_mega.run.progress``)."""
+    from grpo_mega.run.progress import announce_start
+
+    builds, engines = ["the policy"], []
+    if args.command == "train":
+        builds.append(f"the rollout engine (rollout.engine={cfg.rollout.engine})")
+        engines.append(cfg.rollout.engine)
+        if cfg.process_reward.source == "prm":
+            builds.append(f"the PRM (process_reward.scorer={cfg.process_reward.scorer})")
+            engines.append(cfg.process_reward.scorer)
+        elif cfg.process_reward.source == "implicit":
+            builds.append("the implicit PRM")
+    slow = "vLLM takes a minute or more to start" if "vllm" in engines else ""
+    announce_start(f"grpo-mega {args.command}", args.nproc, builds, slow)
+
+
 def main(argv: list[str] | None = None) -> int:
     catch_ctrl_c()  # first: a process started with SIGINT ignored (a script's background job) must still stop
+    end_with_the_launcher()  # a rank that grpo_mega.run.torchrun started as an interpreter dies with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
     command_line = argv is None  # this process is the command (not a caller of main's): it may hand its work off
@@ -300,6 +321,11 @@ def _run_eval(args, argv: list[str]) -> int:
     except ConfigError as error:
         print(f"grpo-mega eval: error: {_other_command(error)}", file=sys.stderr)
         return 2
+    if not launched:
+        from grpo_mega.run.progress import announce_start
+
+        # on stderr, where its phase lines go
+        announce_start("grpo-mega eval", args.nproc, ["the policy"], then="a line per phase follows", out=sys.stderr)
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
     from grpo_mega.eval_command import run_eval_command

@@ -87,10 +87,19 @@ def run_prm_command(args, argv: list[str]) -> int:
             if not launched:
                 print(verdict.checkpoint, flush=True)  # the output path, as a run that trains prints it last
                 return 0
+        if not launched:
+            from grpo_mega.run.progress import announce_start
+
+            announce_start("grpo-mega prm train", nproc, ["the PRM"])
     else:
         nproc = args.nproc or _default_nproc(args)
         if not under_launcher():  # in the command's own process, before torch's import (seconds) and any rank
             check_prm_arguments(args)
+            if args.prm_command == "label":
+                from grpo_mega.run.progress import announce_start
+
+                announce_start("grpo-mega prm label", nproc, ["the policy"], then="a line per phase follows",
+                               out=sys.stderr)  # where its phase lines go
     if nproc > 1 and not under_launcher():
         return relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
     if args.prm_command == "train":

@@ -35,6 +35,7 @@ SLOW_FILES = {
     "test_first_hour_config.py": 71,
     "test_qwen3.py": 66,
     "test_trainer_preemption.py": 61,
+    "test_no_process_outlives.py": 112,  # 7 starts of a 2-rank command: 112 s at load average ~8 (2026-12-07)
     "test_engine_deepspeed.py": 60,
     "test_run_folder_guard.py": 52,
     "test_resume_config_changes.py": 50,  # these two: estimated from runs alone (2026-12-07), as the guard's file

@@ -149,3 +149,33 @@ def test_a_bad_data_row_under_nproc_2_is_one_line_with_the_traceback_in_the_run_
     assert "failed (cause=data)" in line and f"{bad}:6" in line and line.endswith("failure.json"), line
     assert "BadRowError" in json.loads((run_dir / "failure.json").read_text())["traceback"]
     assert sorted(path.name for path in (run_dir / "tracebacks").iterdir()) == ["rank0.txt", "rank1.txt"]
+
+
+def test_a_full_disk_every_rank_meets_is_named_once_by_rank_0(tmp_path, monkeypatch, capsys):
+    """A checkpoint too large for the disk: every rank's save fails with ENOSPC, each measuring its own free space.
+    Rank 1 found the disk still full (it could write no failure.json) and printed its line before rank 0, which
+    wrote failure.json once the partial save was gone: two lines (measured on a 6 MiB tmpfs, 2026-12-07). Rank 1 now
+    waits for rank 0 and stays silent once rank 0 named the full disk; an error of its own still has its line."""
+    import errno
+    import threading
+
+    from grpo_mega.run.failure import failure_record, write_exclusive
+
+    def full(free_mib):
+        try:
+            raise OSError(errno.ENOSPC, f"the checkpoint of step 1 was not saved ({free_mib} MiB free of 6.0 MiB)")
+        except OSError as error:
+            return error
+
+    monkeypatch.setattr("grpo_mega.run.failure.DEFER_S", 2.0)
+    monkeypatch.setenv("RANK", "0")
+    named_by_rank_0 = failure_record(full(0.4))
+    rank_0 = threading.Timer(0.5, write_exclusive, (tmp_path / "failure.json", named_by_rank_0))  # rank 0 is later
+    monkeypatch.setenv("RANK", "1")
+    rank_0.start()
+    assert report_failure("grpo-mega train", tmp_path, full(0.0))["cause"] == "disk_full"
+    rank_0.join()
+    assert capsys.readouterr().err == ""
+    assert json.loads((tmp_path / "failure.json").read_text())["rank"] == 0
+    report_failure("grpo-mega train", tmp_path, ValueError("row 3 is bad"))  # not the disk: its own line
+    assert "row 3 is bad" in capsys.readouterr().err

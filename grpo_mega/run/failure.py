@@ -51,6 +51,12 @@ CONSEQUENTIAL_CAUSES = ("collective_timeout", "peer_lost", "terminated")
 it): such a rank waits :data:`DEFER_S` before claiming failure.json, so that the rank at the root of the failure (a
 hang of its own, an exception) names it."""
 DEFER_S = 3.0
+SHARED_CAUSES = ("disk_full",)
+"""Causes every rank meets at once, since they all write to the run folder (a save is a collective): a rank other
+than 0 waits :data:`DEFER_S` for rank 0 to name it, and stays silent once failure.json names the same cause,
+whatever its message says (the space left it measured differs from rank to rank). Measured before: a checkpoint
+too large for the disk printed one ``disk_full`` line per rank (the first ranks found the disk still full and
+could write no failure.json; rank 0 wrote it once the partial save was removed)."""
 
 _TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught collective operation timeout")
 _PEER_LOST_MARKS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
@@ -215,11 +221,12 @@ def write_exclusive(path: Path, record: dict) -> bool:
 def record_failure(run_dir: str | Path, error: BaseException, *, in_phase: str | None = None
                    ) -> tuple[dict, Path | None]:
     """The failure record of ``error`` on this rank, written to ``run_dir/failure.json`` unless a rank wrote one
-    first (a consequential cause waits :data:`DEFER_S` for the root cause first); returns (record, the path when this
-    rank wrote it)."""
+    first (a consequential cause waits :data:`DEFER_S` for the root cause first, a shared one on a rank other than 0
+    for rank 0); returns (record, the path when this rank wrote it)."""
     record = failure_record(error, in_phase=in_phase)
     path = Path(run_dir) / FAILURE_FILE
-    if record["cause"] in CONSEQUENTIAL_CAUSES and not path.exists():
+    if (record["cause"] in CONSEQUENTIAL_CAUSES or record["cause"] in SHARED_CAUSES and record["rank"] != 0) \
+            and not path.exists():
         time.sleep(DEFER_S)
     return record, (path if write_exclusive(path, record) else None)
 
@@ -269,13 +276,16 @@ def _already_named(run_dir: str | Path, record: dict) -> bool:
     """Whether ``run_dir/failure.json``, written by another rank, already says what ended this rank: the same cause
     and exception (every rank read the same bad row, or hit the same config error), or any cause at all when this
     rank's is consequential (it lost, waited for or was torn down after the rank that wrote the file: a Ctrl-C that
-    rank 0 honoured after its save, while rank 1 waited at the next collective). One line says it for all."""
+    rank 0 honoured after its save, while rank 1 waited at the next collective), or the same shared cause (a full
+    disk: :data:`SHARED_CAUSES`). One line says it for all."""
     try:
         named = json.loads((Path(run_dir) / FAILURE_FILE).read_text())
     except (OSError, ValueError):
         return False
     if record["cause"] in CONSEQUENTIAL_CAUSES:
         return True
+    if record["cause"] in SHARED_CAUSES:
+        return named.get("cause") == record["cause"]
     return named.get("cause") == record["cause"] and named.get("exception") == record["exception"]
 
 

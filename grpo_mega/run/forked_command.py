@@ -16,8 +16,8 @@ does its work where it is called). On ``--nproc N`` the forked process becomes t
 - the stop signals this process gets (Ctrl-C, a scheduler's SIGTERM / SIGUSR1, SIGHUP) are passed on to it, and its
   exit status becomes this process's (a death by a signal, too: this process then dies by the same signal);
 - it ends itself (SIGKILL) as soon as it finds this process gone (a SIGKILL to the command), so a one-process
-  command leaves no orphan writing to the run folder; on ``--nproc N`` the ranks are then left as those of a torchrun
-  killed by SIGKILL are (they run on until their job ends: ``grpo_mega.run.forked_ranks``).
+  command leaves no orphan writing to the run folder; on ``--nproc N`` its ranks then end too, as they do with any
+  launcher of theirs (``grpo_mega.run.lifeline``, ``grpo_mega.run.forked_ranks``).
 
 Nothing changes without an offer, under a launcher (torchrun's or srun's ranks) or under SLURM. Tests that find a
 command's processes through its process tree start it without the offer (``shared_fork_server.without_offer``).

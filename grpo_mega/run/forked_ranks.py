@@ -11,8 +11,9 @@ pays it twice and the test suite starts hundreds of ranks. ``grpo_mega.run.torch
   ``atexit`` handlers run (multiprocessing's children would otherwise skip them);
 - the rank leads a session and process group of its own (torchrun's ranks do: ``start_new_session``), so a
   terminal's Ctrl-C reaches the agent, which forwards it, and ``grpo_mega.run.reaper`` finds the rank's helpers;
-- it keeps no parent-death signal (torch's multiprocessing wrapper sets SIGINT on the parent's death, the parent
-  being the fork server: a rank that outlived its agent would otherwise read that as a user's Ctrl-C);
+- it ends with its launcher, however the launcher ends (``grpo_mega.run.lifeline``: SIGKILL on the death of its
+  fork server, which dies with the launcher; where the server is a shared one, a watch on the launcher's pid),
+  not with torch's multiprocessing wrapper's SIGINT on the server's death (read as a user's Ctrl-C);
 - its standard streams are unbuffered (``-u``), so a log shows each line as the rank writes it;
 - torch's intra-op threads are set from ``OMP_NUM_THREADS`` (OpenMP read it when the server loaded it).
 
@@ -32,9 +33,12 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
+from grpo_mega.run.lifeline import LAUNCHER_ENV, tie_to_launcher
 from grpo_mega.run.module_main import end_by_sigint, flush_standard_streams, run_module_as_main
 from grpo_mega.run.procfs import alive
 
@@ -59,8 +63,8 @@ def forking_allowed() -> bool:
             and _torch_built_for_cpu_only())
 
 
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
-"""prctl(2) options."""
+PR_SET_NAME = 15
+"""prctl(2) option: this thread's name (the process's, for its main thread)."""
 
 
 def rank_process_name(rank: str) -> str:
@@ -68,10 +72,9 @@ def rank_process_name(rank: str) -> str:
     return f"grpo-rank-{rank}"[:15]
 
 
-def _name_and_keep_no_parent_death_signal() -> None:
+def _name(rank: str) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
-    libc.prctl(PR_SET_NAME, ctypes.c_char_p(rank_process_name(os.environ.get("RANK", "?")).encode()), 0, 0, 0)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(rank_process_name(rank).encode()), 0, 0, 0)
 
 
 def _unbuffered_streams() -> None:
@@ -106,24 +109,28 @@ def start_the_server_early(launcher_arguments: list[str]) -> None:
     torch, megatron-core and transformers on a second core while the launcher imports torch and meets the other
     nodes (it would otherwise start only when the ranks do, after both). Nothing where the ranks will not be forked,
     nor where a shared server is offered (``grpo_mega.run.shared_fork_server``): the ranks are forked from that one."""
-    import multiprocessing.forkserver
-
     from grpo_mega.run.launcher import fork_from_a_preloaded_server
 
-    if {"-m", "--module"} & set(launcher_arguments) and forking_allowed() and not fork_from_a_preloaded_server():
-        multiprocessing.forkserver.ensure_running()
+    if {"-m", "--module"} & set(launcher_arguments) and forking_allowed():
+        fork_from_a_preloaded_server()
 
 
-def _exit_once_the_launcher_is_gone(launcher: int) -> None:
-    """After the module returned: torchrun's wrapper hands the agent the rank's return value and waits until the
-    agent has read every rank's, which it never does once it is gone (killed with its node, a SIGKILL to the
-    command): exit then, with status 0, as a rank started by torchrun as an interpreter would have."""
-    import threading
+LAUNCHER_POLL_S = 0.5
+"""How often a rank checks that its launcher is still there (where the kernel cannot tell it: a shared server)."""
+
+
+def _end_once_the_launcher_is_gone(launcher: int, finished: threading.Event) -> None:
+    """Once the process ``launcher`` is gone (killed with its node, a SIGKILL to the command): SIGKILL this rank if
+    its module still runs (its helpers go with it: ``grpo_mega.run.reaper``); exit with status 0 if it has
+    ``finished``, as torchrun's wrapper would otherwise wait forever for the gone agent to read its return value.
+    A rank forked from its launcher's own server is killed by the kernel first (``grpo_mega.run.lifeline``)."""
     import time
 
     def watch() -> None:
         while alive(launcher):
-            time.sleep(0.5)
+            time.sleep(LAUNCHER_POLL_S)
+        if not finished.is_set():
+            os.kill(os.getpid(), signal.SIGKILL)
         flush_standard_streams()
         os._exit(0)
 
@@ -135,13 +142,19 @@ def run_rank(launcher: int, module: str, *arguments: str) -> None:
     the process ``launcher`` (torchrun's agent, whose environment and streams the rank took on arrival: a
     ``grpo_mega.run.shared_fork_server.LauncherSide`` in its arguments, unpickled as the agent's pid)."""
     os.setsid()
-    _name_and_keep_no_parent_death_signal()
+    os.environ.pop(LAUNCHER_ENV, None)  # its parent is a fork server, not the agent: not for the CLI's check
+    # torch's wrapper has set SIGINT on the fork server's death (a Ctrl-C, to the CLI): ours, SIGKILL, again
+    if not tie_to_launcher(launcher):
+        os._exit(0)
+    finished = threading.Event()
+    _end_once_the_launcher_is_gone(launcher, finished)
+    _name(os.environ.get("RANK", "?"))
     _unbuffered_streams()
     code, interrupted = run_module_as_main(module, arguments)
     if interrupted:
         end_by_sigint()
     if code is None or code == 0:
-        _exit_once_the_launcher_is_gone(launcher)
+        finished.set()
         return  # torchrun's agent waits for every rank's return value: a SystemExit(0) would not give one
     if not isinstance(code, int):
         print(code, file=sys.stderr, flush=True)

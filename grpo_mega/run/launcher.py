@@ -86,13 +86,14 @@ def _start_method() -> str:
 
 def fork_from_a_preloaded_server() -> bool:
     """Have this process's ``forkserver`` ranks forked from a server with :data:`PRELOADED` imported: the shared
-    one offered to it (``grpo_mega.run.shared_fork_server``; returns True), else its own, preloading them when it
-    starts (the first time; returns False)."""
-    import multiprocessing
+    one offered to it (``grpo_mega.run.shared_fork_server``; returns True), else its own, started now if it is not
+    running (returns False): it preloads them while this process goes on, and ends with this process
+    (``grpo_mega.run.lifeline``)."""
+    from grpo_mega.run.lifeline import start_fork_server
 
     if use_if_offered():
         return True
-    multiprocessing.set_forkserver_preload(PRELOADED)
+    start_fork_server(PRELOADED)
     return False
 
 
@@ -118,7 +119,11 @@ def _local_rank(rank: int, fn: Callable, world_size: int, port: int, threads: in
     became ``launcher``, the caller's pid: a forked rank would otherwise have the fork server's, from when it
     started) with torchrun's variables, ``threads`` intra-op threads, run ``fn``, pickle its result."""
     os.environ.update(_torchrun_variables(rank, world_size, port))
+    import signal
+
     import torch
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interpreter has it: a Ctrl-C raises here
 
     # Set explicitly: OpenMP read OMP_NUM_THREADS when the fork server loaded it, not from this environment.
     if threads is None:

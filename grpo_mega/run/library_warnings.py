@@ -29,6 +29,10 @@ LIBRARY_INTERNAL_WARNINGS = (
 )
 """(category, message regex from the start, module regex of the warning's location) of the warnings every rank of
 a data-parallel run printed once per process from inside megatron-core, about calls no user makes."""
+RAISED_AFTER_LOGGING = ("megatron.core.dist_checkpointing.strategies.filesystem_async",)
+"""Loggers that log an error at ERROR and then hand the same error to their caller, which raises it: megatron's
+checkpoint writer (``Local process 1 encountered an error: ...``, one line per rank on a full disk besides the
+failure's own line, which names it with its fix; its traceback file keeps the writer's message)."""
 QUIET_DEPRECATIONS_OF = ("megatron", "torch.distributed.checkpoint", "torch.distributed._shard", "transformers")
 """Libraries whose deprecation notices concern their own internals (not a user's code or config)."""
 
@@ -38,6 +42,8 @@ def quiet_libraries() -> None:
     megatron / torch.distributed.checkpoint repeat deprecation and "no Apex / Transformer Engine" warnings in every
     process."""
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    for name in RAISED_AFTER_LOGGING:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     for message in KNOWN_HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     for category, message, module in LIBRARY_INTERNAL_WARNINGS:

@@ -21,6 +21,9 @@ process its work was forked into, ``grpo_mega.run.forked_command``).
 
 The agent's own log lines (``Sending process ... closing signal``, ``failed (exitcode: 1)``) are left out unless
 ``LOGLEVEL`` is set (torch's variable for them: ``LOGLEVEL=INFO`` shows the rendezvous too).
+
+And no process of the job outlives this launcher, however it ends (a SIGKILL too; torchrun leaves its ranks running
+then): its fork server and the ranks, forked or started as interpreters, die with it (``grpo_mega.run.lifeline``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
 from grpo_mega.run.interrupts import EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, pause_point
+from grpo_mega.run.lifeline import LAUNCHER_ENV
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
 
@@ -198,6 +202,8 @@ def _fork_ranks_when_they_can() -> None:
 def _launch(argv: list[str] | None) -> int:
     from grpo_mega.run.forked_ranks import start_the_server_early
 
+    # the ranks this agent starts as interpreters die with it (the forked ones die with its fork server)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     start_the_server_early(sys.argv[1:] if argv is None else argv)
     _quiet_agent_logs()
     _stop_signals_once()
