@@ -1,6 +1,6 @@
 """Multi-turn tool rollouts (``rollout.multi_turn``) beyond one colocated process: ``rollout.mode: async`` (a training
-rank and a rollout rank that runs the turn loop and its tools, one step of lag) and tensor parallelism (TP=2 on 2
-gloo ranks, each running the turn loop on its share of the prompts). Each run is ``grpo-mega train`` from the command
+rank and a rollout rank that runs the turn loop and its tools, one step of lag) and tensor and pipeline parallelism
+(TP=2 and PP=2 on 2 gloo ranks, each running the turn loop on its share of the prompts). Each run is ``grpo-mega train`` from the command
 line with test_turn_loop_train.py's scripted bigram policy, which calls the calculator once in every rollout and then
 answers. What matters in each: the tool calls happened and came back (every rollout has its call, tool turn and
 answer), the tool turn is out of the loss (mask 0 on it in every trained row; the sampler's and the trainer's
@@ -110,6 +110,18 @@ def test_tensor_parallel_ranks_each_run_the_turn_loop_and_train_on_policy_tokens
     rows = _train(task, run_dir, "parallel.tensor=2")
     _check_tool_rollouts(run_dir, rows)
     # on policy: the sharded trainer's log-probs equal the sampler's on the policy's tokens (the tool's are masked)
+    assert all(row["rollout/logprob_diff_max"] < 1e-3 for row in rows)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_train_the_tool_rollouts_on_policy_tokens_only(task, tmp_path):
+    """PP=2: the turn loop runs on the whole model (every rank's rollout engine), the loss and the log-probs on the
+    last stage read the response mask like TP's."""
+    model_dir, train_file, root = task
+    deeper = (build_bigram_policy(model_dir, root / "bigram_2_layers", num_layers=2), train_file, root)
+    run_dir = tmp_path / "pp2"
+    rows = _train(deeper, run_dir, "parallel.tensor=1", "parallel.pipeline=2")
+    _check_tool_rollouts(run_dir, rows)
     assert all(row["rollout/logprob_diff_max"] < 1e-3 for row in rows)
 
 

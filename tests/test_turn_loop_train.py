@@ -52,12 +52,13 @@ sys.exit(main(sys.argv[1:]))
 
 
 def build_bigram_policy(model_dir: Path, folder: Path, *, second_answer_margin: float = 0.0,
-                        call_bodies: tuple[str, ...] = (CALL_BODY,)) -> Path:
+                        call_bodies: tuple[str, ...] = (CALL_BODY,), num_layers: int = 1) -> Path:
     """The scripted policy of the module docstring: the tiny task's tokenizer with the script's pieces added as
     (non-special) tokens, and a 1-layer Qwen2 whose logits at a position are a table of its token (head_dim 32: vLLM's
     CPU attention has no kernel for 16).
     ``second_answer_margin``: how much less likely (in logit / 8) the second answer is (0: a coin flip; > 0: greedy
-    decoding picks the first). ``call_bodies``: the calls the policy writes after ``<tool_call>``, each as likely."""
+    decoding picks the first). ``call_bodies``: the calls the policy writes after ``<tool_call>``, each as likely.
+    ``num_layers``: more layers for a pipeline of stages, each as silent as the first (the same policy)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     scripted = ["<tool_call>", *call_bodies, "</tool_call>", "<tool_response>", "</tool_response>", *ANSWERS]
@@ -65,16 +66,16 @@ def build_bigram_policy(model_dir: Path, folder: Path, *, second_answer_margin: 
     tokenizer.add_tokens(scripted)
     ids = {piece: tokenizer.convert_tokens_to_ids(piece) for piece in scripted}
     eos = tokenizer.eos_token_id
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
                          pad_token_id=tokenizer.pad_token_id, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
-        layer = model.model.layers[0]
-        layer.self_attn.o_proj.weight.zero_()  # no attention output, no MLP output: the residual is the embedding
-        layer.mlp.down_proj.weight.zero_()
+        for layer in model.model.layers:  # no attention output, no MLP output: the residual is the embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
         embed = model.model.embed_tokens.weight
         embed.zero_()
         embed[:, 16:].normal_(0.0, 0.1)  # ordinary tokens: a shared direction (dim 0) plus a little noise
