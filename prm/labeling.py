@@ -179,19 +179,26 @@ def monte_carlo_labels(
         reward_fn, [o.prompt for o in owners], solutions, [o.answer for o in owners], [o.extra for o in owners],
         on_error=on_error,
     )
-    failures = [r for r in results if r.failed]
-    if failures:
-        logger.warning("%d of %d verifier calls failed and count as incorrect; first: %s", len(failures),
-                       len(results), failures[0].error)
-    rollout_correct = [is_correct(r.score) for r in results[: len(prefixes) * n]]
-    outcomes = [r.score for r in results[len(prefixes) * n :]]
-    grouped = group_rollouts(prefixes, rollout_correct, n, step_counts)
+    grouped, outcomes = grouped_verdicts(results, prefixes, n, step_counts)
     examples = []
     for item, rollouts, outcome in zip(items, grouped, outcomes):
         hard, soft = step_labels(rollouts, is_correct(outcome))
         examples.append(StepExample(prompt=item.prompt, steps=list(item.steps), labels=hard, soft_labels=soft,
                                     answer=item.answer, source=item.source, extra={"outcome": outcome}))
     return examples
+
+
+def grouped_verdicts(results, prefixes, n: int, step_counts: list[int]):
+    """The verifier's ``results`` of one labelling call (the ``n`` continuations of every prefix, then every finished
+    solution) as (each solution's continuations' correctness per step, ``group_rollouts``; each solution's own
+    outcome score); failed calls count as incorrect, with one warning."""
+    failures = [r for r in results if r.failed]
+    if failures:
+        logger.warning("%d of %d verifier calls failed and count as incorrect; first: %s", len(failures),
+                       len(results), failures[0].error)
+    rollout_correct = [is_correct(r.score) for r in results[: len(prefixes) * n]]
+    outcomes = [r.score for r in results[len(prefixes) * n :]]
+    return group_rollouts(prefixes, rollout_correct, n, step_counts), outcomes
 
 
 class SampledSolutions(NamedTuple):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from prm.examples import StepExample
 from prm.rendering import LIKELIHOOD_TOKENS, RenderedExample, RenderSettings, tokenize_rendered
-from prm.turn_rendering import render_example, render_turn_steps, tag_ids_of
+from prm.turn_rendering import render_turn_split, render_turn_steps, tag_ids_of
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 if TYPE_CHECKING:
@@ -161,9 +161,7 @@ class StepScorer:
         (``prm.turn_rendering``)."""
         if not any(TURN_STEPS_FIELD in e.extra for e in examples):
             return self.score_steps([e.prompt for e in examples], [e.steps for e in examples])
-        with_steps = [i for i, e in enumerate(examples) if e.steps]
-        rendered = [render_example(self.tokenizer, examples[i], self.settings, max_length=self.max_length)
-                    for i in with_steps]
+        with_steps, rendered = render_turn_split(self.tokenizer, examples, self.settings, max_length=self.max_length)
         scores: list[list[float]] = [[] for _ in examples]
         for index, row_scores in zip(with_steps, self.score_rendered(rendered)):
             scores[index] = row_scores

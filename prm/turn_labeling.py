@@ -17,11 +17,10 @@ Collective like ``prm.labeling``: every rank passes the same items and gets the 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from prm.examples import StepExample
-from prm.labeling import LabelItem, group_rollouts, is_correct, plan_prefixes, step_labels
+from prm.labeling import LabelItem, grouped_verdicts, is_correct, plan_prefixes, step_labels
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 if TYPE_CHECKING:
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     from grpo_mega.reward.types import RewardFunction
     from grpo_mega.rollout.base import Completion, SamplingConfig
 
-logger = logging.getLogger(__name__)
 
 
 class TurnItem(NamedTuple):
@@ -119,13 +117,7 @@ def monte_carlo_turn_labels(
     solutions = [c.text for c in continued] + [t.completion.text for t in items]
     results = score_across_ranks(reward_fn, [o.prompt for o in owners], solutions, [o.answer for o in owners],
                                  [o.extra for o in owners], on_error=on_error)
-    failures = [r for r in results if r.failed]
-    if failures:
-        logger.warning("%d of %d verifier calls failed and count as incorrect; first: %s", len(failures),
-                       len(results), failures[0].error)
-    rollout_correct = [is_correct(r.score) for r in results[: len(prefixes) * n]]
-    outcomes = [r.score for r in results[len(prefixes) * n:]]
-    grouped = group_rollouts(prefixes, rollout_correct, n, step_counts)
+    grouped, outcomes = grouped_verdicts(results, prefixes, n, step_counts)
     examples = []
     for turn_item, rollouts, outcome in zip(items, grouped, outcomes):
         item = turn_item.item

@@ -74,3 +74,11 @@ def render_example(tokenizer, example: StepExample, settings: RenderSettings, *,
     turn_steps = TurnSteps.from_row(stored, len(example.steps))
     return render_turn_steps(turn_steps, tag_ids_of(tokenizer, settings), num_steps=num_steps, max_length=max_length,
                              vocab_size=len(tokenizer), where=where)
+
+
+def render_turn_split(tokenizer, examples: Sequence[StepExample], settings: RenderSettings, *,
+                      max_length: int | None = None) -> tuple[list[int], list[RenderedExample]]:
+    """What a scorer's ``score_examples`` scores of examples of which some are turn-split rows: (the indices of the
+    examples with a step, each rendered by :func:`render_example`); an example without a step keeps no score."""
+    with_steps = [i for i, e in enumerate(examples) if e.steps]
+    return with_steps, [render_example(tokenizer, examples[i], settings, max_length=max_length) for i in with_steps]
