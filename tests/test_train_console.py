@@ -23,7 +23,9 @@ def test_a_two_rank_run_prints_a_line_per_step_a_summary_and_no_library_warnings
     assert done.returncode == 0, done.stderr[-3000:]
 
     figures = r"  score \d\.\d{3}  reward -?\d\.\d{3}"
-    lines = done.stdout.splitlines()
+    start, *lines = done.stdout.splitlines()  # the line of the start: what the command builds before step 1
+    assert re.fullmatch(r"grpo-mega train: starting on 2 processes: importing torch, then building the policy, .*; "
+                        r"a line per step follows", start), done.stdout
     assert len(lines) == 4, done.stdout
     assert re.fullmatch(r"step 0/2 \(before training\)  accuracy \d\.\d{3}  \d+\.\d s", lines[0])
     assert re.fullmatch(rf"step 1/2{figures}  \d+\.\d s", lines[1])

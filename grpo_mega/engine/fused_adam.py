@@ -72,5 +72,5 @@ def fused_adam_for_device(optimizer, device: torch.device) -> None:
     if torch.device(device).type not in ("cuda", "cpu"):
         return
     if use_fused_adam(optimizer):
-        logger.info("optimizer: torch's fused AdamW kernel on %s (Transformer Engine and apex absent)",
+        logger.debug("optimizer: torch's fused AdamW kernel on %s (Transformer Engine and apex absent)",
                     torch.device(device).type)

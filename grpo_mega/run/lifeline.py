@@ -135,6 +135,10 @@ def arm_fork_server() -> None:
     parent = os.environ.pop(SERVER_PARENT_ENV, "")
     if parent.isdigit() and not die_with_parent(int(parent)):
         os._exit(0)  # the launcher left while this server started: nobody will ask it for a rank
+    # A scheduler's stop signal reaches every process of the job step (slurmstepd's SIGTERM after a USR1): the ranks
+    # save their step on it, and they die with this server; it goes with its launcher (above, and at the launcher's
+    # exit), never on the stop signal itself. Its ranks take SIGTERM back (shared_fork_server._adopt_launcher_side).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def end_with_the_launcher(environ=os.environ) -> None:

@@ -146,8 +146,10 @@ def _adopt_launcher_side(launcher: int, environ: dict[str, str], streams: dict) 
     from grpo_mega.run.lifeline import tie_to_launcher
 
     # A Ctrl-C before the process's own handler (the CLI's first call) ends it without a word: its launcher says
-    # what happened. A launcher's own server ignores SIGINT and blocks it, and its processes would keep doing so.
+    # what happened. A launcher's own server ignores SIGINT and blocks it, and SIGTERM (lifeline.arm_fork_server), and
+    # its processes would keep doing so.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if not tie_to_launcher(launcher):
         os._exit(0)
