@@ -16,6 +16,10 @@
   update_kill    rank RANK SIGKILLs itself in the update of step STEP, after its first optimizer step (the
                  weights changed in memory, not saved)
 
+``GRPO_FAULT_AFTER=PATH``: a due fault first waits (up to 300 s) for PATH to exist, for faults that must land after
+another rank's act that the schedule alone does not order before them (async rollouts: the rollout world generates
+step n + 2 while the trainer saves step n; the tests name that checkpoint's ``latest``).
+
 When the fault fires it writes the time to ``$GRPO_FAULT_MARK`` (the bench's fault-to-exit clock). Without
 ``GRPO_FAULT`` this is ``grpo-mega`` itself.
 
@@ -35,6 +39,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def _wait_for_precondition() -> None:
+    """Block until ``$GRPO_FAULT_AFTER`` exists (at most 300 s; then the fault fires anyway and the caller's
+    checks say what was missing)."""
+    path = os.environ.get("GRPO_FAULT_AFTER")
+    deadline = time.monotonic() + 300
+    while path and not Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _mark() -> None:
@@ -138,6 +151,7 @@ def _kill_in_tool_call(due) -> None:
     def run_one(self, call, row_kwargs):
         result = original(self, call, row_kwargs)
         if due():
+            _wait_for_precondition()
             _mark()
             _kill_self(None)
         return result

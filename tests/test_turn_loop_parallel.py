@@ -128,7 +128,9 @@ def test_pipeline_stages_train_the_tool_rollouts_on_policy_tokens_only(task, tmp
 @pytest.mark.slow
 def test_an_async_run_killed_in_a_tool_call_on_the_rollout_rank_resumes_exactly(task, async_run, tmp_path):
     """Rank 1 (the rollout world) SIGKILLs itself in the first tool call of the batch of step 3 (bench/fault_inject.py,
-    under the launcher's forked ranks as bench/chaos.py runs it): the job ends; the same command resumes from the
+    under the launcher's forked ranks as bench/chaos.py runs it), once the trainer has published step 1's checkpoint
+    (the rollout world generates step 3 from version 1 while the trainer saves step 1: unordered without the wait;
+    a kill before the publish loses that save, as a crash would, and the resume starts over): the job ends; the same command resumes from the
     last checkpoint, whose batch in flight was generated before the kill, and ends equal to the uninterrupted run."""
     sys.path.insert(0, str(REPO / "bench"))
     from chaos_checks import comparable_metrics, compare_checkpoints
@@ -138,7 +140,8 @@ def test_an_async_run_killed_in_a_tool_call_on_the_rollout_rank_resumes_exactly(
                "bench.fault_inject", "train", "--config", str(CONFIG), *_overrides(task, killed, *ASYNC)]
     mark = tmp_path / "fired"
     first = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO,
-                           env=_environment(GRPO_FAULT="tool_kill:1:3", GRPO_FAULT_MARK=str(mark)))
+                           env=_environment(GRPO_FAULT="tool_kill:1:3", GRPO_FAULT_MARK=str(mark),
+                                            GRPO_FAULT_AFTER=str(killed / "checkpoints" / "latest")))
     assert first.returncode != 0 and mark.exists(), first.stderr[-4000:]
     assert (killed / "checkpoints" / "latest").read_text().strip() in ("step_000001", "step_000002")
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=_environment())
