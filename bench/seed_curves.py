@@ -26,10 +26,22 @@ def accuracy_at_seconds(curve: Sequence[Sequence[float]], seconds: float) -> flo
     return (reached[-1] if reached else curve[0])[2]
 
 
-def _at_equal_budget(curve: Sequence[Sequence[float]], outcome_curve: Sequence[Sequence[float]], unit: str) -> dict:
-    """Two curves whose second column is the budget (seconds, groups), each at the smaller of their last points."""
+def _at_equal_budget(curve: Sequence[Sequence[float]], outcome_curve: Sequence[Sequence[float]], unit: str,
+                     *, within_a_step: bool = False) -> dict:
+    """Two curves whose second column is the budget (seconds, groups, tokens), each at the smaller of their last
+    points. ``within_a_step`` (the data budgets): a curve whose last point passes the budget by less than one of
+    its own steps (its last budget / its last step) is read at that point, so that two runs of the same steps whose
+    data differ by a few tokens are compared at their last evaluations, not one at its previous evaluation (the
+    tool task's oracle arm generated 0.01 % more tokens than tool GRPO in 60 steps, and was read at step 30)."""
     budget = min(curve[-1][1], outcome_curve[-1][1])
-    accuracy, os_accuracy = accuracy_at_seconds(curve, budget), accuracy_at_seconds(outcome_curve, budget)
+
+    def at_budget(points: Sequence[Sequence[float]]) -> float:
+        last_step, last_budget, last_accuracy = points[-1]
+        if within_a_step and last_step > 0 and last_budget - budget < last_budget / last_step:
+            return last_accuracy
+        return accuracy_at_seconds(points, budget)
+
+    accuracy, os_accuracy = at_budget(curve), at_budget(outcome_curve)
     return {unit: budget, "accuracy": accuracy, "os_accuracy": os_accuracy, "minus_os": accuracy - os_accuracy}
 
 
@@ -43,8 +55,10 @@ def equal_seconds(arm: dict, outcome: dict, *, set_aside: float = 0.0) -> dict:
 
 def equal_groups(arm: dict, outcome: dict, *, curve: str = "groups_curve") -> dict:
     """``arm`` against the outcome arm at the smaller of the numbers of groups their updates trained on: {groups,
-    accuracy, os_accuracy, minus_os}; ``curve="tokens_curve"``: of the tokens their rollouts generated."""
-    return _at_equal_budget(arm[curve], outcome[curve], "groups" if curve == "groups_curve" else "tokens")
+    accuracy, os_accuracy, minus_os}; ``curve="tokens_curve"``: of the tokens their rollouts generated. A run
+    within one step of the budget is read at its last evaluation (``_at_equal_budget``'s ``within_a_step``)."""
+    return _at_equal_budget(arm[curve], outcome[curve], "groups" if curve == "groups_curve" else "tokens",
+                            within_a_step=True)
 
 
 def mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> list[tuple[float, float, float, float, float]]:

@@ -41,6 +41,19 @@ def test_arms_at_equal_data_are_compared_on_the_groups_they_trained_on():
                                               "minus_os": pytest.approx(-0.02)}
 
 
+def test_arms_a_few_tokens_apart_after_the_same_steps_are_compared_at_their_last_evaluations():
+    """The tool task's seed 1: after 60 steps the oracle arm had generated 81 tokens more than tool GRPO (1,844,577
+    against 1,844,496, ~30,700 a step): at equal tokens both are at step 60, not the oracle arm at step 30; an arm
+    a whole step's tokens past the budget is still read at its evaluation within it."""
+    outcome = {"tokens_curve": [[0, 0.0, 0.22], [30, 924779.0, 0.39], [60, 1844496.0, 0.50]]}
+    oracle = {"tokens_curve": [[0, 0.0, 0.22], [30, 924695.0, 0.343], [60, 1844577.0, 0.453]]}
+    compared = equal_groups(oracle, outcome, curve="tokens_curve")
+    assert compared == {"tokens": 1844496.0, "accuracy": 0.453, "os_accuracy": 0.50,
+                        "minus_os": pytest.approx(-0.047)}
+    longer = {"tokens_curve": [[0, 0.0, 0.22], [30, 924695.0, 0.343], [60, 1844496.0 + 40000.0, 0.453]]}
+    assert equal_groups(longer, outcome, curve="tokens_curve")["accuracy"] == 0.343
+
+
 def test_mean_curves_over_seeds_keep_the_steps_every_seed_evaluated(tmp_path):
     curves = [[[0, 2.0, 0.1], [10, 20.0, 0.3], [20, 40.0, 0.5]], [[0, 4.0, 0.3], [10, 30.0, 0.1]]]
     assert mean_curve(curves) == [(0, 3.0, pytest.approx(0.2), 0.1, 0.3), (10, 25.0, pytest.approx(0.2), 0.1, 0.3)]
