@@ -7,8 +7,8 @@ Both arms are ``TurnLoopEngine(HFRolloutEngine(policy))`` over the same prompts,
 loop's path for engines that keep no cache: every later turn prefills each row's whole prefix). They alternate;
 median and minimum of ``--repeats``, wall-clock and the process's CPU seconds (on a shared machine the CPU seconds
 are the steadier figure). The trajectories of the two are compared token by token (they should be equal: the same
-random numbers). The calculator runs in-process (exact integer arithmetic, ``bench/tool_regime_eval.py``): its
-seconds are reported apart and are not the sandbox's. The policy defaults to the tool regime's SFT checkpoint of
+random numbers). The calculator is grpo-mega's built-in one (``build_toolset(["calculator"])``, which runs inline,
+not in the sandbox): its seconds are reported apart. The policy defaults to the tool regime's SFT checkpoint of
 ``grpo-mega quickstart --regime tools`` run in /tmp/tr/full (``--checkpoint``, ``--model-dir``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python bench/turn_loop_kv.py --prompts 32 --group 8 --repeats 5 --threads 1
@@ -24,47 +24,12 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 from bench.report import load_average, machine  # noqa: E402
-from bench.tool_regime_eval import exact_calculator, load_sft_policy  # noqa: E402
-
-
-@dataclass
-class Result:
-    """A tool result as the turn loop reads it (``grpo_mega.tools``' ToolResult fields)."""
-
-    content: str
-    error: str | None = None
-    seconds: float = 0.0
-    reward: float | None = None
-
-
-class InProcessCalculator:
-    """The ``calculator`` tool without the sandbox: exact integer arithmetic on ``expression``."""
-
-    names = ["calculator"]
-
-    def schemas(self) -> list[dict]:
-        return []
-
-    def run(self, calls, kwargs=None) -> list[Result]:
-        results = []
-        for call in calls:
-            try:
-                if call.name != "calculator":
-                    raise ValueError(f"unknown tool {call.name!r}")
-                results.append(Result(str(exact_calculator(str(call.arguments["expression"])))))
-            except (KeyError, ValueError) as error:
-                results.append(Result(f"error: {error}", "exception"))
-        return results
-
-    def close(self) -> None:
-        pass
 
 
 def one_step(loop, engine, prompts, sampling) -> tuple[dict, list]:
@@ -81,7 +46,8 @@ def one_step(loop, engine, prompts, sampling) -> tuple[dict, list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default="/tmp/tr/full/sft_tool_more/checkpoints/step_000400")
-    parser.add_argument("--model-dir", default="/tmp/tr/full/model")
+    parser.add_argument("--model-dir", default="/tmp/tr/full/model", help="the run's model folder: only for the "
+                        "default --heldout (the policy's tokenizer and HF config come from its checkpoint)")
     parser.add_argument("--heldout", default=None, help="prompts file (default: MODEL_DIR/../data/heldout.jsonl)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group", type=int, default=8)
@@ -95,20 +61,21 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer
 
+    from grpo_mega.parallel import init_distributed
     from grpo_mega.rollout.base import SamplingConfig
-    from grpo_mega.rollout.hf_engine import HFRolloutEngine
     from grpo_mega.rollout.turn_loop import TurnLoopEngine, TurnLoopSettings
+    from grpo_mega.tools import SandboxConfig, build_toolset
+    from prm.policy import load_policy_rollout
 
     torch.set_num_threads(args.threads)
     heldout = Path(args.heldout or Path(args.model_dir).parent / "data" / "heldout.jsonl")
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = load_sft_policy(args.checkpoint, args.model_dir)
+    init_distributed(1, 1, seed=0, device="cpu")  # one process: the forward engine the checkpoint loads into
+    rollout = load_policy_rollout(args.checkpoint, generation_batch_size=64)  # the engine's default
+    engine, tokenizer, model = rollout.engine, rollout.tokenizer, rollout.engine.model
     rows = [json.loads(line) for line in heldout.read_text().splitlines()[:args.prompts]]
     prompts = [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
-    engine = HFRolloutEngine(model, tokenizer)
-    loop = TurnLoopEngine(engine, InProcessCalculator(), tokenizer,
+    loop = TurnLoopEngine(engine, build_toolset(["calculator"], SandboxConfig()), tokenizer,
                           TurnLoopSettings(max_response_tokens=args.max_tokens, max_turns=args.max_turns))
     sampling = SamplingConfig(temperature=args.temperature, n=args.group, max_new_tokens=args.max_tokens,
                               seed=args.seed)

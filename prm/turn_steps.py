@@ -3,8 +3,9 @@ convention for everything that splits a tool rollout into steps: ``grpo-mega prm
 writes), ``prm train`` / ``score`` / ``eval`` on those rows, and the trainer's PRM call on turns
 (``process_reward.steps: turns``).
 
-- Step k of a multi-turn completion is its k-th assistant turn (``Completion.turns[k]``, a
-  ``grpo_mega.rollout.base.TurnRecord``); a turn without a policy token is no step.
+- Step k of a multi-turn completion is its k-th assistant turn with a policy (model) token (``Completion.turns``,
+  ``grpo_mega.rollout.base.TurnRecord``s; :func:`model_turns`): a turn without one is no step, since no token of
+  it could carry the step's credit.
 - The step ends at the turn's LAST MODEL TOKEN: response index ``turns[k].end - 1`` (the step's credit and its PRM
   score sit there).
 - The PRM's input for step k is the prompt plus the whole response through that token, earlier tool turns included;
@@ -14,8 +15,9 @@ writes), ``prm train`` / ``score`` / ``eval`` on those rows, and the trainer's P
   step k-1's end through step k's end, decoded (``decode_response``): the tool turn that answered turn k-1 opens it,
   and the texts of steps 1..k are the decoded response through step k's end. Tokens after the last step's end (a
   tool turn the rollout ended on) are in no step.
-- A completion with no turns (a single-turn completion) is one step ending at its last response token; a multi-turn
-  completion whose first turn made no call has one turn, so one step, the same.
+- A multi-turn completion whose first turn made no call has one turn, so one step. A completion with no turn that
+  has a model token (no turn records: not a turn-loop rollout; or only empty turns) has no step: the trainer gives
+  it no step reward and ``TurnSteps.of`` refuses it (a stored row is at least one step).
 
 A stored (stepwise) row of turn steps carries, beside its text steps (``completions``), the field
 ``TURN_STEPS_FIELD``: ``{"prompt_ids", "response_ids", "step_starts", "step_ends"}`` (the policy's tokens and each
@@ -53,17 +55,20 @@ def check_step_ends(step_ends: Sequence[int], response_length: int) -> None:
         previous = end
 
 
+def model_turns(turns: Sequence[TurnRecord] | None) -> list[TurnRecord]:
+    """The turns that are steps, in order: those with a policy token (``end > start``). The one rule of the trainer
+    (``grpo_mega.stages.turn_steps``) and of ``grpo-mega prm`` on turns; None (no turn records) gives none."""
+    return [turn for turn in turns or [] if turn.end > turn.start]
+
+
 def step_bounds_of_turns(turns: Sequence[TurnRecord] | None, response_length: int) -> tuple[list[int], list[int]]:
     """(first model token, last model token) response indices of each step (the module docstring): ``turn.start``
-    and ``turn.end - 1`` of every turn with a policy token; ``([0], [response_length - 1])`` for a completion
-    without turns. ValueError for a completion with no response token or turns out of order."""
-    if response_length < 1:
-        raise ValueError("a completion without a response token has no step")
-    steps = [turn for turn in turns or [] if turn.end > turn.start]
-    if not steps:
-        return [0], [response_length - 1]
+    and ``turn.end - 1`` of every turn of :func:`model_turns`; ``([], [])`` for a completion without one.
+    ValueError for turns out of order or past the response's ``response_length`` tokens."""
+    steps = model_turns(turns)
     starts, ends = [turn.start for turn in steps], [turn.end - 1 for turn in steps]
-    check_step_bounds(starts, ends, response_length)
+    if steps:
+        check_step_bounds(starts, ends, response_length)
     return starts, ends
 
 
@@ -102,9 +107,12 @@ class TurnSteps:
 
     @classmethod
     def of(cls, completion: Completion) -> TurnSteps:
-        """The turn steps of a rollout's completion (its ``turns``; one step without them)."""
+        """The turn steps of a rollout's completion (its ``turns``); ValueError for one without a turn that has a
+        model token (no step: the module docstring)."""
         ids = list(completion.response_ids)
         starts, ends = step_bounds_of_turns(completion.turns, len(ids))
+        if not ends:
+            raise ValueError("a completion without an assistant turn that has a model token has no turn step")
         return cls(list(completion.prompt_ids), ids, starts, ends)
 
     def texts(self, tokenizer: Any) -> list[str]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_runner import CONFIGS, PRM_CONFIG, run_grpo_mega
 from grpo_mega.data.synthetic import read_jsonl
 from grpo_mega.engine import LossScale
 from prm.data import write_stepwise
@@ -24,8 +24,6 @@ from prm.scoring import rendered_batch, scores_at_tags
 from prm.synthetic import planted_error_examples
 from prm.train import prm_loss, training_targets
 from tiny_task import build_tiny_task
-
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_prm.yaml"
 
 
 # ----------------------------------------------------------------------------- the loss and the batch, by hand
@@ -95,16 +93,11 @@ def prm_task(tmp_path_factory):
     return {"model": model_dir, "policy": policy_dir, "train": train, "heldout": heldout, "problems": train_file}
 
 
-def _grpo_mega(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def _train(task, run_dir: Path, total_steps: int, *extra: str, nproc: int | None = None) -> subprocess.CompletedProcess:
     """``prm train`` of a classifier PRM at TP=2 on 2 processes unless ``nproc`` is given (the config itself is a
     likelihood PRM, trained data-parallel)."""
-    return _grpo_mega(
-        "prm", "train", "--config", str(CONFIG), *(["--nproc", str(nproc)] if nproc else []),
+    return run_grpo_mega(
+        "prm", "train", "--config", str(PRM_CONFIG), *(["--nproc", str(nproc)] if nproc else []),
         f"model.hf_config={task['model']}",
         f"model.init_from={task['policy']}", f"data.train_file={task['train']}", f"data.eval_file={task['heldout']}",
         f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}", "trainer.batch_size=8",
@@ -156,7 +149,7 @@ def test_prm_train_resumes_exactly_and_its_checkpoint_scores_at_another_layout(p
     # prm score on 1 process (TP=1) reads the TP=2 checkpoint: one line per row, in order, scores in [0, 1],
     # and they classify the held-out steps exactly as the training run's last evaluation did
     out = tmp_path / "scores.jsonl"
-    scored = _grpo_mega("prm", "score", "--prm", str(straight_dir), "--data", str(prm_task["heldout"]),
+    scored = run_grpo_mega("prm", "score", "--prm", str(straight_dir), "--data", str(prm_task["heldout"]),
                         "--out", str(out))
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert scored.stdout.strip().splitlines()[-1] == str(out)
@@ -176,7 +169,7 @@ def test_prm_train_resumes_exactly_and_its_checkpoint_scores_at_another_layout(p
 @pytest.mark.slow
 def test_prm_eval_reports_every_figure_and_best_of_n_is_consistent(prm_task, trained_prm, tmp_path):
     report_path, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
-    result = _grpo_mega(
+    result = run_grpo_mega(
         "prm", "eval", "--prm", str(trained_prm[0]), "--data", str(prm_task["heldout"]), "--policy",
         str(prm_task["policy"]), "--prompts", str(prm_task["problems"]), "--n", "3", "--max-prompts", "4",
         "--max-new-tokens", "16", "--samples-out", str(samples), "--out", str(report_path), "--nproc", "2",
@@ -201,8 +194,8 @@ def test_prm_eval_reports_every_figure_and_best_of_n_is_consistent(prm_task, tra
 def test_prm_train_with_unlabelled_rows_fails_naming_the_file_and_line(prm_task, tmp_path):
     data = tmp_path / "unlabelled.jsonl"
     data.write_text(json.dumps({"prompt": "Q: Start with 2. Add 3. A:", "completions": [" Step 1: 2 + 3 = 5."]}) + "\n")
-    result = _grpo_mega(
-        "prm", "train", "--config", str(CONFIG), "--nproc", "1", "parallel.tensor=1", f"model.hf_config={prm_task['model']}",
+    result = run_grpo_mega(
+        "prm", "train", "--config", str(PRM_CONFIG), "--nproc", "1", "parallel.tensor=1", f"model.hf_config={prm_task['model']}",
         f"data.train_file={data}", f"trainer.run_dir={tmp_path / 'run'}", "data.on_bad_row=error",
         "parallel.device=cpu",
     )
@@ -216,8 +209,8 @@ def test_process_supervised_grpo_with_the_learned_prm_scores_every_step(prm_task
     from tiny_task import tiny_run_overrides
 
     run_dir = tmp_path / "grpo_ps"
-    result = _grpo_mega(
-        "train", "--config", str(CONFIG.parent / "quickstart_grpo.yaml"), "--nproc", "2",
+    result = run_grpo_mega(
+        "train", "--config", str(CONFIGS / "quickstart_grpo.yaml"), "--nproc", "2",
         *tiny_run_overrides((prm_task["model"], prm_task["problems"]), run_dir),
         f"model.init_from={prm_task['policy']}", "trainer.total_steps=2", "algorithm.supervision=process",
         "process_reward.source=prm", f"process_reward.prm={trained_prm[0]}", "process_reward.max_counted_steps=4",
@@ -246,8 +239,8 @@ def test_process_supervised_grpo_in_async_mode_scores_on_the_rollout_rank(prm_ta
     from tiny_task import tiny_run_overrides
 
     run_dir = tmp_path / "grpo_ps_async"
-    result = _grpo_mega(
-        "train", "--config", str(CONFIG.parent / "quickstart_grpo.yaml"), "--nproc", "2",
+    result = run_grpo_mega(
+        "train", "--config", str(CONFIGS / "quickstart_grpo.yaml"), "--nproc", "2",
         *tiny_run_overrides((prm_task["model"], prm_task["problems"]), run_dir), "parallel.tensor=1",
         f"model.init_from={prm_task['policy']}", "trainer.total_steps=3", "algorithm.supervision=process",
         "process_reward.source=prm", f"process_reward.prm={trained_prm[0]}", "process_reward.max_counted_steps=4",

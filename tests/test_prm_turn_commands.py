@@ -6,12 +6,11 @@ model token), and a PRM trains on the rows and scores every turn."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from cli_runner import PRM_CONFIG, run_grpo_mega
 from grpo_mega.reward import get_reward_function
 from grpo_mega.rollout.base import SamplingConfig
 from prm.data import write_stepwise
@@ -19,14 +18,6 @@ from prm.turn_labeling import monte_carlo_turn_labels, sample_turn_solutions
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 from test_prm_turn_labeling import CountingTools, loop_of, records
 from tiny_task import build_tiny_task
-from pathlib import Path
-
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_prm.yaml"
-
-
-def _grpo_mega(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *argv], capture_output=True, text=True,
-                          timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -69,25 +60,25 @@ def _hand_scores(policy, example) -> list[float]:
 @pytest.mark.slow
 def test_a_likelihood_prm_scores_each_turn_on_its_own_tokens_and_trains_on_turn_rows(turn_rows, tmp_path):
     scored = tmp_path / "scores.jsonl"
-    result = _grpo_mega("prm", "score", "--prm", str(turn_rows["policy"]), "--layout", "likelihood", "--data",
-                        str(turn_rows["rows"]), "--out", str(scored))
+    result = run_grpo_mega("prm", "score", "--prm", str(turn_rows["policy"]), "--layout", "likelihood", "--data",
+                           str(turn_rows["rows"]), "--out", str(scored), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in scored.read_text().splitlines()]
     for line, example in zip(lines, turn_rows["examples"]):
         assert line["step_scores"] == pytest.approx(_hand_scores(turn_rows["policy"], example), rel=1e-4, abs=1e-6)
 
     run_dir = tmp_path / "prm"
-    trained = _grpo_mega(
-        "prm", "train", "--config", str(CONFIG), f"model.hf_config={turn_rows['model']}",
+    trained = run_grpo_mega(
+        "prm", "train", "--config", str(PRM_CONFIG), f"model.hf_config={turn_rows['model']}",
         f"model.init_from={turn_rows['policy']}", f"data.train_file={turn_rows['rows']}", f"trainer.run_dir={run_dir}",
         "trainer.total_steps=2", "trainer.batch_size=4", "trainer.progress_bar=false", "trainer.tensorboard=false",
         "parallel.device=cpu", "data.max_length=256", "data.stop_at_first_bad_step=false", "optim.lr=1e-3",
-        "optim.warmup_steps=0")
+        "optim.warmup_steps=0", timeout=600)
     assert trained.returncode == 0, trained.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["prm/loss"] > 0 for m in metrics)
-    result = _grpo_mega("prm", "score", "--prm", str(run_dir), "--data", str(turn_rows["rows"]), "--out",
-                        str(scored))
+    result = run_grpo_mega("prm", "score", "--prm", str(run_dir), "--data", str(turn_rows["rows"]), "--out",
+                           str(scored), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     after = [json.loads(line)["step_scores"] for line in scored.read_text().splitlines()]
     assert [len(s) for s in after] == [len(e.steps) for e in turn_rows["examples"]] * 4

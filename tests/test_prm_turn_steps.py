@@ -42,8 +42,8 @@ def test_step_ends_are_each_turns_last_model_token():
     # a rollout that ended on a tool turn: those tokens are in no step; a turn without a token is no step
     assert step_bounds_of_turns([TurnRecord(0, 5, "tool_call", tool_end=9), TurnRecord(9, 9, "length")], 9) == (
         [0], [4])
-    # no turns (a single-turn completion): one step ending at the last token
-    assert step_bounds_of_turns(None, 7) == ([0], [6]) and step_bounds_of_turns([], 7) == ([0], [6])
+    # no turn with a model token (no turn records, or only empty turns): no step (tests/test_turn_steps_rule.py)
+    assert step_bounds_of_turns(None, 7) == ([], []) and step_bounds_of_turns([TurnRecord(0, 0, "void")], 0) == ([], [])
 
 
 def test_the_prm_reads_turn_steps_from_the_policys_tokens():

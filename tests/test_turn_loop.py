@@ -20,7 +20,7 @@ from grpo_mega.data.prompts import PromptRecord
 from grpo_mega.engine.base import LossScale
 from grpo_mega.rollout.base import Completion, SamplingConfig
 from grpo_mega.rollout.tool_turns import cap_tool_output
-from grpo_mega.rollout.turn_loop import TurnLoopEngine, TurnLoopSettings
+from grpo_mega.rollout.turn_loop import TurnLoopEngine, TurnLoopSettings, _Row
 from grpo_mega.rollout.turn_metrics import turn_metrics
 from grpo_mega.stages.grpo_loss import GRPOLossSettings, grpo_loss_fn
 from grpo_mega.stages.rollout import RolloutBatch, row_tool_kwargs
@@ -171,6 +171,51 @@ def test_a_later_turn_never_asks_the_engine_past_the_context_and_each_row_keeps_
                          for prompts, sampling in later)
     assert len(later) > 1  # one call would not have fitted
     assert all(c.finish_reason == "length" and len(c.response_ids) == budget for c in completions)
+
+
+class RecordingEngine:
+    """An engine that returns one empty completion per prompt and records each call's prompts and sampling."""
+
+    def __init__(self, context_length):
+        self.context_length, self.calls = context_length, []
+
+    def generate(self, prompt_ids, sampling):
+        self.calls.append(([list(p) for p in prompt_ids], sampling))
+        return [Completion(i, list(p), [], [], "", "stop") for i, p in enumerate(prompt_ids)]
+
+
+def test_a_later_turns_calls_are_the_fewest_within_the_context_longest_prefix_first():
+    """``_continue``'s split on 200 rows of random prefixes and budgets: each call takes the next rows, longest prefix
+    first, while its longest prefix plus the largest limit of its rows stays within the context (as many rows as
+    fit, so as few calls as a greedy split gives), its max_new_tokens that largest limit, each call's rows in the
+    loop's order; the loop returns the rows in call order."""
+    generator = torch.Generator().manual_seed(0)
+    per_turn, budget, context = 100, 90, 140  # each row fits alone: prompt + budget <= context
+    rows = []
+    for index in range(200):
+        prompt, response = torch.randint(1, 50, (2,), generator=generator).tolist()
+        rows.append(_Row(index, [7] * prompt, {}, response_ids=[8] * response))
+    engine = RecordingEngine(context)
+    loop = TurnLoopEngine(engine, Calculator(), None, TurnLoopSettings(max_response_tokens=budget, max_turns=3),
+                          tool_turns=object())
+    returned, outputs = loop._continue(rows, SamplingConfig(n=4, seed=5), [], per_turn, context, turn=1)
+
+    limit = {row.prompt_index: min(per_turn, budget - len(row.response_ids)) for row in rows}
+    prefix = {row.prompt_index: len(row.prompt_ids) + len(row.response_ids) for row in rows}
+    expected, call = [], []
+    for index in sorted(limit, key=lambda i: -prefix[i]):  # the greedy split, written out
+        if call and prefix[call[0]] + max(limit[i] for i in call + [index]) > context:
+            expected.append(call)
+            call = []
+        call.append(index)
+    expected.append(call)
+    assert len(engine.calls) == len(expected) > 1
+    for (prompts, sampling), indices in zip(engine.calls, expected):
+        assert [len(p) for p in prompts] == [prefix[i] for i in sorted(indices)]
+        assert sampling.max_new_tokens == max(limit[i] for i in indices) and sampling.n == 1
+        assert max(len(p) for p in prompts) + sampling.max_new_tokens <= context
+    assert [row.prompt_index for row in returned] == [i for indices in expected for i in sorted(indices)]
+    assert len(outputs) == len(rows)
 
 
 @pytest.mark.parametrize("side,kept", [("right", "start"), ("left", "end"), ("middle", "both")])

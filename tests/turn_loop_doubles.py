@@ -1,27 +1,17 @@
 """Test doubles of the turn-loop tests: a scripted engine (a "policy" whose turns are given as text, returned as
 token ids with made-up log-probs through the engine seam) and an exact integer calculator with the interface's
-ToolSet methods (``names`` / ``schemas()`` / ``run()`` / ``close()``; grpo_mega.tools is the sandbox branch's)."""
+ToolSet methods (``names`` / ``schemas()`` / ``run()`` / ``close()``) returning ``grpo_mega.tools.ToolResult``s."""
 
 from __future__ import annotations
 
 import ast
 import operator
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from grpo_mega.rollout.base import Completion, SamplingConfig, decode_response
 from grpo_mega.rollout.stopping import cut_response
-
-
-@dataclass
-class Result:
-    """The interface's ToolResult."""
-
-    content: str
-    error: str | None = None
-    seconds: float = 0.0
-    reward: float | None = None
+from grpo_mega.tools import ToolResult
 
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -54,20 +44,20 @@ class Calculator:
             "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                            "required": ["expression"]}}}]
 
-    def run(self, calls: Sequence[Any], kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[Result]:
+    def run(self, calls: Sequence[Any], kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[ToolResult]:
         self.runs.append((list(calls), list(kwargs or [])))
         results = []
         for call in calls:
             started = time.perf_counter()
             source = call.arguments.get("expression") if call.name == "calculator" else call.arguments.get("code")
             if call.name not in self.names:
-                results.append(Result(f"unknown tool {call.name!r}", "unknown_tool"))
+                results.append(ToolResult(f"unknown tool {call.name!r}", "unknown_tool"))
                 continue
             try:
                 value = str(_evaluate(ast.parse(str(source).strip(), mode="eval")))
-                results.append(Result(value, None, time.perf_counter() - started, self.reward))
+                results.append(ToolResult(value, None, time.perf_counter() - started, self.reward))
             except (ValueError, SyntaxError) as error:
-                results.append(Result(f"error: {error}", "bad_arguments", time.perf_counter() - started))
+                results.append(ToolResult(f"error: {error}", "bad_arguments", time.perf_counter() - started))
         return results
 
     def close(self) -> None:

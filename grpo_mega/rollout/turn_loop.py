@@ -153,14 +153,14 @@ class TurnLoopEngine:
         limit = {id(row): min(per_turn, self.settings.max_response_tokens - len(row.response_ids)) for row in live}
         order = sorted(live, key=lambda row: -len(row.prompt_ids) - len(row.response_ids))
         calls: list[list[_Row]] = []
+        longest = largest_limit = 0  # of the last call: its first row's prefix (the longest), its rows' largest limit
         for row in order:
-            if calls:
-                head = calls[-1]
-                longest = len(head[0].prompt_ids) + len(head[0].response_ids)
-                if context is None or longest + max(limit[id(row)], *(limit[id(r)] for r in head)) <= context:
-                    head.append(row)
-                    continue
+            if calls and (context is None or longest + max(largest_limit, limit[id(row)]) <= context):
+                calls[-1].append(row)
+                largest_limit = max(largest_limit, limit[id(row)])
+                continue
             calls.append([row])
+            longest, largest_limit = len(row.prompt_ids) + len(row.response_ids), limit[id(row)]
         position = {id(row): index for index, row in enumerate(live)}
         rows, outputs = [], []
         for index, group in enumerate(calls):

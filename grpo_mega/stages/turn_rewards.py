@@ -27,6 +27,18 @@ def tool_turn_reward(turn, settings: ProcessRewardConfig) -> float:
     return sum(values) / len(values)
 
 
+def score_turn_steps(scorer, completions: Sequence[Completion]) -> list[list[float]]:
+    """``scorer.score_turn_steps`` over the completions' turn steps (``prm.turn_steps.TurnSteps.of``) in one call;
+    a completion without a step (no assistant turn with a model token) is not sent and gets no score, as the text
+    path gives it none."""
+    from prm.turn_steps import TurnSteps
+
+    has_steps = [bool(step_turns(c)) for c in completions]
+    steps = [TurnSteps.of(c) for c, keep in zip(completions, has_steps) if keep]
+    scored = iter(scorer.score_turn_steps(steps) if steps else [])
+    return [list(next(scored)) if keep else [] for keep in has_steps]
+
+
 class ToolTurnRewards:
     """``process_reward.source: tool``: each turn scored by its tool calls (:func:`tool_turn_reward`)."""
 
@@ -62,9 +74,7 @@ class PRMTurnRewards:
         steps = [turn_step_texts(c, self.decode) for c in completions]
         call = None
         if hasattr(self.prm.scorer, "score_turn_steps"):  # the policy's tokens, as prm/turn_rendering.py renders them
-            from prm.turn_steps import TurnSteps
-
-            call = lambda: self.prm.scorer.score_turn_steps([TurnSteps.of(c) for c in completions])  # noqa: E731
+            call = lambda: score_turn_steps(self.prm.scorer, completions)  # noqa: E731
         scores, failed = self.prm._score(prompts, texts, steps, call=call)
         metrics = PRMStepRewards._metrics(steps, scores)
         starts = step_reward_starts(self.settings, prompts, outcomes)

@@ -1,11 +1,12 @@
 """Turns as steps on the trainer's side (``process_reward.steps: turns``): which turns are steps, where each ends,
 the text a PRM reads for it and the view of the turns a reward function is given.
 
-The convention (the same as ``grpo-mega prm`` on turn-split data, ``prm/turn_steps.py`` of the PRM side): step k of
-a multi-turn completion is its k-th assistant turn with at least one policy token; it ends at the turn's LAST MODEL
-TOKEN (response index ``turn.end - 1``), where its score is read and its credit sits; its text for a PRM is the
-response after step k-1's end through its own end, decoded, so the tool turn that answered turn k-1 opens step k
-and the PRM sees every earlier tool output in its context. Tool tokens carry no credit (their mask is 0).
+The convention is ``grpo-mega prm``'s on turn-split data, its functions called here (``prm/turn_steps.py``): step k
+of a multi-turn completion is its k-th assistant turn with at least one policy token (``model_turns``: a completion
+without one has no step); it ends at the turn's LAST MODEL TOKEN (response index ``turn.end - 1``), where its score
+is read and its credit sits; its text for a PRM is the response after step k-1's end through its own end, decoded,
+so the tool turn that answered turn k-1 opens step k and the PRM sees every earlier tool output in its context.
+Tool tokens carry no credit (their mask is 0).
 """
 
 from __future__ import annotations
@@ -16,26 +17,24 @@ import torch
 
 from grpo_mega.algo.turn_credit import turn_tensors
 from grpo_mega.rollout.base import Completion, TurnRecord
+from prm.turn_steps import model_turns, step_bounds_of_turns, step_spans
 
 
 def step_turns(completion: Completion) -> list[TurnRecord]:
-    """The turns of ``completion`` that are steps: those with a policy token (``end > start``)."""
-    return [turn for turn in completion.turns or [] if turn.end > turn.start]
+    """The turns of ``completion`` that are steps: those with a policy token (``prm.turn_steps.model_turns``)."""
+    return model_turns(completion.turns)
 
 
 def turn_step_ends(completion: Completion) -> list[int]:
-    """The response index of each step's last model token."""
-    return [turn.end - 1 for turn in step_turns(completion)]
+    """The response index of each step's last model token (``prm.turn_steps.step_bounds_of_turns``)."""
+    return step_bounds_of_turns(completion.turns, len(completion.response_ids))[1]
 
 
 def turn_step_texts(completion: Completion, decode: Callable[[list[int]], str]) -> list[str]:
     """Each step's text for a PRM: the response tokens after the previous step's end through this step's end
-    (earlier tool turns included), decoded."""
-    ids, texts, start = completion.response_ids, [], 0
-    for end in turn_step_ends(completion):
-        texts.append(decode(ids[start:end + 1]))
-        start = end + 1
-    return texts
+    (earlier tool turns included; ``prm.turn_steps.step_spans``), decoded."""
+    ids = completion.response_ids
+    return [decode(ids[start:stop]) for start, stop in step_spans(turn_step_ends(completion))]
 
 
 def turn_views(completion: Completion, decode: Callable[[list[int]], str]) -> list[dict]:
