@@ -106,25 +106,28 @@ def resume_step(run_dir: Path) -> int:
         return 0
 
 
+def _rows(run_dir: Path) -> list[str]:
+    """The complete lines of the run's metrics.jsonl (a row being appended, its newline not yet written, is left out:
+    it is read on the next poll), blank ones aside."""
+    path = run_dir / METRICS_FILE
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [line.rstrip("\n") for line in lines if line.endswith("\n") and line.strip()]
+
+
 def attempt_start(run_dir: Path) -> AttemptStart:
     """The :class:`AttemptStart` of the attempt about to start in ``run_dir`` (every rank of the one before gone)."""
     step = resume_step(run_dir)
-    path = run_dir / METRICS_FILE
-    lines = path.read_text().splitlines() if path.exists() else []
-    stale = next((line for line in lines if line.strip() and json.loads(line)["step"] > step), None)
-    return AttemptStart(step, stale)
+    return AttemptStart(step, next((row for row in _rows(run_dir) if json.loads(row)["step"] > step), None))
 
 
 def attempt_steps(run_dir: Path, start: AttemptStart) -> list[int]:
     """The steps of the metrics rows the attempt that began at ``start`` has logged: the rows past its resume step,
     once its resume has dropped the stale ones (until then, none). A row logged again is a new line (its ``time``
     differs), so the stale line still in the file means the drop has not happened yet."""
-    path = run_dir / METRICS_FILE
-    lines = path.read_text().splitlines() if path.exists() else []
-    if start.stale is not None and start.stale in lines:
+    rows = _rows(run_dir)
+    if start.stale is not None and start.stale in rows:
         return []
-    steps = (json.loads(line)["step"] for line in lines if line.strip())
-    return [step for step in steps if step > start.resume_step]
+    return [step for step in (json.loads(row)["step"] for row in rows) if step > start.resume_step]
 
 
 def step_reached(run_dir: Path, start: AttemptStart) -> int:

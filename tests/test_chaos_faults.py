@@ -136,3 +136,16 @@ def test_the_first_row_of_an_attempt_is_noted_when_it_logs_one_not_at_a_stale_ro
 
     reached, first_row = poll_attempt(run_dir, start, lambda: False, ended)
     assert not reached and logged_at and first_row >= logged_at[0]
+
+
+def test_a_row_read_while_it_is_being_written_counts_once_its_newline_is_there(tmp_path):
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 3)
+    _log(run_dir, 1, 2, 3)
+    start = attempt_start(run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as out:
+        out.write('{"step": 4, "time": 1')  # the writer's line, half read
+    assert step_reached(run_dir, start) == 3
+    with open(run_dir / "metrics.jsonl", "a") as out:
+        out.write('2.5, "loss": 0.25}\n')
+    assert step_reached(run_dir, start) == 4
