@@ -48,9 +48,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import chaos_slurm  # noqa: E402
 from chaos_checks import compare_runs  # noqa: E402
-from chaos_faults import (KINDS, PLANTED, PROGRAM, STOPS, DiskFill, Fault, alter_newest,  # noqa: E402
-                          cause_named, draw_schedule, failure_history, inject, planted_env, rank_pid,
-                          last_step, poll_attempt, record_attempt, rows_logged, trigger_now)
+from chaos_faults import (KINDS, PLANTED, PROGRAM, STOPS, AttemptStart, DiskFill, Fault,  # noqa: E402
+                          alter_newest, attempt_start, cause_named, draw_schedule, failure_history, inject,
+                          planted_env, poll_attempt, rank_pid, record_attempt, step_reached, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
 from grpo_mega.run.shared_fork_server import without_offer  # noqa: E402
@@ -116,17 +116,17 @@ class Supervisor:
         self.attempts = 0
         self.first_step_at: list[float] = []  # per attempt: when it logged its first row (nan: none)
 
-    def start(self, extra_env: dict) -> tuple[subprocess.Popen, Path, int]:
+    def start(self, extra_env: dict) -> tuple[subprocess.Popen, Path]:
         self.attempts += 1
         log = self.logs / f"attempt{self.attempts:02d}.log"
         mark = self.logs / f"attempt{self.attempts:02d}.fault_at"
         env = dict(self.env, GRPO_FAULT_MARK=str(mark), **extra_env)
         job = subprocess.Popen(self.argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        return job, log, rows_logged(self.run_dir)
+        return job, log
 
-    def wait_for(self, job: subprocess.Popen, rows_before: int, until) -> bool:
+    def wait_for(self, job: subprocess.Popen, start: AttemptStart, until) -> bool:
         """Poll until ``until()`` or the job's end; notes the attempt's first logged row. True when ``until()``."""
-        reached, first_row = poll_attempt(self.run_dir, rows_before, until, lambda: job.poll() is not None)
+        reached, first_row = poll_attempt(self.run_dir, start, until, lambda: job.poll() is not None)
         self.first_step_at.append(first_row)
         return reached
 
@@ -152,8 +152,9 @@ class Supervisor:
         """The restart after the last fault, to the end; again if it failed (recorded): the exit codes."""
         finals = []
         for _ in range(3):
-            job, log, before = self.start({})
-            self.wait_for(job, before, lambda: False)
+            at = attempt_start(self.run_dir)
+            job, _ = self.start({})
+            self.wait_for(job, at, lambda: False)
             self.end(job)
             finals.append(job.returncode)
             if job.returncode == 0:
@@ -162,15 +163,16 @@ class Supervisor:
 
     def attempt(self, fault: Fault, rng: random.Random) -> None:
         """One attempt that meets ``fault``; the fault's record says what happened."""
-        trigger = trigger_now(fault, last_step(self.run_dir), self.rollout_lead, ROLLOUT_RANK)
-        job, log, before = self.start(planted_env(fault, trigger))
+        at = attempt_start(self.run_dir)
+        trigger = trigger_now(fault, at.resume_step, self.rollout_lead, ROLLOUT_RANK)
+        job, log = self.start(planted_env(fault, trigger))
         mark = log.with_suffix(".fault_at")
         if fault.kind in PLANTED:
-            self.wait_for(job, before, lambda: False)
+            self.wait_for(job, at, lambda: False)
             fault_at = float(mark.read_text()) if mark.exists() else None
             ended, hung = self.end(job)
         else:
-            reached = self.wait_for(job, before, lambda: last_step(self.run_dir) >= trigger)
+            reached = self.wait_for(job, at, lambda: step_reached(self.run_dir, at) >= trigger)
             fault_at = None
             disk_fill = DiskFill(self.disk) if self.disk is not None and fault.kind == "disk_full" else None
             if reached:

@@ -1,8 +1,8 @@
 """The faults of bench/chaos.py: how each is put into the running job, and how its cause must be named.
 
 A fault is a :class:`Fault` (kind, trigger step, rank); the supervisor in bench/chaos.py starts one attempt of the
-run per fault, waits for the trigger (a step row in metrics.jsonl), injects it, waits for the job to end, and
-restarts. The kinds:
+run per fault, waits for the trigger (a step row that attempt logged in metrics.jsonl: :func:`step_reached`),
+injects it, waits for the job to end, and restarts. The kinds:
 
   sigkill        SIGKILL of a rank (the OOM killer, a crashed driver)
   sigstop        SIGSTOP of a rank (a hang: the process lives, holds its sockets, answers nothing)
@@ -32,8 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grpo_mega.checkpoint.training_files import find_checkpoint_folder, read_checkpoint_state
 from grpo_mega.run.checkpoints import checksum_problem, checkpoint_problem, read_listing, step_dirs
 from grpo_mega.run.failure import TRANSIENT_CAUSES
+from grpo_mega.run.layout import CHECKPOINTS_DIR, METRICS_FILE
 from faults import rank_pid  # bench/faults.py: a rank's pid by its environment (PROGRAM's default)
 
 KINDS = ("sigkill", "sigstop", "store_lost", "disk_full", "prm_exception", "sigterm", "usr1", "save_kill",
@@ -83,28 +85,64 @@ def draw_schedule(rng: random.Random, kinds: list[str], faults: int, steps: int,
             for kind in order]
 
 
-def last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
+@dataclass(frozen=True)
+class AttemptStart:
+    """Where an attempt starts in the run folder, read before its job starts: ``resume_step``, the step of the
+    checkpoint ``trainer.resume=auto`` loads (0: none yet), and ``stale``, a metrics row past it that an earlier
+    attempt logged before dying ahead of that step's checkpoint (None: there is none). The resume drops such rows
+    (``grpo_mega.run.metrics.drop_rows_after``) and logs those steps again, so they tell nothing of this attempt."""
+    resume_step: int
+    stale: str | None
 
 
-def rows_logged(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def resume_step(run_dir: Path) -> int:
+    """The step the next attempt resumes from: that of the newest complete checkpoint whose files match their
+    checksums (``find_checkpoint_folder``, the ranks' choice: an altered newest one is passed over), 0 when none."""
+    if not (run_dir / CHECKPOINTS_DIR).is_dir():
+        return 0
+    try:
+        return int(read_checkpoint_state(find_checkpoint_folder(run_dir))["step"])
+    except ValueError:  # no complete checkpoint that verifies: the run starts from step 0
+        return 0
 
 
-def poll_attempt(run_dir: Path, rows_before: int, until, ended) -> tuple[bool, float]:
-    """Poll every 50 ms until ``until()`` (True) or ``ended()`` (False); with that, when the attempt logged its first
-    metrics row (nan: none), counted from the fewest rows seen: a resume first drops the rows after its checkpoint's
-    step (a fallback resume dropped three in the first SLURM schedule, and the first row was noted 30 s late)."""
-    first_row, fewest = float("nan"), rows_before
+def _rows(run_dir: Path) -> list[str]:
+    """The complete lines of the run's metrics.jsonl (a row being appended, its newline not yet written, is left out:
+    it is read on the next poll), blank ones aside."""
+    path = run_dir / METRICS_FILE
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [line.rstrip("\n") for line in lines if line.endswith("\n") and line.strip()]
+
+
+def attempt_start(run_dir: Path) -> AttemptStart:
+    """The :class:`AttemptStart` of the attempt about to start in ``run_dir`` (every rank of the one before gone)."""
+    step = resume_step(run_dir)
+    return AttemptStart(step, next((row for row in _rows(run_dir) if json.loads(row)["step"] > step), None))
+
+
+def attempt_steps(run_dir: Path, start: AttemptStart) -> list[int]:
+    """The steps of the metrics rows the attempt that began at ``start`` has logged: the rows past its resume step,
+    once its resume has dropped the stale ones (until then, none). A row logged again is a new line (its ``time``
+    differs), so the stale line still in the file means the drop has not happened yet."""
+    rows = _rows(run_dir)
+    if start.stale is not None and start.stale in rows:
+        return []
+    return [step for step in (json.loads(row)["step"] for row in rows) if step > start.resume_step]
+
+
+def step_reached(run_dir: Path, start: AttemptStart) -> int:
+    """The newest step the attempt that began at ``start`` has logged; its resume step while it has logged none."""
+    return max(attempt_steps(run_dir, start), default=start.resume_step)
+
+
+def poll_attempt(run_dir: Path, start: AttemptStart, until, ended) -> tuple[bool, float]:
+    """Poll every 50 ms until ``until()`` (True) or ``ended()`` (False); with that, when the attempt that began at
+    ``start`` logged its first metrics row (nan: none), not counting the rows its resume drops (a fallback resume
+    dropped three in the first SLURM schedule, and the first row was noted 30 s late)."""
+    first_row = float("nan")
     while True:
-        if first_row != first_row:
-            rows = rows_logged(run_dir)
-            fewest = min(fewest, rows)
-            if rows > fewest:
-                first_row = time.time()
+        if first_row != first_row and attempt_steps(run_dir, start):
+            first_row = time.time()
         if until():
             return True, first_row
         if ended():
@@ -112,14 +150,17 @@ def poll_attempt(run_dir: Path, rows_before: int, until, ended) -> tuple[bool, f
         time.sleep(0.05)
 
 
-def trigger_now(fault: Fault, last_step: int, rollout_lead: int, rollout_rank: int) -> int | None:
-    """The step ``fault`` is triggered at when its attempt starts after ``last_step``: a trigger the run has passed
-    already (an earlier fault's restart went further) moves to the next step, and a fault planted on the rollout rank
-    of an async run (``rollout_lead``: bench/chaos.py's ROLLOUT_LEAD) further by the steps that world runs ahead."""
+def trigger_now(fault: Fault, resume_step: int, rollout_lead: int, rollout_rank: int) -> int | None:
+    """The step ``fault`` is triggered at when its attempt resumes from ``resume_step`` (:func:`resume_step`): a
+    trigger the run has passed already (an earlier fault's restart went further) moves to the first step the attempt
+    trains, and a fault planted on the rollout rank of an async run (``rollout_lead``: bench/chaos.py's
+    ROLLOUT_LEAD) further by the steps that world runs ahead. Not the newest metrics row: rows logged past the
+    checkpoint by an attempt that died before saving are dropped and trained again (async seed 2, 2026-12-03: the
+    triggers drifted by those rows and its last 2 of 20 faults lay past the run's end)."""
     if fault.trigger is None:
         return None
     lead = rollout_lead if fault.kind in PLANTED and fault.rank == rollout_rank else 0
-    return max(fault.trigger, last_step + 1 + lead)
+    return max(fault.trigger, resume_step + 1 + lead)
 
 
 def record_attempt(fault: Fault, run_dir: Path, log: str, attempt: int, trigger: int | None, exit_code: int | None,

@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from chaos_faults import (PLANTED, DiskFill, Fault, alter_newest, inject, last_step, planted_env, poll_attempt,
-                          rank_pid, record_attempt, rows_logged, trigger_now)
+from chaos_faults import (PLANTED, AttemptStart, DiskFill, Fault, alter_newest, attempt_start, inject, planted_env,
+                          poll_attempt, rank_pid, record_attempt, step_reached, trigger_now)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -140,8 +140,8 @@ class SlurmSupervisor:
         return [p for p in (rank_pid(r, self.run_dir, PROGRAM) for r in range(2)) if p]
 
     # --- one attempt -----------------------------------------------------------------------------------------------
-    def _begin(self, spec: str | None) -> int:
-        """Name this attempt's planted fault (or none) and make sure a job will run it; the rows logged before it."""
+    def _begin(self, spec: str | None) -> None:
+        """Name this attempt's planted fault (or none) and make sure a job will run it."""
         self.attempts += 1
         mark = self.logs / f"attempt{self.attempts:02d}.fault_at"
         self.fault_file.write_text(json.dumps({"fault": spec, "mark": str(mark)}) + "\n")
@@ -150,11 +150,10 @@ class SlurmSupervisor:
             self.job, self.restart = self._submit(), 0
         else:
             self.restart += 1
-        return rows_logged(self.run_dir)
 
-    def _wait(self, rows_before: int, until) -> bool:
+    def _wait(self, start: AttemptStart, until) -> bool:
         """Poll until ``until()`` or the step's exit; notes the attempt's first logged row. True when ``until()``."""
-        reached, first_row = poll_attempt(self.run_dir, rows_before, until, self._step_over)
+        reached, first_row = poll_attempt(self.run_dir, start, until, self._step_over)
         self.first_step_at.append(first_row)
         return reached
 
@@ -210,17 +209,18 @@ class SlurmSupervisor:
         return inject(fault, -1, self.run_dir, disk_fill, PROGRAM)
 
     def attempt(self, fault: Fault, rng: random.Random) -> None:
-        trigger = trigger_now(fault, last_step(self.run_dir), self.rollout_lead, self.rollout_rank)
-        spec = planted_env(fault, trigger).get("GRPO_FAULT")
-        before = self._begin(spec)
+        # Read before a requeued job runs: it is pending until its credential expires (the tests' cluster: 10 s)
+        at = attempt_start(self.run_dir)
+        trigger = trigger_now(fault, at.resume_step, self.rollout_lead, self.rollout_rank)
+        self._begin(planted_env(fault, trigger).get("GRPO_FAULT"))
         job, mark = self.job, self.logs / f"attempt{self.attempts:02d}.fault_at"
         disk_fill = None
         if fault.kind in PLANTED:
-            self._wait(before, lambda: False)
+            self._wait(at, lambda: False)
             ended, hung, status = self._end()
             fault_at = float(mark.read_text()) if mark.exists() else None
         else:
-            reached = self._wait(before, lambda: last_step(self.run_dir) >= trigger)
+            reached = self._wait(at, lambda: step_reached(self.run_dir, at) >= trigger)
             fault_at = None
             disk_fill = DiskFill(self.disk) if self.disk is not None and fault.kind == "disk_full" else None
             if reached:
@@ -258,8 +258,9 @@ class SlurmSupervisor:
         """The attempts after the last fault until the job completes (at most 3 runs): their step statuses."""
         finals = []
         for _ in range(3):
-            before = self._begin(None)
-            self._wait(before, lambda: False)
+            at = attempt_start(self.run_dir)
+            self._begin(None)
+            self._wait(at, lambda: False)
             _, _, status = self._end()
             finals.append(status)
             if status == 0:
