@@ -194,6 +194,8 @@ def test_both_arms_run_end_to_end_from_a_tiny_policy(tool_task, tmp_path, capsys
     policy = tmp_path / "policy_hf"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tool_task["model"])).save_pretrained(policy)
+    for tokenizer_file in tool_task["model"].glob("*token*"):  # an HF folder carries its tokenizer
+        (policy / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
     regime = _fake_regime(tool_task, tmp_path, policy)
     plan = replace(FAST_TOOL_GRPO, sft_run=str(regime), grpo_steps=1, response_length=48, eval_prompts=4,
                    eval_every=None, seed=2)
@@ -210,7 +212,8 @@ def test_both_arms_run_end_to_end_from_a_tiny_policy(tool_task, tmp_path, capsys
     assert report["prm_seconds"] == pytest.approx(stage["seconds"]["label"] + stage["seconds"]["train"], abs=0.2)
     assert report["steps"] == 1 and "ps_tool_turn_prm_minus_os" not in summary  # no tool GRPO arm in this seed
     metrics = [json.loads(line) for line in (seed_dir / "grpo_tool_turn_prm" / "metrics.jsonl").read_text().splitlines()]
-    assert any("turn_credit/turn_reward_mean" in row for row in metrics)
+    scored = [row for row in metrics if "prm/score_mean" in row]  # the learned PRM scored the rollouts' turns
+    assert scored and scored[0]["timing_s/prm"] > 0 and scored[0]["prm/steps_per_completion"] >= 1
 
     tokenizer = _tokenizer(tool_task)
     row = json.loads(tool_task["train"].read_text().splitlines()[0])

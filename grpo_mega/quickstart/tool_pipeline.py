@@ -87,6 +87,12 @@ def tool_grpo_overrides(plan: ToolGRPOPlan, regime: dict) -> list[str]:
             "trainer.eval_temperature=1.0"]
 
 
+RFT_BATCH_SIZE = 64
+"""configs/quickstart_sft.yaml's batch."""
+RFT_LR = 3.0e-4
+"""configs/quickstart_sft.yaml's ``optim.min_lr``: where the SFT's schedule ends."""
+
+
 def run_tool_rft(plan: ToolGRPOPlan, run_dir: Path, regime: dict, start: dict, labels: Path, announce) -> dict:
     """The RFT arm's fine-tuning (``grpo_mega.quickstart.rft``) in ``run_dir/rft``: the tool policy on its verified
     rollouts of ``labels`` with their tool turns (``data.segments_field``, the tool SFT's settings), for
@@ -108,12 +114,6 @@ def run_tool_rft(plan: ToolGRPOPlan, run_dir: Path, regime: dict, start: dict, l
          f"trainer.batch_size={RFT_BATCH_SIZE}", f"optim.lr={RFT_LR}", f"optim.min_lr={RFT_LR}",
          "optim.warmup_steps=0"], run_dir / "rft.log")
     return {"rft_solutions": count, "rft_steps": steps, "rft_epochs": plan.prm.rft_epochs, "rft_seconds": seconds}
-
-
-RFT_BATCH_SIZE = 64
-"""configs/quickstart_sft.yaml's batch."""
-RFT_LR = 3.0e-4
-"""configs/quickstart_sft.yaml's ``optim.min_lr``: where the SFT's schedule ends."""
 
 
 def run_tool_arm(arm: str, plan: ToolGRPOPlan, run_dir: Path, regime: dict, start: dict, announce,
@@ -176,8 +176,8 @@ def write_tool_summary(run_dir: Path, plan: ToolGRPOPlan, regime: dict, start: d
     summary["plot"] = str(plot_arms(
         {arm_title(arm): metrics_path(run_dir / tool_arm_settings(arm)[2]) for arm in arms},
         run_dir / "reward_accuracy.png", title=f"tool task: text-only and tool GRPO, seed {plan.seed}",
-        **({"seconds_before": {arm_title(arm): report["prm_seconds"] for arm, report in arms.items()
-                               if report.get("prm_seconds")}} if prm is not None else {})))
+        seconds_before={arm_title(arm): report["prm_seconds"] for arm, report in arms.items()
+                        if report.get("prm_seconds")}))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
