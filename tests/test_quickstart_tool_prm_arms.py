@@ -172,13 +172,18 @@ def test_the_prm_stage_runs_once_for_both_arms_and_each_arm_is_charged_its_own_c
     assert list(summary["arms"]) == ["tool_turn_prm", "rft", "tool_turn_prm_sum"]
 
 
-def test_a_prm_stage_of_another_policy_is_refused(tool_task, tmp_path):
+def test_a_prm_stage_of_another_policy_seed_or_size_is_refused(tool_task, tmp_path):
     from grpo_mega.quickstart.tool_prm import FAST_TOOL_PRM, SUMMARY_FILE, run_tool_prm_stage
 
-    (tmp_path / SUMMARY_FILE).write_text(json.dumps({"policy": "sft_tool/step_000300", "seed": 1}))
-    with pytest.raises(ValueError, match="a PRM stage of policy sft_tool/step_000300 seed 1"):
-        run_tool_prm_stage(tmp_path, {}, {"tool_checkpoint": "sft_tool/step_000275"}, seed=1, response_length=200,
-                           prm_plan=FAST_TOOL_PRM, announce=print)
+    from dataclasses import asdict
+
+    ran = {"policy": "sft_tool/step_000275", "seed": 1, "plan": asdict(FAST_TOOL_PRM), "response_length": 200}
+    for changed in ({"policy": "sft_tool/step_000300"}, {"seed": 2}, {"plan": asdict(replace(FAST_TOOL_PRM,
+                                                                                           label_prompts=99))}):
+        (tmp_path / SUMMARY_FILE).write_text(json.dumps({**ran, **changed}))
+        with pytest.raises(ValueError, match=f"{SUMMARY_FILE}: a PRM stage of policy .* move it away"):
+            run_tool_prm_stage(tmp_path, {}, {"tool_checkpoint": "sft_tool/step_000275"}, seed=1,
+                               response_length=200, prm_plan=FAST_TOOL_PRM, announce=print)
 
 
 @pytest.mark.slow
@@ -203,7 +208,7 @@ def test_both_arms_run_end_to_end_from_a_tiny_policy(tool_task, tmp_path, capsys
     summary = run_tool_seed(seed_dir, plan, ("tool_turn_prm",))
     stage = summary["tool_prm"]
     assert stage["completer"] == "the policy" and Path(stage["prm_checkpoint"]).is_dir()
-    assert stage["train_labels"]["solutions"] == 4 and stage["heldout_labels"]["solutions"] == 4
+    assert stage["train_labels"]["solutions"] == 16 and stage["heldout_labels"]["solutions"] == 8
     assert stage["train_labels"]["truth_good_fraction"] is not None  # the oracle's verdicts beside the labels
     labelled = [json.loads(line) for line in (seed_dir / "prm_labels.jsonl").read_text().splitlines()]
     assert all(len(row["true_labels"]) == len(row["labels"]) for row in labelled)

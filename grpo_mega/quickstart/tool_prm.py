@@ -62,8 +62,9 @@ class ToolPRMPlan:
     """The RFT arm's budget: this many passes over the verified rollouts (``grpo_mega.quickstart.rft``)."""
 
 
-FAST_TOOL_PRM = ToolPRMPlan(label_prompts=4, heldout_prompts=4, rollouts_per_step=2, train_steps=2, batch_size=4,
+FAST_TOOL_PRM = ToolPRMPlan(label_prompts=16, heldout_prompts=8, rollouts_per_step=2, train_steps=2, batch_size=4,
                             warmup_steps=1, eval_untrained=False)
+"""``--fast``: a few commands' worth (16 rollouts: at the sparse start's 20 % some are verified, for RFT)."""
 
 
 def prm_cost(summary: dict) -> float:
@@ -88,15 +89,18 @@ def stage_announcements(prm_plan: ToolPRMPlan) -> int:
     return 2 + (2 + prm_plan.eval_untrained if prm_plan.heldout_prompts else 0)
 
 
-def _reused(run_dir: Path, policy: str, seed: int) -> dict | None:
-    """The seed's finished PRM stage, when it started from ``policy`` with ``seed`` and its PRM is there."""
+def _reused(run_dir: Path, policy: str, seed: int, prm_plan: ToolPRMPlan, response_length: int) -> dict | None:
+    """The seed's finished PRM stage, when it ran for ``policy``, ``seed`` and these sizes and its PRM is there;
+    ValueError naming the file when it ran for others."""
     path = run_dir / SUMMARY_FILE
     if not path.is_file():
         return None
     summary = json.loads(path.read_text())
-    if (summary.get("policy"), summary.get("seed")) != (policy, seed):
-        raise ValueError(f"{path}: a PRM stage of policy {summary.get('policy')} seed {summary.get('seed')}, not of "
-                         f"{policy} seed {seed}: move it away to run the stage again")
+    ran = (summary.get("policy"), summary.get("seed"), summary.get("plan"), summary.get("response_length"))
+    if ran != (policy, seed, asdict(prm_plan), response_length):
+        raise ValueError(f"{path}: a PRM stage of policy {ran[0]} seed {ran[1]}, sizes {ran[2]}, response length "
+                         f"{ran[3]}; this run asks for {policy} seed {seed}, {asdict(prm_plan)}, {response_length}: "
+                         "move it away to run the stage again")
     return summary if Path(summary["prm_checkpoint"]).is_dir() else None
 
 
@@ -108,7 +112,7 @@ def run_tool_prm_stage(run_dir: Path, regime: dict, start: dict, *, seed: int, r
     from prm.pipeline import run_label_command, run_train_command
 
     policy = start["tool_checkpoint"]
-    done = _reused(run_dir, policy, seed)
+    done = _reused(run_dir, policy, seed, prm_plan, response_length)
     if done is not None:
         print(f"    the seed's PRM stage is done: {run_dir / SUMMARY_FILE}", flush=True)
         return done
@@ -146,6 +150,7 @@ def run_tool_prm_stage(run_dir: Path, regime: dict, start: dict, *, seed: int, r
                      "label_agreement", "soft_label_agreement", "truth_good_fraction")
     summary = {
         "policy": policy, "completer": "the policy", "seed": seed, "plan": asdict(prm_plan),
+        "response_length": response_length,
         "labels": str(labels), "prm_checkpoint": str(prm_dir),
         "train_labels": _figures(f"{labels}.summary.json", label_figures),
         "heldout_labels": _figures(f"{heldout}.summary.json", label_figures) if prm_plan.heldout_prompts else None,
