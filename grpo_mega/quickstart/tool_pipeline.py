@@ -113,7 +113,8 @@ def run_tool_rft(plan: ToolGRPOPlan, run_dir: Path, regime: dict, start: dict, l
          f"model.init_from={start['tool_checkpoint']}", *sft_overrides("tool", TOOLS),
          f"trainer.batch_size={RFT_BATCH_SIZE}", f"optim.lr={RFT_LR}", f"optim.min_lr={RFT_LR}",
          "optim.warmup_steps=0"], run_dir / "rft.log")
-    return {"rft_solutions": count, "rft_steps": steps, "rft_epochs": plan.prm.rft_epochs, "rft_seconds": seconds}
+    return {"rft_solutions": count, "rft_steps": steps, "rft_epochs": plan.prm.rft_epochs,
+            "rft_seconds": round(seconds, 1)}
 
 
 def run_tool_arm(arm: str, plan: ToolGRPOPlan, run_dir: Path, regime: dict, start: dict, announce,
