@@ -216,7 +216,8 @@ def test_both_arms_run_end_to_end_from_a_tiny_policy(tool_task, tmp_path, capsys
     report = summary["arms"]["tool_turn_prm"]
     assert report["prm_seconds"] == pytest.approx(stage["seconds"]["label"] + stage["seconds"]["train"], abs=0.2)
     assert report["steps"] == 1 and "ps_tool_turn_prm_minus_os" not in summary  # no tool GRPO arm in this seed
-    metrics = [json.loads(line) for line in (seed_dir / "grpo_tool_turn_prm" / "metrics.jsonl").read_text().splitlines()]
+    metrics_file = seed_dir / "grpo_tool_turn_prm" / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     scored = [row for row in metrics if "prm/score_mean" in row]  # the learned PRM scored the rollouts' turns
     assert scored and scored[0]["timing_s/prm"] > 0 and scored[0]["prm/steps_per_completion"] >= 1
 
