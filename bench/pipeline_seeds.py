@@ -30,7 +30,10 @@ OUT/pipeline_seeds_<regime>.json unless ``--result`` names a file (the recorded 
 quickstart --regime tools`` run (``--sft-run DIR``, with its sparse start: bench/tool_sparse_start.py): text-only GRPO
 and tool GRPO (outcome) from the SFT pair of the same step, every arm set against tool GRPO, and issue 75's floor:
 tool - text held-out accuracy and the tool-call rate at the last step over the SFT policy's, per seed (``--arms`` /
-``--add-arms`` take the tool arms and any arm of ARMS, run with the calculator).
+``--add-arms`` take the tool arms and any arm of ARMS, run with the calculator). Issue 76's ``tool_turn_prm`` and
+``rft`` run the seed's PRM stage first, once for both (``grpo_mega.quickstart.tool_prm``: turn labels from the tool
+policy's own continuations, the PRM's training, its AUROC on held-out turns in ``tool_prm`` of the seed's summary and
+beside the arm): ``--out OUT --add-arms tool_turn_prm rft``.
 """
 
 from __future__ import annotations
@@ -319,7 +322,8 @@ FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "generat
            "implicit_f1_first", "implicit_f1_end", "implicit_step_f1_first", "implicit_step_f1_end",
            "turns_per_rollout_start", "turns_per_rollout_end", "tool_calls_per_rollout_start",
            "tool_calls_per_rollout_end", "tool_call_rate_start", "tool_call_rate_end", "tool_error_fraction_start",
-           "tool_error_fraction_end", "void_turn_fraction_start", "void_turn_fraction_end", "max_turns_fraction_end")
+           "tool_error_fraction_end", "void_turn_fraction_start", "void_turn_fraction_end", "max_turns_fraction_end",
+           "prm_true_step_auroc", "prm_step_auroc", "prm_untrained_true_step_auroc", "rft_solutions", "rft_steps")
 
 
 def refreshed(summary: dict) -> dict:
@@ -329,8 +333,8 @@ def refreshed(summary: dict) -> dict:
     for arm, report in summary["arms"].items():
         metrics = metrics_path(run_dir / (tool_arm_settings(arm) if tools else arm_settings(arm))[2])
         if metrics.is_file():
-            prm_seconds = report.get("prm_seconds", 0.0)
-            summary["arms"][arm] = arm_report(metrics, report["seconds"] - prm_seconds, prm_seconds)
+            prm_seconds = report.get("prm_seconds", 0.0)  # figures of the arm's own stages (its PRM's AUROC) kept
+            summary["arms"][arm] = {**report, **arm_report(metrics, report["seconds"] - prm_seconds, prm_seconds)}
     if tools:
         summary.update(tool_flat_figures(summary["arms"]))
     return summary
@@ -348,9 +352,10 @@ def arm_figures(results: list[dict], arms: list[str]) -> dict:
     for arm in arms:
         reports = [run["arms"][arm] for run in results]
         figures[arm] = {name: [report.get(name) for report in reports] for name in FIGURES}
-        if reports[0].get("prm_seconds"):
+        if reports[0].get("prm_seconds"):  # against the baseline arm (the tool regime's: tool GRPO)
             figures[arm]["prm_cost_in_outcome_runs"] = [
-                report["prm_seconds"] / run["arms"]["outcome"]["seconds"] for report, run in zip(reports, results)]
+                report["prm_seconds"] / run["arms"][run.get("baseline_arm", "outcome")]["seconds"]
+                for report, run in zip(reports, results)]
     print(f"{'arm':34}" + "".join(f"{name[:13]:>14}" for name in FIGURES))
     for arm, values in figures.items():
         means = [[v for v in values[name] if v is not None] for name in FIGURES]

@@ -22,6 +22,7 @@ from pathlib import Path
 from grpo_mega.reward.tool_task import tool_task_turn_reward
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.tool_calls import parse_turn
+from prm.metrics import auroc
 from prm.turn_steps import TURN_STEPS_FIELD, TurnSteps
 
 
@@ -44,24 +45,6 @@ def oracle_turns(row: dict, steps: list[dict], tokenizer) -> list[bool]:
     verdict = tool_task_turn_reward(row["prompt"], completion, row["answer"],
                                     steps=steps, turns=turns)
     return [reward == 1.0 for reward in verdict.turn_rewards]
-
-
-def auroc(scores: list[float], truth: list[bool]) -> float | None:
-    """P(score of a right turn > score of a wrong one), ties counted half (Mann-Whitney); None without both."""
-    ranked = sorted(zip(scores, truth))
-    positives = sum(truth)
-    negatives = len(truth) - positives
-    if not positives or not negatives:
-        return None
-    rank_sum, index = 0.0, 0
-    while index < len(ranked):
-        tied = index
-        while tied < len(ranked) and ranked[tied][0] == ranked[index][0]:
-            tied += 1
-        average_rank = (index + tied + 1) / 2  # 1-based ranks index+1 .. tied
-        rank_sum += average_rank * sum(1 for _, t in ranked[index:tied] if t)
-        index = tied
-    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
 def main() -> None:

@@ -7,8 +7,10 @@ figures of ``grpo-mega prm eval`` (``prm.eval_command``).
   earliest error is the first step scored below a threshold; the threshold is chosen on a dev split (``--dev-file``,
   else a seeded ``--dev-fraction`` of the rows) and reported; F1 is the harmonic mean of the accuracy on erroneous
   and on correct solutions of the other rows.
-- ``label_agreement``: when rows carry both Monte-Carlo labels and the ground truth (``extra["true_labels"]``, the
-  synthetic task), the fraction of steps where they agree.
+- ``step_auroc``: how well the scores rank the steps labelled good above the bad ones (AUROC, no threshold).
+- ``label_agreement``: when rows carry both Monte-Carlo labels and the ground truth (``extra["true_labels"]``: the
+  synthetic task's step checker, or a turn checker's verdicts, ``prm label --turn-truth``), the fraction of steps
+  where they agree; ``true_step_auroc``: the AUROC of the scores against that truth.
 - Best-of-N (``--policy``, ``--prompts``): N policy samples per prompt, scored by the PRM; ``prm_at_n`` (the best
   aggregated score picks the answer; min / last / product), ``maj_at_n`` (majority vote) and ``pass_at_n``.
 """
@@ -20,6 +22,7 @@ from typing import Sequence
 
 from prm.examples import StepExample, first_error_of
 from prm.metrics import (
+    auroc,
     choose_threshold,
     label_agreement,
     predicted_first_error,
@@ -45,8 +48,9 @@ def step_report(examples: Sequence[StepExample], scores: Sequence[Sequence[float
     if not labelled:
         return {}
     report = step_classification([s for s, _ in labelled], [labels for _, labels in labelled])
-    return {key: report[key] for key in ("step_accuracy", "step_f1", "step_f1_good")} | {"labelled_steps": sum(
-        len(labels) for _, labels in labelled)}
+    return {key: report[key] for key in ("step_accuracy", "step_f1", "step_f1_good")} | {
+        "labelled_steps": sum(len(labels) for _, labels in labelled),
+        "step_auroc": auroc([v for s, _ in labelled for v in s], [t for _, labels in labelled for t in labels])}
 
 
 def split_dev(count: int, dev_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -111,6 +115,11 @@ def data_report(
     if with_truth:
         report["label_agreement"] = label_agreement([e.labels for e in with_truth],
                                                     [list(e.extra["true_labels"]) for e in with_truth])
+    scored_truth = [(s, e.extra["true_labels"]) for e, s in zip(examples, scores)
+                    if e.steps and e.extra.get("true_labels") is not None]
+    if scored_truth:
+        report["true_step_auroc"] = auroc([v for s, _ in scored_truth for v in s],
+                                          [bool(t) for _, truth in scored_truth for t in truth])
     return report
 
 

@@ -51,6 +51,11 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward", default="synthetic", help="verifier: a registered reward (synthetic, math_verify, "
                         "verl_default), package.module:function or path/to/file.py:function (grpo-mega's, verl's or "
                         "TRL's signature, as reward.function); a score > 0.5 is a correct solution")
+    parser.add_argument("--turn-truth", default=None, help="--steps turns: a per-turn checker (a reward function "
+                        "that returns turn rewards, as reward.function with process_reward.steps: turns; e.g. "
+                        "tool_task_turns, the tool task's oracle) whose verdicts (turn reward 1 = right) are stored as "
+                        "each row's true_labels: the labels' agreement with it in the summary, and prm eval's "
+                        "label_agreement and true_step_auroc on the rows; default: none")
     parser.add_argument("--on-reward-error", choices=("raise", "zero"), default="raise",
                         help="a verifier call that fails: stop (raise) or count it as incorrect (zero)")
     parser.add_argument("--step-pattern", default=None, help="regex ending each step (default: the synthetic "
@@ -116,7 +121,24 @@ def agreement_summary(examples: Sequence[StepExample]) -> dict[str, float]:
     known = [e for e in examples if e.extra.get("true_labels") is not None]
     if not known:
         return {}
-    return {**_agreements(known, "true_labels", ""), **_agreements(known, "value_labels", "value_")}
+    by_value = [e for e in known if e.extra.get("value_labels") is not None]  # turn truths have no value labels
+    return {**_agreements(known, "true_labels", ""), **(_agreements(by_value, "value_labels", "value_")
+                                                        if by_value else {})}
+
+
+def true_turn_labels(checker, item, completion, tokenizer) -> list[bool]:
+    """``--turn-truth``: the checker's verdict on each turn step of a rollout (its turn reward is 1), given the
+    trajectory as the trainer gives a per-turn reward function (``grpo_mega.stages.turn_steps.turn_views``)."""
+    from grpo_mega.reward.types import TurnRewards
+    from grpo_mega.rollout.base import decode_response
+    from grpo_mega.stages.turn_steps import turn_views
+
+    views = turn_views(completion, lambda ids: decode_response(tokenizer, ids))
+    verdict = checker(item.prompt, completion.text, item.answer, **{**item.extra, "turns": views})
+    if not isinstance(verdict, TurnRewards) or len(verdict.turn_rewards) != len(item.steps):
+        raise ValueError(f"--turn-truth: {item.source}: the checker gave {verdict!r:.80}, not one turn reward per "
+                         f"turn step ({len(item.steps)})")
+    return [reward == 1.0 for reward in verdict.turn_rewards]
 
 
 def load_completer(completer: str, policy, args: argparse.Namespace):
@@ -150,6 +172,7 @@ def run_label(args: argparse.Namespace) -> Path:
     if args.max_prompts is not None and args.max_prompts < 1:
         raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
     reward_fn = get_reward_function(args.reward)
+    turn_truth = get_reward_function(args.turn_truth) if args.turn_truth else None
     check_fraction(args.perturb_fraction)
     toolset = None
     out = Path(args.out)
@@ -163,6 +186,9 @@ def run_label(args: argparse.Namespace) -> Path:
         step_kind = step_kind_of(args, policy.run_config)
         if step_kind == "turns" and args.perturb_fraction:
             raise ValueError("--perturb-fraction changes a number in a text step; it does not apply to --steps turns")
+        if step_kind != "turns" and turn_truth is not None:
+            raise ValueError("--turn-truth judges the turns of --steps turns; text steps get the synthetic task's "
+                             "step checker's truth by themselves")
         turns = multi_turn_settings(args, policy.run_config) if step_kind == "turns" else None
         toolset = build_toolset_of(turns) if turns is not None else None
         schemas = toolset.schemas() if turns is not None and turns.format == "hermes" else None
@@ -210,6 +236,10 @@ def run_label(args: argparse.Namespace) -> Path:
                 truths = true_labels_of(item.extra, item.steps, item.source)
                 if truths is not None:
                     example.extra.update(truths)
+        elif turn_truth is not None:
+            for turn_item, example in zip(turn_items, examples):
+                example.extra["true_labels"] = true_turn_labels(turn_truth, turn_item.item, turn_item.completion,
+                                                                policy.tokenizer)
         steps = sum(len(e.steps) for e in examples)
         summary = {
             "prompts": len(records),
@@ -228,7 +258,7 @@ def run_label(args: argparse.Namespace) -> Path:
             "step_kind": step_kind, "step_pattern": step_pattern if turns is None else None,
             **({} if turns is None else {"multi_turn": dataclasses.asdict(turns),
                                          "turns_per_solution": steps / max(len(examples), 1)}),
-            "reward": args.reward, "policy": str(args.policy),
+            "reward": args.reward, "turn_truth": args.turn_truth, "policy": str(args.policy),
             "completer": str(args.completer or args.policy),
             "policy_format": policy.weights_format,
             "world_size": dist.get_world_size(),

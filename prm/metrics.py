@@ -192,3 +192,24 @@ def label_agreement(predicted: Sequence[Sequence[bool]], truth: Sequence[Sequenc
     if not pairs:
         raise ValueError("label_agreement: no steps")
     return sum(bool(p) == bool(t) for p, t in pairs) / len(pairs)
+
+
+def auroc(scores: Sequence[float], truth: Sequence[bool]) -> float | None:
+    """P(score of a true step > score of a false one), ties counted half (the Mann-Whitney U over the product of
+    the two classes' sizes); None without both classes."""
+    if len(scores) != len(truth):
+        raise ValueError(f"auroc: {len(scores)} scores for {len(truth)} labels")
+    ranked = sorted(zip(scores, (bool(t) for t in truth)))
+    positives = sum(t for _, t in ranked)
+    negatives = len(ranked) - positives
+    if not positives or not negatives:
+        return None
+    rank_sum, index = 0.0, 0
+    while index < len(ranked):
+        tied = index
+        while tied < len(ranked) and ranked[tied][0] == ranked[index][0]:
+            tied += 1
+        average_rank = (index + tied + 1) / 2  # 1-based ranks index+1 .. tied
+        rank_sum += average_rank * sum(1 for _, t in ranked[index:tied] if t)
+        index = tied
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)

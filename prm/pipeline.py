@@ -82,18 +82,20 @@ def _training_steps(plan: PRMPlan) -> int:
 
 
 def run_label_command(policy_weights: Path, prompts_file: Path, out: Path, plan: PRMPlan, *, seed: int, log: Path,
-                      show: bool = True, completer_weights: Path | None = None) -> float:
-    """``grpo-mega prm label``: Monte-Carlo labels of ``policy_weights``' solutions to the first
-    ``plan.label_prompts`` prompts of ``prompts_file`` (continued by ``completer_weights``, default the policy),
-    its output in ``log``; returns wall seconds."""
+                      show: bool = True, completer_weights: Path | None = None, prompts: int | None = None,
+                      more_flags: Sequence[str] = ()) -> float:
+    """``grpo-mega prm label``: Monte-Carlo labels of ``policy_weights``' solutions to the first ``prompts``
+    (default ``plan.label_prompts``) prompts of ``prompts_file`` (continued by ``completer_weights``, default the
+    policy), with ``more_flags`` last (e.g. ``--steps turns --tools calculator``), its output in ``log``; returns
+    wall seconds."""
     completer = [] if completer_weights is None else ["--completer", str(completer_weights)]
     if plan.completer_temperature is not None:
         completer += ["--completer-temperature", str(plan.completer_temperature)]
     return run_command(
         ["prm", "label", "--policy", str(policy_weights), *completer, "--data", str(prompts_file), "--out", str(out),
          "--n", str(plan.rollouts_per_step), "--samples-per-prompt", str(plan.samples_per_prompt),
-         "--max-prompts", str(plan.label_prompts), "--temperature", str(plan.label_temperature),
-         "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), "--nproc", str(plan.nproc)],
+         "--max-prompts", str(prompts or plan.label_prompts), "--temperature", str(plan.label_temperature),
+         "--max-new-tokens", str(plan.max_new_tokens), "--seed", str(seed), "--nproc", str(plan.nproc), *more_flags],
         log, CommandProgress("PRM labels"), show=show,
     )
 

@@ -1,5 +1,5 @@
 """PRM metrics on hand-worked cases: step classification, first-error prediction, ProcessBench F1, threshold choice,
-step aggregation, best-of-N and label agreement."""
+step aggregation, best-of-N, label agreement and AUROC."""
 
 from dataclasses import dataclass
 
@@ -8,6 +8,7 @@ import pytest
 from prm.metrics import (
     DEFAULT_THRESHOLDS,
     aggregate_steps,
+    auroc,
     best_of_n,
     choose_threshold,
     label_agreement,
@@ -179,3 +180,24 @@ def test_label_agreement():
         label_agreement([[True]], [[True, False]])
     with pytest.raises(ValueError, match="no steps"):
         label_agreement([], [])
+
+
+def test_auroc_counts_the_pairs_a_score_orders_right_ties_half():
+    # good steps 0.9 and 0.4 against bad 0.4 and 0.2: pairs (0.9>0.4) (0.9>0.2) (0.4=0.4: half) (0.4>0.2) -> 3.5 / 4
+    assert auroc([0.9, 0.4, 0.4, 0.2], [True, True, False, False]) == pytest.approx(0.875)
+    assert auroc([0.1, 0.2, 0.9], [True, True, False]) == 0.0 and auroc([0.3, 0.3], [True, False]) == 0.5
+    assert auroc([0.5, 0.6], [True, True]) is None  # one class: nothing to rank
+    with pytest.raises(ValueError, match="3 scores for 2 labels"):
+        auroc([0.1, 0.2, 0.3], [True, False])
+
+
+def test_prm_eval_reports_the_auroc_against_the_labels_and_against_the_truth_beside_them():
+    from prm.evaluate import data_report
+    from prm.examples import StepExample
+
+    examples = [StepExample(prompt="p", steps=["a", "b"], labels=[True, False], extra={"true_labels": [True, True]}),
+                StepExample(prompt="q", steps=["c"], labels=[True], extra={"true_labels": [False]})]
+    report = data_report(examples, [[0.9, 0.2], [0.4]], dev_fraction=0.0)
+    assert report["step_auroc"] == 1.0  # labels good 0.9, 0.4 over bad 0.2
+    assert report["true_step_auroc"] == 0.5  # truth good 0.9, 0.2 against bad 0.4: one pair of two right
+    assert report["label_agreement"] == pytest.approx(1 / 3)

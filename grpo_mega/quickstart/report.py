@@ -29,14 +29,21 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "rft": "outcome supervision after RFT", "ppo_mb4": "outcome supervision, 4 mini-batches, PPO clip",
               "gspo_token_mb4": "outcome supervision, 4 mini-batches, GSPO-token",
               "cispo_mb4": "outcome supervision, 4 mini-batches, CISPO",
-              "text_grpo": "text-only GRPO (no tool)", "tool_grpo": "tool GRPO (calculator), outcome supervision"}
+              "text_grpo": "text-only GRPO (no tool)", "tool_grpo": "tool GRPO (calculator), outcome supervision",
+              "tool_turn_oracle": "tool GRPO, bounded turn credit (oracle)",
+              "tool_turn_prm": "tool GRPO, bounded turn credit (learned turn PRM)",
+              "tool_turn_tool": "tool GRPO, bounded turn credit (the tools' verdicts)"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 
 
+TURN_PRM_ARM = "tool_turn_prm"
+"""The tool task's learned-PRM turn-credit arms (``tool_turn_prm``, ``tool_turn_prm_sum``): the seed's turn PRM."""
+
+
 def learned_prm_arm(arm: str) -> bool:
     """Whether ``arm`` trains on the learned PRM (its labelling and training count against it)."""
-    return arm == "process" or arm.startswith(STEP_REWARD_ARM)
+    return arm == "process" or arm.startswith(STEP_REWARD_ARM) or arm.startswith(TURN_PRM_ARM)
 
 
 def arm_key(arm: str) -> str:
