@@ -132,7 +132,7 @@ def load_across_modes(engine, path: Path, *, saved_distributed: bool) -> dict:
     request = engine.optimizer_sharded_state_dict(engine.model_sharded_state_dict(), is_loading=True)
     tensors = _request_across_modes(request, path, saved_distributed=saved_distributed)
     loaded = dist_checkpointing.load({_ACROSS_KEY: tensors}, str(path))
-    step = _saved_adam_step(loaded.get("optimizer"))  # the saved non-tensor state comes along (common.pt)
+    step = _saved_adam_step(loaded.get("optimizer"))  # the saved non-tensor state comes along (common state)
     if step is None:
         raise ValueError(f"{path}: the saved optimizer state has no Adam step count; {_way_out(saved_distributed)}")
     index = 0
