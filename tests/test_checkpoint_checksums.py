@@ -7,7 +7,8 @@ with a note.
 One 2-rank job (TP=2, module fixture) saves steps 1 and 2; then, in the same job, it alters a shard of step 2 and
 resumes collectively (both ranks share the reading and agree on step 1). The other tests alter copies of that run,
 one file kind at a time: model shard, optimizer state, RNG state (byte ranges of the ``.distcp`` shards, located
-through dist_checkpointing's metadata), trainer state (``grpo_mega_checkpoint.json``, ``common.pt``), config.
+through dist_checkpointing's metadata), trainer state (``grpo_mega_checkpoint.json``; the common state, ``common.pt``
+or its item in a shard: tests/checkpoint_layout.py), config.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint_layout import common_state_range, data_ranges
 from dist_utils import run_distributed, tiny_qwen2_config
 
 CONFIG = {"parallel": {"tensor": 2, "pipeline": 1}, "trainer": {"total_steps": 2}}
@@ -81,7 +83,8 @@ def test_every_file_has_the_checksum_of_its_content_and_the_ranks_checksummed_th
     step_2 = job["pristine"] / "checkpoints" / "step_000002"
     assert saved["checksum_algorithm"] == "crc32"
     assert set(saved["checksums"]) == set(saved["files"]) and len(saved["files"]) >= 6
-    assert {"__0_0.distcp", "__1_0.distcp", "common.pt", "grpo_mega_checkpoint.json", "config.yaml"} <= set(saved["files"])
+    kinds = {"__0_0.distcp", "__1_0.distcp", common_state_range(step_2)[0], "grpo_mega_checkpoint.json", "config.yaml"}
+    assert kinds <= set(saved["files"])
     for name, expected in saved["checksums"].items():
         assert file_checksum(step_2 / name) == expected, name
 
@@ -91,21 +94,12 @@ def test_two_ranks_refuse_an_altered_shard_and_resume_from_the_step_before(job):
     assert resumed == {str(job["run_dir"] / "checkpoints" / "step_000001")}
 
 
-def _data_ranges(checkpoint: Path, prefix: str) -> list[tuple[str, int, int]]:
-    """(file, offset, length) of the stored items whose key starts with ``prefix``, from the shards' metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    return sorted({(info.relative_path, info.offset, info.length) for index, info in metadata.storage_data.items()
-                   if index.fqn.startswith(prefix)})
-
-
 KINDS = {
-    "model shard": lambda step: _data_ranges(step, "embedding.word_embeddings.weight")[0],
-    "optimizer state": lambda step: _data_ranges(step, "optimizer.")[0],
-    "rng state": lambda step: _data_ranges(step, "rng_state")[-1],
+    "model shard": lambda step: data_ranges(step, "embedding.word_embeddings.weight")[0],
+    "optimizer state": lambda step: data_ranges(step, "optimizer.")[0],
+    "rng state": lambda step: data_ranges(step, "rng_state")[-1],
     "trainer state": lambda step: ("grpo_mega_checkpoint.json", 0, 1),
-    "extra state and schedule": lambda step: ("common.pt", 0, (step / "common.pt").stat().st_size),
+    "extra state and schedule": common_state_range,
     "config": lambda step: ("config.yaml", 0, 1),
     "shard metadata": lambda step: (".metadata", 0, (step / ".metadata").stat().st_size),
 }

@@ -207,6 +207,24 @@ def test_cpu_compat_refuses_other_megatron_versions(monkeypatch):
         cpu_compat.apply_cpu_compat()
 
 
+@pytest.mark.parametrize("checked", ["0.16.1", "0.19.2"])
+def test_cpu_compat_accepts_the_checked_megatron_minors(monkeypatch, checked):
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", checked)
+    cpu_compat._check_megatron_version()  # the minors whose call sites were run on gloo (module docstring)
+
+
+def test_cpu_view_of_the_current_stream_waits_without_cuda():
+    # megatron-core 0.19's start_grad_sync calls torch.cuda.current_stream().wait_event(...) on every step;
+    # the CPU view must answer with a stream whose waits run on a machine without a GPU (the CPU build of torch
+    # raises "Torch not compiled with CUDA enabled" for the real torch.cuda.current_stream()).
+    stream = cpu_compat._TorchOnCpu().cuda.current_stream()
+    stream.wait_event(torch.cpu.Event())
+    stream.wait_stream(torch.cpu.current_stream())
+    assert stream is torch.cpu.current_stream()
+
+
 def test_every_listed_call_site_still_names_cuda():
     # A table entry whose module no longer mentions CUDA is stale: the layer must only patch need.
     for module_name in cpu_compat._TORCH_VIEW_MODULES:

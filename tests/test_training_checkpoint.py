@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessExitedException
 
+from checkpoint_layout import common_state_range
 from dist_utils import run_distributed, tiny_qwen2_config
 
 SEED = 11
@@ -341,7 +342,8 @@ def test_auto_resume_skips_broken_checkpoints(scenario, tmp_path, caplog):
     shard = max(truncated.glob("*.distcp"), key=lambda f: f.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     deleted = _copy_as(good, checkpoints / "step_000005", 5)
-    (deleted / "common.pt").unlink()
+    common_file = common_state_range(deleted)[0]  # common.pt (megatron-core 0.16) or the shard holding it (0.19)
+    (deleted / common_file).unlink()
     _copy_as(good, checkpoints / ".tmp-step_000009", 9)  # staging folders are never candidates
     (checkpoints / "latest").write_text("step_000005\n")
 
@@ -349,7 +351,7 @@ def test_auto_resume_skips_broken_checkpoints(scenario, tmp_path, caplog):
         found = CheckpointManager(tmp_path).find_resume("auto")
     assert found == checkpoints / "step_000002"
     log = caplog.text
-    assert "step_000005, which cannot be loaded: common.pt is missing" in log
+    assert f"step_000005, which cannot be loaded: {common_file} is missing" in log
     assert "step_000004" in log and "truncated" in log
     assert "step_000003" in log and "complete.json is missing" in log
 

@@ -33,6 +33,9 @@ def load_sharded(sharded_state_dict: dict, ckpt_dir: str | os.PathLike) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from grpo_mega.checkpoint import dcp_metadata_compat
+
+    dcp_metadata_compat.apply()  # torch >= 2.15: megatron's metadata reader fails without it
     state, _, lacking = dist_checkpointing.load(sharded_state_dict, str(ckpt_dir),
                                                 strict=StrictHandling.RETURN_UNEXPECTED)
     other = sorted(key for key in lacking if not is_extra_state(key))

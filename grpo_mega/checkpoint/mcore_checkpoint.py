@@ -1,7 +1,7 @@
 """A converted model on disk in megatron format: loadable at any TP/PP, with the HF files it came from.
 
 Folder layout:
-  <dir>/                        megatron dist_checkpointing files (torch_dist: metadata, *.distcp, common.pt)
+  <dir>/                        megatron dist_checkpointing files (torch_dist: metadata, *.distcp; common.pt to 0.16)
   <dir>/hf/                     the source model's config.json, tokenizer and generation files (no weights)
   <dir>/grpo_mega_model.json    what this is: model_type, vocab sizes, the TP/PP it was saved at, dtype
 

@@ -24,6 +24,8 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
+from grpo_mega.checkpoint import dcp_metadata_compat
+
 SETTING = "parallel.distributed_optimizer"
 _STATE = "optimizer.state."
 _MASTER = {True: _STATE + "param.", False: _STATE + "fp32_param."}
@@ -66,6 +68,7 @@ def _request_across_modes(request: dict, path: Path, *, saved_distributed: bool)
     """Rename, in ``request`` (this optimizer's ShardedStateDict for loading), the fp32 master-copy keys to those
     of a checkpoint saved with ``distributed_optimizer = saved_distributed``; return {index: ShardedBase} of every
     tensor to load. Raises ValueError, naming the setting, when the checkpoint lacks one."""
+    dcp_metadata_compat.apply()  # torch >= 2.15: megatron's metadata reader fails without it
     saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path)))
     tensors = {}
     for index, (_, _, leaf) in enumerate(x for x in _leaves(request) if isinstance(x[2], ShardedBase)):
@@ -132,7 +135,7 @@ def load_across_modes(engine, path: Path, *, saved_distributed: bool) -> dict:
     request = engine.optimizer_sharded_state_dict(engine.model_sharded_state_dict(), is_loading=True)
     tensors = _request_across_modes(request, path, saved_distributed=saved_distributed)
     loaded = dist_checkpointing.load({_ACROSS_KEY: tensors}, str(path))
-    step = _saved_adam_step(loaded.get("optimizer"))  # the saved non-tensor state comes along (common.pt)
+    step = _saved_adam_step(loaded.get("optimizer"))  # the saved non-tensor state comes along (common state)
     if step is None:
         raise ValueError(f"{path}: the saved optimizer state has no Adam step count; {_way_out(saved_distributed)}")
     index = 0

@@ -132,7 +132,8 @@ def _sharded_state(engine, *, with_optimizer: bool, is_loading: bool, rng_state:
 
 
 def _check_weights_only_loadable(extra_state: dict) -> None:
-    """Fail at save time, not at resume: dist_checkpointing reads common.pt with torch.load(weights_only=True)."""
+    """Fail at save time, not at resume: dist_checkpointing reads the common state (common.pt up to megatron-core
+    0.16, an item of a shard from 0.19) with torch.load(weights_only=True)."""
     buffer = io.BytesIO()
     torch.save(extra_state, buffer)
     buffer.seek(0)

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 on the CPU (gloo): the listed device substitutions, nothing else.
+"""Run megatron-core 0.16 / 0.19 on the CPU (gloo): the listed device substitutions, nothing else.
 
 megatron-core has no CPU support, but its model, schedules, DDP, optimizer and dist_checkpointing
 code is device-agnostic except for a few places that name CUDA outright. `apply_cpu_compat()`
@@ -17,7 +17,8 @@ path. Three kinds of substitution, each listed in a table below with the reason 
 
 `init_distributed` applies the layer when the process computes on the CPU: without CUDA, and with
 `parallel.device: cpu` also when CUDA is present (inside the patched modules `torch.cuda.is_available()`
-then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 by
+then answers False, as on a machine without a GPU). The tables were checked against megatron-core 0.16.1 (and
+0.19.2, which needs Python >= 3.12: the same call sites, plus torch.cuda.current_stream() in the grad sync) by
 running TP=2 (with and without sequence parallelism), PP=2 (1F1B) and DP=2 training steps with
 DistributedDataParallel, get_megatron_optimizer (also its DistributedOptimizer), gradient clipping and
 dist_checkpointing save/load on gloo; another minor version raises instead of guessing. gloo has the collectives
@@ -37,7 +38,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON_CORE = "0.16."
+# The minor releases whose call sites were checked (see the module docstring); 0.17 and 0.18 were not run.
+SUPPORTED_MEGATRON_CORE = ("0.16.", "0.19.")
 
 _CPU = torch.device("cpu")
 
@@ -57,7 +59,9 @@ _TORCH_VIEW_MODULES: dict[str, str] = {
         "tensor-shape buffers on current_device(), torch.cuda.synchronize() after batch_isend_irecv"
     ),
     "megatron.core.pipeline_parallel.schedules": "total_num_tokens = zeros(..., device='cuda')",
-    "megatron.core.distributed.param_and_grad_buffer": "param/grad buffers on current_device()",
+    "megatron.core.distributed.param_and_grad_buffer": (
+        "param/grad buffers on current_device(); from 0.19 start_grad_sync takes torch.cuda.current_stream()"
+    ),
     "megatron.core.optimizer.optimizer": "found_inf / scale tensors with device='cuda'",
     "megatron.core.optimizer.clip_grads": "grad-norm and overflow buffers with device='cuda'",
     "megatron.core.optimizer.distrib_optimizer": (
@@ -145,6 +149,12 @@ class _CudaOnCpu:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """CPU kernels run synchronously: nothing to wait for."""
+
+    @staticmethod
+    def current_stream(device: Any = None) -> torch.cpu.Stream:
+        """torch's CPU stream, whose waits are no-ops: CPU kernels run in order (megatron-core 0.19's
+        bucket-group grad sync asks for the current stream on every step, to wait on CUDA-graph events)."""
+        return torch.cpu.current_stream()
 
     @staticmethod
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:
@@ -251,8 +261,8 @@ def _check_megatron_version() -> None:
     if not version.startswith(SUPPORTED_MEGATRON_CORE):
         raise RuntimeError(
             f"grpo_mega's CPU compatibility layer was checked against megatron-core "
-            f"{SUPPORTED_MEGATRON_CORE}x, but megatron-core {version} is installed; its CUDA-only "
-            "call sites may have moved (see grpo_mega/parallel/cpu_compat.py)"
+            f"{' and '.join(minor + 'x' for minor in SUPPORTED_MEGATRON_CORE)}, but megatron-core {version} is "
+            "installed; its CUDA-only call sites may have moved (see grpo_mega/parallel/cpu_compat.py)"
         )
 
 
@@ -261,7 +271,7 @@ def apply_cpu_compat() -> None:
 
     Call it only in a process that computes on the CPU (``init_distributed`` decides): the patched
     modules then allocate on the CPU even when CUDA is present. Raises RuntimeError, naming the installed version, unless
-    megatron-core is 0.16.x, and when a listed call site is missing from the installed megatron.
+    megatron-core is 0.16.x or 0.19.x, and when a listed call site is missing from the installed megatron.
     """
     global _applied
     if _applied:
