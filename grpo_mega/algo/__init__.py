@@ -49,6 +49,7 @@ _MODULE_OF = {
     "tree_node_values": "tree_values",
     "truncated_importance_weights": "rollout_correction",
     "turn_advantages": "turn_credit",
+    "turn_node_values": "tree_values",
     "turn_tensors": "turn_credit",
     "turn_term_credit": "turn_credit",
     "turn_token_index": "turn_credit",

@@ -40,3 +40,24 @@ def path_values(paths: Sequence[Sequence[int]], outcomes: Sequence[float]) -> li
     segments (the last one is the value of its last node, the outcome of every row that shares that node)."""
     values = tree_node_values(paths, outcomes)
     return [[values[node] for node in path] for path in paths]
+
+
+def turn_node_values(row_values: Sequence[float], segment_ends: Sequence[int],
+                     turn_starts: Sequence[int]) -> list[float]:
+    """The value of each turn of a row of the tree by turns (``process_reward.steps: turns``): the value of the node
+    the turn lies in. ``row_values``: the values of the row's nodes, root side first (:func:`path_values`);
+    ``segment_ends[j]``: the response index of node j's last token for every node but the last (where the tree
+    branched: the end of a tool turn); ``turn_starts``: each turn's first response index, in order. Turn k lies in
+    node ``j(k) = #{j : segment_ends[j] < start_k}`` (the first node ending at or after its start), so
+
+        V_turn(k) = row_values[j(k)],
+
+    every turn of the last node (the last level ran to the end) gets the last node's value, the row's outcome."""
+    if len(segment_ends) != len(row_values) - 1:
+        raise ValueError(f"{len(row_values)} node values need {len(row_values) - 1} segment ends, got "
+                         f"{len(segment_ends)}")
+    out = []
+    for start in turn_starts:
+        node = sum(1 for end in segment_ends if end < start)
+        out.append(float(row_values[node]))
+    return out

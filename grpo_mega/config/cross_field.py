@@ -210,7 +210,7 @@ def validate_tree_rollout(cfg: GRPOConfig) -> None:
             f"algorithm.num_return_sequences_in_group={alg.num_return_sequences_in_group}: a tree's group is its "
             f"leaves; set algorithm.num_return_sequences_in_group={leaves} or change the branching")
     branch_tokens = (len(tree.branching) - 1) * tree.segment_tokens
-    if branch_tokens >= alg.response_length:
+    if cfg.process_reward.steps != "turns" and branch_tokens >= alg.response_length:  # by turns: no token segments
         raise ConfigError(
             f"tree_rollout.segment_tokens={tree.segment_tokens} x {len(tree.branching) - 1} branch levels = "
             f"{branch_tokens} tokens leaves none of algorithm.response_length={alg.response_length} to the last "

@@ -10,7 +10,7 @@ from grpo_mega.config.checks import check_choice
 from grpo_mega.config.loading import ConfigError
 from grpo_mega.config.process import STEP_KINDS
 
-TURN_SOURCES = ("function", "tool", "prm", "implicit")
+TURN_SOURCES = ("function", "tool", "prm", "implicit", "tree")
 """The ``process_reward.source`` values that score assistant turns."""
 
 
@@ -45,10 +45,8 @@ def validate_turn_credit(cfg) -> None:
         raise ConfigError("rollout.multi_turn.enable=true with algorithm.supervision=process needs "
                           "process_reward.steps=turns (text steps would cross the tool turns)")
     if settings.source not in TURN_SOURCES:
-        reason = ("the tree branches at fixed token counts, which cut through tool turns; branching at turn "
-                  "boundaries is not built")
-        raise ConfigError(f"process_reward.source={settings.source} with process_reward.steps=turns: {reason}; use "
-                          f"one of {', '.join(TURN_SOURCES)}")
+        raise ConfigError(f"process_reward.source={settings.source} with process_reward.steps=turns: use one of "
+                          f"{', '.join(TURN_SOURCES)}")
     if settings.source == "implicit" and cfg.implicit_prm.steps != "text":
         raise ConfigError(f"implicit_prm.steps={cfg.implicit_prm.steps} with process_reward.steps=turns: the turns are "
                           "the steps (their model tokens' rewards summed); set implicit_prm.steps=text")

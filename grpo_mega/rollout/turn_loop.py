@@ -255,18 +255,25 @@ class TurnLoopEngine:
 
     # ------------------------------------------------------------------------- continuing a rollout
     def continue_rollouts(self, prefixes: Sequence[Completion], sampling: SamplingConfig,
-                          tool_kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[Completion]:
+                          tool_kwargs: Sequence[Mapping[str, Any]] | None = None, *,
+                          max_new_turns: int | None = None) -> list[Completion]:
         """``sampling.n`` continuations of each prefix, grouped contiguously like ``generate``'s (Monte-Carlo
-        labels of turn prefixes, ``prm.turn_labeling``). A prefix is a multi-turn completion cut right after a
-        tool turn: its response through its last turn's ``tool_end``, its turns through that one. The loop goes on
-        from the next turn as if it had sampled the prefix itself: the prefix's turns count towards ``max_turns``
-        and its tokens towards the response budget. Each continuation is the whole completion, the prefix's
-        tokens, log-probs, mask and turns first. Call ``i`` of the loop samples with ``derive_seed(seed, i)``."""
+        labels of turn prefixes, ``prm.turn_labeling``; the tree by turns, ``grpo_mega.stages.turn_tree``). A
+        prefix is a multi-turn completion cut right after a tool turn: its response through its last turn's
+        ``tool_end``, its turns through that one; or an empty response without turns (the prompt alone: the loop
+        starts at its first turn). The loop goes on from the next turn as if it had sampled the prefix itself: the
+        prefix's turns count towards ``max_turns`` and its tokens towards the response budget. Each continuation is
+        the whole completion, the prefix's tokens, log-probs, mask and turns first. Call ``i`` of the loop samples
+        with ``derive_seed(seed, i)``. ``max_new_turns``: stop after that many more assistant turns (a rollout still
+        going then ends with its last tool turn, ``finish_reason`` "stop", a prefix this method can continue);
+        None: run to the end."""
         s = self.settings
         rows = []
         for index, prefix in enumerate(prefixes):
             turns = prefix.turns or []
-            if not turns or turns[-1].tool_end != len(prefix.response_ids) or len(turns) >= s.max_turns:
+            if not turns and not prefix.response_ids:
+                pass  # the prompt alone
+            elif not turns or turns[-1].tool_end != len(prefix.response_ids) or len(turns) >= s.max_turns:
                 raise ValueError(f"continue_rollouts: prefix {index} does not end with a tool turn within "
                                  f"max_turns={s.max_turns} (turns: {len(turns)})")
             kwargs = (tool_kwargs[index] if tool_kwargs is not None else None) or {}
@@ -278,7 +285,7 @@ class TurnLoopEngine:
         per_turn = min(s.max_tokens_per_turn or s.max_response_tokens, s.max_response_tokens)
         context = getattr(self.engine, "context_length", None)
         call = 0
-        while any(row.live for row in rows):
+        while any(row.live for row in rows) and (max_new_turns is None or call < max_new_turns):
             call += 1
             live, outputs = self._continue([row for row in rows if row.live], sampling, stop, per_turn, context, call)
             self._run_tools([row for row, out in zip(live, outputs)

@@ -191,11 +191,13 @@ class RolloutStage:
         ``rollout.multi_turn``, G multi-turn rollouts: the engine is the turn loop, given each row's tool
         arguments; their metrics go into the step's)."""
         prompt_ids = [r.prompt_ids for r in records]
-        if self.sampler is not None:
-            completions = self.sampler.generate(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
+        multi_turn = hasattr(self.engine, "pop_tool_seconds")
+        if self.sampler is not None:  # the tree by turns is given each row's tool arguments too
+            extra = {"tool_kwargs": [row_tool_kwargs(r.extra) for r in records]} if multi_turn else {}
+            completions = self.sampler.generate(self.engine, prompt_ids, self.sampling, call_seed=call_seed, **extra)
             self._step_metrics.append(self.sampler.metrics)
             return completions
-        if not hasattr(self.engine, "pop_tool_seconds"):  # a single-turn engine
+        if not multi_turn:  # a single-turn engine
             return generate_across_ranks(self.engine, prompt_ids, self.sampling, call_seed=call_seed)
         completions = generate_across_ranks(self.engine, prompt_ids, self.sampling, call_seed=call_seed,
                                             tool_kwargs=[row_tool_kwargs(r.extra) for r in records])

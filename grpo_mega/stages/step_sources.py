@@ -80,7 +80,13 @@ def _implicit_prm(cfg: GRPOConfig, decode):
 @register_step_reward_source("tree")
 def _tree(cfg: GRPOConfig, decode):
     """Each group sampled as a tree, its segments scored by their nodes' Monte-Carlo values
-    (``grpo_mega.stages.tree_rollout``)."""
+    (``grpo_mega.stages.tree_rollout``); with ``process_reward.steps: turns`` the tree branches at turn boundaries
+    and scores each turn (``grpo_mega.stages.turn_tree``)."""
+    if cfg.process_reward.steps == "turns":
+        from grpo_mega.stages.turn_tree import TurnTreeRewards, TurnTreeSampler
+
+        sampler = TurnTreeSampler(cfg.tree_rollout.branching, cfg.rollout.multi_turn.max_turns, decode)
+        return TurnTreeRewards(sampler, cfg.process_reward)
     from grpo_mega.stages.tree_rollout import TreeSampler, TreeStepRewards
 
     sampler = TreeSampler(cfg.tree_rollout.branching, cfg.tree_rollout.segment_tokens, decode)
