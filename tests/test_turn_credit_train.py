@@ -1,5 +1,5 @@
 """``grpo-mega train`` with turn credit (``process_reward.steps=turns``) end to end, one step per step-reward source
-(the oracle, the tools, a likelihood PRM, the implicit PRM):
+(the oracle, the tools, a likelihood PRM, the implicit PRM, the tree by turns):
 the scripted calculator policy of tests/test_turn_loop_train.py (every rollout: a call turn ``6 * 7``, the tool turn,
 then "The answer is 42." or "... 41." at a coin flip) on rows whose chain is ``6 * 7 = 42``; the hf engine, one
 process. Each run's dumped rollouts carry the advantages the update trained on: they are 0 on every tool token,
@@ -71,6 +71,9 @@ SOURCES = {  # source: (overrides, turn credit form, weight)
     # PRIME's implicit PRM updated on the batch's outcomes before it scores (so its token rewards are not all 0)
     "implicit": (["reward.function=synthetic", "process_reward.source=implicit", "implicit_prm.update=before",
                   "implicit_prm.optim.lr=1e-2"], "sum", 1.0),
+    # the tree by turns: 2 first turns per prompt, each continued twice after its tool turn (4 leaves, G)
+    "tree": (["reward.function=synthetic", "process_reward.source=tree", "tree_rollout.branching=[2,2]",
+              "process_reward.step_reward=progress"], "bounded", 1.0),
 }
 
 
@@ -107,6 +110,16 @@ def test_turn_credit_trains_on_model_tokens_with_the_turns_rewards(task, tmp_pat
         assert all(line["step_rewards"] == [0.5, 0.0] for line in lines)
     elif source == "implicit":  # a turn's reward: its model tokens' implicit rewards summed
         assert any(r != 0 for line in lines for r in line["step_rewards"])
+    elif source == "tree":  # progress: the call turn's node value minus the group's mean, then the outcome's rest
+        for g in range(2):
+            group = lines[4 * g: 4 * g + 4]
+            mean = sum(line["reward"] for line in group) / 4
+            for line in group:
+                assert len(line["tree_path"]) == 2  # it branched after the call's tool turn
+                node = [x["reward"] for x in group if x["tree_path"][0] == line["tree_path"][0]]
+                assert len(node) == 2
+                assert line["step_rewards"] == pytest.approx([sum(node) / 2 - mean, line["reward"] - sum(node) / 2])
+        assert rows_logged(run_dir)["rollout/tree/nodes"] == 2 * (2 + 4)
     else:  # the PRM reads each turn in context: every rollout's first turn is the same text, so the same score
         firsts = {round(line["step_rewards"][0], 6) for line in lines}
         assert len(firsts) == 1 and all(0 < r <= 1 for line in lines for r in line["step_rewards"])
@@ -127,6 +140,10 @@ def test_turn_credit_trains_on_model_tokens_with_the_turns_rewards(task, tmp_pat
             for line in group:
                 sign = math.copysign(1, line["reward"] - sum(x["reward"] for x in group) / 4)
                 assert all(v * sign > 0 for v, m in zip(line["advantages"], line["response_mask"]) if m)
+
+
+def rows_logged(run_dir: Path) -> dict:
+    return read_metrics_rows(run_dir)[0]
 
 
 def read_metrics_rows(run_dir: Path) -> list[dict]:

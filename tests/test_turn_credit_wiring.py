@@ -1,9 +1,11 @@
 """Turn credit as the trainer wires it (``process_reward.steps=turns``): the rollout stage's per-turn rewards from each
 source (the tool task's oracle ``tool_task_turns``, the tools' own verdicts, a PRM reading each turn in context) and
 ``group_advantages``' turn credit, on hand-built tool-task trajectories (one character a token), for every form x
-source: an extra tool call that changes nothing, a void turn, or a turn split in two never raises a completion's
-turn-term credit under ``bounded`` (``sum``'s documented hazards are asserted as such); a missing answer never pays
-under ``bounded``; a rollout stopped at ``max_turns`` is scored as ``algorithm.max_turns_outcome`` says."""
+source (the tree by turns too: each hand-built group read as a tree whose nodes end at the tool turns, rows with the
+same turns so far sharing a node): an extra tool call that changes nothing, a void turn, or a turn split in two never
+raises a completion's turn-term credit under ``bounded`` (``sum``'s documented hazards are asserted as such); a
+missing answer never pays under ``bounded``; a rollout stopped at ``max_turns`` is scored as
+``algorithm.max_turns_outcome`` says."""
 
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ from grpo_mega.stages.rollout import RolloutStage
 from grpo_mega.stages.turn_credit_metrics import turn_credit_metrics
 from grpo_mega.stages.turn_rewards import PRMTurnRewards, ToolTurnRewards
 from grpo_mega.stages.turn_steps import batch_turn_tensors, turn_step_texts, turn_views
+from grpo_mega.stages.turn_tree import TurnTreeRewards, TurnTreeSampler
 
 STEPS = [{"lhs": 12, "op": "*", "rhs": 3, "result": 36}, {"lhs": 36, "op": "+", "rhs": 5, "result": 41}]
 G = 4
+SOURCES = ["function", "tool", "prm", "tree"]
 
 
 def decode(ids):
@@ -88,10 +92,23 @@ class TurnTextScorer:
                 for row in steps]
 
 
+def as_tree(completions):
+    """The group read as a tree by turns: a node ends at each tool turn (and the last at the response's end), rows
+    with the same tokens through a node's end sharing it (``tree_path``, ``segment_ends`` as the sampler sets them)."""
+    ids = {}
+    for c in completions:
+        ends = [t.tool_end - 1 for t in c.turns if t.tool_end is not None and t.tool_end < len(c.response_ids)]
+        c.tree_path = [ids.setdefault(tuple(c.response_ids[:end + 1]), len(ids))
+                       for end in [*ends, len(c.response_ids) - 1]]
+        c.segment_ends = ends
+    return completions
+
+
 def stage_for(source, algorithm):
     settings = ProcessRewardConfig(source=source, steps="turns", prm="unused")
+    tree = TurnTreeRewards(TurnTreeSampler([G], 4, decode), dataclasses.replace(settings, step_reward="progress"))
     sources = {"function": None, "tool": ToolTurnRewards(settings),
-               "prm": PRMTurnRewards(TurnTextScorer(), settings, decode)}
+               "prm": PRMTurnRewards(TurnTextScorer(), settings, decode), "tree": tree}
     reward = RewardConfig(function="tool_task_turns" if source == "function" else "synthetic")
     return RolloutStage(None, None, SamplingConfig(n=G), reward, algorithm, seed=0, decode=decode,
                         step_reward_source=sources[source], turn_steps=True)
@@ -102,7 +119,8 @@ def credit(source, form, group, **options):
     ``group_advantages``."""
     alg = AlgorithmConfig(num_return_sequences_in_group=G, supervision="process", turn_credit=form, **options)
     record = PromptRecord("Q", [1, 2], "41", "Q", "test:1", {"steps": STEPS})
-    batch, failures = stage_for(source, alg).score([record], [trajectory(*turns) for turns in group])
+    completions = [trajectory(*turns) for turns in group]
+    batch, failures = stage_for(source, alg).score([record], as_tree(completions) if source == "tree" else completions)
     assert failures == 0
     advantages = group_advantages(batch, alg)
     spans, answered, stopped = batch_turn_tensors(batch.completions)
@@ -121,7 +139,10 @@ def test_the_oracle_scores_each_turn_of_the_tool_task():
 
 
 def test_each_source_gives_one_reward_per_turn_ending_at_its_last_model_token():
-    for source, want in (("function", [1.0, 1.0, 1.0]), ("tool", [0.0, 0.0, 0.0]), ("prm", [0.9, 0.9, 0.9])):
+    # the tree's progress: V(first turn, shared with completion 1) 1/2 - the group's mean 1/2, then V(its second
+    # turn's node) 1 - 1/2, then its own outcome 1 - 1
+    for source, want in (("function", [1.0, 1.0, 1.0]), ("tool", [0.0, 0.0, 0.0]), ("prm", [0.9, 0.9, 0.9]),
+                         ("tree", [0.0, 0.5, 0.0])):
         _, _, batch = credit(source, "bounded", GROUP)
         assert batch.step_rewards[0] == want
         turns = batch.completions[0].turns
@@ -134,7 +155,7 @@ def test_each_source_gives_one_reward_per_turn_ending_at_its_last_model_token():
     assert texts[2].startswith("<tool_response>41</tool_response> Step 2")
 
 
-@pytest.mark.parametrize("source", ["function", "tool", "prm"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_tool_tokens_get_no_credit_and_the_bound_keeps_the_outcome_sign(source):
     advantages, _, batch = credit(source, "bounded", GROUP, turn_credit_weight=5.0)
     for row, completion in enumerate(batch.completions):
@@ -147,11 +168,13 @@ def test_tool_tokens_get_no_credit_and_the_bound_keeps_the_outcome_sign(source):
 
 # (source, perturbation) pairs where `sum` raises completion 0's turn-term credit: its hazard, pinned here so that
 # docs/training.md's table stays true. `bounded` never raises it (the turn term adds no credit at all).
+# The tree: a void turn inside the last node scores 0 (progress within a node), which shrinks the pooled std and so
+# enlarges the normalised value gains before it.
 SUM_RAISES = {("function", "extra_call"), ("function", "split"), ("prm", "extra_call"), ("prm", "split"),
-              ("tool", "extra_call"), ("tool", "split")}
+              ("tool", "extra_call"), ("tool", "split"), ("tree", "void")}
 
 
-@pytest.mark.parametrize("source", ["function", "tool", "prm"])
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("how", sorted(PERTURBED))
 @pytest.mark.parametrize("form", ["bounded", "sum"])
 def test_an_extra_call_a_void_turn_or_a_split_turn_never_raises_credit(form, how, source):
@@ -165,7 +188,7 @@ def test_an_extra_call_a_void_turn_or_a_split_turn_never_raises_credit(form, how
         assert after[0] <= before[0] + 1e-4
 
 
-@pytest.mark.parametrize("source", ["function", "tool", "prm"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_a_missing_answer_never_pays_more_than_a_wrong_one_under_bounded(source):
     unanswered = [FIRST, SECOND, (" Step 2: 36 + 5 = 41.", "void", None, None)]
     advantages, _, batch = credit(source, "bounded", [unanswered] + GROUP[1:])
@@ -174,7 +197,7 @@ def test_a_missing_answer_never_pays_more_than_a_wrong_one_under_bounded(source)
     assert mean[0] < 0 and mean[0] <= max(mean[1], mean[2]) + 1e-5
 
 
-@pytest.mark.parametrize("source", ["function", "tool", "prm"])
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("form", ["bounded", "sum"])
 def test_a_rollout_stopped_at_max_turns_is_scored_as_configured(form, source):
     stopped = GROUP[:3] + [[(" Step 1: 12 * 3 = 36. ", "tool_call", call("36 + 5"), "41"),
@@ -215,7 +238,7 @@ def test_the_config_runs_turn_credit_where_it_works_and_refuses_the_rest_in_one_
         config.process_reward = dataclasses.replace(config.process_reward, **{"steps": "turns", **process})
         return config
 
-    for source in ("function", "tool", "prm", "implicit"):
+    for source in ("function", "tool", "prm", "implicit", "tree"):
         validate_turn_credit(cfg(source=source))
     token_steps = cfg(source="implicit")
     token_steps.implicit_prm.steps = "tokens"
@@ -227,7 +250,6 @@ def test_the_config_runs_turn_credit_where_it_works_and_refuses_the_rest_in_one_
         (cfg(multi_turn=False), "needs rollout.multi_turn.enable=true"),
         (cfg(supervision="outcome"), "needs algorithm.supervision=process"),
         (cfg(steps="text"), "needs process_reward.steps=turns"),
-        (cfg(source="tree"), "source=tree with process_reward.steps=turns: the tree branches"),
         (token_steps, "implicit_prm.steps=tokens with process_reward.steps=turns"),
         (cfg(source="tool", steps="text"), "source=tool scores assistant turns"),
         (cfg(source="prm", max_counted_steps=3), "max_counted_steps"),
