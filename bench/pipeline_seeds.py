@@ -293,10 +293,13 @@ def with_recorded_arms(summary: dict, recorded_path: Path) -> dict:
 def with_comparisons(summary: dict) -> dict:
     """A seed's summary with the oracle's difference to outcome supervision at equal steps (the summary has the
     learned-PRM arms' ``<key>_minus_os``), every arm's at equal seconds (``<key>_minus_os_equal_seconds``,
-    ``bench.seed_curves.equal_seconds``), and the label agreements."""
+    ``bench.seed_curves.equal_seconds``), and the label agreements. A seed without its baseline arm (outcome
+    supervision; the tool regime's tool GRPO) gets no comparisons."""
     row = {**summary, "prm_label_agreement": (summary.get("prm") or {}).get("label_agreement"),
            "prm_value_label_agreement": value_label_agreement(summary)}
     arms, baseline = summary["arms"], summary.get("baseline_arm", "outcome")  # the tool regime's: tool GRPO
+    if baseline not in arms:  # e.g. a tools seed run with --add-arms alone: nothing to compare against
+        return row
     if "oracle" in arms:
         row["oracle_minus_os"] = arms["oracle"]["accuracy"] - arms[baseline]["accuracy"]
     for arm, report in arms.items():

@@ -34,6 +34,7 @@ SLOW_FILES = {
     "test_quickstart_tools_e2e.py": 90,  # with the sparse start's selection: 294 s at load average ~30 (2026-12-07)
     "test_prm_turn_commands.py": 60,  # 114 s at load average ~20 (2026-12-07)
     "test_quickstart_tool_prm_arms.py": 95,  # 190 s at load average ~18, the e2e test 150 of them (2026-12-07)
+    "test_quickstart_tool_tree_arm.py": 50,  # 100 s at load average ~15, the e2e test 90 of them (2026-12-07)
     "test_first_hour_config.py": 71,
     "test_qwen3.py": 66,
     "test_trainer_preemption.py": 61,

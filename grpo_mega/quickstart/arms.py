@@ -149,6 +149,12 @@ TURN_CREDIT_ARMS = {
                          ("process_reward.source=function", "reward.function=tool_task_turns")),
     "tool_turn_tool": ("the tools' own verdicts", ("process_reward.source=tool",)),
     "tool_turn_prm": ("the learned PRM", ("process_reward.source=prm",)),
+    # the tree by turns: 4 first turns per prompt, each continued twice from its first tool turn (8 leaves, the
+    # batch's G; [G/2, 2] as the best text plan, tree_82, and the first call is where the tool task's chains part);
+    # a turn's step reward the value it added (progress), its extra rollouts' tokens and seconds in the arm's own
+    "tool_turn_tree": ("the tree by turns (Monte-Carlo values of turn prefixes)",
+                       ("process_reward.source=tree", "process_reward.step_reward=progress",
+                        "tree_rollout.branching=[4,2]")),
 }
 for _arm, (_what, _overrides) in list(TURN_CREDIT_ARMS.items()):
     ARMS[_arm] = (f"GRPO, bounded turn credit from {_what}", (*TURN_STEPS, *_overrides))
@@ -157,3 +163,11 @@ for _arm, (_what, _overrides) in list(TURN_CREDIT_ARMS.items()):
     for _name in (_arm, f"{_arm}_sum"):
         SHOWN[_name] = (*SHOWN["outcome"], ("turn reward", "turn_credit/turn_reward_mean"))
         ARM_FOLDERS[_name] = f"grpo_{_name}"
+for _name in ("tool_turn_tree", "tool_turn_tree_sum"):
+    SHOWN[_name] = (*SHOWN[_name], ("tokens", "rollout/generated_tokens"))
+
+
+def tool_shown(arm: str) -> tuple[tuple[str, str], ...]:
+    """What ``arm``'s live line shows in the tool regime: ``TOOL_SHOWN`` and the arm's own figures of ``SHOWN``
+    (a turn-credit arm's ``turn_credit/turn_reward_mean``)."""
+    return (*TOOL_SHOWN, *(item for item in SHOWN.get(arm, ()) if item not in TOOL_SHOWN))

@@ -32,7 +32,8 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "text_grpo": "text-only GRPO (no tool)", "tool_grpo": "tool GRPO (calculator), outcome supervision",
               "tool_turn_oracle": "tool GRPO, bounded turn credit (oracle)",
               "tool_turn_prm": "tool GRPO, bounded turn credit (learned turn PRM)",
-              "tool_turn_tool": "tool GRPO, bounded turn credit (the tools' verdicts)"}
+              "tool_turn_tool": "tool GRPO, bounded turn credit (the tools' verdicts)",
+              "tool_turn_tree": "tool GRPO, bounded turn credit (the tree by turns)"}
 STEP_REWARD_ARM = "process_"
 """Prefix of the learned-PRM arms that run another ``process_reward.step_reward`` (``process_delta``, ...)."""
 

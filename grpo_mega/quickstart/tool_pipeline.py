@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_mega.quickstart.arm_runs import optional, training_command
-from grpo_mega.quickstart.arms import TOOL_ARMS, TOOL_BASELINE, TOOL_SHOWN, tool_arm_settings
+from grpo_mega.quickstart.arms import TOOL_ARMS, TOOL_BASELINE, tool_arm_settings, tool_shown
 from grpo_mega.quickstart.plots import plot_arms
 from grpo_mega.quickstart.report import arm_key, arm_report, arm_title, learned_prm_arm
 from grpo_mega.quickstart.tool_prm import (FAST_TOOL_PRM, SUMMARY_FILE, ToolPRMPlan, arm_prm_figures, prm_cost,
@@ -134,7 +134,7 @@ def run_tool_arm(arm: str, plan: ToolGRPOPlan, run_dir: Path, regime: dict, star
         init, before = run_dir / "rft", prm["seconds"]["label"] + extra["rft_seconds"]
     announce(f"{title} (DP=2 on 2 processes), log: {run_dir / f'{folder}.log'}")
     seconds = training_command(
-        f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", run_dir / folder, plan.grpo_steps, TOOL_SHOWN,
+        f"GRPO ({arm})", ["train"], "quickstart_grpo.yaml", run_dir / folder, plan.grpo_steps, tool_shown(arm),
         [*tool_grpo_overrides(plan, regime), f"model.init_from={init}", *overrides], run_dir / f"{folder}.log")
     return {**arm_report(metrics_path(run_dir / folder), seconds, before), **extra}
 
