@@ -35,7 +35,8 @@ class ProcessRewardConfig:
     template's tokens after it carry no credit, and the turn credit is ``algorithm.turn_credit`` (docs/training.md,
     "Turn credit"). Sources with turns: ``function`` (``reward.function`` returns ``TurnRewards``, e.g.
     ``tool_task_turns``, the tool task's oracle), ``tool``, ``prm`` (each turn scored with the earlier turns' tool
-    outputs in the PRM's input, read at the turn's last model token)."""
+    outputs in the PRM's input, read at the turn's last model token), ``implicit``, ``tree`` (the tree branches at
+    turn boundaries, each turn scored by its node's Monte-Carlo value; docs/training.md, "Tree credit by turns")."""
     tool_error_reward: float = -1.0
     """``source: tool``: the reward of a call that failed (an error of the tool, an invalid call, an unknown tool, a
     timeout; ``ToolCallRecord.error``). A turn's reward is the mean of its calls'."""
@@ -176,7 +177,8 @@ class ImplicitPRMConfig:
 @dataclass
 class TreeRolloutConfig:
     """How a group is sampled as a tree for ``process_reward.source: tree``: every prompt's continuations branch at
-    fixed token counts (SPO-tree's segments), and the completions are the tree's leaves."""
+    fixed token counts (SPO-tree's segments), or with ``process_reward.steps: turns`` at turn boundaries (after each
+    tool turn), and the completions are the tree's leaves."""
 
     branching: list[int] = field(default_factory=lambda: [4, 2, 2])
     """Children of each node per level, root first: ``[4, 2, 2]`` samples 4 first segments from the prompt, 2
@@ -185,4 +187,5 @@ class TreeRolloutConfig:
     segment_tokens: int = 16
     """Tokens per segment at every level but the last (whose segments run to the end or
     ``algorithm.response_length``): a branch point every ``segment_tokens`` tokens. A node that ends before (end of
-    sequence, a stop string) is a leaf standing for its whole subtree's rows."""
+    sequence, a stop string) is a leaf standing for its whole subtree's rows. Unused with ``process_reward.steps:
+    turns`` (a segment is one assistant turn and its tool turn)."""
