@@ -126,7 +126,8 @@ def test_turn_values_are_the_mean_outcomes_below_each_turns_node(tokenizer):
     assert rewards == [[0.5, 1, 1], [0.5, 1, 1], [0.5, 0, 0], [0.5, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0], [0, 0]]
     assert ends == [turn_step_ends(c) for c in rows]
     assert metrics["tree/branched_turns_per_completion"] == pytest.approx((6 * 2 + 2 * 1) / 8)
-    progress = TurnTreeRewards(TurnTreeSampler((2, 2, 2), 4, str), dataclasses.replace(settings, step_reward="progress"))
+    progress = TurnTreeRewards(TurnTreeSampler((2, 2, 2), 4, str),
+                               dataclasses.replace(settings, step_reward="progress"))
     shaped, _, _ = progress([PROMPT] * 8, [c.text for c in rows], outcomes, [{}] * 8, completions=rows)
     # progress: each turn's value minus its parent's, from the group's mean outcome 2/8; a row's sum is o - 2/8
     assert shaped[0] == pytest.approx([0.25, 0.5, 0.0]) and shaped[2] == pytest.approx([0.25, -0.5, 0.0])
