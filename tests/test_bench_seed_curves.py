@@ -192,3 +192,15 @@ def test_add_arms_without_result_leaves_the_recorded_result_alone(tmp_path):
     assert default_result(Namespace(**{**vars(args), "add_arms": []})) == (
         ROOT / "bench" / "results" / "pipeline_seeds_sparse.json")
     assert default_result(Namespace(**{**vars(args), "result": tmp_path / "r.json"})) == tmp_path / "r.json"
+
+
+def test_a_seed_without_its_baseline_arm_gets_no_comparisons():
+    """A tools seed run with ``--add-arms`` alone has no tool GRPO to be set against: it is compared with nothing
+    (it raised KeyError 'tool_grpo')."""
+    from bench.pipeline_seeds import with_comparisons
+
+    arm = {"accuracy": 0.3, "curve": [[0, 0.0, 0.2], [10, 50.0, 0.3]], "seconds": 50.0}
+    row = with_comparisons({"baseline_arm": "tool_grpo", "arms": {"tool_turn_tree": arm, "oracle": arm},
+                            "run_dir": "/nonexistent"})
+    assert row["arms"] == {"tool_turn_tree": arm, "oracle": arm}
+    assert not [key for key in row if "minus_os" in key]
