@@ -156,3 +156,23 @@ def test_the_tree_keeps_max_turns_and_the_response_budget(tokenizer):
     _, rows, _ = grow(tokenizer, budget=budget)
     assert len(rows) == 8 and all(len(c.response_ids) <= budget for c in rows)
     assert all(c.finish_reason == "length" for c in rows)
+
+
+def test_the_config_runs_the_tree_by_turns_with_the_tree_keys(tmp_path):
+    from pathlib import Path
+
+    from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"
+    base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]", "algorithm.supervision=process",
+            "process_reward.source=tree", "algorithm.response_length=64", "data.train_file=x.jsonl",
+            f"model.hf_config={tmp_path}"]
+    cfg = load_config(GRPOConfig, config, [*base, "process_reward.steps=turns", "tree_rollout.branching=[4,2]",
+                                           "tree_rollout.segment_tokens=100"])
+    validate(cfg, world_size=0)  # segments of 100 tokens in a 64-token budget: unused by turns
+    for overrides, message in [(["process_reward.steps=turns", "tree_rollout.branching=[4,4]"], "has 16 leaves"),
+                               (["tree_rollout.branching=[4,2]"], "needs process_reward.steps=turns")]:
+        cfg = load_config(GRPOConfig, config, [*base, *overrides])
+        with pytest.raises(ConfigError, match=message) as error:
+            validate(cfg, world_size=0)
+        assert "\n" not in str(error.value)
