@@ -33,7 +33,8 @@ tool - text held-out accuracy and the tool-call rate at the last step over the S
 ``--add-arms`` take the tool arms and any arm of ARMS, run with the calculator). Issue 76's ``tool_turn_prm`` and
 ``rft`` run the seed's PRM stage first, once for both (``grpo_mega.quickstart.tool_prm``: turn labels from the tool
 policy's own continuations, the PRM's training, its AUROC on held-out turns in ``tool_prm`` of the seed's summary and
-beside the arm): ``--out OUT --add-arms tool_turn_prm rft``.
+beside the arm): ``--out OUT --add-arms tool_turn_prm rft``. ``tool_turn_tree`` (the tree by turns, no reward
+model) needs no stage: its tree's extra rollouts are in its own run's generated tokens and seconds.
 """
 
 from __future__ import annotations
