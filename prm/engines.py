@@ -120,13 +120,17 @@ def build_prm_forward_engine(
     )
 
 
-def build_conversion_stage(hf_config: Any, gpt_config) -> torch.nn.Module:
+def build_conversion_stage(hf_config: Any, gpt_config, *, local_layers: bool = False) -> torch.nn.Module:
     """This rank's stage of whatever model an HF folder of ``hf_config`` holds, for the conversion tools: a causal
-    LM's backbone, or a classifier PRM's backbone (no LM output layer) with its head on the last stage."""
+    LM's backbone, or a classifier PRM's backbone (no LM output layer) with its head on the last stage.
+    ``local_layers``: megatron-core's local layers also where Transformer Engine's would run (a LoRA checkpoint's
+    adapters are read onto those)."""
     from grpo_mega.model import build_gpt_model
+    from grpo_mega.model.gpt import local_layer_spec
 
     table = architecture_for(hf_config)
-    model = build_gpt_model(gpt_config, lm_output=table.lm_output)
+    model = build_gpt_model(gpt_config, lm_output=table.lm_output,
+                            layer_spec=local_layer_spec(gpt_config.transformer) if local_layers else None)
     if not table.lm_output and model.post_process:
         model.head = ClassifierHead(int(hf_config.hidden_size))
     return model

@@ -75,8 +75,6 @@ def load_merged_lora_checkpoint(stage: torch.nn.Module, folder: str | os.PathLik
     (a whole model, no adapters of its own) at this job's layout: its base, then its adapters merged in; collective.
     ValueError naming the folder when the base cannot be found."""
     from grpo_mega.checkpoint.source import resolve_model_source
-    from grpo_mega.checkpoint.weights_only import read_checkpoint_model
-    from grpo_mega.lora.stage import StageAdapters
 
     base = settings.get("base")
     if not base:
@@ -87,12 +85,21 @@ def load_merged_lora_checkpoint(stage: torch.nn.Module, folder: str | os.PathLik
         raise ValueError(f"{folder} holds LoRA adapters only; their base {base} (model.init_from of the run) cannot "
                          f"be read: {error}") from error
     load_stage_weights(stage, source)
+    read_lora_adapters(stage, folder, settings).merge_into_base()
+
+
+def read_lora_adapters(stage: torch.nn.Module, folder: str | os.PathLike, settings: dict):
+    """The adapters of the LoRA checkpoint ``folder`` for the megatron ``stage`` at this job's layout, read but
+    not attached (``grpo_mega.lora.StageAdapters`` with ``attach=False``: to merge or export); collective."""
+    from grpo_mega.checkpoint.weights_only import read_checkpoint_model
+    from grpo_mega.lora.stage import StageAdapters
+
     # the adapters' saved settings, in the shape of model.lora (dropout plays no part in a merge)
     lora = SimpleNamespace(rank=int(settings["rank"]), alpha=float(settings["alpha"]), dropout=0.0, enabled=True,
                            target_modules=list(settings["target_modules"]))
     adapters = StageAdapters(stage, lora, seed=0, attach=False)
     adapters.load_state_dict(read_checkpoint_model(adapters.sharded_state_dict(), folder))
-    adapters.merge_into_base()
+    return adapters
 
 
 def load_stage_weights(stage: torch.nn.Module, source) -> None:

@@ -97,6 +97,10 @@ class StageAdapters:
             self.enabled = previous
 
     # ----------------------------------------------------------------- merged weights
+    def adapter_of(self, weight: torch.Tensor) -> LoRAAdapter | None:
+        """The adapter of the base linear whose weight is ``weight`` (this rank's shard), None when it has none."""
+        return self._by_weight.get(id(weight))
+
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``weight`` with its adapter merged in, W + s B A (computed in fp32, returned in W's
         dtype, a new tensor); any other tensor as it is."""
