@@ -97,7 +97,9 @@ def read_lora_adapters(stage: torch.nn.Module, folder: str | os.PathLike, settin
     # the adapters' saved settings, in the shape of model.lora (dropout plays no part in a merge)
     lora = SimpleNamespace(rank=int(settings["rank"]), alpha=float(settings["alpha"]), dropout=0.0, enabled=True,
                            target_modules=list(settings["target_modules"]))
-    adapters = StageAdapters(stage, lora, seed=0, attach=False)
+    # a PRM's head trained beside the adapters is read with them (load_state_dict copies it into the stage)
+    adapters = StageAdapters(stage, lora, seed=0, attach=False,
+                             trained_modules=tuple(settings.get("trained_modules", ())))
     adapters.load_state_dict(read_checkpoint_model(adapters.sharded_state_dict(), folder))
     return adapters
 
@@ -105,9 +107,12 @@ def read_lora_adapters(stage: torch.nn.Module, folder: str | os.PathLike, settin
 def load_stage_weights(stage: torch.nn.Module, source) -> None:
     """The whole model of ``source`` (a ``ModelSource`` of any kind) into a bare megatron stage; collective."""
     if holds_hf_weights(source):
-        from grpo_mega.checkpoint.hf_convert import load_hf_weights
+        from grpo_mega.checkpoint.hf_convert import _unwrap, load_hf_weights
+        from grpo_mega.checkpoint.hf_layouts import architecture_for
 
-        load_hf_weights(stage, source_hf_weights(source), source.hf_config)
+        # a classifier PRM (no LM output layer) on a causal LM's weights (LoRA: its base): the LM head is not read
+        skip_lm_output = not _unwrap(stage).lm_output and architecture_for(source.hf_config).lm_output
+        load_hf_weights(stage, source_hf_weights(source), source.hf_config, skip_lm_output=skip_lm_output)
     elif source.kind == "mcore_model":
         from grpo_mega.checkpoint.mcore_checkpoint import load_mcore_checkpoint
 
