@@ -62,6 +62,7 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
+@pytest.mark.slow
 def test_the_peft_adapter_loads_onto_the_base_and_equals_the_merged_export(checkpoint, tmp_path, monkeypatch,
                                                                            capsys):
     from peft import PeftModel

@@ -2,7 +2,8 @@
 and the classifier head train, nothing else; the checkpoint holds those alone and names the base; ``prm score`` and
 ``prm eval`` open it merged (the base + s B A, the trained head) and classify the held-out steps exactly as the
 training run's own evaluation did; ``tools/convert_mcore_to_hf.py`` exports it merged, with the base's untouched
-weights bit for bit."""
+weights bit for bit; a run resumed from its step-2 checkpoint (the base reloaded from model.init_from) repeats
+step 3 bit for bit."""
 
 from __future__ import annotations
 
@@ -38,24 +39,34 @@ def lora_prm(tmp_path_factory):
     train, heldout = root / "train.jsonl", root / "heldout.jsonl"
     write_stepwise(train, planted_error_examples(problems[:48], seed=1))
     write_stepwise(heldout, planted_error_examples(problems[150:166], seed=2))
+    task = {"policy": policy, "heldout": heldout, "model": model_dir, "train": train}
     run_dir = root / "run"
-    result = run_grpo_mega(
-        "prm", "train", "--config", str(PRM_CONFIG), "--nproc", "1", f"model.hf_config={model_dir}",
-        f"model.init_from={policy}", f"data.train_file={train}", f"data.eval_file={heldout}",
-        f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.batch_size=8", "trainer.eval_every=3",
-        "trainer.save_every=3", "trainer.progress_bar=false", "trainer.tensorboard=false", "parallel.device=cpu",
-        "optim.warmup_steps=0", "optim.decay_style=constant", "parallel.tensor=1", "prm.layout=classifier",
-        'prm.step_tag=" ки"', "optim.lr=1e-2", "model.lora.rank=4", "model.lora.alpha=8",
-    )
+    result = _prm_train(task, run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"policy": policy, "heldout": heldout}, run_dir, rows, result.stderr
+    return task, run_dir, _rows(run_dir), result.stderr
+
+
+def _prm_train(task, run_dir: Path, *extra: str):
+    """3 steps of a classifier PRM with LoRA rank 4 on 1 process, checkpoints after steps 2 and 3."""
+    return run_grpo_mega(
+        "prm", "train", "--config", str(PRM_CONFIG), "--nproc", "1", f"model.hf_config={task['model']}",
+        f"model.init_from={task['policy']}", f"data.train_file={task['train']}", f"data.eval_file={task['heldout']}",
+        f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.batch_size=8", "trainer.eval_every=3",
+        "trainer.save_every=2", "trainer.keep_last=2", "trainer.progress_bar=false", "trainer.tensorboard=false",
+        "parallel.device=cpu", "optim.warmup_steps=0", "optim.decay_style=constant", "parallel.tensor=1",
+        "prm.layout=classifier", 'prm.step_tag=" ки"', "optim.lr=1e-2", "model.lora.rank=4", "model.lora.alpha=8",
+        *extra,
+    )
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _checkpoint_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    target = scratch / "checkpoint.pt"
+    target = scratch / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
     dcp_to_torch_save(str(checkpoint), str(target))
     state = torch.load(target, weights_only=False)
     return {key: value for key, value in state.items() if torch.is_tensor(value) and not key.startswith("optimizer.")}
@@ -102,3 +113,20 @@ def test_a_lora_prm_trains_adapters_and_head_and_scores_merged(lora_prm, tmp_pat
                            base["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(merged["score.0.weight"], saved["head.score.0.weight"])
     assert "lm_head.weight" not in merged
+
+
+@pytest.mark.slow
+def test_a_lora_prm_resumes_from_its_adapters_and_head_bit_equal(lora_prm, tmp_path):
+    task, run_dir, rows, _ = lora_prm
+    resumed_dir = tmp_path / "resumed"
+    resumed = _prm_train(task, resumed_dir, f"trainer.resume={run_dir / 'checkpoints' / 'step_000002'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = _rows(resumed_dir)
+    assert [row["step"] for row in again] == [3]
+    deterministic = [key for key in rows[-1] if key.startswith(("prm/", "eval/")) or key == "grad_norm"]
+    assert "prm/loss" in deterministic and "eval/step_accuracy" in deterministic
+    assert {key: again[0][key] for key in deterministic} == {key: rows[-1][key] for key in deterministic}
+    straight = _checkpoint_tensors(run_dir / "checkpoints" / "step_000003", tmp_path)
+    restarted = _checkpoint_tensors(resumed_dir / "checkpoints" / "step_000003", tmp_path)
+    assert straight.keys() == restarted.keys()
+    assert all(torch.equal(straight[key], restarted[key]) for key in straight)
