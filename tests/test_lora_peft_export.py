@@ -1,7 +1,7 @@
 """``tools/convert_mcore_to_hf.py`` on a LoRA run's checkpoint (adapters only): merged weights by default, and with
 ``--peft-adapter`` a PEFT adapter folder that ``peft.PeftModel.from_pretrained(base, folder)`` loads on the CPU and
-whose logits equal the merged export's, read at TP=1 and at TP=2 (B of the fused qkv / gate-up linears gathered and
-split into q/k/v and gate/up, A of o_proj / down_proj gathered) with the same tensors."""
+whose logits equal the merged export's, read at TP=1, TP=2 (B of the fused qkv / gate-up linears gathered and
+split into q/k/v and gate/up, A of o_proj / down_proj gathered) and PP=2 with the same tensors."""
 
 from __future__ import annotations
 
@@ -74,20 +74,24 @@ def test_the_peft_adapter_loads_onto_the_base_and_equals_the_merged_export(check
 
     hf_dir, ckpt = checkpoint
     merged, adapter1, adapter2 = tmp_path / "merged", tmp_path / "peft_tp1", tmp_path / "peft_tp2"
+    adapter_pp2 = tmp_path / "peft_pp2"
     convert_mcore_to_hf.main(["--ckpt", str(ckpt), "--out", str(merged), "--tp", "2"])
     convert_mcore_to_hf.main(["--ckpt", str(ckpt), "--out", str(adapter1), "--peft-adapter"])
     convert_mcore_to_hf.main(["--ckpt", str(ckpt), "--out", str(adapter2), "--peft-adapter", "--tp", "2"])
+    convert_mcore_to_hf.main(["--ckpt", str(ckpt), "--out", str(adapter_pp2), "--peft-adapter", "--pp", "2"])
     assert "PEFT adapter of" in capsys.readouterr().out
 
     config = json.loads((adapter1 / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
     assert config["target_modules"] == HF_TARGETS and config["base_model_name_or_path"] == str(hf_dir)
     assert not (adapter1 / "config.json").exists()
-    at_tp1, at_tp2 = (load_file(str(folder / "adapter_model.safetensors")) for folder in (adapter1, adapter2))
+    at_tp1, at_tp2, at_pp2 = (load_file(str(folder / "adapter_model.safetensors"))
+                              for folder in (adapter1, adapter2, adapter_pp2))
     assert len(at_tp1) == 2 * len(HF_TARGETS) * 2  # A and B of 7 modules in 2 layers
     assert at_tp1["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (32, RANK)
     assert at_tp1["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (RANK, 128)
-    assert at_tp1.keys() == at_tp2.keys() and all(torch.equal(at_tp1[k], at_tp2[k]) for k in at_tp1)
+    for other in (at_tp2, at_pp2):  # gathered over TP, and over the pipeline stages
+        assert at_tp1.keys() == other.keys() and all(torch.equal(at_tp1[k], other[k]) for k in at_tp1)
 
     ids = torch.randint(0, 301, (3, 17), generator=torch.Generator().manual_seed(5))
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
