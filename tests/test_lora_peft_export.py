@@ -43,7 +43,34 @@ def _save_lora_checkpoint(hf_dir: str, run_dir: str) -> str:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     folder = CheckpointManager(run_dir).save(policy, 1, config={"model": {"hf_config": hf_dir,
                                                                           "init_from": hf_dir}})
-    return str(folder)
+    return str(folder), _classifier_on_a_policy_checkpoint(hf_dir, run_dir)
+
+
+def _classifier_on_a_policy_checkpoint(hf_dir: str, run_dir: str) -> dict:
+    """A LoRA PRM's base may be a policy's whole-model checkpoint: a classifier PRM's stage (no LM head) reads its
+    backbone (``load_stage_weights``). Returns the largest difference from the HF policy per exported tensor."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from grpo_mega.checkpoint.hf_convert import export_hf_weights
+    from grpo_mega.checkpoint.initial_weights import load_initial_weights
+    from grpo_mega.checkpoint.source import resolve_model_source
+    from grpo_mega.checkpoint.training import CheckpointManager
+    from grpo_mega.config import OptimConfig
+    from grpo_mega.engine import build_policy_engine
+    from grpo_mega.engine.source_weights import load_stage_weights
+    from prm.export import conversion_stage
+    from prm.spec import prm_hf_config_from_policy
+
+    plain = build_policy_engine(_hf_config(), optim=OptimConfig(lr=1e-2), total_steps=1, max_tokens_per_micro_batch=64)
+    load_initial_weights(plain, hf_dir)
+    whole = CheckpointManager(f"{run_dir}/whole").save(plain, 1, config={"model": {"hf_config": hf_dir}})
+    classifier = AutoConfig.from_pretrained(prm_hf_config_from_policy(hf_dir, f"{run_dir}/classifier", "classifier"))
+    stage = conversion_stage(classifier, "float32")
+    load_stage_weights(stage, resolve_model_source(whole))
+    policy = load_file(f"{hf_dir}/model.safetensors")
+    return {name: (tensor - policy[name]).abs().max().item() if name in policy else None
+            for name, tensor in export_hf_weights(stage, classifier)}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +81,8 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     Qwen2ForCausalLM(_hf_config()).save_pretrained(hf_dir)
     run_dir = tmp_path_factory.mktemp("run")
-    return hf_dir, Path(run_distributed(_save_lora_checkpoint, 1, str(hf_dir), str(run_dir))[0])
+    folder, classifier = run_distributed(_save_lora_checkpoint, 1, str(hf_dir), str(run_dir))[0]
+    return hf_dir, Path(folder), classifier
 
 
 def _logits(model, ids):
@@ -72,7 +100,7 @@ def test_the_peft_adapter_loads_onto_the_base_and_equals_the_merged_export(check
     monkeypatch.syspath_prepend(str(TOOLS))
     import convert_mcore_to_hf
 
-    hf_dir, ckpt = checkpoint
+    hf_dir, ckpt, _ = checkpoint
     merged, adapter1, adapter2 = tmp_path / "merged", tmp_path / "peft_tp1", tmp_path / "peft_tp2"
     adapter_pp2 = tmp_path / "peft_pp2"
     convert_mcore_to_hf.main(["--ckpt", str(ckpt), "--out", str(merged), "--tp", "2"])
@@ -103,3 +131,12 @@ def test_the_peft_adapter_loads_onto_the_base_and_equals_the_merged_export(check
                                                folder)
         # x (W + s B A)^T against x W^T + s (x A^T) B^T: fp32 rounding only (logits of size ~10 here)
         torch.testing.assert_close(_logits(peft_model, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_classifier_prm_reads_the_backbone_of_a_policy_training_checkpoint(checkpoint):
+    differences = checkpoint[2]
+    assert {name for name, diff in differences.items() if diff is None} == {"score.0.weight", "score.0.bias",
+                                                                           "score.2.weight", "score.2.bias"}
+    assert "model.layers.1.mlp.down_proj.weight" in differences
+    assert all(diff == 0.0 for diff in differences.values() if diff is not None)
