@@ -64,18 +64,23 @@ def build_prm_engine(
     sequence_parallel: bool | None = None,
     recompute: str = "none",
     distributed_optimizer: bool = True,
+    attach_adapters=None,
 ):
     """A training engine of the PRM (outputs ``good_logprob``, ``bad_logprob`` per token, not shifted): a
     :class:`~grpo_mega.engine.MegatronEngine` at megatron's current TP / PP / DP (``sequence_parallel``,
     ``recompute``: ``parallel.sequence_parallel`` / ``parallel.recompute``; ``distributed_optimizer``:
     ``parallel.distributed_optimizer``), or with ``engine_kind="deepspeed"``
     a :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
+    ``attach_adapters``: LoRA (``model.lora``, ``grpo_mega.lora.lora_attacher`` with ``trained_modules=("head",)``:
+    the classifier head trained whole beside the adapters); Megatron engine only.
     Raises ValueError when ``spec.layout`` is not the layout of ``hf_config`` or (``lm_tokens``) a label token is
     not one token of ``tokenizer``."""
     from grpo_mega.engine.factory import build_engine
 
     _check_engine_kind(engine_kind)
     if engine_kind == "deepspeed":
+        if attach_adapters is not None:
+            raise ValueError("model.lora needs engine=megatron (the DeepSpeed engine has no LoRA yet)")
         if sequence_parallel or recompute != "none":
             raise ValueError("parallel.sequence_parallel and parallel.recompute need engine=megatron")
         return _deepspeed_prm_engine(hf_config, spec, tokenizer, deepspeed=deepspeed, train=True, optim=optim,
@@ -85,7 +90,7 @@ def build_prm_engine(
         hf_config, head_factory, output_names=OUTPUT_NAMES, next_token_head=False, optim=optim,
         total_steps=total_steps, max_tokens_per_micro_batch=max_tokens_per_micro_batch, dtype=dtype,
         lm_output=lm_output, sequence_parallel=sequence_parallel, recompute=recompute,
-        distributed_optimizer=distributed_optimizer,
+        distributed_optimizer=distributed_optimizer, attach_adapters=attach_adapters,
     )
 
 
@@ -120,13 +125,17 @@ def build_prm_forward_engine(
     )
 
 
-def build_conversion_stage(hf_config: Any, gpt_config) -> torch.nn.Module:
+def build_conversion_stage(hf_config: Any, gpt_config, *, local_layers: bool = False) -> torch.nn.Module:
     """This rank's stage of whatever model an HF folder of ``hf_config`` holds, for the conversion tools: a causal
-    LM's backbone, or a classifier PRM's backbone (no LM output layer) with its head on the last stage."""
+    LM's backbone, or a classifier PRM's backbone (no LM output layer) with its head on the last stage.
+    ``local_layers``: megatron-core's local layers also where Transformer Engine's would run (a LoRA checkpoint's
+    adapters are read onto those)."""
     from grpo_mega.model import build_gpt_model
+    from grpo_mega.model.gpt import local_layer_spec
 
     table = architecture_for(hf_config)
-    model = build_gpt_model(gpt_config, lm_output=table.lm_output)
+    model = build_gpt_model(gpt_config, lm_output=table.lm_output,
+                            layer_spec=local_layer_spec(gpt_config.transformer) if local_layers else None)
     if not table.lm_output and model.post_process:
         model.head = ClassifierHead(int(hf_config.hidden_size))
     return model

@@ -195,13 +195,57 @@ def write_megatron_weights(folder: Path, hf_config: Any, *, training_checkpoint:
                            out_dtype: torch.dtype | None = None) -> None:
     """Every Hugging Face tensor of the megatron checkpoint ``folder`` (a training checkpoint, or a converted folder)
     into ``writer`` (a ``SafetensorsShardWriter`` on rank 0, None on the others), ``out_dtype`` or as stored;
-    collective. The conversion model is built on this job's TP / PP / EP layout in the stored dtype (float32 for
-    any other), so loading is exact, and gathered tensor by tensor (``export_hf_weights``: rank 0 holds one tensor
-    extra); it is freed before returning. Also ``tools/convert_mcore_to_hf.py``'s export."""
+    collective. The conversion model is built on this job's TP / PP / EP layout (:func:`conversion_stage`) and
+    gathered tensor by tensor (``export_hf_weights``: rank 0 holds one tensor extra); it is freed before returning.
+    A LoRA run's checkpoint (adapters only) gives its base with the adapters merged in. Also
+    ``tools/convert_mcore_to_hf.py``'s export."""
+    from grpo_mega.checkpoint import export_hf_weights, load_mcore_checkpoint
+    from grpo_mega.checkpoint.source import locate_checkpoint
+    from grpo_mega.checkpoint.weights_only import load_model_state
+    from grpo_mega.engine.source_weights import load_merged_lora_checkpoint, lora_settings
+
+    if training_checkpoint:
+        folder = locate_checkpoint(folder)
+    lora = lora_settings(folder) if training_checkpoint else None
+    model = conversion_stage(hf_config, stored_dtype, local_layers=lora is not None)
+    if lora is not None:
+        load_merged_lora_checkpoint(model, folder, lora)
+    elif training_checkpoint:
+        load_model_state(model, folder)
+    else:
+        load_mcore_checkpoint(model, folder)
+    for name, tensor in export_hf_weights(model, hf_config):
+        if writer is not None:
+            writer.add(name, tensor if out_dtype is None else tensor.to(out_dtype))
+    del model
+
+
+def write_peft_adapter_folder(folder: Path, hf_config: Any, out: Path | None, *, stored_dtype: str,
+                              out_dtype: torch.dtype | None = None) -> list[Path]:
+    """The adapters of the LoRA checkpoint ``folder`` as a PEFT adapter folder in ``out`` (rank 0; None on the
+    other ranks), gathered over this job's TP / PP (``grpo_mega.checkpoint.peft_export``); collective. The base
+    weights are not read. ValueError naming the folder when it holds a whole model. Returns the files written."""
+    from grpo_mega.checkpoint.peft_export import gather_peft_tensors, write_peft_adapter
+    from grpo_mega.checkpoint.source import locate_checkpoint
+    from grpo_mega.engine.source_weights import lora_settings, read_lora_adapters
+
+    folder = locate_checkpoint(folder)
+    lora = lora_settings(folder)
+    if lora is None:
+        raise ValueError(f"{folder} holds a whole model, not LoRA adapters (model.lora.rank was 0): export it "
+                         "without --peft-adapter")
+    model = conversion_stage(hf_config, stored_dtype, local_layers=True)
+    tensors = gather_peft_tensors(model, read_lora_adapters(model, folder, lora), hf_config)
+    del model
+    return [] if out is None else write_peft_adapter(out, lora, tensors, out_dtype)
+
+
+def conversion_stage(hf_config: Any, stored_dtype: str, *, local_layers: bool = False) -> torch.nn.Module:
+    """This rank's stage of the conversion model of ``hf_config`` (``prm.engines.build_conversion_stage``) on this
+    job's TP / PP / EP layout, in the stored dtype (float32 for any other, so loading is exact), not initialised.
+    ``local_layers``: megatron-core's local layers also on a GPU (LoRA adapters sit on those, not on TE's)."""
     from megatron.core import parallel_state
 
-    from grpo_mega.checkpoint import export_hf_weights, load_mcore_checkpoint
-    from grpo_mega.checkpoint.weights_only import load_model_state
     from grpo_mega.model import gpt_config_from_hf
     from prm.engines import build_conversion_stage
 
@@ -210,15 +254,7 @@ def write_megatron_weights(folder: Path, hf_config: Any, *, training_checkpoint:
         hf_config, tp=parallel_state.get_tensor_model_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(), dtype=dtype,
         ep=parallel_state.get_expert_model_parallel_world_size(), overrides={"perform_initialization": False})
-    model = build_conversion_stage(hf_config, gpt_config)
-    if training_checkpoint:
-        load_model_state(model, folder)
-    else:
-        load_mcore_checkpoint(model, folder)
-    for name, tensor in export_hf_weights(model, hf_config):
-        if writer is not None:
-            writer.add(name, tensor if out_dtype is None else tensor.to(out_dtype))
-    del model
+    return build_conversion_stage(hf_config, gpt_config, local_layers=local_layers)
 
 
 def _publish(source: ModelSource, tokenizer: Any, staging: Path, target: Path) -> None:

@@ -118,6 +118,7 @@ def run_prm_train(cfg: PRMConfig) -> Path:
     """Train the PRM, checkpoint on schedule and at the end; returns the final checkpoint folder. Raises
     ``StoppedEarly`` after saving the step in flight when a stop signal arrived (on any rank) or the time limit
     came near (``grpo_mega.harness.lifecycle``)."""
+    from grpo_mega.lora import lora_attacher
     from prm.engines import build_prm_engine
     from prm.spec import PRMSpec
 
@@ -144,8 +145,15 @@ def run_prm_train(cfg: PRMConfig) -> Path:
                               max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                               engine_kind=cfg.engine, deepspeed=cfg.deepspeed,
                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
-                              distributed_optimizer=cfg.parallel.distributed_optimizer)
+                              distributed_optimizer=cfg.parallel.distributed_optimizer,
+                              attach_adapters=lora_attacher(cfg.model.lora, seed=cfg.parallel.seed,
+                                                            base=cfg.model.init_from, trained_modules=("head",)))
     harness.startup.mark("model_build")
+    if cfg.model.lora.enabled:  # the frozen base, under a resumed run's adapters too (checkpoints hold only those)
+        _load_initial_weights(engine, cfg)
+        logger.info("LoRA rank %d (alpha %g) on %s: %d trained parameters (adapters and the head)",
+                    cfg.model.lora.rank, cfg.model.lora.alpha, ", ".join(cfg.model.lora.target_modules),
+                    engine.lora.trainable_parameters())
     harness.start(engine, state=trainer_state("prm"), initial_weights=lambda: _load_initial_weights(engine, cfg),
                   shown={"loss": "prm/loss", "step accuracy": "eval/step_accuracy"})
     scorer = StepScorer(engine, tokenizer, settings, max_length=cfg.data.max_length)

@@ -290,7 +290,7 @@ def test_bad_lora_settings_are_refused_in_one_line(lora, engine, message):
     assert "\n" not in str(error.value)
 
 
-def test_lora_needs_a_base_and_grpo():
+def test_lora_needs_a_base_and_grpo_or_prm_training():
     from grpo_mega.config.checks import validate_lora
     from grpo_mega.config.sft import SFTConfig
 
@@ -303,6 +303,14 @@ def test_lora_needs_a_base_and_grpo():
     with pytest.raises(ConfigError, match="grpo-mega train"):
         validate_lora(sft)
     validate_lora(_grpo_config(rank=8))  # a GRPO config with a base passes
+    from prm.config import PRMConfig
+
+    prm = PRMConfig()
+    prm.model.hf_config, prm.model.init_from, prm.model.lora.rank = "/nowhere", "/nowhere", 8
+    validate_lora(prm)  # grpo-mega prm train takes LoRA too (tests/test_prm_lora.py)
+    prm.engine = "deepspeed"
+    with pytest.raises(ConfigError, match="engine=megatron"):
+        validate_lora(prm)
     moe = _grpo_config(rank=8)
     moe.model.hf_config = str(REPO / "configs" / "models" / "qwen3-30b-a3b")
     with pytest.raises(ConfigError, match=r"\['linear_fc1', 'linear_fc2'\] are not adapted in a mixture-of-experts"):

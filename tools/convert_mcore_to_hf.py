@@ -4,12 +4,18 @@ complete checkpoint; the architecture and tokenizer come from the run's model.hf
 A classifier PRM (architectures ["Qwen2ForProcessRewardModel"]) is written with its step classifier score.*
 and keeps that config; a grpo-mega PRM checkpoint of either layout converts the same way.
 
+A checkpoint of a LoRA run (``model.lora``: adapters only) is written merged, its base (the run's model.init_from)
+with W + (alpha / rank) B A in every adapted linear. With --peft-adapter it is written instead as a PEFT adapter
+folder (adapter_config.json + adapter_model.safetensors, Hugging Face's module names q_proj ... down_proj, TP shards
+gathered; a few MB) that peft.PeftModel.from_pretrained(base, OUT) loads onto the HF base model.
+
 Reads the checkpoint at --tp/--pp (any layout: dist_checkpointing reshards, whatever layout it was
 saved at) and writes safetensors shards, config.json and the tokenizer files, loadable with
 transformers.AutoModelForCausalLM.from_pretrained(OUT). Weights are gathered one tensor at a time
 (TP all-gather, PP broadcast) and written shard by shard, so rank 0 holds at most one shard extra.
 
     python tools/convert_mcore_to_hf.py --ckpt ckpt/qwen0.5b --out qwen0.5b-hf [--tp 2 --pp 1]
+    python tools/convert_mcore_to_hf.py --ckpt runs/lora/checkpoints/step_000100 --out lora-adapter --peft-adapter
 
 The tool starts tp*pp local processes itself; under torchrun / srun start exactly tp*pp.
 """
@@ -41,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="dtype written; auto = the dtype the checkpoint stores")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="largest safetensors file, in GiB (default 5, as save_pretrained)")
+    parser.add_argument("--peft-adapter", action="store_true",
+                        help="a LoRA run's checkpoint: write its adapters as a PEFT adapter folder (adapter_config.json"
+                             " + adapter_model.safetensors) instead of merged weights")
     return parser.parse_args(argv)
 
 
@@ -71,27 +80,48 @@ def preflight(args: argparse.Namespace) -> object:
         raise ValueError(f"--out {args.out} is not empty; choose a new folder")
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
-    hf_config, _, _, _ = read_source(args.ckpt)
+    hf_config, _, _, is_training = read_source(args.ckpt)
     architecture_for(hf_config)
+    if args.peft_adapter:
+        from grpo_mega.checkpoint.source import locate_checkpoint
+        from grpo_mega.engine.source_weights import lora_settings
+
+        if not is_training or lora_settings(locate_checkpoint(args.ckpt)) is None:
+            raise ValueError(f"--peft-adapter: {args.ckpt} is not a checkpoint of a LoRA run (model.lora.rank > 0); "
+                             "export it without --peft-adapter")
+        if not architecture_for(hf_config).lm_output:
+            raise ValueError(f"--peft-adapter: {args.ckpt} is a classifier PRM (its score head is no PEFT target); "
+                             "export it merged, without --peft-adapter")
     gpt_config_from_hf(hf_config, tp=args.tp, pp=args.pp, dtype=torch.float32,
                        ep=tools_expert_parallel(hf_config, args.tp))
     return hf_config
 
 
-def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_bytes: int) -> dict:
+def export(ckpt: Path, out: Path, tp: int, pp: int, dtype_name: str, max_shard_bytes: int,
+           peft_adapter: bool = False) -> dict:
     """One rank's part: load its stage, take part in every gather; rank 0 writes the files."""
     import torch.distributed as dist
 
     from grpo_mega.checkpoint import SafetensorsShardWriter, copy_side_files
     from grpo_mega.model.config_map import tools_expert_parallel
     from grpo_mega.parallel import init_distributed
-    from prm.export import write_megatron_weights
+    from prm.export import write_megatron_weights, write_peft_adapter_folder
 
     start = time.perf_counter()
     hf_config, side_files, stored_name, is_training = read_source(ckpt)
     init_distributed(tp, pp, seed=0, ep=tools_expert_parallel(hf_config, tp))
     stored = getattr(torch, stored_name)
     out_dtype = stored if dtype_name == "auto" else DTYPES[dtype_name]
+    if peft_adapter:
+        files = write_peft_adapter_folder(ckpt, hf_config, out if dist.get_rank() == 0 else None,
+                                          stored_dtype=stored_name, out_dtype=out_dtype)
+        if not files:
+            return {}
+        copy_side_files(side_files, out)  # the tokenizer files; no config.json: the folder is no model of its own
+        for name in ("config.json", "generation_config.json"):  # (transformers would look for its weights)
+            (out / name).unlink(missing_ok=True)
+        return {"seconds": time.perf_counter() - start, "files": len(files),
+                "bytes": sum(path.stat().st_size for path in files), "dtype": str(out_dtype)[6:]}
     writer = SafetensorsShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
     # the model is built in the stored dtype (float32 for anything else) so loading is exact
     write_megatron_weights(ckpt, hf_config, training_checkpoint=is_training, stored_dtype=stored_name, writer=writer,
@@ -138,11 +168,12 @@ def main(argv=None) -> None:
         return _export_deepspeed(args, hf_config)
     max_shard_bytes = int(args.max_shard_gb * 1024**3)
     result = run_job(export, args.tp * args.pp, args.ckpt, args.out, args.tp, args.pp, args.dtype,
-                     max_shard_bytes)
+                     max_shard_bytes, args.peft_adapter)
     if result:
         from grpo_mega.checkpoint import architecture_for
 
-        print(f"{TOOL}: wrote {args.out} ({architecture_for(hf_config).label}, {result['dtype']}, "
+        what = "PEFT adapter of " if args.peft_adapter else ""
+        print(f"{TOOL}: wrote {args.out} ({what}{architecture_for(hf_config).label}, {result['dtype']}, "
               f"{result['bytes'] / 1024**2:.1f} MiB in {result['files']} file(s)) "
               f"in {result['seconds']:.1f} s")
 

@@ -114,7 +114,7 @@ def validate_world_size(parallel: ParallelConfig, world_size: int) -> None:
 
 def validate_lora(cfg) -> None:
     """``model.lora`` of a GRPO, SFT or PRM config: its ranges and target names, and what LoRA runs with so far
-    (GRPO on the Megatron engine, from a base in ``model.init_from``, without the implicit PRM)."""
+    (GRPO and PRM training on the Megatron engine, from a base in ``model.init_from``, without the implicit PRM)."""
     lora = cfg.model.lora
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank={lora.rank} must be >= 0 (0: LoRA off)")
@@ -132,9 +132,9 @@ def validate_lora(cfg) -> None:
             raise ConfigError(f"model.lora.target_modules: {target!r} is Hugging Face's name; megatron's is "
                               f"{meant} (choose from {list(LORA_TARGETS)})")
         check_choice(target, LORA_TARGETS, "model.lora.target_modules")
-    if not hasattr(cfg, "algorithm"):  # SFT and PRM training
-        raise ConfigError("model.lora is for the policy of grpo-mega train (GRPO); SFT and PRM training train "
-                          "every weight: set model.lora.rank=0")
+    if not hasattr(cfg, "algorithm") and not hasattr(cfg, "prm"):  # SFT
+        raise ConfigError("model.lora is for grpo-mega train (GRPO) and grpo-mega prm train; SFT trains every "
+                          "weight: set model.lora.rank=0")
     if cfg.engine != "megatron":
         raise ConfigError("model.lora needs engine=megatron (the DeepSpeed engine has no LoRA yet)")
     if not cfg.model.init_from:
@@ -145,7 +145,7 @@ def validate_lora(cfg) -> None:
     if hf is not None and num_experts(hf) and mlp_targets:
         raise ConfigError(f"model.lora.target_modules: {mlp_targets} are not adapted in a mixture-of-experts model "
                           f"({cfg.model.hf_config}: its MLPs are experts): set [linear_qkv, linear_proj]")
-    if cfg.process_reward.source == "implicit":
+    if hasattr(cfg, "process_reward") and cfg.process_reward.source == "implicit":
         raise ConfigError("model.lora with process_reward.source=implicit is not supported yet (the implicit PRM "
                           "is a full model trained beside the policy): set model.lora.rank=0")
 

@@ -22,7 +22,8 @@ class LoRAConfig:
     learns W + (alpha / rank) * B A, with A (rank x in) and B (out x rank); B starts at zero, so step 0 is the base
     model. The optimizer holds only A and B; the KL reference is the base (the adapters off, no second model);
     the weights synced to the rollout engine are merged; checkpoints hold the adapters only. Megatron engine,
-    ``grpo-mega train`` (GRPO) only."""
+    ``grpo-mega train`` (GRPO) and ``grpo-mega prm train`` (a classifier PRM's head trained whole beside the
+    adapters)."""
 
     rank: int = 0
     """Rank r of the adapters; 0 (default) = LoRA off, every weight trained. RL needs little: 8-32 is usual (verl's

@@ -75,8 +75,6 @@ def load_merged_lora_checkpoint(stage: torch.nn.Module, folder: str | os.PathLik
     (a whole model, no adapters of its own) at this job's layout: its base, then its adapters merged in; collective.
     ValueError naming the folder when the base cannot be found."""
     from grpo_mega.checkpoint.source import resolve_model_source
-    from grpo_mega.checkpoint.weights_only import read_checkpoint_model
-    from grpo_mega.lora.stage import StageAdapters
 
     base = settings.get("base")
     if not base:
@@ -87,27 +85,58 @@ def load_merged_lora_checkpoint(stage: torch.nn.Module, folder: str | os.PathLik
         raise ValueError(f"{folder} holds LoRA adapters only; their base {base} (model.init_from of the run) cannot "
                          f"be read: {error}") from error
     load_stage_weights(stage, source)
+    read_lora_adapters(stage, folder, settings).merge_into_base()
+
+
+def read_lora_adapters(stage: torch.nn.Module, folder: str | os.PathLike, settings: dict):
+    """The adapters of the LoRA checkpoint ``folder`` for the megatron ``stage`` at this job's layout, read but
+    not attached (``grpo_mega.lora.StageAdapters`` with ``attach=False``: to merge or export); collective."""
+    from grpo_mega.checkpoint.weights_only import read_checkpoint_model
+    from grpo_mega.lora.stage import StageAdapters
+
     # the adapters' saved settings, in the shape of model.lora (dropout plays no part in a merge)
     lora = SimpleNamespace(rank=int(settings["rank"]), alpha=float(settings["alpha"]), dropout=0.0, enabled=True,
                            target_modules=list(settings["target_modules"]))
-    adapters = StageAdapters(stage, lora, seed=0, attach=False)
+    # a PRM's head trained beside the adapters is read with them (load_state_dict copies it into the stage)
+    adapters = StageAdapters(stage, lora, seed=0, attach=False,
+                             trained_modules=tuple(settings.get("trained_modules", ())))
     adapters.load_state_dict(read_checkpoint_model(adapters.sharded_state_dict(), folder))
-    adapters.merge_into_base()
+    return adapters
 
 
 def load_stage_weights(stage: torch.nn.Module, source) -> None:
-    """The whole model of ``source`` (a ``ModelSource`` of any kind) into a bare megatron stage; collective."""
+    """The whole model of ``source`` (a ``ModelSource`` of any kind) into a bare megatron stage; collective. A
+    classifier PRM's stage (no LM output layer) takes a causal LM's backbone (a LoRA PRM's base is the policy):
+    the LM head is not read and the stage's head keeps its values."""
     if holds_hf_weights(source):
         from grpo_mega.checkpoint.hf_convert import load_hf_weights
 
-        load_hf_weights(stage, source_hf_weights(source), source.hf_config)
+        load_hf_weights(stage, source_hf_weights(source), source.hf_config,
+                        skip_lm_output=_backbone_only(stage, source))
     elif source.kind == "mcore_model":
         from grpo_mega.checkpoint.mcore_checkpoint import load_mcore_checkpoint
 
-        load_mcore_checkpoint(stage, source.folder)
+        load_mcore_checkpoint(stage, source.folder)  # reads the tensors its table covers: a policy's has no head
     elif lora_settings(source.folder) is not None:  # a base that is itself a LoRA run's checkpoint
         load_merged_lora_checkpoint(stage, source.folder, lora_settings(source.folder))
+    elif _backbone_only(stage, source):  # a policy's whole-model checkpoint: every tensor but the head's
+        from grpo_mega.checkpoint.weights_only import read_checkpoint_model
+
+        wanted = {name: value for name, value in stage.sharded_state_dict().items() if not name.startswith("head.")}
+        missing, unexpected = stage.load_state_dict(read_checkpoint_model(wanted, source.folder), strict=False)
+        missing = [name for name in missing if not name.startswith("head.")]
+        if missing or unexpected:
+            raise ValueError(f"{source.folder}: model tensors missing {missing[:8]}, unexpected {unexpected[:8]}")
     else:
         from grpo_mega.checkpoint.weights_only import load_model_state
 
         load_model_state(stage, source.folder)
+
+
+def _backbone_only(stage: torch.nn.Module, source) -> bool:
+    """Whether ``stage`` has no LM output layer (a classifier PRM) while ``source`` is a causal LM's weights."""
+    from grpo_mega.checkpoint.hf_convert import _unwrap
+    from grpo_mega.checkpoint.hf_layouts import architecture_for
+
+    return (not _unwrap(stage).lm_output and source.hf_config is not None
+            and architecture_for(source.hf_config).lm_output)

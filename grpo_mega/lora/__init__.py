@@ -19,11 +19,12 @@ from grpo_mega.lora.reference import AdaptersOffReference
 from grpo_mega.lora.stage import ADAPTERS_MODULE, StageAdapters, attach_lora
 
 
-def lora_attacher(lora, *, seed: int, base: str | None = None):
-    """``stage -> StageAdapters`` for ``MegatronEngine(attach_adapters=...)`` when ``lora.rank`` > 0, else None."""
+def lora_attacher(lora, *, seed: int, base: str | None = None, trained_modules: tuple[str, ...] = ()):
+    """``stage -> StageAdapters`` for ``MegatronEngine(attach_adapters=...)`` when ``lora.rank`` > 0, else None.
+    ``trained_modules``: submodules of the stage trained whole beside the adapters (a PRM's classifier head)."""
     if lora is None or not lora.enabled:
         return None
-    return functools.partial(attach_lora, lora=lora, seed=seed, base=base)
+    return functools.partial(attach_lora, lora=lora, seed=seed, base=base, trained_modules=trained_modules)
 
 
 __all__ = ["ADAPTERS_MODULE", "AdaptersOffReference", "LoRAAdapter", "StageAdapters", "attach_lora",

@@ -6,7 +6,9 @@ their checkpoint / HF tables stay as they are. The adapters live in the stage's 
 megatron's DDP (gradient buffers for parameters that require gradients only) and optimizer (param groups of those
 parameters only) hold them and nothing else. The base's own sharded state never lists them; checkpoints of a LoRA
 run hold the adapters alone (:meth:`StageAdapters.sharded_state_dict`), under global keys
-(``lora.decoder.layers.<global layer>.self_attention.linear_qkv.A``) that reshard to any TP / PP.
+(``lora.decoder.layers.<global layer>.self_attention.linear_qkv.A``) that reshard to any TP / PP. A stage's
+``trained_modules`` (a PRM's classifier head: new weights, no base to adapt) stay fully trained and are saved
+with the adapters, under the whole model's keys (``head.score.0.weight``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
 from grpo_mega.lora.adapter import LoRAAdapter
@@ -41,11 +44,16 @@ class StageAdapters:
     """The adapters of one stage and what the engine does with them: switch them off (the KL reference is the
     base), merge them into exported weights, save and load them alone."""
 
-    def __init__(self, stage: torch.nn.Module, lora, *, seed: int, base: str | None = None, attach: bool = True):
+    def __init__(self, stage: torch.nn.Module, lora, *, seed: int, base: str | None = None, attach: bool = True,
+                 trained_modules: tuple[str, ...] = ()):
         """``attach`` False: the adapters are built (to read a checkpoint's into and merge them, ``merge_into_base``)
-        but the stage is left as it is: no hook, no submodule, nothing frozen."""
+        but the stage is left as it is: no hook, no submodule, nothing frozen. ``trained_modules``: names of the
+        stage's submodules that stay trainable and are saved with the adapters (those this stage has)."""
         self.settings = lora
         self.base = base
+        self.trained_modules = tuple(trained_modules)
+        self._trained = {name: getattr(stage, name) for name in self.trained_modules
+                         if getattr(stage, name, None) is not None}
         self.enabled = True
         self.modules = _AdapterModules()
         self._by_weight: dict[int, LoRAAdapter] = {}
@@ -53,6 +61,8 @@ class StageAdapters:
         self._keys: dict[str, tuple[str, LoRAAdapter, bool]] = {}  # checkpoint key prefix -> (kind, adapter, glu)
         if attach:
             stage.requires_grad_(False)
+            for module in self._trained.values():
+                module.requires_grad_(True)
         gated = bool(getattr(stage.config, "gated_linear_unit", False))
         for layer in getattr(getattr(stage, "decoder", None), "layers", []):
             index = layer.layer_number - 1  # global: the same adapter names at any PP layout
@@ -97,6 +107,10 @@ class StageAdapters:
             self.enabled = previous
 
     # ----------------------------------------------------------------- merged weights
+    def adapter_of(self, weight: torch.Tensor) -> LoRAAdapter | None:
+        """The adapter of the base linear whose weight is ``weight`` (this rank's shard), None when it has none."""
+        return self._by_weight.get(id(weight))
+
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``weight`` with its adapter merged in, W + s B A (computed in fp32, returned in W's
         dtype, a new tensor); any other tensor as it is."""
@@ -118,12 +132,14 @@ class StageAdapters:
         return sum(p.numel() for p in self.modules.parameters())
 
     def trainable_parameters(self) -> int:
-        """Adapter parameters of the whole model (every stage, whole tensors); collective over the PP group."""
+        """Trained parameters of the whole model (adapters and ``trained_modules``; every stage, whole tensors);
+        collective over the PP group."""
         total = 0
         for kind, adapter, _ in self._keys.values():
             sharded = adapter.B if kind in ("linear_qkv", "linear_fc1") else adapter.A
             whole = adapter.A if sharded is adapter.B else adapter.B
             total += whole.numel() + sharded.numel() * mpu.get_tensor_model_parallel_world_size()
+        total += sum(p.numel() for module in self._trained.values() for p in module.parameters())  # replicated
         count = torch.tensor([float(total)], dtype=torch.float64)
         if dist.is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(count, group=mpu.get_pipeline_model_parallel_group())
@@ -143,6 +159,8 @@ class StageAdapters:
             else:
                 state[f"{name}.A"] = make_tp_sharded_tensor_for_checkpoint(adapter.A, f"{name}.A", tp_axis=1)
                 state[f"{name}.B"] = make_sharded_tensor_for_checkpoint(adapter.B, f"{name}.B")
+        for name, module in self._trained.items():  # as the whole model's sharded state has them
+            state.update(sharded_state_dict_default(module, f"{name}."))
         return state
 
     @torch.no_grad()
@@ -151,6 +169,8 @@ class StageAdapters:
         adapters; ValueError naming the keys when they do not match."""
         wanted = {f"{name}.{part}": getattr(adapter, part)
                   for name, (_, adapter, _) in self._keys.items() for part in ("A", "B")}
+        wanted.update({f"{name}.{key}": tensor for name, module in self._trained.items()
+                       for key, tensor in module.state_dict(keep_vars=True).items()})
         missing, unexpected = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
         if missing or unexpected:
             raise ValueError(f"LoRA adapter state: missing {missing[:6]}, unexpected {unexpected[:6]} (model.lora "
@@ -165,8 +185,9 @@ class StageAdapters:
     def describe(self) -> dict:
         """What a checkpoint's ``grpo_mega_checkpoint.json`` says of the adapters: their settings and the base."""
         s = self.settings
+        trained = {"trained_modules": list(self.trained_modules)} if self.trained_modules else {}
         return {"rank": s.rank, "alpha": s.alpha, "target_modules": list(s.target_modules), "adapters_only": True,
-                "base": self.base}
+                "base": self.base, **trained}
 
 
 def _ignore_missing_adapters(module, incompatible_keys) -> None:
@@ -174,9 +195,11 @@ def _ignore_missing_adapters(module, incompatible_keys) -> None:
     incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not k.startswith(prefix)]
 
 
-def attach_lora(stage: torch.nn.Module, lora, *, seed: int, base: str | None = None) -> StageAdapters | None:
-    """Attach ``model.lora``'s adapters to ``stage`` (freezing its weights) when ``lora.rank`` > 0; None when off.
-    ``seed`` draws the adapters' A (the same at every layout); ``base`` names the frozen weights' source."""
+def attach_lora(stage: torch.nn.Module, lora, *, seed: int, base: str | None = None,
+                trained_modules: tuple[str, ...] = ()) -> StageAdapters | None:
+    """Attach ``model.lora``'s adapters to ``stage`` (freezing its weights but ``trained_modules``) when
+    ``lora.rank`` > 0; None when off. ``seed`` draws the adapters' A (the same at every layout); ``base`` names the
+    frozen weights' source."""
     if lora is None or not lora.enabled:
         return None
-    return StageAdapters(stage, lora, seed=seed, base=base)
+    return StageAdapters(stage, lora, seed=seed, base=base, trained_modules=trained_modules)
