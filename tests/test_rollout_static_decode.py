@@ -1,0 +1,157 @@
+"""The static KV cache of the hf decode loop (grpo_mega.rollout.static_decode, ``rollout.decode_graphs: static``): the
+same greedy tokens and the same samples at a seed as today's loop on a tiny Qwen2 model (float32 on the CPU, where
+the rounding of attention over masked columns and of the bucket's batch size does not flip a token), rows moving to
+smaller buckets as they end, multi-turn caches kept from the static buffers, the step traced by torch.compile (the
+eager backend: dynamo's graph, no C++ compile), no host read per step, the bucket logic, and the refusals."""
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from grpo_mega.perf.host_syncs import HostSyncCounter
+from grpo_mega.rollout.decode_graphs import CompiledSteps, static_decoder_for
+from grpo_mega.rollout.hf_decode import decode
+from grpo_mega.rollout.sampling import TokenSampler
+from grpo_mega.rollout.static_decode import StaticDecoder, bucket_for, bucket_sizes, capacity_for
+
+PAD = 0
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=24, max_position_embeddings=64, pad_token_id=PAD,
+                         initializer_range=0.3, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _prompts():
+    """18 distinct prompts (buckets 32 -> 16 -> 8 ... as rows end), a third of them left-padded by 1-3 tokens."""
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(4, 24, (18, 5), generator=generator)
+    for row in range(0, 18, 3):
+        input_ids[row, : 1 + row % 3] = PAD
+    return input_ids, (input_ids != PAD).long()
+
+
+def _decode(model, *, static=None, seed=None, eos=None, **options):
+    input_ids, attention_mask = _prompts()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        return decode(model, input_ids, attention_mask, DynamicCache(), max_new_tokens=NEW,
+                      eos_token_ids=[_eos(model)] if eos is None else eos, pad_token_id=PAD, static=static, **options)
+
+
+def _eos(model) -> int:
+    """A token greedy decoding emits in some rows at several different steps and never in others: as EOS it ends
+    rows at different lengths."""
+    free = _decode(model, greedy=True, eos=[]).tokens
+    best, spread = None, 0
+    for token in free.unique().tolist():
+        steps = {(row == token).nonzero()[:, 0].min().item() for row in free if (row == token).any()}
+        hit = sum(bool((row == token).any()) for row in free)
+        if hit < free.shape[0] and len(steps) > spread:
+            best, spread = token, len(steps)
+    assert spread > 2, free
+    return best
+
+
+def _ends_at_different_steps(tokens: torch.Tensor) -> bool:
+    return len({int((row != PAD).sum()) for row in tokens}) > 2
+
+
+def test_buckets_are_nano_vllms_sizes_and_hold_the_rows():
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(5) == (1, 2, 4, 8)
+    assert bucket_sizes(8) == (1, 2, 4, 8)
+    assert bucket_sizes(40) == (1, 2, 4, 8, 16, 32, 48)
+    assert bucket_sizes(256)[-3:] == (224, 240, 256)
+    buckets = bucket_sizes(256)
+    assert [bucket_for(rows, buckets) for rows in (1, 3, 8, 9, 16, 17, 200, 256)] == [1, 4, 8, 16, 16, 32, 208, 256]
+    with pytest.raises(ValueError, match="exceed the largest bucket 48"):
+        bucket_for(49, bucket_sizes(40))
+    assert (capacity_for(1), capacity_for(64), capacity_for(65)) == (64, 64, 128)
+
+
+def test_greedy_tokens_and_logprobs_equal_todays_loop_while_the_batch_moves_to_smaller_buckets(model):
+    reference = _decode(model, greedy=True)
+    assert _ends_at_different_steps(reference.tokens)
+    for sync_every in (1, 4):
+        static = StaticDecoder(model)
+        ours = _decode(model, greedy=True, static=static, sync_every=sync_every)
+        assert torch.equal(ours.tokens, reference.tokens)
+        torch.testing.assert_close(ours.logprobs, reference.logprobs, atol=2e-5, rtol=0)
+        assert static.bucket < 32  # 18 rows started at bucket 32 and moved down as rows ended
+    again = _decode(model, greedy=True, static=static)  # the buffers are reused by the next call
+    assert torch.equal(again.tokens, reference.tokens)
+
+
+@pytest.mark.parametrize("sampler", [TokenSampler(method="inverse_cdf"), TokenSampler(method="race"),
+                                     TokenSampler(temperature=0.8, top_k=6, top_p=0.9, method="race")],
+                         ids=["inverse_cdf", "race", "top_k_top_p"])
+def test_samples_at_a_seed_equal_todays_loop(model, sampler):
+    reference = _decode(model, sampler=sampler, seed=11)
+    ours = _decode(model, sampler=sampler, seed=11, static=StaticDecoder(model))
+    assert _ends_at_different_steps(reference.tokens)
+    assert torch.equal(ours.tokens, reference.tokens)
+    torch.testing.assert_close(ours.logprobs, reference.logprobs, atol=2e-5, rtol=0)
+
+
+def test_kept_row_caches_equal_todays_loop(model):
+    """The multi-turn continuation: the cache of each row a stop string ended, cut out of the static buffers."""
+    input_ids, _ = _prompts()
+    columns = [torch.nonzero(row != PAD)[:, 0] for row in input_ids]
+    stop_token = _eos(model)
+
+    def run(static):
+        torch.manual_seed(5)
+        return _decode(model, static=static, sampler=TokenSampler(method="inverse_cdf"), eos=[2],
+                       stopped=lambda ids: ids[-1] == stop_token, keep_columns=columns, sync_every=3)
+
+    reference, ours = run(None), run(StaticDecoder(model))
+    assert torch.equal(ours.tokens, reference.tokens)
+    assert reference.kept and sorted(ours.kept) == sorted(reference.kept)
+    for row, layers in reference.kept.items():
+        for (keys, values), (our_keys, our_values) in zip(layers, ours.kept[row]):
+            torch.testing.assert_close(our_keys, keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(our_values, values, atol=1e-5, rtol=0)
+
+
+def test_a_compiled_step_traces_and_gives_the_same_tokens(model):
+    """``static_compile``'s code path on the CPU: torch.compile with the eager backend (dynamo's trace of the step,
+    one bucket, no CUDA graphs) gives the eager static loop's tokens."""
+    reference = _decode(model, greedy=True)
+    compiled = StaticDecoder(model, runner=lambda step: CompiledSteps(step, mode=None, backend="eager"), shrinks=False)
+    ours = _decode(model, greedy=True, static=compiled)
+    assert torch.equal(ours.tokens, reference.tokens)
+    assert compiled.bucket == 32 and compiled.step_fn.first_call_seconds is not None
+
+
+def test_no_host_read_of_its_own(model):
+    """The static steps read nothing on the host: the call's reads are today's loop's (the final copy and the padded
+    prefill's mask check, tests/test_rollout_hf_decode_syncs.py)."""
+    input_ids, attention_mask = _prompts()
+    reads = []
+    for static in (None, StaticDecoder(model)):
+        with HostSyncCounter() as counter, torch.no_grad():
+            decode(model, input_ids, attention_mask, DynamicCache(), max_new_tokens=NEW, eos_token_ids=[2],
+                   pad_token_id=PAD, static=static, sync_every=NEW, sampler=TokenSampler(method="race"))
+        reads.append(dict(counter.by_op))
+    assert reads[1] == reads[0] and sum(reads[1].values()) <= 1 + 2, reads
+
+
+def test_graph_modes_refused_off_cuda_and_for_eager_attention(model):
+    with pytest.raises(ValueError, match=r"decode_graphs=cuda_graphs needs a CUDA device"):
+        static_decoder_for(model, "cuda_graphs", "cpu")
+    with pytest.raises(ValueError, match=r"decode_graphs=static_compile needs a CUDA device"):
+        static_decoder_for(model, "static_compile", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"expected one of off, static, static_compile, cuda_graphs"):
+        static_decoder_for(model, "graphs", "cpu")
+    assert static_decoder_for(model, "off", "cpu") is None
+    config = Qwen2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=24, attn_implementation="eager")
+    with pytest.raises(ValueError, match="full attention through SDPA"):
+        static_decoder_for(Qwen2ForCausalLM(config), "static", "cpu")
