@@ -155,3 +155,34 @@ def test_graph_modes_refused_off_cuda_and_for_eager_attention(model):
                          num_key_value_heads=1, vocab_size=24, attn_implementation="eager")
     with pytest.raises(ValueError, match="full attention through SDPA"):
         static_decoder_for(Qwen2ForCausalLM(config), "static", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tmp_path_factory):
+    from grpo_mega.data.tokenizer import train_tokenizer
+    from test_turn_loop_kv import TEXTS
+
+    tok = train_tokenizer(TEXTS, tmp_path_factory.mktemp("tok"), vocab_size=400)
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    return tok
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_engine_with_a_static_cache_gives_todays_multi_turn_rollouts(tool_tokenizer, temperature):
+    """``HFRolloutEngine(decode_graphs="static")`` through the turn loop, continuing rows' caches across tool turns
+    (kept out of the static buffers): today's trajectories, at temperature 0 and at a seed."""
+    from grpo_mega.rollout.hf_engine import HFRolloutEngine
+    from test_turn_loop_kv import rollouts, tool_calling_model
+
+    results = []
+    for mode in ("off", "static"):
+        engine = HFRolloutEngine(tool_calling_model(tool_tokenizer, attn_implementation="sdpa"), tool_tokenizer,
+                                 generation_batch_size=2, decode_graphs=mode)
+        results.append(rollouts(engine, tool_tokenizer, temperature, continues_kv=True)[0])
+    today, static = results
+    assert [c.response_ids for c in static] == [c.response_ids for c in today]
+    assert [c.finish_reason for c in static] == [c.finish_reason for c in today]
+    assert max(len(c.turns) for c in today) >= 3  # caches were kept and continued
+    for a, b in zip(static, today):
+        torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=2e-5,
+                                   rtol=0)
