@@ -40,6 +40,7 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    ``decode`` (``bench/gpu_check_decode.py``): the hf engine's decode loop on the policy shape at the GRPO stage's
    size, in this process: ms per decode step (as the engine runs, with a host read every step, with top-p), tokens/s,
    the top ops of one profiled call, the host syncs of one call, the eager floor beside the measured figure.
+   ``graphs`` (``bench/gpu_check_graphs.py``): the same call with each ``rollout.decode_graphs`` mode beside ``off``.
    ``update`` (``bench/gpu_check_update.py``): one GRPO update of the Megatron engine on the same shape and batch
    size, in this process: seconds, MFU, micro-batches beside the fewest possible, whether the optimizer runs
    torch's fused AdamW, the step-time model's update seconds beside the measured, the top ops of one profiled step
@@ -53,7 +54,7 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    measured generation (whole device) and update peaks against the plan's within ``MEMORY_BAND``.
 
 ``--quick`` (the check that fits one device call, <= 9 min on one H100 / H200) runs ``environment``, ``tf32``,
-``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``update``, a
+``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``graphs``, ``update``, a
 10-step ``sft`` and ``grpo`` as one run of ``--grpo-steps`` steps (no resume), and records the rest as skipped
 (``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load
 average 20-30):
@@ -83,6 +84,7 @@ from gpu_check_runs import (  # noqa: E402
     stage_conversion, stage_grpo, stage_grpo_async, stage_grpo_vllm, stage_sft,
 )
 from gpu_check_decode import FLOOR_MS_PER_STEP_EAGER, stage_decode  # noqa: E402
+from gpu_check_graphs import graphs_summary, stage_graphs  # noqa: E402
 from gpu_check_update import stage_update  # noqa: E402
 from gpu_check_stages import (  # noqa: E402
     best_seconds, stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
@@ -312,6 +314,7 @@ def speed_summary(stages: dict) -> dict:
         summary["decode_ms_per_step_host_read_every_step"] = decode["host_read_every_step"]["ms_per_step"]
         summary["decode_host_syncs"] = f"{decode['host_syncs']['syncs']} in {decode['host_syncs']['decode_steps']} steps"
         summary["decode_floor_ms_per_step_eager"] = FLOOR_MS_PER_STEP_EAGER
+    summary.update(graphs_summary(stages.get("graphs") or {}))
     update = stages.get("update") or {}
     if "train_step_seconds" in update:
         summary["update_profiled_seconds"] = update["train_step_seconds"]
@@ -409,6 +412,7 @@ def main(argv=None) -> int:
     else:
         report.data["meta"].update(parameters=task["parameters"], matmul_parameters=task["matmul_parameters"])
         report.run("decode", stage_decode, task, args.device, settings)
+        report.run("graphs", stage_graphs, task, args.device, settings)
         report.run("update", stage_update, task, args.device, settings, peaks)
         sft = report.run("sft", stage_sft, args.work, task, args.device, settings)
         if sft is None:
