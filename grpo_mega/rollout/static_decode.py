@@ -152,7 +152,8 @@ class StaticDecoder:
         device = layers[0].keys.device
         self.rows, self.capacity, self.buckets = rows, capacity, bucket_sizes(rows)
         self._caches = {}
-        self.keys = [layer.keys.new_zeros(rows, layer.keys.shape[1], capacity, layer.keys.shape[-1]) for layer in layers]
+        self.keys = [layer.keys.new_zeros(rows, layer.keys.shape[1], capacity, layer.keys.shape[-1])
+                     for layer in layers]
         self.values = [layer.values.new_zeros(rows, layer.values.shape[1], capacity, layer.values.shape[-1])
                        for layer in layers]
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
