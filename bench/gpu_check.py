@@ -2,7 +2,7 @@
 
     python bench/gpu_check.py                          # a GPU machine: Qwen2.5-0.5B-shaped policy, bf16, NCCL
     python bench/gpu_check.py --device cpu --size tiny # the same stages on the CPU in about a minute (CI runs it)
-    python bench/gpu_check.py --quick                  # one GPU, one call of ~5 min: the speed figures (issue 77)
+    python bench/gpu_check.py --quick                  # one GPU, one call of ~7 min: the speed figures (issue 77)
 
 Run it first on a new cluster (``make install-gpu`` then ``python bench/gpu_check.py``). Before any stage it prints
 Python's, the libraries' (torch, megatron-core, transformers, vLLM, DeepSpeed, Triton) and the driver's versions,
