@@ -6,6 +6,7 @@ eager backend: dynamo's graph, no C++ compile), no host read per step, the bucke
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_mega.perf.host_syncs import HostSyncCounter
@@ -141,6 +142,38 @@ def test_no_host_read_of_its_own(model):
                    pad_token_id=PAD, static=static, sync_every=NEW, sampler=TokenSampler(method="race"))
         reads.append(dict(counter.by_op))
     assert reads[1] == reads[0] and sum(reads[1].values()) <= 1 + 2, reads
+
+
+class _OpNames(TorchDispatchMode):
+    """The aten ops dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_captured_step_runs_nothing_a_cuda_graph_capture_refuses(model):
+    """What ``cuda_graphs`` captures (the eager static step over the buffers), checked on the CPU: no host read
+    (``_local_scalar_dense``, ``nonzero``, a copy to the host) and no tensor made from Python data (``lift_fresh``:
+    a host-to-device copy on CUDA), either of which fails a capture; and a replay reads its inputs from the buffers
+    (the same step twice, inputs changed in between, gives the fresh inputs' logits)."""
+    input_ids, attention_mask = _prompts()
+    cache = DynamicCache()
+    static = StaticDecoder(model)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        static.begin(cache, 18, 5, 4, attention_mask)
+        first = static.step(input_ids[:, -1:], torch.full((18, 1), 5), 5)
+        with _OpNames() as ops:
+            static.step_fn(static.bucket)
+        again = static.step(input_ids[:, -2:-1], torch.full((18, 1), 5), 5)
+    forbidden = {"_local_scalar_dense", "nonzero", "lift_fresh", "item"}
+    assert ops.names and not ops.names & forbidden, ops.names & forbidden
+    assert not torch.equal(first, again)  # the buffers, not the first call's inputs, feed the step
 
 
 def test_graph_modes_refused_off_cuda_and_for_eager_attention(model):

@@ -201,7 +201,7 @@ class StaticDecoder:
         self.ids[:rows].copy_(step_input)
         self.positions[:rows].copy_(step_positions)
         self.column.fill_(column)
-        self.mask[:, 0, 0, column] = True
+        self.mask[:, 0, 0, column].fill_(True)
         return self.step_fn(self.bucket)[:rows].float()
 
     def wants_shrink(self, running: int) -> bool:
