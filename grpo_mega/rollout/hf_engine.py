@@ -2,6 +2,8 @@
 within a batch. Each prompt but its last token runs once and its KV cache is repeated for its G samples; the decode
 loop (``grpo_mega.rollout.hf_decode``) drops rows from the batch as they end, over a KV cache allocated once per
 call for prompt + new tokens (``grpo_mega.rollout.kv_cache``) instead of growing by concatenation at every token.
+With ``decode_graphs`` (``rollout.decode_graphs``) the steps after the prefill run over a static KV cache instead,
+eagerly or as CUDA graphs / compiled code (``grpo_mega.rollout.static_decode``, ``grpo_mega.rollout.decode_graphs``).
 
 Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
 the tokenizer's ids (no top-p / top-k renormalisation; see ``rollout.base`` for the definition), before the
