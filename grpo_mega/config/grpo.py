@@ -112,6 +112,14 @@ class RolloutConfig:
     (exactly: a fixed lag, so runs are reproducible and resume exactly). 0: the synchronous algorithm on separate
     ranks; 1: generation of the next batch overlaps this update (verl's one-step off-policy). >= 1 needs
     ``algorithm.rollout_is: tis``, the correction of the stale samples."""
+    decode_graphs: str = "off"
+    """hf engine only: how its decode steps run. ``off``: the eager loop over a growing cache (rows leave the batch as
+    they end). ``static``: a static KV cache (fixed shapes; ended rows stay masked until the running rows fit the
+    next smaller batch bucket: 1, 2, 4, 8, then every 16), run eagerly, on any device (the reference of the next two).
+    ``cuda_graphs``: that step captured as one CUDA graph per bucket and replayed (CUDA). ``static_compile``: that
+    step compiled by ``torch.compile(mode="reduce-overhead")`` at one bucket (CUDA; tens of seconds of compilation
+    per process). Tokens equal ``off``'s up to float rounding (``grpo_mega.rollout.static_decode``). Stays off until
+    a GPU run of ``bench/gpu_check.py --quick`` (its ``graphs`` stage) shows which is faster: docs/performance.md."""
     enforce_eager: bool = False
     """vLLM only: no CUDA graphs (slower decoding; saves their memory pool, which vLLM's sleep mode does not
     free, so it stays on the GPU through the update). Always eager on the CPU."""

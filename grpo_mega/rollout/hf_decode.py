@@ -35,6 +35,7 @@ import torch
 
 from grpo_mega.rollout.kv_cache import take_row_cache
 from grpo_mega.rollout.sampling import TokenSampler, method_for
+from grpo_mega.rollout.static_decode import StaticDecoder
 
 COMPACT_AT = 0.25
 """Finished rows, as a share of the batch, at which the batch is compacted."""
@@ -120,6 +121,7 @@ def decode(
     compact_at: float = COMPACT_AT,
     sync_every: int | None = None,
     keep_columns: Sequence[torch.Tensor] | None = None,
+    static: StaticDecoder | None = None,
 ) -> Decoded:
     """Generate up to ``max_new_tokens`` tokens after each row of ``input_ids`` ([rows, L], left-padded, with its
     ``attention_mask``; None when no row is padded, which spares transformers a check of the mask at every step),
@@ -135,12 +137,18 @@ def decode(
     device, in order). The cache of each row a stop string ends is then kept (``Decoded.kept``): its keys and values
     at those columns and at its generated tokens before the one that completed the stop string (never fed), cut out
     before a compaction drops the row or at the end, with no host read of its own.
+
+    ``static``: the decode steps after the first (the prefill, eager into ``cache``) run over a static KV cache
+    (``grpo_mega.rollout.static_decode``: eager, compiled or CUDA graphs); the batch then shrinks only to the next
+    smaller bucket (``StaticDecoder.wants_shrink``) instead of at ``compact_at``.
     """
     if sync_every is None:
         sync_every = SYNC_EVERY_CUDA if input_ids.device.type == "cuda" else 1
     if sync_every < 1:
         raise ValueError(f"decode: sync_every must be >= 1, got {sync_every}")
     sampler = sampler or TokenSampler(method=method_for(input_ids.device))
+    if static is not None and not _sdpa_full_attention(model):
+        raise ValueError("decode: a static KV cache needs a model whose layers are all full attention through SDPA")
     rows, length = input_ids.shape
     device = input_ids.device
     cached = cache.get_seq_length()
@@ -179,7 +187,8 @@ def decode(
             row = host_rows[index]
             if row in scan.ends and row not in kept:
                 generated = torch.arange(length, length + scan.ends[row], device=device)
-                kept[row] = take_row_cache(cache, index, torch.cat([keep_columns[row], generated]))
+                kept[row] = take_row_cache(cache if static is None else static.cache, index,
+                                           torch.cat([keep_columns[row], generated]))
 
     for step in range(max_new_tokens):
         steps = step + 1
@@ -190,8 +199,14 @@ def decode(
             mask = mask_4d[..., : length + step]
         else:
             mask = full_mask[:, : length + step]
-        logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+        if static is not None and step > 0:  # the token fed at step s is generated token s - 1: its column
+            logits = static.step(step_input, step_positions, length + step - 1)
+        else:
+            logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_positions,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+            if static is not None and max_new_tokens > 1:
+                static.begin(cache, rows, length, max_new_tokens,
+                             None if full_mask is None else full_mask[:, :length])
         for fn in masks:
             logits = fn(None, logits)
         if greedy:
@@ -220,11 +235,15 @@ def decode(
             if not any(live_host):
                 break
             waiting = live_host.count(False)
-            if waiting >= max(1.0, compact_at * len(live_host)):
+            if (waiting >= max(1.0, compact_at * len(live_host)) if static is None
+                    else static.wants_shrink(len(live_host) - waiting)):
                 keep_host = [index for index, alive in enumerate(live_host) if alive]
                 keep([index for index, alive in enumerate(live_host) if not alive])
                 kept_rows = torch.tensor(keep_host, device=device)
-                cache.batch_select_indices(kept_rows)
+                if static is None:
+                    cache.batch_select_indices(kept_rows)
+                else:
+                    static.select(kept_rows, len(keep_host))
                 host_rows = [host_rows[index] for index in keep_host]
                 batch_rows, live, positions, chosen = (
                     batch_rows[kept_rows], live[kept_rows], positions[kept_rows], chosen[kept_rows])

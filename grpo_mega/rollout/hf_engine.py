@@ -2,6 +2,8 @@
 within a batch. Each prompt but its last token runs once and its KV cache is repeated for its G samples; the decode
 loop (``grpo_mega.rollout.hf_decode``) drops rows from the batch as they end, over a KV cache allocated once per
 call for prompt + new tokens (``grpo_mega.rollout.kv_cache``) instead of growing by concatenation at every token.
+With ``decode_graphs`` (``rollout.decode_graphs``) the steps after the prefill run over a static KV cache instead,
+eagerly or as CUDA graphs / compiled code (``grpo_mega.rollout.static_decode``, ``grpo_mega.rollout.decode_graphs``).
 
 Sampling log-probs are recorded while generating, as ``log_softmax(logits / T)`` of the raw model logits over
 the tokenizer's ids (no top-p / top-k renormalisation; see ``rollout.base`` for the definition), before the
@@ -42,6 +44,7 @@ from grpo_mega.rollout.base import (
     load_hf_tokenizer,
     resolve_dtype,
 )
+from grpo_mega.rollout.decode_graphs import static_decoder_for
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.hf_routes import routed_experts
 from grpo_mega.rollout.kv_cache import RowCache, continued_batch, full_attention_only, preallocated_cache
@@ -120,6 +123,7 @@ class HFRolloutEngine:
         generation_batch_size: int = 64,
         weights_ready: bool = True,
         return_routed_experts: bool = False,
+        decode_graphs: str = "off",
     ):
         """``model``: a transformers ``*ForCausalLM``; ``tokenizer``: a transformers tokenizer or its folder.
 
@@ -127,7 +131,8 @@ class HFRolloutEngine:
         ``prompts x n`` rows of KV cache). ``weights_ready=False`` marks placeholder weights: ``generate`` refuses
         to run until a complete weight update has arrived. ``return_routed_experts``: each completion carries the
         experts of its tokens (``Completion.routed_experts``; a mixture-of-experts model;
-        ``grpo_mega.rollout.hf_routes``).
+        ``grpo_mega.rollout.hf_routes``). ``decode_graphs``: ``rollout.decode_graphs`` (``off``, ``static``,
+        ``static_compile``, ``cuda_graphs``: ``grpo_mega.rollout.static_decode``); the last two need CUDA.
         """
         if generation_batch_size < 1:
             raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
@@ -149,6 +154,8 @@ class HFRolloutEngine:
         self._weights_ready = weights_ready
         self.weight_version = 0
         """Complete weight updates received so far."""
+        self.static_decoder = static_decoder_for(model, decode_graphs, self.device)
+        """The static KV cache (and its graphs) the decode loop runs on; None for ``decode_graphs: off``."""
         self.continues_kv = full_attention_only(preallocated_cache(model.config, 1))
         """Whether ``generate_with_caches`` can keep and continue rows' caches (every layer full attention)."""
         self.forward_tokens = {"prefill": 0, "decode": 0}
@@ -168,6 +175,7 @@ class HFRolloutEngine:
         device: str | torch.device | None = None,
         generation_batch_size: int = 64,
         return_routed_experts: bool = False,
+        decode_graphs: str = "off",
     ) -> "HFRolloutEngine":
         """Engine for the HF folder ``model_path``: its weights if it has any, else placeholder weights from its
         config.json that must be replaced by a weight update before generating. ``device`` defaults to the
@@ -187,6 +195,7 @@ class HFRolloutEngine:
             generation_batch_size=generation_batch_size,
             weights_ready=weights_ready,
             return_routed_experts=return_routed_experts,
+            decode_graphs=decode_graphs,
         )
 
     # ----------------------------------------------------------------------------------------------- generation
@@ -292,16 +301,18 @@ class HFRolloutEngine:
         with ``keep`` the cache of each that ended at a stop string; ``caches``: see ``generate_with_caches``."""
         # Greedy rows of one prompt are identical: generate once, copy n times.
         samples = 1 if sampling.greedy else sampling.n
+        # The static cache takes the prefill's keys and values: the prefill's cache needs no room for the decode.
+        decode_room = sampling.max_new_tokens if self.static_decoder is None else 0
         if caches is None or all(c is None for c in caches):
             input_ids, attention_mask = self._left_pad(prompts)
             width = input_ids.shape[1]
             cache = self._shared_prompt_cache(input_ids, attention_mask, samples,
-                                              capacity=width + sampling.max_new_tokens)
+                                              capacity=width + decode_room)
             real_columns = [list(range(width - len(p), width)) for p in prompts]
         else:
             input_ids, attention_mask, cache, real_columns = continued_batch(
                 prompts, caches, pad_token_id=self.pad_token_id, model_config=self.model.config,
-                max_new_tokens=sampling.max_new_tokens)
+                max_new_tokens=decode_room)
             input_ids = input_ids.to(self.device)
             attention_mask = None if attention_mask is None else attention_mask.to(self.device)
         stop = sampling.stop
@@ -317,7 +328,7 @@ class HFRolloutEngine:
             pad_token_id=self.pad_token_id, masks=self._masks, sampler=_token_sampler(sampling, self.device),
             greedy=sampling.greedy, logprob_temperature=sampling.logprob_temperature,
             stopped=(lambda ids: any(s in self._decode(ids) for s in stop)) if stop else None,
-            keep_columns=keep_columns,
+            keep_columns=keep_columns, static=self.static_decoder,
         )
         rows = len(prompts) * samples
         self.forward_tokens["prefill"] += decoded.prefill_tokens
