@@ -79,6 +79,17 @@ def test_config_comments_state_the_replicas_the_code_makes(monkeypatch, name):
     assert "per rank" not in batch_line and "at DP" not in batch_line, batch_line
 
 
+def test_decode_graphs_reaches_the_hf_engine():
+    """The key is passed to the engine the trainer builds (it was checked and then dropped)."""
+    import torch
+
+    from grpo_mega.stages.rollout_setup import rollout_engine_settings
+
+    settings = rollout_engine_settings(_load("rollout.engine=hf", "rollout.decode_graphs=static"), torch.device("cpu"))
+    assert settings["decode_graphs"] == "static"
+    assert "decode_graphs" not in rollout_engine_settings(_load("rollout.engine=vllm"), torch.device("cpu"))
+
+
 def test_decode_graphs_modes_and_refusals():
     assert _load().rollout.decode_graphs == "off"
     assert _load("rollout.engine=hf", "rollout.decode_graphs=static").rollout.decode_graphs == "static"

@@ -125,8 +125,17 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
     engine per rank inside torchrun (external_launcher), ``rollout.tensor_parallel`` ranks per replica, eager on
     the CPU."""
     device = get_device()
+    engine = build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
+                                  dtype="bfloat16" if device.type == "cuda" else "float32",
+                                  **rollout_engine_settings(cfg, device))
+    return with_turn_loop(cfg, engine, load_hf_tokenizer(tokenizer))
+
+
+def rollout_engine_settings(cfg: GRPOConfig, device) -> dict:
+    """The keyword arguments of ``rollout.engine``'s engine on ``device``, from the config."""
     engine_settings = (
-        {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device} if cfg.rollout.engine == "hf"
+        {"generation_batch_size": cfg.rollout.generation_batch_size, "device": device,
+         "decode_graphs": cfg.rollout.decode_graphs} if cfg.rollout.engine == "hf"
         else {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "seed": cfg.parallel.seed,
               "tensor_parallel_size": cfg.rollout.tensor_parallel,
               "enforce_eager": cfg.rollout.enforce_eager or device.type == "cpu",
@@ -135,9 +144,7 @@ def build_rollout_engine_for(cfg: GRPOConfig, tokenizer):
     )
     if cfg.rollout.routing_replay:  # the experts of every token, replayed by the trainer
         engine_settings["return_routed_experts"] = True
-    engine = build_rollout_engine(cfg.rollout.engine, model_path=cfg.model.hf_config, tokenizer=tokenizer,
-                                  dtype="bfloat16" if device.type == "cuda" else "float32", **engine_settings)
-    return with_turn_loop(cfg, engine, load_hf_tokenizer(tokenizer))
+    return engine_settings
 
 
 def row_layout_of(cfg: GRPOConfig) -> RewardRows:
