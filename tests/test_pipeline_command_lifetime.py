@@ -76,11 +76,12 @@ def test_no_process_of_a_pipelines_command_outlives_the_pipeline(task, tmp_path,
         pipeline.send_signal(ending)
         pipeline.communicate(timeout=120)
         ended = time.monotonic()
-        assert pipeline.returncode == (128 + signal.SIGTERM if ending == signal.SIGTERM else -signal.SIGKILL)
         while _processes_tagged(tag) and time.monotonic() < ended + 5:
             time.sleep(0.2)
         left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in _processes_tagged(tag)}
         assert not left, f"left 5 s after the pipeline ended: {left}"
+        # SIGTERM: the pipeline stopped its command and waited for it, then exited 128 + SIGTERM
+        assert pipeline.returncode == (128 + signal.SIGTERM if ending == signal.SIGTERM else -signal.SIGKILL)
     finally:
         for pid in _processes_tagged(tag):  # a failed check: leave nothing behind for the next test
             os.kill(pid, signal.SIGKILL)
