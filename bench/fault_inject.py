@@ -151,7 +151,6 @@ def _kill_in_tool_call(due) -> None:
     def run_one(self, call, row_kwargs):
         result = original(self, call, row_kwargs)
         if due():
-            _wait_for_precondition()
             _mark()
             _kill_self(None)
         return result
@@ -166,23 +165,23 @@ def plant(kind: str, rank: int, step: int) -> None:
         return
     fired = []
 
+    def fire_once(ready: bool) -> bool:
+        """True the first time ``ready`` holds, once ``$GRPO_FAULT_AFTER`` exists: every kind waits here, at the
+        point where it has decided to fire."""
+        if not ready or fired:
+            return False
+        fired.append(True)
+        _wait_for_precondition()
+        return True
+
     def due() -> bool:  # once, at the step
-        if POSITION["step"] == step and not fired:
-            fired.append(True)
-            return True
-        return False
+        return fire_once(POSITION["step"] == step)
 
     def due_from() -> bool:  # once, at the step or the first after it that reaches the planted code
-        if POSITION["step"] is not None and POSITION["step"] >= step and not fired:
-            fired.append(True)
-            return True
-        return False
+        return fire_once(POSITION["step"] is not None and POSITION["step"] >= step)
 
     def first_call() -> bool:
-        if not fired:
-            fired.append(True)
-            return True
-        return False
+        return fire_once(True)
 
     where = f"rank {rank}, step {step}"
     if kind == "exception":

@@ -36,6 +36,7 @@ from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.bridge import Bridge, share_in_world, share_tensors_in_world
 from grpo_mega.run.control import StopRequests
 from grpo_mega.run.failure import phase, set_step
+from grpo_mega.run.progress import SkippedRows, collect_skipped_rows
 from grpo_mega.run.watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
 from grpo_mega.stages.answer_guard import answer_guard_of
@@ -101,6 +102,8 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     init_distributed(1, 1, seed=cfg.parallel.seed, device=cfg.parallel.device, timeout_s=run.collective_timeout_s)
     watchdog = PhaseWatchdog(run.run_dir, run.collective_timeout_s, command="grpo-mega train (rollout world)",
                              setting=f"trainer.collective_timeout_s={run.collective_timeout_s:g} s").install()
+    skipped_rows = SkippedRows()  # this world's reads, sent with every batch for the trainer's `done` line
+    collect_skipped_rows(skipped_rows)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_config)
     prompts = PromptBatches(load_prompts(cfg, tokenizer, cfg.data.train_file), alg.rollout_batch_size,
                             seed=cfg.parallel.seed)
@@ -151,7 +154,7 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
                             "async/weights_receive_s": link.receive_seconds - waited,
                             "async/generation_tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
             link.send("batch", {"step": step, "batch": batch, "metrics": metrics, "prompts": prompts.state_dict(),
-                                "stop_signal": stop_requests.signal_name}, key=step)
+                                "stop_signal": stop_requests.signal_name, "skipped_rows": skipped_rows.reads}, key=step)
             link.settle(generating_version(step, k))  # the trainer has taken the batches of those steps
         while link.version < total:
             take_weights()
@@ -166,4 +169,5 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     stop_requests.uninstall()
     close_rollout_engine(engine)
     destroy_distributed()
+    collect_skipped_rows(None)
     return {}

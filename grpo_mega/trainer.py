@@ -218,6 +218,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
             metrics.update(eval_metrics)
         harness.end_step(step, metrics)
 
+    if feed is not None:  # the train file's bad rows: the rollout world read it
+        harness.skipped_rows.merge(feed.skipped_rows)
     harness.finish(before_shutdown=feed.close if feed is not None
                    else lambda: close_rollout_engine(rollout_engine, rollout))
     return eval_metrics

@@ -5,9 +5,34 @@ serialization.py: ``save`` adds it, ``load_common_state_dict`` still reads a leg
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 
+from grpo_mega.run.layout import (CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE, LATEST_FILE, STATE_FILE,
+                                  step_dir_name)
+
 LEGACY_COMMON_FILE = "common.pt"
+
+
+def write_published_checkpoint(run_dir: Path, step: int, *, state: dict, config_yaml: str) -> Path:
+    """A complete checkpoint folder of ``run_dir`` as the checkpoint manager publishes it, written by hand: its
+    marker (``state`` as grpo_mega_checkpoint.json), ``config_yaml`` as its config, placeholder shards, then
+    complete.json with every file's size and CRC-32, and ``latest`` naming it. For tests of the readers of a run
+    folder that need no trained weights."""
+    folder = run_dir / CHECKPOINTS_DIR / step_dir_name(step)
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text(json.dumps(state) + "\n")
+    (folder / CONFIG_FILE).write_text(config_yaml)
+    (folder / "metadata.json").write_text("{}\n")
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    files = {p.name: p.stat().st_size for p in folder.iterdir()}
+    checksums = {name: f"{zlib.crc32((folder / name).read_bytes()):08x}" for name in files}
+    (folder / COMPLETE_FILE).write_text(json.dumps({
+        "format": "grpo_mega.training_checkpoint", "version": 1, "step": step, "files": files,
+        "checksum_algorithm": "crc32", "checksums": checksums}))
+    (run_dir / CHECKPOINTS_DIR / LATEST_FILE).write_text(folder.name + "\n")
+    return folder
 
 
 def data_ranges(checkpoint: Path, prefix: str) -> list[tuple[str, int, int]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,28 +19,17 @@ sys.path.insert(0, str(REPO / "bench"))
 import chaos  # noqa: E402  (bench/chaos.py: the variants' rollout rank and lead)
 from chaos_faults import (Fault, attempt_start, attempt_steps, poll_attempt, resume_step, step_reached,  # noqa: E402
                           trigger_now)
+from checkpoint_layout import write_published_checkpoint  # noqa: E402
 from grpo_mega.run.metrics import drop_rows_after  # noqa: E402
 
 LEAD = chaos.ROLLOUT_LEAD["async"]
 
 
 def _checkpoint(run_dir: Path, step: int) -> Path:
-    """A complete checkpoint folder as the checkpoint manager publishes it (its files, complete.json with every
-    file's size and CRC-32, ``latest`` naming it), with placeholder weights."""
-    folder = run_dir / "checkpoints" / f"step_{step:06d}"
-    folder.mkdir(parents=True)
-    (folder / "grpo_mega_checkpoint.json").write_text(json.dumps(
-        {"format": "grpo_mega.training_checkpoint", "version": 1, "step": step}) + "\n")
-    (folder / "config.yaml").write_text("trainer: {}\n")
-    (folder / "metadata.json").write_text("{}\n")
-    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-    files = {p.name: p.stat().st_size for p in folder.iterdir()}
-    checksums = {name: f"{zlib.crc32((folder / name).read_bytes()):08x}" for name in files}
-    (folder / "complete.json").write_text(json.dumps({
-        "format": "grpo_mega.training_checkpoint", "version": 1, "step": step, "files": files,
-        "checksum_algorithm": "crc32", "checksums": checksums}))
-    (run_dir / "checkpoints" / "latest").write_text(folder.name + "\n")
-    return folder
+    """A complete published checkpoint of ``step`` with placeholder weights."""
+    return write_published_checkpoint(
+        run_dir, step, state={"format": "grpo_mega.training_checkpoint", "version": 1, "step": step},
+        config_yaml="trainer: {}\n")
 
 
 def _log(run_dir: Path, *steps: int, time: float = 0.5) -> None:

@@ -5,14 +5,13 @@ block it, they are reset with a one-line warning. Validation only (``--print-con
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from cli_runner import run_grpo_mega
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_GRPO = REPO / "configs" / "small-model_grpo.yaml"
@@ -27,15 +26,10 @@ def header_commands(path: Path) -> tuple[list[str], list[str]]:
     return shlex.split(command), [item.rstrip(".") for item in switch]
 
 
-def grpo_mega(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
-
-
 def test_the_small_model_header_s_outcome_switch_runs_with_a_one_line_warning():
     command, switch = header_commands(SMALL_GRPO)
     assert switch == ["algorithm.supervision=outcome", "process_reward.source=function"]
-    result = grpo_mega(*command, *switch, "--print-config")
+    result = run_grpo_mega(*command, *switch, "--print-config")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "ignoring process_reward.outcome_on_last_step=True, " \
@@ -48,7 +42,7 @@ def test_the_small_model_header_s_outcome_switch_runs_with_a_one_line_warning():
 
 def test_the_header_s_prm_command_keeps_its_prm_settings():
     command, _ = header_commands(SMALL_GRPO)
-    result = grpo_mega(*command, "--print-config")
+    result = run_grpo_mega(*command, "--print-config")
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr[-3000:]
     resolved = yaml.safe_load(result.stdout)
     assert resolved["process_reward"]["outcome_on_last_step"] is True
@@ -59,6 +53,6 @@ def test_the_training_page_s_chat_prompt_command_validates():
     page = (REPO / "docs" / "training.md").read_text()
     block = re.search(r"```bash\n  (grpo-mega train[^`]*data\.messages_field=messages[^`]*?)\n  ```", page).group(1)
     argv = shlex.split(block.replace("\\\n", " "))[1:]
-    result = grpo_mega(*argv, "--print-config")
+    result = run_grpo_mega(*argv, "--print-config")
     assert result.returncode == 0, result.stderr[-3000:]
     assert yaml.safe_load(result.stdout)["data"]["messages_field"] == "messages"

@@ -4,14 +4,12 @@ named as such, and options may stand among the overrides."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from cli_runner import run_grpo_mega
 from grpo_mega.cli import _parse
 from grpo_mega.config import ConfigError, GRPOConfig
 from grpo_mega.config.loading import merge_config
@@ -57,13 +55,8 @@ def test_a_value_that_is_not_yaml_names_its_key():
         merge_config(GRPOConfig, None, ["rollout.stop=[a"])
 
 
-def _grpo_mega(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
-
-
 def test_an_unreadable_override_is_one_line_and_exit_2():
-    result = _grpo_mega("train", "--config", str(CONFIGS / "quickstart_grpo.yaml"), "rollout.stop=[.!?]\\s")
+    result = run_grpo_mega("train", "--config", str(CONFIGS / "quickstart_grpo.yaml"), "rollout.stop=[.!?]\\s")
     assert result.returncode == 2
     line, = result.stderr.strip().splitlines()
     assert line.startswith("grpo-mega train: error: override rollout.stop=[.!?]\\s: the value is not valid YAML")
@@ -78,7 +71,7 @@ def test_an_unreadable_override_is_one_line_and_exit_2():
     (["prm", "train"], "quickstart_sft.yaml", "grpo-mega sft"),
 ])
 def test_a_config_of_another_command_is_named_as_such(command, config, owner):
-    result = _grpo_mega(*command, "--config", str(CONFIGS / config))
+    result = run_grpo_mega(*command, "--config", str(CONFIGS / config))
     assert result.returncode == 2
     line, = result.stderr.strip().splitlines()
     assert f"this looks like a `{owner}` config" in line and f"run `{owner} --config {CONFIGS / config}`" in line, line

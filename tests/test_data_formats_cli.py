@@ -5,14 +5,13 @@ file stops ``grpo-mega train`` before any rank starts: one line naming the file,
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow
 import pyarrow.parquet as parquet
 import pytest
+from cli_runner import run_grpo_mega
 from tiny_task import SMALL_RUN, build_tiny_task
 
 from grpo_mega.data.tokenizer import load_tokenizer
@@ -58,9 +57,7 @@ def task(tmp_path_factory):
 
 
 def _train(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", "train", "--config", GRPO, *RUN, *overrides],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          cwd=REPO)
+    return run_grpo_mega("train", "--config", GRPO, *RUN, *overrides)
 
 
 def _dumped(run_dir: Path) -> list[dict]:

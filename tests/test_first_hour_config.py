@@ -14,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from cli_runner import run_grpo_mega
 from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = str(REPO / "configs" / "quickstart_grpo.yaml")
 SFT = str(REPO / "configs" / "quickstart_sft.yaml")
 PRM = str(REPO / "configs" / "quickstart_prm.yaml")
-
-
-def grpo_mega(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=environment, cwd=cwd or REPO)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> str:
@@ -56,7 +51,7 @@ def test_a_misspelt_key_with_nproc_2_is_refused_before_torchrun_starts_with_the_
     # as a user runs it: the suite's shared fork server would have the command's work wait for its imports to end
     monkeypatch.delenv(SHARED_FORK_SERVER_ENV, raising=False)
     start = time.perf_counter()
-    result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), "trainer.totl_steps=3")
+    result = run_grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), "trainer.totl_steps=3")
     seconds = time.perf_counter() - start
     assert_one_line_error(result, "trainer.totl_steps", "did you mean trainer.total_steps?")
     assert "torch.distributed" not in result.stderr and "[rank" not in result.stderr
@@ -74,7 +69,7 @@ def test_a_misspelt_key_with_nproc_2_is_refused_before_torchrun_starts_with_the_
     (["reward.function=math_verfy"], ["reward.function='math_verfy'"], []),
 ])
 def test_config_mistakes_are_one_line_before_any_rank(task, tmp_path, overrides, named, not_named):
-    result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), *overrides)
+    result = run_grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"), *overrides)
     stderr = assert_one_line_error(result, *named)
     assert not any(text in stderr for text in not_named), stderr
     assert not (tmp_path / "run").exists()
@@ -89,14 +84,14 @@ def test_model_init_from_that_holds_no_weights_is_refused_before_any_rank(task, 
     for name, text in layout.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
-    result = grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"),
+    result = run_grpo_mega("train", "--config", GRPO, "--nproc", "2", *paths(task, tmp_path / "run"),
                        f"model.init_from={folder}")
     assert_one_line_error(result, f"model.init_from={folder}", named)  # before: cause=error from a rank at start-up
     assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_hf_config_folder_is_named_as_that_key(task, tmp_path):
-    result = grpo_mega("train", "--config", GRPO, f"model.hf_config={tmp_path / 'nowhere'}",
+    result = run_grpo_mega("train", "--config", GRPO, f"model.hf_config={tmp_path / 'nowhere'}",
                        f"data.train_file={task['train']}", f"trainer.run_dir={tmp_path / 'run'}")
     stderr = assert_one_line_error(result, f"model.hf_config={tmp_path / 'nowhere'}: no such folder")
     assert "tokenizer" not in stderr
@@ -104,14 +99,14 @@ def test_a_missing_hf_config_folder_is_named_as_that_key(task, tmp_path):
 
 @pytest.mark.parametrize("count", ["0", "-3"])
 def test_a_process_count_below_1_is_refused(count):
-    assert_one_line_error(grpo_mega("train", "--config", GRPO, "--nproc", count), f"--nproc {count} must be >= 1")
+    assert_one_line_error(run_grpo_mega("train", "--config", GRPO, "--nproc", count), f"--nproc {count} must be >= 1")
 
 
 def test_srun_s_task_count_is_the_world_size_a_rank_checks(task, tmp_path):
     """Under srun (SLURM_PROCID, SLURM_NTASKS; no torchrun variables) a rank checks the layout against the job's
     tasks: its failure line names the key, with cause=config (the SLURM scripts do not requeue it)."""
     slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
-    result = grpo_mega("train", "--config", GRPO, *paths(task, tmp_path / "run"), "parallel.tensor=3", env=slurm)
+    result = run_grpo_mega("train", "--config", GRPO, *paths(task, tmp_path / "run"), "parallel.tensor=3", env=slurm)
     assert_one_line_error(result, "failed (cause=config)", "parallel.tensor=3", "job's 2 processes")
 
 
@@ -119,19 +114,19 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  total_steps: 3\n   bad: [1\n")
     for command in (["train"], ["plan"], ["prm", "train"]):
-        result = grpo_mega(*command, "--config", str(bad))
+        result = run_grpo_mega(*command, "--config", str(bad))
         assert_one_line_error(result, f"{bad}:3:7: YAML syntax error")
 
 
 @pytest.mark.parametrize("command, config", [(["sft"], SFT), (["eval", "--policy", "x"], GRPO)])
 def test_sft_and_eval_check_before_the_launch_too(task, tmp_path, command, config):
-    result = grpo_mega(*command, "--config", config, "--nproc", "2", *paths(task, tmp_path / "run"),
+    result = run_grpo_mega(*command, "--config", config, "--nproc", "2", *paths(task, tmp_path / "run"),
                        "trainer.totl_steps=3")
     assert_one_line_error(result, "trainer.totl_steps", "did you mean trainer.total_steps?")
 
 
 def test_prm_train_checks_its_layout_against_the_process_count(task, tmp_path):
-    result = grpo_mega("prm", "train", "--config", PRM, "--nproc", "2", *paths(task, tmp_path / "run"),
+    result = run_grpo_mega("prm", "train", "--config", PRM, "--nproc", "2", *paths(task, tmp_path / "run"),
                        "parallel.tensor=3")
     assert_one_line_error(result, "parallel.tensor=3", "2 processes")
 
@@ -140,7 +135,7 @@ def test_prm_train_checks_its_layout_against_the_process_count(task, tmp_path):
 def test_print_config_marks_the_required_keys_not_set_instead_of_refusing(tmp_path, command, config):
     import yaml
 
-    result = grpo_mega(*command, "--config", config, "--print-config", f"trainer.run_dir={tmp_path / 'run'}")
+    result = run_grpo_mega(*command, "--config", config, "--print-config", f"trainer.run_dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "  hf_config: ???  # required, not set\n" in result.stdout
     assert "  train_file: ???  # required, not set\n" in result.stdout
@@ -152,18 +147,18 @@ def test_print_config_marks_the_required_keys_not_set_instead_of_refusing(tmp_pa
         "model.hf_config"]
     assert not (tmp_path / "run").exists()
     # the other mistakes are still refused
-    assert_one_line_error(grpo_mega(*command, "--config", config, "--print-config", "trainer.totl_steps=3"),
+    assert_one_line_error(run_grpo_mega(*command, "--config", config, "--print-config", "trainer.totl_steps=3"),
                           "did you mean trainer.total_steps?")
 
 
 @pytest.mark.parametrize("flag", ["--gpus-per-node", "--gpu-memory-gib", "--nodes"])
 def test_plan_refuses_a_zero_count_instead_of_the_header_s(flag):
     config = str(REPO / "configs" / "qwen2.5-math-7b_grpo.yaml")
-    assert_one_line_error(grpo_mega("plan", "--config", config, flag, "0"), f"{flag} 0 must be")
+    assert_one_line_error(run_grpo_mega("plan", "--config", config, flag, "0"), f"{flag} 0 must be")
 
 
 def test_quickstart_refuses_zero_iterations_in_one_line(tmp_path):
-    result = grpo_mega("quickstart", "--iterations", "0", "--run-dir", str(tmp_path / "qs"))
+    result = run_grpo_mega("quickstart", "--iterations", "0", "--run-dir", str(tmp_path / "qs"))
     assert_one_line_error(result, "--iterations 0 must be >= 1")
     assert not (tmp_path / "qs").exists()
 

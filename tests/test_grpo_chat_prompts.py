@@ -5,12 +5,10 @@ with its generation prompt; a row that the settings cannot read names the option
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_grpo_mega
 from small_model import build_tokenizer, gsm8k_rows, tokenizer_texts
 from tiny_task import SMALL_RUN, build_tiny_task
 
@@ -114,25 +112,20 @@ def chat_task(tmp_path_factory):
     return chat_model, _write(root / "train.jsonl", conversations), _write(root / "eval.jsonl", conversations[:4])
 
 
-def _grpo_mega(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
-
-
 def test_grpo_trains_and_eval_evaluates_on_chat_prompts_from_the_command_line(chat_task, tmp_path):
     model_dir, train_file, eval_file = chat_task
     chat = ["data.messages_field=messages", "data.chat_template=true", f"model.hf_config={model_dir}",
             f"data.eval_file={eval_file}", "data.max_eval_prompts=4"]
     small = [item for item in SMALL_RUN if not item.startswith("parallel.tensor")]
     run_dir = tmp_path / "run"
-    trained = _grpo_mega("train", "--config", GRPO, *chat, f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
+    trained = run_grpo_mega("train", "--config", GRPO, *chat, f"data.train_file={train_file}", f"trainer.run_dir={run_dir}",
                          "trainer.total_steps=1", "trainer.dump_rollouts=true", *small)
     assert trained.returncode == 0, trained.stderr[-3000:]
     dumped = [json.loads(line) for line in next((run_dir / "rollouts").glob("*.jsonl")).read_text().splitlines()]
     assert dumped and all(row["prompt"].startswith(SYSTEM + " Q: Start with ") and row["prompt"].endswith(" A:")
                           for row in dumped), dumped[:1]
     report = tmp_path / "eval.json"
-    evaluated = _grpo_mega("eval", "--config", GRPO, "--policy", str(run_dir), "--out", str(report), *chat,
+    evaluated = run_grpo_mega("eval", "--config", GRPO, "--policy", str(run_dir), "--out", str(report), *chat,
                            f"data.train_file={train_file}", "parallel.device=cpu", "algorithm.response_length=12")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(report.read_text())["prompts"] == 4

@@ -5,12 +5,11 @@ the rows ``prm.train.training_examples`` picks, and a tiny ``grpo-mega prm train
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_runner import run_grpo_mega
 from grpo_mega.config import ConfigError, load_config
 from prm.config import PRMConfig, validate_prm
 from prm.data import write_stepwise
@@ -109,18 +108,13 @@ def test_fraction_zero_and_one_and_no_replay_files(files):
 
 
 # ----------------------------------------------------------------------------- grpo-mega prm train
-def _grpo_mega(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *argv], capture_output=True, text=True,
-                          timeout=300)
-
-
 def test_prm_train_renders_the_replayed_rows(files, tmp_path):
     """A replayed row goes through the same checks as a new one: an unlabelled one stops the run (before any model
     is built) naming its own file and line."""
     old = tmp_path / "unlabelled.jsonl"
     old.write_text(json.dumps({"prompt": "Q", "completions": [" a"]}) + "\n")
     model_dir = _tiny_model_dir(tmp_path)
-    result = _grpo_mega("prm", "train", "--config", str(CONFIG), "--nproc", "1", f"model.hf_config={model_dir}",
+    result = run_grpo_mega("prm", "train", "--config", str(CONFIG), "--nproc", "1", f"model.hf_config={model_dir}",
                         f"data.train_file={files['new']}", f"data.replay_files=[{old}]", "data.replay_fraction=1",
                         "data.on_bad_row=error", f"trainer.run_dir={tmp_path / 'run'}", "parallel.device=cpu")
     assert result.returncode != 0

@@ -9,17 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_grpo_mega
 
 
 @pytest.fixture(scope="module")
 def fast_quickstart(tmp_path_factory):
     """One shortened quickstart run: (run dir, the command's result)."""
     run_dir = tmp_path_factory.mktemp("e2e") / "quickstart"
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_mega.cli", "quickstart", "--fast", "--no-oracle", "--iterations", "2", "--run-dir",
-         str(run_dir)],
-        capture_output=True, text=True, timeout=1200,
-    )
+    result = run_grpo_mega("quickstart", "--fast", "--no-oracle", "--iterations", "2", "--run-dir", str(run_dir),
+                           timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir, result
 
@@ -145,9 +143,8 @@ def test_trained_policy_exports_to_hugging_face(fast_quickstart, tmp_path):
     # The same checkpoint as a likelihood PRM: a step's score is its smallest token probability
     planted = run_dir / "planted_errors.jsonl"
     scores_out = tmp_path / "scores.jsonl"
-    score = subprocess.run([sys.executable, "-m", "grpo_mega.cli", "prm", "score", "--prm", str(sft_dir), "--layout",
-                            "likelihood", "--data", str(planted), "--out", str(scores_out)],
-                           capture_output=True, text=True, timeout=600)
+    score = run_grpo_mega("prm", "score", "--prm", str(sft_dir), "--layout", "likelihood", "--data", str(planted),
+                          "--out", str(scores_out))
     assert score.returncode == 0, score.stdout[-2000:] + score.stderr[-3000:]
     scored = [json.loads(line) for line in scores_out.read_text().splitlines()]
     assert len(scored) == len(planted.read_text().splitlines())

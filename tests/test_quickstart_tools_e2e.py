@@ -4,18 +4,16 @@ policy with ``grpo-mega eval``, picks the sparse start (the tool checkpoints thr
 summary (about a minute on an idle 2-core machine)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_grpo_mega
 
 
 @pytest.mark.slow
 def test_the_tool_regime_runs_both_sfts_and_writes_its_summary(tmp_path):
     run_dir = tmp_path / "tools"
-    result = subprocess.run([sys.executable, "-m", "grpo_mega.cli", "quickstart", "--regime", "tools", "--fast",
-                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=900)
+    result = run_grpo_mega("quickstart", "--regime", "tools", "--fast", "--run-dir", str(run_dir), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[-1] == str(run_dir / "summary.json")
@@ -34,6 +32,5 @@ def test_the_tool_regime_runs_both_sfts_and_writes_its_summary(tmp_path):
 
 
 def test_grpo_arm_options_are_refused_for_the_tool_regime(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "grpo_mega.cli", "quickstart", "--regime", "tools", "--iterations",
-                             "2", "--run-dir", str(tmp_path / "tools")], capture_output=True, text=True, timeout=300)
+    result = run_grpo_mega("quickstart", "--regime", "tools", "--iterations", "2", "--run-dir", str(tmp_path / "tools"))
     assert result.returncode == 2 and "--iterations" in result.stderr and not (tmp_path / "tools").exists()

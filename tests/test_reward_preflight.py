@@ -4,13 +4,12 @@ row and the error; exit 2), and reward code from verl and TRL trains from the co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cli_runner import run_grpo_mega
 from tiny_task import SMALL_RUN, build_tiny_task
 
 from grpo_mega.config import ConfigError, GRPOConfig
@@ -95,11 +94,6 @@ def test_rows_that_every_function_scores_pass_parquet_and_trl_none_included(tmp_
     check_reward_on_rows(cfg)
 
 
-def _grpo_mega(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=cwd)
-
-
 def test_train_refuses_a_reward_that_cannot_score_the_rows_in_one_line(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -109,7 +103,7 @@ def test_train_refuses_a_reward_that_cannot_score_the_rows_in_one_line(tmp_path)
         def reward(completions, **kwargs):
             return [kwargs["solution"] == c for c in completions]
     """)
-    result = _grpo_mega("train", "--config", GRPO, f"model.hf_config={model}", f"data.train_file={rows}",
+    result = run_grpo_mega("train", "--config", GRPO, f"model.hf_config={model}", f"data.train_file={rows}",
                         f"reward.function={module}:reward", "reward.on_error=zero")
     assert result.returncode == 2, result.stderr[-2000:]
     line, = result.stderr.strip().splitlines()
@@ -125,7 +119,7 @@ def task(tmp_path_factory):
 def _train_two_steps(task, run_dir: Path, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
     model_dir, train_file = task
     small = [item for item in SMALL_RUN if not item.startswith("parallel.tensor")]
-    return _grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
+    return run_grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
                       f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "reward.on_error=raise", *small, *extra,
                       cwd=cwd)
 

@@ -5,12 +5,12 @@ after the routers were perturbed so that they would route otherwise; a short GRP
 the sampler-vs-trainer log-prob difference; the settings replay cannot run with are refused before launch."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_runner import run_grpo_mega
 from dist_utils import run_distributed
 from test_qwen3_moe import write_moe_model
 
@@ -201,8 +201,7 @@ def test_stage_routes_follow_the_routers_row_order_and_sequence_parallel_slice()
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", "train", *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    return run_grpo_mega("train", *args)
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,18 @@ the ranks do, not fail. Found by bench/chaos.py: one byte flipped in the newest 
 restart end in a UnicodeDecodeError traceback from the guard, so the run could never fall back to the checkpoint
 before it."""
 
-import json
-import zlib
 from pathlib import Path
 
 import yaml
 
+from checkpoint_layout import write_published_checkpoint
 from grpo_mega.run.folder import check_run_folder, newest_readable
 
 
 def _checkpoint(run_dir: Path, step: int, config: dict) -> Path:
-    """A complete checkpoint folder as the checkpoint manager publishes it (its files, complete.json with every
-    file's size and CRC-32), with placeholder weights: the guard reads only its listing, state and config."""
-    folder = run_dir / "checkpoints" / f"step_{step:06d}"
-    folder.mkdir(parents=True)
-    (folder / "grpo_mega_checkpoint.json").write_text(json.dumps({"step": step}) + "\n")
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    (folder / "metadata.json").write_text("{}\n")
-    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-    files = {p.name: p.stat().st_size for p in folder.iterdir()}
-    checksums = {name: f"{zlib.crc32((folder / name).read_bytes()):08x}" for name in files}
-    (folder / "complete.json").write_text(json.dumps({
-        "format": "grpo_mega.training_checkpoint", "version": 1, "step": step, "files": files,
-        "checksum_algorithm": "crc32", "checksums": checksums}))
-    (run_dir / "checkpoints" / "latest").write_text(folder.name + "\n")
-    return folder
+    """A complete published checkpoint of ``step`` with ``config`` and placeholder weights: the guard reads only
+    its listing, state and config."""
+    return write_published_checkpoint(run_dir, step, state={"step": step}, config_yaml=yaml.safe_dump(config))
 
 
 def _flip(file: Path, text: bytes, to: bytes) -> None:

@@ -7,20 +7,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_grpo_mega
 from tiny_task import SMALL_RUN, build_tiny_task
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = str(REPO / "configs" / "quickstart_grpo.yaml")
 ONE_PROCESS = [item for item in SMALL_RUN if not item.startswith("parallel.tensor")]
-
-
-def grpo_mega(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_mega.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -29,7 +24,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 def train(task, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     model_dir, train_file = task
-    return grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
+    return run_grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
                      f"trainer.run_dir={run_dir}", "trainer.total_steps=2", *ONE_PROCESS, *extra)
 
 
@@ -113,7 +108,7 @@ def test_a_new_attempt_sets_the_earlier_failure_aside_when_it_starts(task, tmp_p
     (run_dir / "failure.json").write_text(json.dumps(earlier))
     model_dir, train_file = task
     # every prompt over data.prompt_length: a cause only the ranks find (they tokenize; the CLI's check reads rows)
-    result = grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
+    result = run_grpo_mega("train", "--config", GRPO, f"model.hf_config={model_dir}", f"data.train_file={train_file}",
                        "data.prompt_length=1", f"trainer.run_dir={run_dir}", *ONE_PROCESS)
     assert result.returncode != 0
     [kept] = run_dir.glob("failure.*.json")

@@ -3,10 +3,9 @@ quickstart's layout): one line per step on stdout (rank 0 only), the held-out ac
 one summary line at the end, and none of the libraries' internal warnings that every rank printed at DP > 1."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+from cli_runner import run_grpo_mega
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
@@ -18,8 +17,7 @@ def test_a_two_rank_run_prints_a_line_per_step_a_summary_and_no_library_warnings
     overrides = tiny_run_overrides((model_dir, train_file), run_dir, "parallel.tensor=1", "trainer.total_steps=2",
                                    "trainer.eval_every=2", f"data.eval_file={train_file.parent / 'heldout.jsonl'}",
                                    "data.max_eval_prompts=4")
-    done = subprocess.run([sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(CONFIG), "--nproc", "2",
-                           *overrides], capture_output=True, text=True, timeout=600)
+    done = run_grpo_mega("train", "--config", str(CONFIG), "--nproc", "2", *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
 
     figures = r"  score \d\.\d{3}  reward -?\d\.\d{3}"

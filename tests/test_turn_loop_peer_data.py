@@ -9,9 +9,6 @@ which calls ``calculator`` with ``6 * 7`` and then answers 42 or 41. And a verl 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow
@@ -21,6 +18,7 @@ import pytest
 from grpo_mega.config import ConfigError, GRPOConfig, load_config, validate
 from grpo_mega.config.preflight import check_agent_rows
 from grpo_mega.run.metrics import read_metrics
+from cli_runner import run_grpo_mega
 from test_turn_loop_train import build_bigram_policy
 from tiny_task import build_tiny_task
 
@@ -84,12 +82,10 @@ def _overrides(task, run_dir, *extra):
 @pytest.mark.slow
 def test_verl_tool_agent_rows_and_a_trl_reward_on_tool_messages_train_as_they_are(task, tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(CONFIG),
-         *_overrides(task, run_dir, "rollout.multi_turn.enable=true",
-                     "rollout.multi_turn.tools=[row_tools.py:calculator]", "rollout.multi_turn.sandbox.workers=2")],
-        capture_output=True, text=True, timeout=600, cwd=task[2], env=env)
+    done = run_grpo_mega("train", "--config", str(CONFIG),
+                         *_overrides(task, run_dir, "rollout.multi_turn.enable=true",
+                                     "rollout.multi_turn.tools=[row_tools.py:calculator]",
+                                     "rollout.multi_turn.sandbox.workers=2"), cwd=task[2])
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "actor/pg_loss" in row]
     assert [row["step"] for row in rows] == [1, 2]

@@ -51,7 +51,7 @@ from grpo_mega.run.folder import check_run_folder
 from grpo_mega.run.interrupts import pause_point
 from grpo_mega.run.layout import CONFIG_FILE, STEP_DIR
 from grpo_mega.run.metrics import MetricsLogger, logger_options
-from grpo_mega.run.progress import forget_skipped_rows
+from grpo_mega.run.progress import SkippedRows, collect_skipped_rows
 from grpo_mega.run.watchdog import PhaseWatchdog
 
 def on_schedule(step: int, every: int, total_steps: int) -> bool:
@@ -71,7 +71,10 @@ class RunHarness:
     def __init__(self, cfg: Any, *, command: str = "grpo-mega"):
         self.cfg = cfg
         self.command = command
-        forget_skipped_rows()  # this run's done line names this run's bad rows (its prompt files load after this)
+        self.skipped_rows = SkippedRows()
+        """The bad rows this run's reads skipped (its files load after this), for its ``done`` line; in async mode
+        the trainer adds the rollout world's (``RolloutFeed.skipped_rows``)."""
+        collect_skipped_rows(self.skipped_rows)
         run = cfg.trainer
         self._resume_point: Path | None = None  # the newest complete checkpoint of this run: where a resume starts
         self.startup = StartupClock()
@@ -217,11 +220,13 @@ class RunHarness:
         if before_shutdown is not None:
             before_shutdown()
         destroy_distributed()
+        collect_skipped_rows(None)  # later reads of this process belong to no run
         newest = self.last_checkpoint if self.last_checkpoint is not None else self.checkpoints.find_resume("auto", verify=False)
         if self.metrics_log.progress is not None:
             command_start = self.startup.start - self.startup.seconds.get("launch", 0.0)
             print(self.metrics_log.progress.summary(self.command, wall_seconds=time.time() - command_start,
-                                                    checkpoint=newest, stop_reason=self.stop_reason), flush=True)
+                                                    checkpoint=newest, stop_reason=self.stop_reason,
+                                                    skipped_rows=self.skipped_rows), flush=True)
         if self.stop_reason:
             raise StoppedEarly(self.step, self.stop_reason)
         return newest

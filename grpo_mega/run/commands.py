@@ -12,14 +12,17 @@ live line per command, read from what the command writes as it goes:
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_mega.run.interrupts import pause_point
+from grpo_mega.run.lifeline import COMMAND_PARENT_ENV
 
 INTERRUPTED_EXITS = (130, -2)
 """A command's exit status after SIGINT: 130 (its own handler, 128 + SIGINT), -2 (killed by the signal)."""
@@ -135,29 +138,50 @@ STOP_GRACE_S = 60.0
 terminated: torchrun gives its ranks 30 s, and a rank that lost a peer waits a few seconds more before it names it."""
 
 
-def stop_command(child: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """End ``child`` as Ctrl-C would: SIGINT (it may have had it from the terminal already: a copy within
-    ``grpo_mega.run.interrupts.REPEAT_WINDOW_S`` is let pass), ``grace_s`` to end, then SIGTERM, then SIGKILL. A
-    Ctrl-C while it waits kills it at once."""
+class PipelineTerminated(SystemExit):
+    """The pipeline got SIGTERM while a command ran: raised in its main thread so that the command is stopped (and
+    waited for) before the pipeline exits, with 128 + SIGTERM."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _raise_terminated(_signum, _frame) -> None:
+    raise PipelineTerminated()
+
+
+def _signal_group(child: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to the command's process group (it leads one: its fork server and forked ranks are in it;
+    torchrun's ranks, in sessions of their own, die with their agent: ``grpo_mega.run.lifeline``)."""
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def stop_command(child: subprocess.Popen, grace_s: float = STOP_GRACE_S, first: int = signal.SIGINT) -> None:
+    """End ``child`` and its process group as Ctrl-C would: ``first`` (SIGINT; SIGTERM when the pipeline got
+    SIGTERM, which a training command answers by saving the step in flight), ``grace_s`` to end, then SIGTERM, then
+    SIGKILL. Another Ctrl-C or SIGTERM while it waits kills the group at once."""
     if child.poll() is not None:
         return
     try:
-        child.send_signal(signal.SIGINT)
+        _signal_group(child, first)
         try:
             child.wait(timeout=grace_s)
             return
         except subprocess.TimeoutExpired:
-            child.terminate()
+            _signal_group(child, signal.SIGTERM)
         try:
             child.wait(timeout=10)
             return
         except subprocess.TimeoutExpired:
             pass
-    except KeyboardInterrupt:  # Ctrl-C again: no more waiting
-        child.kill()
+    except BaseException:  # Ctrl-C or SIGTERM again: no more waiting
+        _signal_group(child, signal.SIGKILL)
         child.wait()
         raise
-    child.kill()
+    _signal_group(child, signal.SIGKILL)
     child.wait()
 
 
@@ -168,6 +192,11 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
     Raises :class:`CommandFailed` with the log's last lines when the process fails, KeyboardInterrupt when it ended
     from Ctrl-C (exit 130), however the two processes' signals raced. A command resumed from its own
     checkpoints starts its bar at the step it resumes from (the rows it had written before are skipped).
+
+    The command never outlives this process: it leads a process group of its own, stopped (and waited for) when
+    this process gets Ctrl-C or SIGTERM (then :class:`PipelineTerminated`, exit 143) or leaves by an error; and the
+    kernel kills it when this process dies otherwise, SIGKILL included (``grpo_mega.run.lifeline``). A terminal's
+    Ctrl-C reaches the command through this process.
     """
     log_path = Path(log_path)
     progress = progress or CommandProgress(title=argv[0])
@@ -177,10 +206,13 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
     line = _LiveLine(progress, show)
     start = time.perf_counter()
     pause_point(f"command.{argv[0]}")  # tests: a Ctrl-C between two commands (none running)
+    catch_sigterm = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if catch_sigterm else None
     try:
         with log_path.open("w") as log:
             child = subprocess.Popen([sys.executable, "-m", "grpo_mega.cli", *argv], stdout=log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, COMMAND_PARENT_ENV: str(os.getpid())})
             try:
                 while True:
                     try:
@@ -193,10 +225,12 @@ def run_command(argv: list[str], log_path: Path, progress: CommandProgress | Non
                         line.update_elapsed(time.perf_counter() - start, log_path)
                     if code is not None:
                         break
-            except BaseException:
-                stop_command(child)
+            except BaseException as error:
+                stop_command(child, first=signal.SIGTERM if isinstance(error, PipelineTerminated) else signal.SIGINT)
                 raise
     finally:
+        if catch_sigterm:
+            signal.signal(signal.SIGTERM, previous_sigterm if previous_sigterm is not None else signal.SIG_DFL)
         line.close()
     if code in INTERRUPTED_EXITS:  # Ctrl-C reached the command's process before this one's KeyboardInterrupt
         raise KeyboardInterrupt(f"'grpo-mega {' '.join(argv[:2])}' was interrupted (exit {code})")

@@ -11,6 +11,10 @@ thread of its own to poll and nothing the parent must do. Three links use it:
   with a multiprocessing traceback (``SemLock._rebuild ... FileNotFoundError``: the launcher's semaphores unlinked);
 - a rank forked from that server dies with the server, so with the launcher
   (``grpo_mega.run.shared_fork_server._adopt_launcher_side``, the first code of ours a forked rank runs);
+- a command a pipeline runs (``grpo_mega.run.commands.run_command``: ``quickstart``'s, ``bench/pipeline_seeds.py``'s)
+  dies with the pipeline (it names itself in :data:`COMMAND_PARENT_ENV`; :func:`end_with_the_launcher`), its
+  fork server and ranks with it as above. Without it, a pipeline killed by SIGKILL left its running ``train``
+  (``grpo_mega.run.torchrun`` and its fork servers) training on with parent 1;
 - a rank torchrun starts as an interpreter (CUDA builds of torch, ``GRPO_MEGA_FORK_RANKS=0``) dies with
   torchrun's agent when the agent is ours (``grpo_mega.run.torchrun`` names itself in :data:`LAUNCHER_ENV`;
   :func:`end_with_the_launcher`, the first call of the CLI).
@@ -46,6 +50,8 @@ QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 """The resource tracker's warning filter (``PYTHONWARNINGS``): its leaked-objects notice after a killed launcher."""
 LAUNCHER_ENV = "GRPO_MEGA_LAUNCHER_PID"
 """The pid of ``grpo_mega.run.torchrun``'s agent, in its ranks' environment: a rank whose parent it is ends with it."""
+COMMAND_PARENT_ENV = "GRPO_MEGA_COMMAND_PARENT_PID"
+"""The pid of the pipeline that runs a command (``run_command``), in that command's environment: it ends with it."""
 
 
 def set_parent_death_signal(signum: int) -> bool:
@@ -144,7 +150,12 @@ def arm_fork_server() -> None:
 def end_with_the_launcher(environ=os.environ) -> None:
     """In a rank torchrun started as an interpreter: die with ``grpo_mega.run.torchrun``'s agent when that is this
     process's parent (:data:`LAUNCHER_ENV`, consumed here so that processes this one starts do not read it as
-    theirs); exit at once when the agent has already gone. Nothing anywhere else."""
+    theirs); exit at once when the agent has already gone. In a command a pipeline started
+    (:data:`COMMAND_PARENT_ENV`, consumed likewise): die with the pipeline, or exit at once when it has gone. The
+    signal survives the command's exec of ``grpo_mega.run.torchrun``. Nothing anywhere else."""
+    pipeline = environ.pop(COMMAND_PARENT_ENV, "")
+    if pipeline.isdigit() and not die_with_parent(int(pipeline)):
+        os._exit(1)  # the pipeline ended while this command started: nobody reads its result
     launcher = environ.pop(LAUNCHER_ENV, "")
     if not launcher.isdigit() or "TORCHELASTIC_RUN_ID" not in environ:
         return

@@ -21,26 +21,47 @@ from pathlib import Path
 from typing import TextIO
 
 
-_SKIPPED_ROWS: dict[str, tuple[int, str]] = {}
-"""source -> (rows skipped, the first as ``file:line: why``) of the prompt files this process read, for the run's
-``done`` line (the loader logs them once, on rank 0)."""
+class SkippedRows:
+    """The bad rows one run's readers skipped, for its ``done`` line: one entry per read, ``(source, rows skipped,
+    the first as file:line: why)``. A read of the same file with the same outcome (every rank, the train and the
+    eval file being one file) is one entry; a read with another outcome is another, never a replaced count."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[str, int, str]] = []
+
+    def note(self, source: str, count: int, first: str) -> None:
+        """Remember that ``count`` rows of ``source`` were skipped (``first``: the first of them)."""
+        entry = (str(source), int(count), str(first))
+        if entry not in self.reads:
+            self.reads.append(entry)
+
+    def merge(self, reads) -> None:
+        """Take in another process's reads (``reads`` of its record: the rollout world's, in async mode)."""
+        for source, count, first in reads or ():
+            self.note(source, count, first)
+
+    def text(self) -> str:
+        """``"; skipped 2 bad rows of train.jsonl (the first: train.jsonl:7: ...)"`` per read, or ``""``."""
+        return "".join(f"; skipped {count} bad row{'s' if count > 1 else ''} of {source} (the first: {first:.160})"
+                       for source, count, first in self.reads)
+
+
+_RUN_RECORD: list[SkippedRows] = []
+"""The record of the run this process is in now (set by :func:`collect_skipped_rows`); empty outside a run, where a
+read keeps nothing (its loader still logs its bad rows)."""
+
+
+def collect_skipped_rows(record: SkippedRows | None) -> None:
+    """Make ``record`` the one every read of this process notes its bad rows in from now on (``RunHarness`` at its
+    start; the async rollout world), or None: no run, nothing kept (``RunHarness.finish``)."""
+    _RUN_RECORD[:] = [record] if record is not None else []
 
 
 def note_skipped_rows(source: str, count: int, first: str) -> None:
-    """Remember that ``count`` rows of ``source`` were skipped (``first``: the first of them) for :meth:`summary`."""
-    _SKIPPED_ROWS[source] = (count, first)
-
-
-def forget_skipped_rows() -> None:
-    """Start a run's record afresh: a process that runs several (a test worker, ``grpo_mega.cli.main`` called from
-    Python) must not end one run's ``done`` line with an earlier run's bad rows (``RunHarness`` calls this first)."""
-    _SKIPPED_ROWS.clear()
-
-
-def skipped_rows_text() -> str:
-    """``"; skipped 2 bad rows of train.jsonl (the first: train.jsonl:7: ...)"`` per file read, or ``""``."""
-    return "".join(f"; skipped {count} bad row{'s' if count > 1 else ''} of {source} (the first: {first:.160})"
-                   for source, (count, first) in _SKIPPED_ROWS.items())
+    """Note, in the record of the run this process is in (none: nothing kept), that ``count`` rows of ``source``
+    were skipped (``first``: the first of them)."""
+    for record in _RUN_RECORD:
+        record.note(source, count, first)
 
 
 def announce_start(command: str, nproc: int, builds: list[str], slow: str = "",
@@ -121,9 +142,9 @@ class StepProgress:
             _OPEN_BARS.discard(self)
 
     def summary(self, command: str, *, wall_seconds: float, checkpoint: Path | None,
-                stop_reason: str | None = None) -> str:
+                stop_reason: str | None = None, skipped_rows: SkippedRows | None = None) -> str:
         """One line: how the run ended, the steps done, each figure's latest value (with its step when that was
-        not the last), the wall seconds and the newest checkpoint."""
+        not the last), the wall seconds, the newest checkpoint and the run's skipped bad rows."""
         ended = f"stopped early ({stop_reason})" if stop_reason else "done"
         steps = f"{self.step}/{self.total_steps} steps"
         if self.start_step:
@@ -133,7 +154,7 @@ class StepProgress:
                             for label, at, value in latest)
         where = f"last checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint"
         return (f"{command}: {ended}, {steps}{': ' + figures if figures else ''}; {wall_seconds:.0f} s; {where}"
-                f"{skipped_rows_text()}")
+                f"{skipped_rows.text() if skipped_rows is not None else ''}")
 
 
 class PhaseProgress:

@@ -48,6 +48,8 @@ class RolloutFeed:
         self.evals: dict[int, dict[str, float]] = {}
         self.prompts_state: dict | None = None
         """The rollout world's prompt sampler state after the newest batch received (what a checkpoint resumes)."""
+        self.skipped_rows: list[tuple[str, int, str]] = []
+        """The bad rows the rollout world's reads skipped (``SkippedRows.reads``, sent with each batch; rank 0)."""
         self.trained_step = 0
         """The newest step whose batch the trainer took."""
 
@@ -127,6 +129,7 @@ class RolloutFeed:
             if kind == "batch":
                 self.pending[payload["step"]] = (payload["batch"], payload["metrics"])
                 self.prompts_state = payload["prompts"]
+                self.skipped_rows = payload.get("skipped_rows", [])
                 if payload.get("stop_signal"):
                     _take_on_signal(payload["stop_signal"])
             elif kind == "eval":
