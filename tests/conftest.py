@@ -66,6 +66,7 @@ SLOW_FILES = {
     "test_lora_train.py": 85,
     "test_lora_peft_export.py": 60,  # these two: 84-120 s and 27-128 s alone under load (2026-12-07)
     "test_prm_lora.py": 50,
+    "test_pipeline_command_lifetime.py": 60,  # 137 s at load average ~20 (2026-12-07)
 }
 
 
