@@ -87,7 +87,8 @@ def one_end(task, work: Path, at_s: float) -> dict:
     ok = (child.returncode == expected_status and not left and "Traceback" not in stderr
           and (len(lines) <= 1 if interrupted else "done" in stdout + stderr))
     return {"at_s": at_s, "interrupted": interrupted, "exit": child.returncode, "ended_after_s": round(ended_s, 2),
-            "lines": lines[-3:], "traceback": "Traceback" in stderr, "left_5s_after": list(left.values()), "ok": ok}
+            "lines": lines[-3:], "traceback": "Traceback" in stderr, "left_5s_after": list(left.values()), "ok": ok,
+            **({} if ok else {"stdout_tail": stdout[-1500:], "stderr_tail": stderr[-3000:]})}
 
 
 def main() -> int:
