@@ -51,11 +51,30 @@ def _on_sigint(signum, frame) -> None:
 
 
 def catch_ctrl_c() -> None:
-    """Make SIGINT raise KeyboardInterrupt in this process (main thread only), even when it started ignored."""
+    """Make SIGINT raise KeyboardInterrupt in this process (main thread only), even when it started ignored or
+    blocked: a Ctrl-C held blocked across an exec (:func:`exec_holding_ctrl_c`) is raised here. Call it inside the
+    ``try`` that turns KeyboardInterrupt into the command's one line."""
     global _first_sigint
     if threading.current_thread() is threading.main_thread():
         _first_sigint = None
         signal.signal(signal.SIGINT, _on_sigint)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def exec_holding_ctrl_c(path: str, argv: list[str], env: dict[str, str]) -> None:
+    """``os.execve(path, argv, env)`` with SIGINT blocked across it, for a program that calls :func:`catch_ctrl_c`
+    first (``python -m grpo_mega.run.torchrun``). Without it a Ctrl-C in the hand-off was lost or broke the promise:
+    one that Python's C handler took just before the exec was dropped with the old image (its KeyboardInterrupt
+    never raised: the run trained to its end, exit 0), and one during the new interpreter's start (SIG_DFL, then
+    Python's default handler during ``site`` and the module's imports) killed it or printed a traceback. Blocked,
+    it stays pending in the kernel across the exec until :func:`catch_ctrl_c` unblocks it inside its ``try``. A
+    Ctrl-C that came before the block raises KeyboardInterrupt here (``pthread_sigmask`` checks for one); the mask
+    is restored when the exec fails."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        os.execve(path, argv, env)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @contextlib.contextmanager

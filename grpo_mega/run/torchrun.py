@@ -34,7 +34,8 @@ import socket
 import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
-from grpo_mega.run.interrupts import EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, pause_point
+from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, exec_holding_ctrl_c,
+                                       pause_point)
 from grpo_mega.run.lifeline import LAUNCHER_ENV
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
@@ -101,8 +102,10 @@ def _agent_failed(error: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    catch_ctrl_c()  # also when started with SIGINT ignored; exec gives the ranks SIGINT at its default again
     try:
+        # also when started with SIGINT ignored, or blocked (a Ctrl-C in the command's exec to this launcher is
+        # raised here); exec gives the ranks SIGINT at its default again
+        catch_ctrl_c()
         pause_point("launcher")  # tests: a Ctrl-C while the launcher imports torch
         return _launch(argv)
     except KeyboardInterrupt:  # before the agent's own handler (then: SignalException) took over
@@ -152,7 +155,7 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **{COMMAND_START_ENV: started})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "grpo_mega.run.torchrun", *arguments], env)
+    exec_holding_ctrl_c(sys.executable, [sys.executable, "-m", "grpo_mega.run.torchrun", *arguments], env)
 
 
 def _stop_signals_once() -> None:
