@@ -20,6 +20,7 @@ import pytest
 
 from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV
 from grpo_mega.run.layout import CHECKPOINTS_DIR, TMP_PREFIX, checkpoint_dir
+from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +98,31 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_exit_130(tmp_path, name):
     paused(tmp_path, pause, child)
     how = HOW.get(name, "nothing was written: run the same command again")
     assert interrupted(child) == [f"grpo-mega {name}: interrupted; {how}"]
+
+
+@pytest.mark.parametrize("name", ["train", "prm score"])
+def test_ctrl_c_while_the_command_line_is_parsed_is_one_line_and_exit_130(tmp_path, name):
+    """The parse of the command line (its parser imports prm.cli and the config schemas): the clock put a Ctrl-C
+    there before main's ``try`` (issue 79: a KeyboardInterrupt traceback and exit -2)."""
+    child = start(["grpo_mega.cli", *COMMANDS[name]], "cli.parse", tmp_path)
+    paused(tmp_path, "cli.parse", child)
+    assert interrupted(child) == [f"grpo-mega {name}: interrupted; nothing was written: run the same command again"]
+
+
+def test_ctrl_c_in_the_exec_to_the_launcher_is_the_launchers_line(task, tmp_path):
+    """``train --nproc 2`` execs torchrun: a Ctrl-C just before the exec (here: held at ``launcher.exec`` until it
+    is pending) reaches the launcher's first call, not the void between two programs (issue 79: lost there, the run
+    trained to its end with exit 0; or a traceback from the new interpreter's imports, exit 1)."""
+    env = {**without_offer(os.environ), "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "launcher.exec",
+           PAUSE_DIR_ENV: str(tmp_path / "pauses")}  # a user's command: no shared server, so the exec
+    child = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "-m", "grpo_mega.cli", "train", "--nproc", "2",
+                              "--config", str(GRPO_CONFIG), *tiny_run_overrides(task, tmp_path / "run")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                             start_new_session=True)
+    paused(tmp_path, "launcher.exec", child)
+    lines = [line for line in interrupted(child) if " INFO " not in line and " WARNING " not in line]
+    assert lines == ["grpo-mega launcher (torchrun): interrupted before the ranks started; run the same command "
+                     "again"]
 
 
 def test_ctrl_c_while_the_launcher_starts_is_one_line_and_exit_130(tmp_path):

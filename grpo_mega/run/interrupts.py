@@ -72,6 +72,7 @@ def exec_holding_ctrl_c(path: str, argv: list[str], env: dict[str, str]) -> None
     is restored when the exec fails."""
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
+        pause_point("launcher.exec")  # tests: a Ctrl-C in the hand-off (it waits until the SIGINT is pending)
         os.execve(path, argv, env)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -108,8 +109,9 @@ def _hold(signum, frame) -> None:
 
 def pause_point(name: str) -> None:
     """Test hook: when ``name`` is in ``GRPO_MEGA_PAUSE_AT``, write ``<GRPO_MEGA_PAUSE_DIR>/<name>.<pid>`` and
-    wait there (at most :data:`PAUSE_S`; inside :func:`ctrl_c_deferred`, until the Ctrl-C it holds), so that a test
-    sends its signal while this process is at that point. Does nothing otherwise (one dictionary look-up)."""
+    wait there (at most :data:`PAUSE_S`; inside :func:`ctrl_c_deferred`, until the Ctrl-C it holds; with SIGINT
+    blocked, until one is pending), so that a test sends its signal while this process is at that point. Does
+    nothing otherwise (one dictionary look-up)."""
     names = os.environ.get(PAUSE_AT_ENV)
     if not names or name not in names.split(","):
         return
@@ -117,5 +119,5 @@ def pause_point(name: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.{os.getpid()}").write_text(str(time.time()))
     deadline = time.monotonic() + PAUSE_S
-    while time.monotonic() < deadline and not _held:
+    while time.monotonic() < deadline and not _held and signal.SIGINT not in signal.sigpending():
         time.sleep(0.05)
