@@ -18,17 +18,21 @@ processes on this machine with torchrun. Options and ``key=value`` overrides may
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-from pathlib import Path
+# first: a Ctrl-C while this module imports what follows (0.6 s under load) waits for main's try
+from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, hold_ctrl_c_in_a_commands_start, pause_point
 
-from grpo_mega.run.forked_command import can_run_forked
-from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
-from grpo_mega.run.lifeline import end_with_the_launcher
-from grpo_mega.run.launcher import under_launcher
-from grpo_mega.run.torchrun import relaunch_with_torchrun
-from grpo_mega.run.library_warnings import quiet_libraries
+hold_ctrl_c_in_a_commands_start(__name__)
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from grpo_mega.run.forked_command import can_run_forked  # noqa: E402
+from grpo_mega.run.lifeline import end_with_the_launcher  # noqa: E402
+from grpo_mega.run.launcher import under_launcher  # noqa: E402
+from grpo_mega.run.torchrun import relaunch_with_torchrun  # noqa: E402
+from grpo_mega.run.library_warnings import quiet_libraries  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -100,12 +100,13 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_exit_130(tmp_path, name):
     assert interrupted(child) == [f"grpo-mega {name}: interrupted; {how}"]
 
 
-@pytest.mark.parametrize("name", ["train", "prm score"])
-def test_ctrl_c_while_the_command_line_is_parsed_is_one_line_and_exit_130(tmp_path, name):
-    """The parse of the command line (its parser imports prm.cli and the config schemas): the clock put a Ctrl-C
-    there before main's ``try`` (issue 79: a KeyboardInterrupt traceback and exit -2)."""
-    child = start(["grpo_mega.cli", *COMMANDS[name]], "cli.parse", tmp_path)
-    paused(tmp_path, "cli.parse", child)
+@pytest.mark.parametrize("name, pause", [("train", "cli.import"), ("train", "cli.parse"), ("prm score", "cli.parse")])
+def test_ctrl_c_while_the_cli_imports_or_parses_is_one_line_and_exit_130(tmp_path, name, pause):
+    """The CLI module's imports (SIGINT held blocked from its first line until main's ``try``) and the parse of the
+    command line (its parser imports prm.cli and the config schemas): the clock put a Ctrl-C there, before main's
+    ``try`` (issue 79: a KeyboardInterrupt traceback and exit -2)."""
+    child = start(["grpo_mega.cli", *COMMANDS[name]], pause, tmp_path)
+    paused(tmp_path, pause, child)
     assert interrupted(child) == [f"grpo-mega {name}: interrupted; nothing was written: run the same command again"]
 
 
