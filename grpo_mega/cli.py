@@ -19,7 +19,8 @@ processes on this machine with torchrun. Options and ``key=value`` overrides may
 from __future__ import annotations
 
 # first: a Ctrl-C while this module imports what follows (0.6 s under load) waits for main's try
-from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, hold_ctrl_c_in_a_commands_start, pause_point
+from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, catch_ctrl_c, hold_ctrl_c_in_a_commands_start,
+                                      import_torch_holding_ctrl_c, pause_point)
 
 hold_ctrl_c_in_a_commands_start(__name__)
 
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             from grpo_mega.run.forked_command import run_forked
 
             return run_forked("grpo_mega.cli", argv)
+        if _hands_off_its_work(args):
+            import_torch_holding_ctrl_c()  # a Ctrl-C in torch's import was lost there (its numpy import swallows it)
         return _run_command(args, argv)
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:

@@ -119,6 +119,21 @@ _held = False
 """Whether a Ctrl-C arrived during the innermost :func:`ctrl_c_deferred` block."""
 
 
+def import_torch_holding_ctrl_c() -> None:
+    """Import torch (2-5 s under load) with a Ctrl-C held until the import ends, then raised (KeyboardInterrupt, as
+    :func:`ctrl_c_deferred` does). Why: torch's C extension imports numpy at its load and takes whatever that import
+    raises as "no numpy", so a KeyboardInterrupt raised there was swallowed: the Ctrl-C was lost and the command
+    trained to its end with exit 0 (issue 79: the clock's Ctrl-C at 5-6 s, torchrun's agent importing torch; 1 in
+    ~15 tries of `import torch` interrupted at random), or numpy stayed half-imported and the next line failed with
+    ``AttributeError: module 'numpy' has no attribute 'ndarray'`` (exit 1). Each of our processes that imports torch
+    itself (the command before its exec to torchrun, the launcher) calls this first; forked ranks have it preloaded."""
+    if "torch" in sys.modules:
+        return
+    with ctrl_c_deferred():
+        pause_point("import.torch")  # tests: a Ctrl-C while torch imports (it waits until one is held)
+        import torch  # noqa: F401
+
+
 def _hold(signum, frame) -> None:
     global _held
     _held = True

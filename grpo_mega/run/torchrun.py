@@ -35,7 +35,7 @@ import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
 from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, exec_holding_ctrl_c,
-                                       pause_point)
+                                       import_torch_holding_ctrl_c, pause_point)
 from grpo_mega.run.lifeline import LAUNCHER_ENV
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
@@ -208,6 +208,7 @@ def _launch(argv: list[str] | None) -> int:
     # the ranks this agent starts as interpreters die with it (the forked ones die with its fork server)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     start_the_server_early(sys.argv[1:] if argv is None else argv)
+    import_torch_holding_ctrl_c()  # before the agent's loggers' import (torch's own swallowed a Ctrl-C)
     _quiet_agent_logs()
     _stop_signals_once()
     _fork_ranks_when_they_can()
