@@ -87,8 +87,9 @@ def exec_holding_ctrl_c(path: str, argv: list[str], env: dict[str, str]) -> None
     it stays pending in the kernel across the exec until :func:`catch_ctrl_c` unblocks it inside its ``try``. A
     Ctrl-C that came before the block raises KeyboardInterrupt here (``pthread_sigmask`` checks for one); the mask
     is restored when the exec fails."""
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    try:  # the block inside: pthread_sigmask raises the KeyboardInterrupt of a Ctrl-C taken before it, once set
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         pause_point("launcher.exec")  # tests: a Ctrl-C in the hand-off (it waits until the SIGINT is pending)
         os.execve(path, argv, env)
     finally:
