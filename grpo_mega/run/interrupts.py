@@ -8,6 +8,14 @@ or ended with exit 1 when only torchrun, which installs its own handler, saw it.
 call of the CLI and of the launcher) installs the handler whatever the process inherited; a child started after it
 inherits SIGINT at its default again (exec resets a caught signal), so it stops from its first instruction.
 
+Windows the clock found between those (``bench/ctrl_c_sweep.py``, issue 79), each closed where it opens: the CLI
+module's imports and the parse of the command line (SIGINT held blocked from the module's first line, then inside
+main's ``try``: :func:`hold_ctrl_c_in_a_commands_start`); the exec from the command to torchrun
+(:func:`exec_holding_ctrl_c`: blocked across it, raised by the launcher's first call, not dropped with the old
+image); torch's import (:func:`import_torch_holding_ctrl_c`: torch's C extension swallows what its numpy import
+raises, so a KeyboardInterrupt there was lost). Only the interpreter's own start, before any code of ours runs
+(~0.3 s), is left to Python's default handler.
+
 One Ctrl-C reaches a job several times: the terminal sends it to the whole process group, then the pipeline
 forwards it to its command and torchrun to its ranks. The first raises KeyboardInterrupt; repeats within
 :data:`REPEAT_WINDOW_S` are the same Ctrl-C and are let pass, so the clean-up (the failure record, the one line)
