@@ -19,8 +19,8 @@ processes on this machine with torchrun. Options and ``key=value`` overrides may
 from __future__ import annotations
 
 # first: a Ctrl-C while this module imports what follows (0.6 s under load) waits for main's try
-from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, catch_ctrl_c, hold_ctrl_c_in_a_commands_start,
-                                      import_torch_holding_ctrl_c, pause_point)
+from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, catch_ctrl_c, end_interrupted, hold_ctrl_c_in_a_commands_start,
+                                      import_torch_holding_ctrl_c, is_a_programs_own_process, pause_point)
 
 hold_ctrl_c_in_a_commands_start(__name__)
 
@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:
             print(_interrupted_line(args, argv), file=sys.stderr, flush=True)
+        if command_line and is_a_programs_own_process():
+            end_interrupted()  # exit 130, whatever the interrupted imports left to the interpreter's finalization
         return EXIT_INTERRUPTED
 
 

@@ -86,6 +86,36 @@ def hold_ctrl_c_in_a_commands_start(module_name: str) -> None:
             pause_point("cli.import")  # tests: a Ctrl-C while the CLI imports (it waits until one is pending)
 
 
+def end_interrupted() -> None:
+    """End this process, a command's own interpreter whose Ctrl-C line is said, with :data:`EXIT_INTERRUPTED`: the
+    exit functions run (the fork server's end, multiprocessing's clean-up) with a further Ctrl-C ignored, the
+    standard streams are flushed, and the interpreter's finalization is skipped. Why: after a KeyboardInterrupt
+    raised in the middle of the imports (the CLI's own, torch's), the finalization could still end the process by
+    a signal: killed by SIGINT (-2) just after its line in 3 of 15 Ctrl-Cs at 0.5-1.5 s (bench/ctrl_c_sweep.py,
+    issue 79; the mechanism inside the interpreter not identified), aborted (-6) after an interrupted torch
+    import."""
+    import atexit
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the command has said how it ended: a second Ctrl-C changes nothing
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(EXIT_INTERRUPTED)
+
+
+def is_a_programs_own_process() -> bool:
+    """Whether this process is an interpreter a command line started (not one multiprocessing forked or spawned:
+    a rank, a command's work forked from a server), whose exit :func:`end_interrupted` may take in hand."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
+
+
 def exec_holding_ctrl_c(path: str, argv: list[str], env: dict[str, str]) -> None:
     """``os.execve(path, argv, env)`` with SIGINT blocked across it, for a program that calls :func:`catch_ctrl_c`
     first (``python -m grpo_mega.run.torchrun``). Without it a Ctrl-C in the hand-off was lost or broke the promise:

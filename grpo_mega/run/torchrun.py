@@ -34,8 +34,9 @@ import socket
 import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
-from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, exec_holding_ctrl_c,
-                                       import_torch_holding_ctrl_c, pause_point)
+from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, end_interrupted,
+                                       exec_holding_ctrl_c, import_torch_holding_ctrl_c,
+                                       is_a_programs_own_process, pause_point)
 from grpo_mega.run.lifeline import LAUNCHER_ENV
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the agent's own handler (then: SignalException) took over
         print(f"{LAUNCHER}: interrupted before the ranks started; run the same command again", file=sys.stderr,
               flush=True)
+        if argv is None and is_a_programs_own_process():
+            end_interrupted()  # exit 130, whatever an interrupted import left to the interpreter's finalization
         return EXIT_INTERRUPTED
 
 
