@@ -214,3 +214,18 @@ def test_ctrl_c_during_a_save_of_train_nproc_2_keeps_it_whole_or_not_at_all(task
         assert not step_1.exists()
         assert "the start (no checkpoint was saved yet)" in lines[0]
         assert [path.name for path in (run_dir / CHECKPOINTS_DIR).iterdir()] == [f"{TMP_PREFIX}{step_1.name}"]
+
+
+def test_a_command_that_said_its_ctrl_c_line_ends_with_130_after_its_exit_functions(tmp_path):
+    """``end_interrupted``: the exit functions run (the fork server's end is one), the streams are flushed, exit 130
+    without the interpreter's finalization (after an interrupted import it could still end the process by SIGINT,
+    -2, just after the line: issue 79); a Ctrl-C during the exit functions changes nothing."""
+    program = ("import atexit, os, signal, sys\n"
+               "from grpo_mega.run.interrupts import end_interrupted\n"
+               "atexit.register(lambda: print('exit functions ran'))\n"
+               "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))  # runs first (last registered)\n"
+               "print('buffered', end=' ')\n"
+               "end_interrupted()\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "buffered exit functions ran\n", "")
