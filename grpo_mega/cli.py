@@ -18,17 +18,22 @@ processes on this machine with torchrun. Options and ``key=value`` overrides may
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-from pathlib import Path
+# first: a Ctrl-C while this module imports what follows (0.6 s under load) waits for main's try
+from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, catch_ctrl_c, end_interrupted, hold_ctrl_c_in_a_commands_start,
+                                      import_torch_holding_ctrl_c, is_a_programs_own_process, pause_point)
 
-from grpo_mega.run.forked_command import can_run_forked
-from grpo_mega.run.interrupts import EXIT_INTERRUPTED, catch_ctrl_c, pause_point
-from grpo_mega.run.lifeline import end_with_the_launcher
-from grpo_mega.run.launcher import under_launcher
-from grpo_mega.run.torchrun import relaunch_with_torchrun
-from grpo_mega.run.library_warnings import quiet_libraries
+hold_ctrl_c_in_a_commands_start(__name__)
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from grpo_mega.run.forked_command import can_run_forked  # noqa: E402
+from grpo_mega.run.lifeline import end_with_the_launcher  # noqa: E402
+from grpo_mega.run.launcher import under_launcher  # noqa: E402
+from grpo_mega.run.torchrun import relaunch_with_torchrun  # noqa: E402
+from grpo_mega.run.library_warnings import quiet_libraries  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -209,29 +214,49 @@ def _announce_start(args, cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    catch_ctrl_c()  # first: a process started with SIGINT ignored (a script's background job) must still stop
-    end_with_the_launcher()  # a rank that grpo_mega.run.torchrun started as an interpreter dies with it
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet_libraries()
     command_line = argv is None  # this process is the command (not a caller of main's): it may hand its work off
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse(argv)
-    name = "prm " + args.prm_command if args.command == "prm" else args.command
-    problem = _bad_count(args)
-    if problem:
-        print(f"grpo-mega {name}: error: {problem}", file=sys.stderr)
-        return 2
-    try:
+    args = None
+    try:  # from the first call on: a Ctrl-C while the command line is parsed (its imports) is one line too
+        catch_ctrl_c()  # first: a process started with SIGINT ignored (a script's background job) must still stop
+        end_with_the_launcher()  # a rank that grpo_mega.run.torchrun started as an interpreter dies with it
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        quiet_libraries()
+        pause_point("cli.parse")  # tests: a Ctrl-C while the command line is parsed (prm.cli's imports)
+        args = _parse(argv)
+        name = _command_name(args)
+        problem = _bad_count(args)
+        if problem:
+            print(f"grpo-mega {name}: error: {problem}", file=sys.stderr)
+            return 2
         pause_point(f"cli.{name.replace(' ', '.')}")  # tests: a Ctrl-C while the command starts (imports)
         if command_line and _hands_off_its_work(args) and can_run_forked():  # the work forked from a preloaded server
             from grpo_mega.run.forked_command import run_forked
 
             return run_forked("grpo_mega.cli", argv)
+        if _hands_off_its_work(args):
+            import_torch_holding_ctrl_c()  # a Ctrl-C in torch's import was lost there (its numpy import swallows it)
         return _run_command(args, argv)
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:
-            print(f"grpo-mega {name}: interrupted; {_how_to_continue(args)}", file=sys.stderr, flush=True)
+            print(_interrupted_line(args, argv), file=sys.stderr, flush=True)
+        if command_line and is_a_programs_own_process():
+            end_interrupted()  # exit 130, whatever the interrupted imports left to the interpreter's finalization
         return EXIT_INTERRUPTED
+
+
+def _command_name(args) -> str:
+    """``train``, ``prm score``, ...: the command ``args`` runs, as its lines name it."""
+    return "prm " + args.prm_command if args.command == "prm" else args.command
+
+
+def _interrupted_line(args, argv: list[str]) -> str:
+    """The one line of a command stopped by Ctrl-C (``args``: its parsed command line, None while it was parsed)."""
+    if args is None:  # nothing was started yet: the command's name as typed
+        words = [word for word in argv[:2] if not word.startswith("-") and "=" not in word]
+        name = " ".join(words if words[:1] == ["prm"] else words[:1])
+        return f"grpo-mega{' ' + name if name else ''}: interrupted; nothing was written: run the same command again"
+    return f"grpo-mega {_command_name(args)}: interrupted; {_how_to_continue(args)}"
 
 
 def _hands_off_its_work(args) -> bool:

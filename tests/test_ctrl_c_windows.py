@@ -20,6 +20,7 @@ import pytest
 
 from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV
 from grpo_mega.run.layout import CHECKPOINTS_DIR, TMP_PREFIX, checkpoint_dir
+from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,10 +100,63 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_exit_130(tmp_path, name):
     assert interrupted(child) == [f"grpo-mega {name}: interrupted; {how}"]
 
 
-def test_ctrl_c_while_the_launcher_starts_is_one_line_and_exit_130(tmp_path):
+@pytest.mark.parametrize("name, pause", [("train", "cli.import"), ("train", "cli.parse"), ("prm score", "cli.parse")])
+def test_ctrl_c_while_the_cli_imports_or_parses_is_one_line_and_exit_130(tmp_path, name, pause):
+    """The CLI module's imports (SIGINT held blocked from its first line until main's ``try``) and the parse of the
+    command line (its parser imports prm.cli and the config schemas): the clock put a Ctrl-C there, before main's
+    ``try`` (issue 79: a KeyboardInterrupt traceback and exit -2)."""
+    child = start(["grpo_mega.cli", *COMMANDS[name]], pause, tmp_path)
+    paused(tmp_path, pause, child)
+    assert interrupted(child) == [f"grpo-mega {name}: interrupted; nothing was written: run the same command again"]
+
+
+def test_ctrl_c_in_the_exec_to_the_launcher_is_the_launchers_line(task, tmp_path):
+    """``train --nproc 2`` execs torchrun: a Ctrl-C just before the exec (here: held at ``launcher.exec`` until it
+    is pending) reaches the launcher's first call, not the void between two programs (issue 79: lost there, the run
+    trained to its end with exit 0; or a traceback from the new interpreter's imports, exit 1)."""
+    env = {**without_offer(os.environ), "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "launcher.exec",
+           PAUSE_DIR_ENV: str(tmp_path / "pauses")}  # a user's command: no shared server, so the exec
+    child = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "-m", "grpo_mega.cli", "train", "--nproc", "2",
+                              "--config", str(GRPO_CONFIG), *tiny_run_overrides(task, tmp_path / "run")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                             start_new_session=True)
+    paused(tmp_path, "launcher.exec", child)
+    lines = [line for line in interrupted(child) if " INFO " not in line and " WARNING " not in line]
+    assert lines == ["grpo-mega launcher (torchrun): interrupted before the ranks started; run the same command "
+                     "again"]
+
+
+HELD_IMPORT = """
+import sys
+from grpo_mega.run.interrupts import catch_ctrl_c, import_torch_holding_ctrl_c
+catch_ctrl_c()
+try:
+    import_torch_holding_ctrl_c()
+except KeyboardInterrupt:
+    torch = sys.modules.get("torch")
+    print("raised after the import:", torch is not None and hasattr(torch, "nn") and hasattr(torch, "Tensor"))
+    sys.exit(130)
+print("lost")
+"""
+
+
+def test_ctrl_c_while_torch_imports_is_raised_once_the_import_ended(tmp_path):
+    """torch's C extension swallows what its numpy import raises: a KeyboardInterrupt there was lost (the run went
+    on to its end) or left numpy half-imported (issue 79). Held, it is raised after the import, torch whole."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "import.torch", PAUSE_DIR_ENV: str(tmp_path / "pauses")}
+    child = subprocess.Popen([sys.executable, "-c", HELD_IMPORT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd=tmp_path, start_new_session=True)
+    paused(tmp_path, "import.torch", child)
+    os.killpg(child.pid, signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=300)
+    assert (child.returncode, stdout.strip()) == (130, "raised after the import: True"), stderr[-3000:]
+
+
+@pytest.mark.parametrize("pause", ["launcher", "import.torch"])
+def test_ctrl_c_while_the_launcher_starts_is_one_line_and_exit_130(tmp_path, pause):
     child = start(["grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2", "-m", "--", "grpo_mega.cli",
-                   "train", "--config", "missing.yaml"], "launcher", tmp_path)
-    paused(tmp_path, "launcher", child)
+                   "train", "--config", "missing.yaml"], pause, tmp_path)
+    paused(tmp_path, pause, child)
     assert interrupted(child) == ["grpo-mega launcher (torchrun): interrupted before the ranks started; run the "
                                   "same command again"]
 
@@ -160,3 +214,18 @@ def test_ctrl_c_during_a_save_of_train_nproc_2_keeps_it_whole_or_not_at_all(task
         assert not step_1.exists()
         assert "the start (no checkpoint was saved yet)" in lines[0]
         assert [path.name for path in (run_dir / CHECKPOINTS_DIR).iterdir()] == [f"{TMP_PREFIX}{step_1.name}"]
+
+
+def test_a_command_that_said_its_ctrl_c_line_ends_with_130_after_its_exit_functions(tmp_path):
+    """``end_interrupted``: the exit functions run (the fork server's end is one), the streams are flushed, exit 130
+    without the interpreter's finalization (after an interrupted import it could still end the process by SIGINT,
+    -2, just after the line: issue 79); a Ctrl-C during the exit functions changes nothing."""
+    program = ("import atexit, os, signal, sys\n"
+               "from grpo_mega.run.interrupts import end_interrupted\n"
+               "atexit.register(lambda: print('exit functions ran'))\n"
+               "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))  # runs first (last registered)\n"
+               "print('buffered', end=' ')\n"
+               "end_interrupted()\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "buffered exit functions ran\n", "")

@@ -27,7 +27,7 @@ from tiny_task import build_tiny_task, tiny_run_overrides
 
 from grpo_mega.run.forked_ranks import FORK_RANKS_ENV
 from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV
-from grpo_mega.run.procfs import alive, command_line
+from grpo_mega.run.procfs import processes_started_with
 from grpo_mega.run.shared_fork_server import without_offer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,19 +47,8 @@ def task(tmp_path_factory):
 
 
 def job_processes(job: str) -> dict[int, str]:
-    """pid -> command line of every running process (zombies are not) that started with ``JOB_ENV=job``."""
-    needle = f"\0{JOB_ENV}={job}\0".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if needle in b"\0" + environ + b"\0" and alive(entry):
-            found[int(entry)] = command_line(entry).replace(b"\0", b" ").decode(errors="replace")[:160]
-    return found
+    """pid -> command line of every running process that started with ``JOB_ENV=job``."""
+    return processes_started_with(JOB_ENV, job)
 
 
 def left_after(job: str, timeout: float = GONE_WITHIN_S) -> dict[int, str]:

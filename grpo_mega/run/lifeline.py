@@ -100,18 +100,19 @@ def start_fork_server(preload: list[str]) -> None:
         else:
             os.environ["PYTHONWARNINGS"] = warnings
     main_thread = threading.current_thread() is threading.main_thread()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    if main_thread:
-        os.environ[SERVER_PARENT_ENV] = str(os.getpid())
-    try:
+    global _server_ends_first
+    if not _server_ends_first:  # before the start: a Ctrl-C raised when the mask is restored must not skip it
+        _server_ends_first = True
+        atexit.register(_end_the_fork_server)  # runs before multiprocessing's own exit function (registered earlier)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    try:  # the block inside: pthread_sigmask raises the KeyboardInterrupt of a Ctrl-C taken before it, once set
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if main_thread:
+            os.environ[SERVER_PARENT_ENV] = str(os.getpid())
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.pop(SERVER_PARENT_ENV, None)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    global _server_ends_first
-    if not _server_ends_first:
-        _server_ends_first = True
-        atexit.register(_end_the_fork_server)  # runs before multiprocessing's own exit function (registered earlier)
 
 
 _server_ends_first = False

@@ -33,3 +33,21 @@ def command_line(pid: int | str) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def processes_started_with(name: str, value: str) -> dict[int, str]:
+    """pid -> command line (cut at 160 characters) of every running process (not a zombie) whose environment held
+    ``name=value`` when it started: how a job's processes are found after their launcher died, since ranks lead
+    sessions of their own and an orphan is reparented to init (exec'd and forked processes alike inherit it)."""
+    needle = f"\0{name}={value}\0".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in b"\0" + environ + b"\0" and alive(entry.name):
+            found[int(entry.name)] = command_line(entry.name).replace(b"\0", b" ").decode(errors="replace")[:160]
+    return found

@@ -34,7 +34,9 @@ import socket
 import sys
 
 from grpo_mega.perf.startup import COMMAND_START_ENV, process_start_time
-from grpo_mega.run.interrupts import EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, pause_point
+from grpo_mega.run.interrupts import (EXIT_INTERRUPTED, REPEAT_WINDOW_S, catch_ctrl_c, end_interrupted,
+                                       exec_holding_ctrl_c, import_torch_holding_ctrl_c,
+                                       is_a_programs_own_process, pause_point)
 from grpo_mega.run.lifeline import LAUNCHER_ENV
 
 LAUNCHER = "grpo-mega launcher (torchrun)"
@@ -101,13 +103,17 @@ def _agent_failed(error: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    catch_ctrl_c()  # also when started with SIGINT ignored; exec gives the ranks SIGINT at its default again
     try:
+        # also when started with SIGINT ignored, or blocked (a Ctrl-C in the command's exec to this launcher is
+        # raised here); exec gives the ranks SIGINT at its default again
+        catch_ctrl_c()
         pause_point("launcher")  # tests: a Ctrl-C while the launcher imports torch
         return _launch(argv)
     except KeyboardInterrupt:  # before the agent's own handler (then: SignalException) took over
         print(f"{LAUNCHER}: interrupted before the ranks started; run the same command again", file=sys.stderr,
               flush=True)
+        if argv is None and is_a_programs_own_process():
+            end_interrupted()  # exit 130, whatever an interrupted import left to the interpreter's finalization
         return EXIT_INTERRUPTED
 
 
@@ -152,7 +158,7 @@ def relaunch_with_torchrun(nproc: int, module_args: list[str], threads_per_proce
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **{COMMAND_START_ENV: started})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "grpo_mega.run.torchrun", *arguments], env)
+    exec_holding_ctrl_c(sys.executable, [sys.executable, "-m", "grpo_mega.run.torchrun", *arguments], env)
 
 
 def _stop_signals_once() -> None:
@@ -205,6 +211,7 @@ def _launch(argv: list[str] | None) -> int:
     # the ranks this agent starts as interpreters die with it (the forked ones die with its fork server)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     start_the_server_early(sys.argv[1:] if argv is None else argv)
+    import_torch_holding_ctrl_c()  # before the agent's loggers' import (torch's own swallowed a Ctrl-C)
     _quiet_agent_logs()
     _stop_signals_once()
     _fork_ranks_when_they_can()
