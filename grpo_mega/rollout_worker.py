@@ -16,15 +16,23 @@ the policy (and reference). Every rollout rank runs this loop (SPMD within the r
 scoring are split over its ranks and gathered); rank 0 talks to the bridge and relays to the others.
 
 Stop signals are recorded and not acted on: the training ranks decide when the job stops (they save, and the
-checkpoint needs the batches in flight from this world), then send ``stop``.
+checkpoint needs the batches in flight from this world), then send ``stop``. Unless the trainer is gone: a stop
+signal is also how a launcher tears this rank down after the trainer's node died (srun ends the step, torchrun's
+agent lost the job's store with that node), and then nobody would decide. So on each stop signal rank 0 probes the
+bridge (:meth:`RolloutLink.check_trainer`: a send fails at once on a closed connection) and, the trainer gone,
+raises :class:`TrainerLost` where it stands, which the command names ``peer_lost`` in failure.json. Measured
+before: under SLURM a trainer SIGKILLed while this rank generated left no failure.json and no line (the launcher
+killed this rank, which had recorded the signal and gone on, before it reached the bridge).
 """
 
 from __future__ import annotations
 
 import functools
-
 import logging
+import signal
 import time
+
+import torch
 
 from grpo_mega.config import GRPOConfig
 from grpo_mega.data.prompts import PromptBatches
@@ -34,7 +42,7 @@ from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
 from grpo_mega.parallel.roles import RoleSplit
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.bridge import Bridge, share_in_world, share_tensors_in_world
-from grpo_mega.run.control import StopRequests
+from grpo_mega.run.control import STOP_SIGNALS, StopRequests
 from grpo_mega.run.failure import phase, set_step
 from grpo_mega.run.watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
@@ -48,18 +56,28 @@ from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_roll
 logger = logging.getLogger(__name__)
 
 
+PROBE_TAG = 2
+"""The bridge tag of :meth:`RolloutLink.check_trainer`'s probes (the two streams use 0 and 1): the trainer never
+receives on it, so a probe to a live trainer stays queued and changes nothing."""
+
+
 class _Stop(Exception):
     """The trainer said stop while this world waited for weights."""
+
+
+class TrainerLost(ConnectionError):
+    """A stop signal reached this rollout rank and its trainer is gone (the bridge to it is closed): ``peer_lost``."""
 
 
 class RolloutLink:
     """The rollout world's end of the bridge, on every rollout rank: rank 0 talks, the others hear it relayed."""
 
-    def __init__(self, split: RoleSplit, engine):
-        self.bridge = Bridge(split.bridge_group(), is_trainer=False) if split.layout.on_bridge else None
+    def __init__(self, bridge: Bridge | None, engine):
+        self.bridge = bridge  # None on the rollout ranks other than 0
         self.engine = engine
         self.version = -1
         self.receive_seconds = 0.0
+        self._probes: list[tuple[object, torch.Tensor]] = []  # check_trainer's sends to a live trainer
 
     def receive(self) -> tuple[str, object]:
         return share_in_world(self.bridge.receive() if self.bridge else None, source_has_it=self.bridge is not None)
@@ -93,6 +111,33 @@ class RolloutLink:
         if self.bridge is not None:
             self.bridge.settle(up_to_key)
 
+    def check_trainer(self, signal_name: str) -> None:
+        """Raise :class:`TrainerLost` when the trainer's end of the bridge is closed: a send to a process that is
+        gone fails at once (gloo: ``Connection closed by peer``), one to a live trainer is queued on
+        :data:`PROBE_TAG` and never taken (kept until the process ends). Only the rank on the bridge can tell."""
+        if self.bridge is None:
+            return
+        probe = torch.zeros(0, dtype=torch.uint8)
+        try:
+            work = self.bridge.group.send([probe], self.bridge.peer, PROBE_TAG)
+        except RuntimeError as error:
+            raise TrainerLost(f"the trainer (job rank {self.bridge.peer}) is gone: {signal_name} reached this rollout "
+                              f"rank and the bridge to the trainer is closed "
+                              f"({(str(error).splitlines() or [''])[0][:200]})") from error
+        self._probes.append((work, probe))
+
+    def check_trainer_on_stop_signals(self) -> None:
+        """After each stop signal (recorded first by the handler installed before), :meth:`check_trainer`."""
+        for sig in STOP_SIGNALS:
+            recorded = signal.getsignal(sig)
+
+            def on_signal(signum, frame, recorded=recorded):
+                if callable(recorded):
+                    recorded(signum, frame)
+                self.check_trainer(signal.Signals(signum).name)
+
+            signal.signal(sig, on_signal)
+
 
 def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     """Serve the training world until it says stop (module docstring). Returns {} (the trainer reports)."""
@@ -111,7 +156,8 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
                          decode=decode, step_reward_source=step_reward_source(cfg, decode),
                          answer_guard=answer_guard_of(cfg), step_pattern=cfg.process_reward.step_pattern,
                          row_layout=row_layout_of(cfg), turn_steps=turn_steps_of(cfg))
-    link = RolloutLink(split, engine)
+    link = RolloutLink(Bridge(split.bridge_group(), is_trainer=False) if split.layout.on_bridge else None, engine)
+    link.check_trainer_on_stop_signals()  # stop_requests.uninstall() puts the handlers from before both back
     k, total = cfg.rollout.max_staleness, run.total_steps
 
     kind, start = link.receive()
