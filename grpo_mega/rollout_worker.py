@@ -196,9 +196,11 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
                             "async/rollout_wait_s": weights_wait,
                             "async/weights_receive_s": link.receive_seconds - waited,
                             "async/generation_tokens_per_s": tokens / seconds if seconds > 0 else 0.0})
-            link.send("batch", {"step": step, "batch": batch, "metrics": metrics, "prompts": prompts.state_dict(),
-                                "stop_signal": stop_requests.signal_name}, key=step)
-            link.settle(generating_version(step, k))  # the trainer has taken the batches of those steps
+            with phase("sending the batch"):
+                link.send("batch", {"step": step, "batch": batch, "metrics": metrics,
+                                    "prompts": prompts.state_dict(), "stop_signal": stop_requests.signal_name},
+                          key=step)
+                link.settle(generating_version(step, k))  # the trainer has taken the batches of those steps
         while link.version < total:
             take_weights()
         kind, _ = link.receive()
