@@ -19,8 +19,8 @@ Stop signals are recorded and not acted on: the training ranks decide when the j
 checkpoint needs the batches in flight from this world), then send ``stop``. Unless the trainer is gone: a stop
 signal is also how a launcher tears this rank down after the trainer's node died (srun ends the step, torchrun's
 agent lost the job's store with that node), and then nobody would decide. So on each stop signal rank 0 probes the
-bridge (:meth:`RolloutLink.check_trainer`: a send fails at once on a closed connection) and, the trainer gone,
-raises :class:`TrainerLost` where it stands, which the command names ``peer_lost`` in failure.json. Measured
+bridge (:meth:`grpo_mega.rollout.link.RolloutLink.check_trainer`: a send fails at once on a closed connection) and, the trainer gone,
+raises ``TrainerLost`` where it stands, which the command names ``peer_lost`` in failure.json. Measured
 before: under SLURM a trainer SIGKILLed while this rank generated left no failure.json and no line (the launcher
 killed this rank, which had recorded the signal and gone on, before it reached the bridge).
 """
@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
 import time
-
-import torch
 
 from grpo_mega.config import GRPOConfig
 from grpo_mega.data.prompts import PromptBatches
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.harness.lifecycle import on_schedule
-from grpo_mega.parallel import destroy_distributed, get_device, init_distributed
+from grpo_mega.parallel import destroy_distributed, init_distributed
 from grpo_mega.parallel.roles import RoleSplit
 from grpo_mega.rollout.base import decode_response
-from grpo_mega.rollout.bridge import Bridge, share_in_world, share_tensors_in_world
-from grpo_mega.run.control import STOP_SIGNALS, StopRequests
+from grpo_mega.rollout.bridge import Bridge
+from grpo_mega.rollout.link import RolloutLink, TrainerStopped
+from grpo_mega.run.control import StopRequests
 from grpo_mega.run.failure import phase, set_step
 from grpo_mega.run.watchdog import PhaseWatchdog
 from grpo_mega.stages import RolloutStage
@@ -54,89 +52,6 @@ from grpo_mega.stages.rollout_setup import (build_rollout_engine_for, close_roll
                                             load_prompts, row_layout_of, run_evaluation, step_reward_source)
 
 logger = logging.getLogger(__name__)
-
-
-PROBE_TAG = 2
-"""The bridge tag of :meth:`RolloutLink.check_trainer`'s probes (the two streams use 0 and 1): the trainer never
-receives on it, so a probe to a live trainer stays queued and changes nothing."""
-
-
-class _Stop(Exception):
-    """The trainer said stop while this world waited for weights."""
-
-
-class TrainerLost(ConnectionError):
-    """A stop signal reached this rollout rank and its trainer is gone (the bridge to it is closed): ``peer_lost``."""
-
-
-class RolloutLink:
-    """The rollout world's end of the bridge, on every rollout rank: rank 0 talks, the others hear it relayed."""
-
-    def __init__(self, bridge: Bridge | None, engine):
-        self.bridge = bridge  # None on the rollout ranks other than 0
-        self.engine = engine
-        self.version = -1
-        self.receive_seconds = 0.0
-        self._probes: list[tuple[object, torch.Tensor]] = []  # check_trainer's sends to a live trainer
-
-    def receive(self) -> tuple[str, object]:
-        return share_in_world(self.bridge.receive() if self.bridge else None, source_has_it=self.bridge is not None)
-
-    def send(self, kind: str, payload=None, *, key: int = 0) -> None:
-        if self.bridge is not None:
-            self.bridge.send(kind, payload, key=key)
-
-    def take_weights(self) -> int:
-        """Load the next weights version into the engine (raises ``_Stop`` on ``stop``); returns the version."""
-        kind, message = self.receive()
-        if kind == "stop":
-            raise _Stop
-        if kind != "weights":
-            raise RuntimeError(f"the trainer sent {kind!r} where a weights version was due")
-        start = time.perf_counter()
-        device = get_device()
-        self.engine.begin_weight_update()
-        while True:
-            kind, entries = self.receive()
-            if kind == "weights_end":
-                break
-            named = self.bridge.receive_bucket(entries) if self.bridge is not None else None
-            self.engine.update_weights(list(share_tensors_in_world(named, entries, device)))
-        self.engine.finish_weight_update()
-        self.receive_seconds += time.perf_counter() - start
-        self.version = message["version"]
-        return self.version
-
-    def settle(self, up_to_key: int | None = None) -> None:
-        if self.bridge is not None:
-            self.bridge.settle(up_to_key)
-
-    def check_trainer(self, signal_name: str) -> None:
-        """Raise :class:`TrainerLost` when the trainer's end of the bridge is closed: a send to a process that is
-        gone fails at once (gloo: ``Connection closed by peer``), one to a live trainer is queued on
-        :data:`PROBE_TAG` and never taken (kept until the process ends). Only the rank on the bridge can tell."""
-        if self.bridge is None:
-            return
-        probe = torch.zeros(0, dtype=torch.uint8)
-        try:
-            work = self.bridge.group.send([probe], self.bridge.peer, PROBE_TAG)
-        except RuntimeError as error:
-            raise TrainerLost(f"the trainer (job rank {self.bridge.peer}) is gone: {signal_name} reached this rollout "
-                              f"rank and the bridge to the trainer is closed "
-                              f"({(str(error).splitlines() or [''])[0][:200]})") from error
-        self._probes.append((work, probe))
-
-    def check_trainer_on_stop_signals(self) -> None:
-        """After each stop signal (recorded first by the handler installed before), :meth:`check_trainer`."""
-        for sig in STOP_SIGNALS:
-            recorded = signal.getsignal(sig)
-
-            def on_signal(signum, frame, recorded=recorded):
-                if callable(recorded):
-                    recorded(signum, frame)
-                self.check_trainer(signal.Signals(signum).name)
-
-            signal.signal(sig, on_signal)
 
 
 def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
@@ -206,7 +121,7 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
         kind, _ = link.receive()
         if kind != "stop":
             raise RuntimeError(f"the trainer sent {kind!r} after the last weights version, where 'stop' was due")
-    except _Stop:
+    except TrainerStopped:
         logger.info("rollout world: the trainer stopped the run at version %d", link.version)
     link.send("bye")
     link.settle()

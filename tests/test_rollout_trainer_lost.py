@@ -1,6 +1,6 @@
 """A stop signal reaching the rollout world's rank 0 (``rollout.mode: async``): with its trainer gone it names the
 cause (``peer_lost``) in failure.json and one line, at once; with its trainer alive it goes on, and the trainer's
-``stop`` still arrives in order (``grpo_mega.rollout_worker``'s ``RolloutLink.check_trainer``).
+``stop`` still arrives in order (``grpo_mega.rollout.link.RolloutLink.check_trainer``).
 
 Two processes joined by a gloo group, as the bridge joins the worlds' rank 0s: the trainer SIGKILLs itself (its node
 lost) or sends ``stop`` when told; the rollout side "generates" (a Python loop in the generation phase) until then.
@@ -43,7 +43,7 @@ if role == "trainer":
     print("trainer: got bye", flush=True)
     sys.exit(0)
 
-from grpo_mega.rollout_worker import RolloutLink
+from grpo_mega.rollout.link import RolloutLink
 from grpo_mega.run.control import StopRequests
 from grpo_mega.run.failure import exit_status, phase, report_failure, set_step
 
