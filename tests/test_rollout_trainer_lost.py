@@ -14,10 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from grpo_mega.run.failure import DEFER_S
+from grpo_mega.run.failure import DEFER_AFTER_SIGNAL_S, DEFER_S, note_signal, record_failure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,3 +120,19 @@ def test_sigterm_with_the_trainer_alive_waits_for_its_stop(tmp_path):
     assert rollout.returncode == 0 and "rollout: stopped by the trainer after SIGTERM" in out, err
     assert trainer.returncode == 0 and "trainer: got bye" in trainer_out
     assert not (tmp_path / "failure.json").exists()
+
+
+def test_a_stop_signal_during_the_wait_for_the_root_cause_shortens_it(tmp_path):
+    """A rank that lost its peer waits DEFER_S for the root cause to be named, DEFER_AFTER_SIGNAL_S once the launcher's
+    SIGTERM arrives (it would be killed before the end of the long wait)."""
+    torn_down = threading.Timer(0.2, note_signal, ("SIGTERM",))
+    began = time.monotonic()
+    torn_down.start()
+    try:
+        record, path = record_failure(tmp_path, ConnectionResetError("the trainer's socket closed"))
+    finally:
+        torn_down.join()
+        note_signal(None)
+    waited = time.monotonic() - began
+    assert record["cause"] == "peer_lost" and path == tmp_path / "failure.json" and path.exists()
+    assert 0.2 + DEFER_AFTER_SIGNAL_S - 0.1 < waited < DEFER_S - 0.5

@@ -5,6 +5,7 @@ a probe of whether the trainer is still there (:meth:`RolloutLink.check_trainer`
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 import torch
@@ -34,6 +35,7 @@ class RolloutLink:
         self.engine = engine
         self.version = -1
         self.receive_seconds = 0.0
+        self.trainer_lost = False  # check_trainer found the bridge closed
         self._probes: list[tuple[object, torch.Tensor]] = []  # check_trainer's sends to a live trainer
 
     def receive(self) -> tuple[str, object]:
@@ -80,19 +82,25 @@ class RolloutLink:
         try:
             work = self.bridge.group.send([probe], self.bridge.peer, PROBE_TAG)
         except RuntimeError as error:
+            self.trainer_lost = True
             raise TrainerLost(f"the trainer (job rank {self.bridge.peer}) is gone: {signal_name} reached this rollout "
                               f"rank and the bridge to the trainer is closed "
                               f"({(str(error).splitlines() or [''])[0][:200]})") from error
         self._probes.append((work, probe))
 
     def check_trainer_on_stop_signals(self) -> None:
-        """After each stop signal (recorded first by the handler installed before), :meth:`check_trainer`."""
+        """After each stop signal (recorded first by the handler installed before), :meth:`check_trainer`, unless
+        this rank is already ending: the trainer found lost, or an exception being handled (a bridge operation that
+        failed first, whose cause the command is naming when the launcher's SIGTERM arrives). Measured before this
+        check: the second probe raised inside the failure report and printed a 60-line traceback."""
         for sig in STOP_SIGNALS:
             recorded = signal.getsignal(sig)
 
             def on_signal(signum, frame, recorded=recorded):
                 if callable(recorded):
                     recorded(signum, frame)
+                if self.trainer_lost or sys.exc_info()[0] is not None:
+                    return  # this rank is ending already, naming its cause: a repeat would cut that short
                 self.check_trainer(signal.Signals(signum).name)
 
             signal.signal(sig, on_signal)
