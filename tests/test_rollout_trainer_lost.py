@@ -135,4 +135,4 @@ def test_a_stop_signal_during_the_wait_for_the_root_cause_shortens_it(tmp_path):
         note_signal(None)
     waited = time.monotonic() - began
     assert record["cause"] == "peer_lost" and path == tmp_path / "failure.json" and path.exists()
-    assert 0.2 + DEFER_AFTER_SIGNAL_S - 0.1 < waited < DEFER_S - 0.5
+    assert DEFER_AFTER_SIGNAL_S - 0.05 < waited < DEFER_S - 0.5  # the wait, 0.5 s in all once signalled
