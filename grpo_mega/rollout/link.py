@@ -46,7 +46,7 @@ class RolloutLink:
             self.bridge.send(kind, payload, key=key)
 
     def take_weights(self) -> int:
-        """Load the next weights version into the engine (raises ``TrainerStopped`` on ``stop``); returns the version."""
+        """Load the next weights version into the engine (``TrainerStopped`` on ``stop``); returns the version."""
         kind, message = self.receive()
         if kind == "stop":
             raise TrainerStopped

@@ -52,11 +52,11 @@ it): such a rank waits :data:`DEFER_S` before claiming failure.json, so that the
 hang of its own, an exception) names it."""
 DEFER_S = 3.0
 DEFER_AFTER_SIGNAL_S = 0.5
-"""The wait of a rank that received a stop signal before it failed or while it waits: it is being torn down, and a launcher may kill
-it within seconds (srun ends a step once a task failed; torchrun's agent, having lost the store, closes its ranks),
-while the rank at the root of the failure, if it could name it, did so before it exited. Measured before: under
-SLURM a rollout rank that found its trainer SIGKILLed was itself killed during the 3 s wait, leaving no
-failure.json."""
+"""The whole wait of a rank that receives a stop signal before it failed or during the wait: it is being torn down,
+and a launcher may kill it within seconds (srun ends a step once a task failed; torchrun's agent, having lost the
+store, closes its ranks), while the rank at the root of the failure, if it could name it, did so before it exited.
+Measured before: under SLURM a rollout rank that found its trainer SIGKILLed was itself killed during the 3 s wait,
+leaving no failure.json."""
 SHARED_CAUSES = ("disk_full",)
 """Causes every rank meets at once, since they all write to the run folder (a save is a collective): a rank other
 than 0 waits :data:`DEFER_S` for rank 0 to name it, and stays silent once failure.json names the same cause,
