@@ -51,6 +51,12 @@ CONSEQUENTIAL_CAUSES = ("collective_timeout", "peer_lost", "terminated")
 it): such a rank waits :data:`DEFER_S` before claiming failure.json, so that the rank at the root of the failure (a
 hang of its own, an exception) names it."""
 DEFER_S = 3.0
+DEFER_AFTER_SIGNAL_S = 0.5
+"""The whole wait of a rank that receives a stop signal before it failed or during the wait: it is being torn down,
+and a launcher may kill it within seconds (srun ends a step once a task failed; torchrun's agent, having lost the
+store, closes its ranks), while the rank at the root of the failure, if it could name it, did so before it exited.
+Measured before: under SLURM a rollout rank that found its trainer SIGKILLed was itself killed during the 3 s wait,
+leaving no failure.json."""
 SHARED_CAUSES = ("disk_full",)
 """Causes every rank meets at once, since they all write to the run folder (a save is a collective): a rank other
 than 0 waits :data:`DEFER_S` for rank 0 to name it, and stays silent once failure.json names the same cause,
@@ -218,16 +224,27 @@ def write_exclusive(path: Path, record: dict) -> bool:
     return True
 
 
+def _defer(path: Path) -> None:
+    """Wait until ``path`` exists (another rank named the failure) or :data:`DEFER_S` has passed, or
+    :data:`DEFER_AFTER_SIGNAL_S` once a stop signal has arrived, before the wait or during it (the launcher tearing
+    this rank down: measured before, a rollout rank that lost its trainer got srun's SIGTERM 0.2 s into its 3 s wait
+    and was killed before the end of it)."""
+    began = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - began >= (DEFER_AFTER_SIGNAL_S if POSITION["signal"] else DEFER_S):
+            return
+        time.sleep(0.05)
+
+
 def record_failure(run_dir: str | Path, error: BaseException, *, in_phase: str | None = None
                    ) -> tuple[dict, Path | None]:
     """The failure record of ``error`` on this rank, written to ``run_dir/failure.json`` unless a rank wrote one
-    first (a consequential cause waits :data:`DEFER_S` for the root cause first, a shared one on a rank other than 0
-    for rank 0); returns (record, the path when this rank wrote it)."""
+    first (a consequential cause waits :data:`DEFER_S` for the root cause first, :data:`DEFER_AFTER_SIGNAL_S` after a
+    stop signal, a shared one on a rank other than 0 for rank 0); returns (record, the path when this rank wrote it)."""
     record = failure_record(error, in_phase=in_phase)
     path = Path(run_dir) / FAILURE_FILE
-    if (record["cause"] in CONSEQUENTIAL_CAUSES or record["cause"] in SHARED_CAUSES and record["rank"] != 0) \
-            and not path.exists():
-        time.sleep(DEFER_S)
+    if record["cause"] in CONSEQUENTIAL_CAUSES or record["cause"] in SHARED_CAUSES and record["rank"] != 0:
+        _defer(path)
     return record, (path if write_exclusive(path, record) else None)
 
 

@@ -54,8 +54,14 @@ def _quiet_agent_logs() -> None:
     import logging
 
     quiet = "LOGLEVEL" not in os.environ
+    # torch's C++ warnings too, in this process only (read when torch is imported; the ranks get the environment as
+    # it was): a store lost with the node that hosted it prints a 30-frame TCPStore trace where _agent_failed says
+    # it in one line
+    quiet_cpp = quiet and "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:
         os.environ["LOGLEVEL"] = "CRITICAL"
+    if quiet_cpp:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     try:
         import torch.distributed.run  # noqa: F401
 
@@ -67,6 +73,8 @@ def _quiet_agent_logs() -> None:
     finally:
         if quiet:
             del os.environ["LOGLEVEL"]
+        if quiet_cpp:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
     if quiet:
         # torch.multiprocessing's: the ranks' process context when they are forked (grpo_mega.run.forked_ranks)
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
