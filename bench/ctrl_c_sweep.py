@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tiny_task import build_tiny_task, tiny_run_overrides  # noqa: E402
 
-from grpo_mega.run.procfs import processes_started_with  # noqa: E402
+from grpo_mega.run.procfs import processes_left_after  # noqa: E402
 from grpo_mega.run.shared_fork_server import without_offer  # noqa: E402
 
 JOB_ENV = "GRPO_MEGA_SWEEP_JOB"
@@ -43,19 +43,6 @@ def own_lines(stderr: str) -> list[str]:
     """stderr without the run's log lines (``... INFO ...``, ``... WARNING ...``) and the progress bar."""
     return [line for line in stderr.strip().splitlines()
             if line.strip() and " INFO " not in line and " WARNING " not in line and "step/s" not in line]
-
-
-def left_after(job: str, timeout: float = GONE_WITHIN_S) -> dict[int, str]:
-    """The job's processes still running ``timeout`` s from now (then killed, so the sweep leaks none)."""
-    deadline = time.monotonic() + timeout
-    while (left := processes_started_with(JOB_ENV, job)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
 
 
 def one_end(task, work: Path, at_s: float) -> dict:
@@ -81,7 +68,7 @@ def one_end(task, work: Path, at_s: float) -> dict:
         os.killpg(child.pid, signal.SIGKILL)
         stdout, stderr = child.communicate()
     ended_s = time.monotonic() - started
-    left = left_after(job)
+    left = processes_left_after(JOB_ENV, job, GONE_WITHIN_S)
     lines = own_lines(stderr)
     expected_status = 130 if interrupted else 0
     ok = (child.returncode == expected_status and not left and "Traceback" not in stderr

@@ -27,7 +27,7 @@ from tiny_task import build_tiny_task, tiny_run_overrides
 
 from grpo_mega.run.forked_ranks import FORK_RANKS_ENV
 from grpo_mega.run.interrupts import PAUSE_AT_ENV, PAUSE_DIR_ENV
-from grpo_mega.run.procfs import processes_started_with
+from grpo_mega.run.procfs import processes_left_after, processes_started_with
 from grpo_mega.run.shared_fork_server import without_offer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,15 +53,7 @@ def job_processes(job: str) -> dict[int, str]:
 
 def left_after(job: str, timeout: float = GONE_WITHIN_S) -> dict[int, str]:
     """The job's processes still running ``timeout`` seconds from now (killed then, so no test leaks them)."""
-    deadline = time.monotonic() + timeout
-    while (left := job_processes(job)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
+    return processes_left_after(JOB_ENV, job, timeout)
 
 
 def start(task, tmp_path: Path, job: str, pause: str | None, *extra: str, env: dict | None = None):

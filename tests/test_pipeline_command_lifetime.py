@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tiny_task import build_tiny_task, tiny_run_overrides
 
-from grpo_mega.run.procfs import alive
+from grpo_mega.run.procfs import processes_left_after, processes_started_with
 from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,23 +27,6 @@ CONFIG = REPO / "configs" / "quickstart_grpo.yaml"
 TAG_ENV = "GRPO_MEGA_TEST_PIPELINE_TAG"
 PIPELINE = ("import sys; from pathlib import Path; from grpo_mega.run.commands import run_command; "
             "run_command(sys.argv[2:], Path(sys.argv[1]), show=False)")
-
-
-def _processes_tagged(tag: str) -> list[int]:
-    """The live processes whose environment holds ``TAG_ENV=tag`` (every process the pipeline started inherits it,
-    whatever its parent is now)."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environment = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environment.split(b"\0") and alive(entry.name):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +54,16 @@ def test_no_process_of_a_pipelines_command_outlives_the_pipeline(task, tmp_path,
             time.sleep(0.5)
         assert pipeline.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
         assert metrics.exists(), "no step ran in 300 s"
-        running = _processes_tagged(tag)
+        running = processes_started_with(TAG_ENV, tag)
         assert len(running) >= 4, running  # the pipeline, the command, its fork server, its ranks
         pipeline.send_signal(ending)
         pipeline.communicate(timeout=120)
-        ended = time.monotonic()
-        while _processes_tagged(tag) and time.monotonic() < ended + 5:
-            time.sleep(0.2)
-        left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in _processes_tagged(tag)}
+        left = processes_left_after(TAG_ENV, tag, 5.0)
         assert not left, f"left 5 s after the pipeline ended: {left}"
         # SIGTERM: the pipeline stopped its command and waited for it, then exited 128 + SIGTERM
         assert pipeline.returncode == (128 + signal.SIGTERM if ending == signal.SIGTERM else -signal.SIGKILL)
     finally:
-        for pid in _processes_tagged(tag):  # a failed check: leave nothing behind for the next test
-            os.kill(pid, signal.SIGKILL)
+        processes_left_after(TAG_ENV, tag, 0)  # a failed check: leave nothing behind for the next test
         if pipeline.poll() is None:
             pipeline.kill()
             pipeline.wait()

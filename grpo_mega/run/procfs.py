@@ -3,6 +3,9 @@ that ends between two reads (it is then gone: no fields, not alive)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 
@@ -51,3 +54,17 @@ def processes_started_with(name: str, value: str) -> dict[int, str]:
         if needle in b"\0" + environ + b"\0" and alive(entry.name):
             found[int(entry.name)] = command_line(entry.name).replace(b"\0", b" ").decode(errors="replace")[:160]
     return found
+
+
+def processes_left_after(name: str, value: str, timeout: float) -> dict[int, str]:
+    """The processes started with ``name=value`` (:func:`processes_started_with`) still running ``timeout`` seconds
+    from now, or as soon as none is; those left are then SIGKILLed, so a check that finds them leaks none."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_started_with(name, value)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
