@@ -176,6 +176,7 @@ def _run_training(args) -> int:
         _announce_start(args, cfg)
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
+    import_torch_holding_ctrl_c()  # after the checks (they stay torch-free): a Ctrl-C in torch's import was lost
     from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
     from grpo_mega.run.reaper import reap_group_when_rank_exits
 
@@ -234,8 +235,6 @@ def main(argv: list[str] | None = None) -> int:
             from grpo_mega.run.forked_command import run_forked
 
             return run_forked("grpo_mega.cli", argv)
-        if _hands_off_its_work(args):
-            import_torch_holding_ctrl_c()  # a Ctrl-C in torch's import was lost there (its numpy import swallows it)
         return _run_command(args, argv)
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:
@@ -353,6 +352,7 @@ def _run_eval(args, argv: list[str]) -> int:
         announce_start("grpo-mega eval", args.nproc, ["the policy"], then="a line per phase follows", out=sys.stderr)
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", *argv])
+    import_torch_holding_ctrl_c()  # after the checks, as in _run_training
     from grpo_mega.eval_command import run_eval_command
 
     try:

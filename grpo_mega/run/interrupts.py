@@ -165,7 +165,8 @@ def import_torch_holding_ctrl_c() -> None:
     trained to its end with exit 0 (issue 79: the clock's Ctrl-C at 5-6 s, torchrun's agent importing torch; 1 in
     ~15 tries of `import torch` interrupted at random), or numpy stayed half-imported and the next line failed with
     ``AttributeError: module 'numpy' has no attribute 'ndarray'`` (exit 1). Each of our processes that imports torch
-    itself (the command before its exec to torchrun, the launcher) calls this first; forked ranks have it preloaded."""
+    itself (a command working in its own process, once its argument checks passed, which stay torch-free; the
+    launcher) calls this first; forked ranks have it preloaded."""
     if "torch" in sys.modules:
         return
     with ctrl_c_deferred():
