@@ -42,6 +42,7 @@ from grpo_mega.model.config_map import load_model_hf_config
 from grpo_mega.parallel import get_device
 from grpo_mega.parallel.roles import ROLLOUT, split_roles
 from grpo_mega.perf.memory import PhaseMemory
+from grpo_mega.perf.parameters import parameter_figures
 from grpo_mega.rollout import SyncStats, sync_weights
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.run.failure import phase as failure_phase
@@ -156,6 +157,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     if eval_metrics:
         harness.metrics_log.log(0, eval_metrics, advance=False)
 
+    figures_logged = False
     for step in harness.steps():
         timer = Timer()
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter; async: the
@@ -189,6 +191,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 harness.fail_step(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
                 raise
             metrics.update(_batch_metrics(groups, batch, alg))
+            if not figures_logged:  # once, after Adam's first step allocated its moments (grpo_mega.perf.parameters)
+                metrics.update(parameter_figures(policy))
+                figures_logged = True
         # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights;
         # async: the new version goes to the rollout world, which takes it when its schedule needs it
         with timer("sync"), failure_phase("sync", bounded=True):

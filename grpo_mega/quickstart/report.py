@@ -14,7 +14,8 @@ ARM_KEYS = {"outcome": "os", "process": "ps", "oracle": "oracle", "implicit": "i
             "tree_222_pooled": "tree_222_pooled", "tree_82": "tree_82",
             "process_completion": "ps_completion", "process_delta_completion": "ps_delta_completion",
             "oracle_completion": "oracle_completion", "rft": "rft", "ppo_mb4": "ppo_mb4",
-            "gspo_token_mb4": "gspo_token_mb4", "cispo_mb4": "cispo_mb4", "text_grpo": "text", "tool_grpo": "tool"}
+            "gspo_token_mb4": "gspo_token_mb4", "cispo_mb4": "cispo_mb4", "lora_r16": "lora_r16", "text_grpo": "text",
+            "tool_grpo": "tool"}
 """The short name of each arm in ``summary.json`` (``os_accuracy``, ``ps_gain``, ...)."""
 ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision (learned PRM)",
               "oracle": "process supervision (oracle)", "implicit": "process supervision (implicit PRM)",
@@ -29,6 +30,7 @@ ARM_TITLES = {"outcome": "outcome supervision", "process": "process supervision 
               "rft": "outcome supervision after RFT", "ppo_mb4": "outcome supervision, 4 mini-batches, PPO clip",
               "gspo_token_mb4": "outcome supervision, 4 mini-batches, GSPO-token",
               "cispo_mb4": "outcome supervision, 4 mini-batches, CISPO",
+              "lora_r16": "outcome supervision, LoRA rank 16",
               "text_grpo": "text-only GRPO (no tool)", "tool_grpo": "tool GRPO (calculator), outcome supervision",
               "tool_turn_oracle": "tool GRPO, bounded turn credit (oracle)",
               "tool_turn_prm": "tool GRPO, bounded turn credit (learned turn PRM)",
@@ -89,7 +91,22 @@ def arm_report(metrics_path: Path, grpo_seconds: float, seconds_before: float = 
         **cost_split(rows),
         **behaviour(rows),
         **implicit_prm_figures(rows),
+        **parameter_report(rows),
     }
+
+
+PARAMETER_FIGURES = {"trainable_parameters": "model/trainable_parameters", "total_parameters": "model/total_parameters",
+                     "optimizer_state_bytes": "memory/optimizer_state_bytes", "gradient_bytes": "memory/gradient_bytes",
+                     "parameter_bytes": "memory/parameter_bytes"}
+"""What an arm trains and holds (``grpo_mega.perf.parameters``, logged with its first update): a LoRA arm's
+adapters and their optimizer state against full training's (issue 78)."""
+
+
+def parameter_report(rows: list[dict]) -> dict:
+    """Each of ``PARAMETER_FIGURES`` from the first row that logs them, as ints; None for a run from before the
+    trainer logged them (or one that never updated)."""
+    logged = next((row for row in rows if PARAMETER_FIGURES["total_parameters"] in row), {})
+    return {name: None if key not in logged else int(logged[key]) for name, key in PARAMETER_FIGURES.items()}
 
 
 def groups_curve(rows: list[dict], key: str = "train/groups") -> list[list[float]]:
