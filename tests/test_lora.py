@@ -109,6 +109,10 @@ def _layout_run(hf_dir, work_dir, previous_checkpoint):
 
     metrics = _grpo_step(policy, reference, seed=1)
     result["grad_norm"] = metrics["grad_norm"]
+    from grpo_mega.perf.parameters import parameter_figures
+
+    result["figures"] = parameter_figures(policy)  # what the trainer logs with its first update
+    result["static"] = policy.static_memory_bytes()
     # grpo-mega plan's static bytes of this stage (grpo_mega.plan.static) against the engine's tensors
     from grpo_mega.plan.counts import param_infos
     from grpo_mega.plan.measure import engine_static_bytes
@@ -246,6 +250,29 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only(r
         # the frozen base's weights are held all the same; the adapters' Adam moments (8 bytes each) are a sliver
         # of what full training's would be (8 bytes per fp32 parameter: twice the weights' bytes)
         assert planned["params"] >= engine["params"] and 0 < engine["optimizer"] < engine["params"] / 4
+
+
+def test_the_logged_parameter_figures_count_the_whole_model_at_every_layout(runs):
+    """``grpo_mega.perf.parameters``: every layout and rank logs the same whole-model counts (TP shards summed,
+    TP-replicated tensors once, both stages): trainable = the adapters, total = the HF model's parameters, the
+    embedding and output rows megatron pads the vocabulary with (301 -> 384) and the adapters; the optimizer
+    state is the fullest rank's."""
+    from transformers import Qwen2ForCausalLM
+
+    hf_params = sum(p.numel() for p in Qwen2ForCausalLM(_hf_config()).parameters())
+    padding = (384 - VOCAB) * 64 * 2  # untied: the embedding and the output layer
+    for layout in LAYOUTS:
+        results = _per_rank(runs, layout)
+        for result in results:
+            figures = result["figures"]
+            assert figures["model/trainable_parameters"] == result["trainable"]
+            assert figures["model/total_parameters"] == hf_params + padding + result["trainable"]
+            for key, kind in (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients"),
+                              ("optimizer_state_bytes", "optimizer_state")):
+                assert figures[f"memory/{key}"] == max(r["static"][kind] for r in results)
+            # Adam's two fp32 moments of this rank's adapters at least, a sliver of the frozen base's weights
+            assert 8 * result["local_adapter_params"] <= result["static"]["optimizer_state"] < \
+                result["static"]["parameters"] / 4
 
 
 def test_the_merged_weight_is_w_plus_scaled_b_a(runs):

@@ -228,6 +228,11 @@ def print_table(summary: dict) -> None:
               f"{100 * report['gain']:>+7.1f}p{'n/a' if zero is None else f'{zero:.2f}':>13}{report['seconds']:>9.0f}")
     print("zero-signal: mean share of groups whose G outcome rewards were all equal (no outcome gradient); seconds: "
           "the arm's GRPO run, plus PRM labelling and training for the learned-PRM arm")
+    for arm, report in summary["arms"].items():  # a LoRA arm: what it trains and its optimizer's share
+        trainable, total = report.get("trainable_parameters"), report.get("total_parameters")
+        if trainable is not None and trainable < total:
+            print(f"{arm_title(arm)}: {trainable:,} of {total:,} parameters trained, optimizer state "
+                  f"{report['optimizer_state_bytes'] / 2**20:.2f} MiB a rank")
     if summary.get("prm"):
         prm = summary["prm"]
         print(f"PRM: ProcessBench F1 on the SFT policy's held-out solutions {_figure(prm['policy_processbench_f1'])} "
