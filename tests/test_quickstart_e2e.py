@@ -40,6 +40,10 @@ def test_fast_quickstart_writes_summary_plot_and_checkpoints(fast_quickstart):
         assert 0.0 <= arm["zero_signal_group_fraction"] <= 1.0
         assert math.isclose(arm["gain"], arm["accuracy"] - arm["start_accuracy"])
         assert (arm["curve"][0][0], arm["curve"][-1][0]) == (0, 3)  # (step, seconds, accuracy) from step 0 to 3
+        # full training: every parameter trained, Adam's fp32 moments (half of them a rank: the distributed
+        # optimizer at DP=2) as large as the fp32 weights
+        assert arm["trainable_parameters"] == arm["total_parameters"] > 0
+        assert arm["optimizer_state_bytes"] >= 8 * arm["total_parameters"] // 2
     # the arms start from SFT step 35 of 40 (a weaker policy); the PRM from step 40, which it paid for
     sft_time = {row["step"]: row["time"] for row in map(json.loads, (run_dir / "sft" / "metrics.jsonl").open())}
     prm_seconds = (summary["stage_seconds"]["prm_label"] + summary["stage_seconds"]["prm_train"] + sft_time[40]
@@ -177,3 +181,27 @@ def _hf_step_likelihoods(model_dir: Path, rows: list[dict]) -> list[list[float]]
             token_probs = [1.0] + [float(probs[t - 1, ids[t]]) for t in range(1, len(ids))]
             scores.append([min(token_probs[a:b]) for a, b in spans])
     return scores
+
+
+@pytest.mark.slow
+def test_the_lora_arm_adds_to_a_finished_run_with_its_parameter_figures(fast_quickstart, tmp_path):
+    """``bench/pipeline_seeds.py --add-arms lora_r16`` on a finished run (a copy of it): rank-16 adapters over the
+    arms' SFT checkpoint, reported against outcome supervision with what it trains and its optimizer state."""
+    import shutil
+
+    from grpo_mega.quickstart.arm_runs import add_arms
+    from grpo_mega.quickstart.plans import FAST
+
+    run_dir = tmp_path / "quickstart"
+    shutil.copytree(fast_quickstart[0], run_dir)
+    summary = add_arms(run_dir, FAST, ["lora_r16"])
+    lora, outcome = summary["arms"]["lora_r16"], summary["arms"]["outcome"]
+    assert summary["lora_r16_minus_os"] == pytest.approx(lora["accuracy"] - outcome["accuracy"])
+    assert lora["start_accuracy"] == outcome["start_accuracy"]  # the same SFT checkpoint, unchanged at step 0
+    assert f"init_from: {run_dir / 'sft' / 'checkpoints' / 'step_000035'}" in (
+        run_dir / "grpo_lora_r16" / "config.yaml").read_text()
+    # r (in + out) per linear: hidden 128, q 128 + k, v 2 x 32, MLP 512 (fc1 gate and up), 4 layers
+    assert lora["trainable_parameters"] == 16 * 4 * ((128 + 256) + (128 + 128) + (128 + 1024) + (512 + 128))
+    assert lora["total_parameters"] == outcome["total_parameters"] + lora["trainable_parameters"]
+    assert 0 < lora["optimizer_state_bytes"] < outcome["optimizer_state_bytes"] / 4
+    assert json.loads((run_dir / "summary.json").read_text())["arms"]["lora_r16"] == lora
