@@ -327,7 +327,8 @@ FIGURES = ("prm_scoring_share", "implicit_prm_share", "trained_groups", "generat
            "turns_per_rollout_start", "turns_per_rollout_end", "tool_calls_per_rollout_start",
            "tool_calls_per_rollout_end", "tool_call_rate_start", "tool_call_rate_end", "tool_error_fraction_start",
            "tool_error_fraction_end", "void_turn_fraction_start", "void_turn_fraction_end", "max_turns_fraction_end",
-           "prm_true_step_auroc", "prm_step_auroc", "prm_untrained_true_step_auroc", "rft_solutions", "rft_steps")
+           "prm_true_step_auroc", "prm_step_auroc", "prm_untrained_true_step_auroc", "rft_solutions", "rft_steps",
+           "trainable_parameters", "total_parameters", "optimizer_state_bytes")
 
 
 def refreshed(summary: dict) -> dict:
