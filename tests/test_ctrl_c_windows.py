@@ -161,9 +161,10 @@ def test_ctrl_c_while_a_prm_command_imports_torch_is_one_line_and_exit_130(tmp_p
     (prm / "model.safetensors").write_bytes(b"")
     env = {**without_offer(os.environ), "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "import.torch",
            PAUSE_DIR_ENV: str(tmp_path / "pauses")}
-    child = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "-m", "grpo_mega.cli", "prm", "eval", "--prm",
-                              str(prm), "--data", "steps.jsonl", "--out", "eval.json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, cwd=tmp_path, start_new_session=True)
+    command = ["prm", "eval", "--prm", str(prm), "--data", "steps.jsonl", "--out", "eval.json"]
+    child = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "-m", "grpo_mega.cli", *command],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                             start_new_session=True)
     paused(tmp_path, "import.torch", child)
     assert interrupted(child) == ["grpo-mega prm eval: interrupted; nothing was written: run the same command again"]
     assert not (tmp_path / "eval.json").exists()
