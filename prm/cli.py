@@ -50,6 +50,7 @@ def _default_nproc(args) -> int:
 def run_prm_command(args, argv: list[str]) -> int:
     """Run ``grpo-mega prm <command>``: relaunch under torchrun when asked for several processes, else run as
     this rank and print the output path last. Returns the exit status."""
+    from grpo_mega.run.interrupts import import_torch_holding_ctrl_c
     from grpo_mega.run.launcher import under_launcher
     from grpo_mega.run.torchrun import relaunch_with_torchrun
 
@@ -102,6 +103,9 @@ def run_prm_command(args, argv: list[str]) -> int:
                                out=sys.stderr)  # where its phase lines go
     if nproc > 1 and not under_launcher():
         return relaunch_with_torchrun(nproc, ["grpo_mega.cli", *argv])
+    # after the checks (they stay torch-free), as grpo_mega.cli's _run_training: the work below imports torch, and a
+    # Ctrl-C in torch's import was lost (grpo_mega.run.interrupts); a no-op in a rank forked with torch preloaded
+    import_torch_holding_ctrl_c()
     if args.prm_command == "train":
         from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
         from grpo_mega.run.reaper import reap_group_when_rank_exits

@@ -117,7 +117,7 @@ def detect_layout(hf_config: Any) -> str:
     architectures = list(config_field(hf_config, "architectures") or [])
     if any(name.endswith("ForCausalLM") for name in architectures):  # first, without torch: the CLI checks it
         return "lm_tokens"
-    from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURES, is_prm_classifier  # imports torch
+    from grpo_mega.checkpoint.prm_architectures import PRM_CLASSIFIER_ARCHITECTURES, is_prm_classifier  # no torch
 
     if is_prm_classifier(architectures):
         return "classifier"
@@ -186,7 +186,7 @@ def prm_hf_config_from_policy(policy_hf_dir: str | os.PathLike, out_dir: str | o
     ``likelihood``: the policy's config as it is (``architectures`` filled in from the model type when the policy's has none).
     """
     from grpo_mega.checkpoint.hf_io import copy_side_files
-    from grpo_mega.checkpoint.hf_layouts import PRM_CLASSIFIER_ARCHITECTURES
+    from grpo_mega.checkpoint.prm_architectures import PRM_CLASSIFIER_ARCHITECTURES
 
     default_spec(layout)  # validates the layout
     policy_hf_dir, out_dir = Path(policy_hf_dir), Path(out_dir)

@@ -8,6 +8,9 @@ again in the test process with the worker's traceback; a hang fails after `timeo
 Identical weights at any layout: `save_reference_weights` builds the model at TP=1/PP=1 from a seed
 and saves it with megatron dist_checkpointing; `load_reference_weights` loads that checkpoint into a
 model built at another TP/PP layout (dist_checkpointing reshards, the SwiGLU fc1 layout included).
+
+Tiny models: `tiny_qwen2(**overrides)` is the one hand-built Qwen2 config of the single-process tests (the rollout
+engine, its decode loops and caches); `tiny_qwen2_config` is the multi-process tests' wider one.
 """
 
 from __future__ import annotations
@@ -41,27 +44,29 @@ def run_distributed(
     return spawn_local_ranks(fn, world_size, args, threads=1, timeout=timeout)
 
 
+# The rollout tests' shape: 2 layers, hidden 32, MLP 64, 4 heads over 2 KV groups (GQA), a few ms a forward on a CPU.
+TINY_QWEN2_SHAPE = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2)
+
+
+def tiny_qwen2(*, vocab_size: int, **overrides):
+    """A Qwen2 config of ``TINY_QWEN2_SHAPE`` with the test's ``vocab_size`` (no default: the default 151,936 rows
+    would be most of such a model) and ``overrides`` (any Qwen2Config field, the shape's included); every field not
+    named is Qwen2Config's default."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**TINY_QWEN2_SHAPE, "vocab_size": vocab_size, **overrides})
+
+
 def tiny_qwen2_config(*, tied: bool, vocab_size: int = 301, num_layers: int = 4):
     """A Qwen2-shaped config small enough for CPU tests: hidden 64, 4 heads, 2 KV groups.
 
     vocab_size is odd on purpose so that TP padding rows exist; initializer_range 0.2 spreads the
     logits (near-uniform distributions would hide errors in log-prob comparisons).
     """
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
-        tie_word_embeddings=tied,
-    )
+    return tiny_qwen2(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                      max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.2,
+                      tie_word_embeddings=tied)
 
 
 def right_padded_rows(seed: int, lengths=(12, 5, 9, 7, 12), *, width: int = 12, vocab_size: int = 301,

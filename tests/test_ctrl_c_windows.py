@@ -152,6 +152,24 @@ def test_ctrl_c_while_torch_imports_is_raised_once_the_import_ended(tmp_path):
     assert (child.returncode, stdout.strip()) == (130, "raised after the import: True"), stderr[-3000:]
 
 
+def test_ctrl_c_while_a_prm_command_imports_torch_is_one_line_and_exit_130(tmp_path):
+    """``prm eval`` in its own process (no shared server: a user's command), its checks passed: torch's import is
+    held as train's and eval's is (a Ctrl-C there was lost in torch's numpy import, issue 79)."""
+    prm = tmp_path / "prm"  # what the checks read: a classifier's config.json and a weights file
+    prm.mkdir()
+    (prm / "config.json").write_text('{"architectures": ["Qwen2ForProcessRewardModel"], "model_type": "qwen2"}')
+    (prm / "model.safetensors").write_bytes(b"")
+    env = {**without_offer(os.environ), "PYTHONPATH": str(REPO), PAUSE_AT_ENV: "import.torch",
+           PAUSE_DIR_ENV: str(tmp_path / "pauses")}
+    command = ["prm", "eval", "--prm", str(prm), "--data", "steps.jsonl", "--out", "eval.json"]
+    child = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "-m", "grpo_mega.cli", *command],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                             start_new_session=True)
+    paused(tmp_path, "import.torch", child)
+    assert interrupted(child) == ["grpo-mega prm eval: interrupted; nothing was written: run the same command again"]
+    assert not (tmp_path / "eval.json").exists()
+
+
 @pytest.mark.parametrize("pause", ["launcher", "import.torch"])
 def test_ctrl_c_while_the_launcher_starts_is_one_line_and_exit_130(tmp_path, pause):
     child = start(["grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2", "-m", "--", "grpo_mega.cli",

@@ -84,6 +84,18 @@ def test_prm_score_of_a_file_that_is_no_step_data(files):
     assert f"{files['prompts']}:1: a row with fields ['answer', 'prompt'] matches no PRM data format" in line
 
 
+def test_prm_score_of_a_classifier_prm_checks_its_data_without_torch(files):
+    """A classifier PRM (Qwen2.5-Math-PRM's architectures) passes the layout check, read without torch (its
+    architecture names came with the conversion tables, which import torch), so the data check is reached."""
+    prm = files["root"] / "classifier_prm"
+    prm.mkdir(exist_ok=True)
+    (prm / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForProcessRewardModel"],
+                                                 "model_type": "qwen2"}))
+    (prm / "model.safetensors").write_bytes(b"")
+    line = refused(files, "prm", "score", "--prm", str(prm), "--data", str(files["prompts"]), "--out", "scores.jsonl")
+    assert f"{files['prompts']}:1: a row with fields ['answer', 'prompt'] matches no PRM data format" in line
+
+
 def test_eval_of_an_empty_policy_folder(files):
     line = refused(files, "eval", "--config", GRPO, "--policy", str(files["empty"]),
                    f"model.hf_config={files['policy']}", f"data.train_file={files['prompts']}",

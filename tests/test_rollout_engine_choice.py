@@ -106,6 +106,23 @@ def test_settling_auto_to_vllm_checks_the_vllm_layout_the_load_could_not(tmp_pat
     assert settle_rollout_engine(cfg).engine == cfg.rollout.engine == "vllm"
 
 
+def test_decode_graphs_is_refused_when_auto_settles_on_vllm_and_kept_when_on_hf(tmp_path, monkeypatch):
+    # loads: under rollout.engine=auto the load-time check cannot know that vLLM (which ignores it) will run
+    cfg = _config(tmp_path, "rollout.decode_graphs=static")
+    monkeypatch.setattr("grpo_mega.stages.rollout_setup.vllm_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"rollout.decode_graphs=static applies to the hf engine, but "
+                                          r"rollout.engine=auto chose vllm \(.*on a GPU") as error:
+        settle_rollout_engine(cfg)
+    assert "\n" not in str(error.value) and "rollout.engine=hf" in str(error.value)
+    assert cfg.rollout.engine == "auto"  # nothing settled
+    assert settle_rollout_engine(_config(tmp_path)).engine == "vllm"  # decode_graphs=off: nothing to refuse
+    # on the CPU auto takes hf, which runs the static cache: kept
+    cfg = _config(tmp_path, "rollout.decode_graphs=static", "parallel.device=cpu")
+    assert settle_rollout_engine(cfg).engine == "hf" and cfg.rollout.decode_graphs == "static"
+
+
 def test_the_planner_plans_auto_as_vllm_on_gpus(tmp_path):
     from grpo_mega.plan import plan_config
 

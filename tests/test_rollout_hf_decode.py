@@ -7,8 +7,9 @@ tests/test_rollout_sampling.py."""
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, GenerationConfig, Qwen2ForCausalLM
 
+from dist_utils import tiny_qwen2
 from grpo_mega.rollout.hf_decode import decode
 from grpo_mega.rollout.kv_cache import preallocated_cache
 from grpo_mega.rollout.sampling import TokenSampler, sample_inverse_cdf
@@ -20,10 +21,8 @@ NEW = 16
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=24, max_position_embeddings=64, pad_token_id=PAD,
-                         initializer_range=0.3)
-    return Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(tiny_qwen2(vocab_size=24, max_position_embeddings=64, pad_token_id=PAD,
+                                       initializer_range=0.3)).eval()
 
 
 def _prompts():

@@ -9,8 +9,9 @@ import string
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
+from dist_utils import tiny_qwen2
 from grpo_mega.perf.host_syncs import HostSyncCounter
 from grpo_mega.rollout import SamplingConfig, hf_engine
 from grpo_mega.rollout.hf_decode import SYNC_EVERY_CUDA, decode
@@ -30,10 +31,8 @@ def engine():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                                         pad_token="<pad>", unk_token="<unk>")
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=2, pad_token_id=3)
-    model = Qwen2ForCausalLM(config).eval()
+    model = Qwen2ForCausalLM(tiny_qwen2(vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=2,
+                                        pad_token_id=3)).eval()
     # EOS never sampled: every row runs every step, the most steps (and reads) a call can have
     model.lm_head.register_forward_hook(lambda module, inputs, output: output.index_fill_(-1, torch.tensor([2]),
                                                                                         float("-inf")))

@@ -3,9 +3,10 @@ transformers' DynamicCache, including after batch selection and beyond the plann
 
 import pytest
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from dist_utils import tiny_qwen2
 from grpo_mega.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 
 
@@ -43,9 +44,8 @@ def test_crop_then_update_overwrites_the_dropped_positions():
 
 
 def test_sliding_window_layers_are_left_to_transformers():
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=40, use_sliding_window=True, sliding_window=8,
-                         max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
+    config = tiny_qwen2(vocab_size=40, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                        layer_types=["full_attention", "sliding_attention"])
     layers = preallocated_cache(config, capacity=16).layers
     assert isinstance(layers[0], PreallocatedLayer)
     assert isinstance(layers[1], DynamicSlidingWindowLayer) and not isinstance(layers[1], PreallocatedLayer)
@@ -54,8 +54,7 @@ def test_sliding_window_layers_are_left_to_transformers():
 @pytest.mark.parametrize("greedy", [True, False])
 def test_generate_gives_the_same_tokens_as_the_dynamic_cache(greedy):
     torch.manual_seed(0)
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, pad_token_id=0)
+    config = tiny_qwen2(vocab_size=40, max_position_embeddings=64, pad_token_id=0)
     model = Qwen2ForCausalLM(config).eval()
     # Left-padded prompts of two lengths (an attention mask) and several samples per prompt.
     input_ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])

@@ -7,8 +7,9 @@ eager backend: dynamo's graph, no C++ compile), no host read per step, the bucke
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, Qwen2ForCausalLM
 
+from dist_utils import tiny_qwen2
 from grpo_mega.perf.host_syncs import HostSyncCounter
 from grpo_mega.rollout.decode_graphs import CompiledSteps, static_decoder_for
 from grpo_mega.rollout.hf_decode import decode
@@ -22,10 +23,8 @@ NEW = 16
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=24, max_position_embeddings=64, pad_token_id=PAD,
-                         initializer_range=0.3, attn_implementation="sdpa")
-    return Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(tiny_qwen2(vocab_size=24, max_position_embeddings=64, pad_token_id=PAD,
+                                       initializer_range=0.3, attn_implementation="sdpa")).eval()
 
 
 def _prompts():
@@ -184,8 +183,8 @@ def test_graph_modes_refused_off_cuda_and_for_eager_attention(model):
     with pytest.raises(ValueError, match=r"expected one of off, static, static_compile, cuda_graphs"):
         static_decoder_for(model, "graphs", "cpu")
     assert static_decoder_for(model, "off", "cpu") is None
-    config = Qwen2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=24, attn_implementation="eager")
+    config = tiny_qwen2(vocab_size=24, num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                        num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
     with pytest.raises(ValueError, match="full attention through SDPA"):
         static_decoder_for(Qwen2ForCausalLM(config), "static", "cpu")
 

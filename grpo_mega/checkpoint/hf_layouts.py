@@ -35,6 +35,11 @@ from grpo_mega.checkpoint.hf_transforms import (
     Layout,
     ModelDims,
 )
+from grpo_mega.checkpoint.prm_architectures import (  # noqa: F401  re-exported: the tables' users read them here
+    PRM_CLASSIFIER_ARCHITECTURE,
+    PRM_CLASSIFIER_ARCHITECTURES,
+    is_prm_classifier,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Tables
@@ -178,14 +183,6 @@ QWEN3_MOE = ArchitectureTable("qwen3_moe", (
 ARCHITECTURES: dict[str, ArchitectureTable] = {
     table.model_type: table for table in (QWEN2, LLAMA, QWEN3, QWEN3_MOE)}
 
-PRM_CLASSIFIER_ARCHITECTURE = "Qwen2ForProcessRewardModel"
-"""Qwen2.5-Math-PRM's architecture name."""
-PRM_CLASSIFIER_ARCHITECTURES: dict[str, str] = {"qwen2": PRM_CLASSIFIER_ARCHITECTURE,
-                                                "qwen3": "Qwen3ForProcessRewardModel"}
-"""model_type -> the `architectures` name of a classifier PRM on that backbone. Qwen published the Qwen2 one
-(Qwen2.5-Math-PRM); a Qwen3 backbone with the same step classifier is named the same way."""
-
-
 def _prm_classifier(backbone: ArchitectureTable) -> ArchitectureTable:
     """A backbone's rows without the LM head, then Qwen2.5-Math-PRM's step classifier (replicated: every TP rank
     holds the whole head and computes it on the same hidden states)."""
@@ -212,10 +209,6 @@ QWEN3_PRM_CLASSIFIER = _prm_classifier(QWEN3)
 ARCHITECTURES_BY_NAME: dict[str, ArchitectureTable] = {
     table.architecture: table for table in (QWEN2_PRM_CLASSIFIER, QWEN3_PRM_CLASSIFIER)}
 
-
-def is_prm_classifier(architectures: Sequence[str] | None) -> bool:
-    """Whether a config's `architectures` names a classifier PRM (`PRM_CLASSIFIER_ARCHITECTURES`)."""
-    return any(name in PRM_CLASSIFIER_ARCHITECTURES.values() for name in architectures or ())
 
 # Transformer Engine's layer spec fuses each pre-norm into the linear that follows it; the local spec
 # keeps separate norm modules. Same tensor, two names (megatron's own sharded_state_dict_keys_map

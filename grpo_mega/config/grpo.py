@@ -119,7 +119,8 @@ class RolloutConfig:
     ``cuda_graphs``: that step captured as one CUDA graph per bucket and replayed (CUDA). ``static_compile``: that
     step compiled by ``torch.compile(mode="reduce-overhead")`` at one bucket (CUDA; tens of seconds of compilation
     per process). Tokens equal ``off``'s up to float rounding (``grpo_mega.rollout.static_decode``). Stays off until
-    a GPU run of ``bench/gpu_check.py --quick`` (its ``graphs`` stage) shows which is faster: docs/performance.md."""
+    a GPU run of ``bench/gpu_check.py --quick`` (its ``graphs`` stage) shows which is faster: docs/performance.md.
+    Not ``off`` is refused with ``rollout.engine: vllm``, and at start when ``auto`` chooses vllm."""
     enforce_eager: bool = False
     """vLLM only: no CUDA graphs (slower decoding; saves their memory pool, which vLLM's sleep mode does not
     free, so it stays on the GPU through the update). Always eager on the CPU."""

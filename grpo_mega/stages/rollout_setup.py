@@ -16,7 +16,8 @@ from grpo_mega.reward.adapters import RewardRows, reward_rows_of
 from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.base import load_hf_tokenizer
-from grpo_mega.rollout.engine_choice import EngineChoice, choose_rollout_engine, parameters_from_hf_config, vllm_installed
+from grpo_mega.rollout.engine_choice import (EngineChoice, choose_rollout_engine, parameters_from_hf_config,
+                                             refuse_hf_settings_under_vllm, vllm_installed)
 from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.evaluation import evaluate
 
@@ -25,9 +26,10 @@ logger = logging.getLogger(__name__)
 
 def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
     """Replace ``rollout.engine: auto`` in ``cfg`` by the engine this rank's device runs fastest
-    (``grpo_mega.rollout.engine_choice``), check the vllm layout again for it (the load-time checks could not know
-    the device), and log the choice with its reason; None when the config names its engine. Every rank of a job
-    decides alike (same device type, same installation). Call before the job's processes split into roles."""
+    (``grpo_mega.rollout.engine_choice``), check the vllm layout again for it and refuse hf-only settings under
+    vllm (the load-time checks could not know the device), and log the choice with its reason; None when the config
+    names its engine. Every rank of a job decides alike (same device type, same installation). Call before the
+    job's processes split into roles."""
     if cfg.rollout.engine != "auto":
         return None
     from transformers import AutoConfig
@@ -36,6 +38,7 @@ def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
     parameters = parameters_from_hf_config(AutoConfig.from_pretrained(cfg.model.hf_config).to_dict())
     choice = choose_rollout_engine("auto", device_type=get_device(cfg.parallel.device).type,
                                    has_vllm=vllm_installed(), parameters=parameters)
+    refuse_hf_settings_under_vllm(choice, decode_graphs=cfg.rollout.decode_graphs)
     cfg.rollout.engine = choice.engine
     validate_rollout_layout(cfg, launch.world_size)
     validate_rollout_mode(cfg, launch.world_size)

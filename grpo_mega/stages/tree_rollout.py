@@ -49,18 +49,45 @@ class _Node:
     children: list["_Node"] = field(default_factory=list)
 
 
-class TreeSampler:
-    """Samples each prompt's group as a tree (module docstring); collective, like ``generate_across_ranks``."""
+class BranchingSampler:
+    """What every tree sampler shares, whatever a node is (a fixed-length segment here, a turn in
+    ``grpo_mega.stages.turn_tree``): the branching per level, the group size it makes, how a leaf that ends early
+    fills its subtree's rows, the decoder, and the shape of the tree's metrics. The sampling itself is each
+    subclass's ``generate``."""
 
-    def __init__(self, branching: Sequence[int], segment_tokens: int, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, branching: Sequence[int], decode: Callable[[list[int]], str]) -> None:
         self.branching = [int(b) for b in branching]
-        self.segment_tokens = int(segment_tokens)
         self.decode = decode
         self.metrics: dict[str, float] = {}
 
     @property
     def leaves(self) -> int:
+        """G: the rows of one prompt's group."""
         return math.prod(self.branching)
+
+    def rows_of_leaf(self, level: int) -> int:
+        """How many rows a leaf at ``level`` fills: its whole subtree's, ``prod(branching[level + 1:])``."""
+        return math.prod(self.branching[level + 1:])
+
+    @staticmethod
+    def tree_metrics(generated: int, nodes: int, depths: Sequence[int], start: float) -> dict[str, float]:
+        """The ``rollout/tree/*`` metrics of one sampling call that began at ``perf_counter()`` ``start``;
+        ``depths``: each leaf's level + 1."""
+        return {
+            "rollout/tree/generated_tokens": float(generated),
+            "rollout/tree/nodes": float(nodes),
+            "rollout/tree/leaves": float(len(depths)),
+            "rollout/tree/mean_depth": sum(depths) / max(len(depths), 1),
+            "timing_s/tree_sampling": time.perf_counter() - start,
+        }
+
+
+class TreeSampler(BranchingSampler):
+    """Samples each prompt's group as a tree (module docstring); collective, like ``generate_across_ranks``."""
+
+    def __init__(self, branching: Sequence[int], segment_tokens: int, decode: Callable[[list[int]], str]) -> None:
+        super().__init__(branching, decode)
+        self.segment_tokens = int(segment_tokens)
 
     def generate(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  call_seed: int) -> list[Completion]:
@@ -99,19 +126,13 @@ class TreeSampler:
         for root in roots:
             for leaf in _leaves(root):
                 depths.append(leaf.level + 1)
-                copies = math.prod(self.branching[leaf.level + 1:])
+                copies = self.rows_of_leaf(leaf.level)
                 text = self.decode(leaf.response_ids)
                 ends = [(k + 1) * self.segment_tokens - 1 for k in range(leaf.level)]
                 completions += [Completion(root.prompt, list(prompt_ids[root.prompt]), list(leaf.response_ids),
                                            list(leaf.logprobs), text, leaf.finish_reason, tree_path=list(leaf.path),
                                            segment_ends=list(ends)) for _ in range(copies)]
-        self.metrics = {
-            "rollout/tree/generated_tokens": float(generated),
-            "rollout/tree/nodes": float(nodes),
-            "rollout/tree/leaves": float(len(depths)),
-            "rollout/tree/mean_depth": sum(depths) / max(len(depths), 1),
-            "timing_s/tree_sampling": time.perf_counter() - start,
-        }
+        self.metrics = self.tree_metrics(generated, nodes, depths, start)
         return completions
 
 

@@ -25,7 +25,6 @@ text tree's segments are (``progress``: the value the turn added, s_0 the group'
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -36,6 +35,7 @@ from grpo_mega.rollout.base import Completion, SamplingConfig, derive_seed
 from grpo_mega.rollout.distributed import generate_across_ranks
 from grpo_mega.rollout.turn_metrics import turn_metrics
 from grpo_mega.stages.process_reward import shape_step_rewards, step_reward_starts
+from grpo_mega.stages.tree_rollout import BranchingSampler
 from grpo_mega.stages.turn_steps import step_turns, turn_step_ends
 
 
@@ -76,19 +76,13 @@ class _FromPrefixes:
                                            max_new_turns=self.max_new_turns)
 
 
-class TurnTreeSampler:
+class TurnTreeSampler(BranchingSampler):
     """Samples each prompt's group as a tree branching at turn boundaries (module docstring); collective, like
     ``generate_across_ranks``. ``engine``: the turn loop (``grpo_mega.rollout.turn_loop.TurnLoopEngine``)."""
 
     def __init__(self, branching: Sequence[int], max_turns: int, decode: Callable[[list[int]], str]) -> None:
-        self.branching = [int(b) for b in branching]
+        super().__init__(branching, decode)
         self.max_turns = int(max_turns)
-        self.decode = decode
-        self.metrics: dict[str, float] = {}
-
-    @property
-    def leaves(self) -> int:
-        return math.prod(self.branching)
 
     def generate(self, engine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *, call_seed: int,
                  tool_kwargs: Sequence[Mapping[str, Any]] | None = None) -> list[Completion]:
@@ -130,16 +124,12 @@ class TurnTreeSampler:
                 depths.append(leaf.level + 1)
                 ends = [len(node.completion.response_ids) - 1 for node in ancestors]
                 completions += [_copy(leaf.completion, leaf.path, ends)
-                                for _ in range(math.prod(self.branching[leaf.level + 1:]))]
+                                for _ in range(self.rows_of_leaf(leaf.level))]
         tool_seconds = engine.pop_tool_seconds() if hasattr(engine, "pop_tool_seconds") else 0.0
         self.metrics = {
             **turn_metrics(completions),
             "timing_s/tools": tool_seconds,
-            "rollout/tree/generated_tokens": float(generated),
-            "rollout/tree/nodes": float(nodes),
-            "rollout/tree/leaves": float(len(depths)),
-            "rollout/tree/mean_depth": sum(depths) / max(len(depths), 1),
-            "timing_s/tree_sampling": time.perf_counter() - start,
+            **self.tree_metrics(generated, nodes, depths, start),
         }
         return completions
 
