@@ -38,7 +38,9 @@ def _rng_file(root: Path, rank: int) -> Path:
 def save_training_state(engine, folder, *, rng_state, scheduler: dict, extra_state: dict) -> None:
     """Write ``engine``'s state into ``folder`` (see the module docstring); collective."""
     root = Path(folder) / DS_DIR
-    engine.ds.save_checkpoint(str(root), tag=TAG, save_latest=False)
+    # LoRA: the adapters alone (their ZeRO optimizer state too); the frozen base is model.init_from's
+    engine.ds.save_checkpoint(str(root), tag=TAG, save_latest=False,
+                              exclude_frozen_parameters=engine.lora is not None)
     _rng_file(root, engine.rank).parent.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state, _rng_file(root, engine.rank))
     if engine.rank == 0:
@@ -67,7 +69,7 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
         )
     built = optimizer_settings(engine.optimizer)
     engine.ds.load_checkpoint(str(root), tag=info["tag"], load_optimizer_states=with_optimizer,
-                              load_lr_scheduler_states=False, load_module_strict=True)
+                              load_lr_scheduler_states=False, load_module_strict=engine.lora is None)
     if not with_optimizer:
         engine.reload_after_weight_load()
     changes = keep_optimizer_settings(engine.optimizer, built)
@@ -86,7 +88,35 @@ def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.T
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     info = json.loads((Path(folder) / DEEPSPEED_METADATA).read_text())
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(Path(folder) / DS_DIR), tag=info["tag"]))
+    weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(Path(folder) / DS_DIR), tag=info["tag"]))
+    from grpo_mega.engine.source_weights import lora_settings
+
+    lora = lora_settings(folder)
+    return weights if lora is None else _merged_with_base(weights, lora, folder)
+
+
+def _merged_with_base(adapters: dict[str, torch.Tensor], lora: dict, folder) -> dict[str, torch.Tensor]:
+    """A LoRA run's checkpoint (peft's adapters alone) as whole weights: its base (``lora["base"]``, the run's
+    ``model.init_from``) with W + (alpha / rank) B A for every adapted linear, in fp32."""
+    from grpo_mega.checkpoint.source import resolve_model_source
+    from grpo_mega.engine.source_weights import holds_hf_weights, source_hf_weights
+
+    if not lora.get("base"):
+        raise ValueError(f"{folder} holds LoRA adapters without a base (no lora.base in its grpo_mega_checkpoint.json)")
+    source = resolve_model_source(lora["base"])
+    if not holds_hf_weights(source):
+        raise ValueError(f"{folder}: its LoRA base {lora['base']} is not an HF folder or DeepSpeed checkpoint: "
+                         "convert it to an HF folder first (tools/convert_mcore_to_hf.py)")
+    base = source_hf_weights(source)
+    weights = {name: base[name].float() for name in base.keys()}
+    scale = float(lora["alpha"]) / int(lora["rank"])
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        prefix = name.split(".lora_A.")[0]
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        weights[f"{prefix}.weight"] = weights[f"{prefix}.weight"] + (b.float() @ a.float()) * scale
+    return weights
 
 
 def _write_hf_folder(named_tensors, out_dir: Path, hf_config, side_files_from, write: bool) -> Path:
