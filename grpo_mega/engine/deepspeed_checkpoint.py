@@ -81,7 +81,8 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
 
 def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full fp32 model weights of a DeepSpeed-engine checkpoint folder, by Hugging Face name (DeepSpeed's
-    ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed."""
+    ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed; in a job every
+    rank calls it (a LoRA run's base is resolved by rank 0 for all)."""
     from grpo_mega.engine.deepspeed_setup import import_deepspeed
 
     import_deepspeed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
