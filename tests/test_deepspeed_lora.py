@@ -111,6 +111,7 @@ def _stage(hf_dir, run_dir, stage):
     keys = [key for key in expected if key != "step_seconds"]
     out["metrics"] = ({key: expected[key] for key in keys}, {key: again[key] for key in keys})
     out["resume_equal"] = all(torch.equal(tensor, expected_weights[name]) for name, tensor in resumed.export_hf_weights())
+    out["checkpoint"], out["batch"], out["merged_logprobs"] = str(saved), batches[2], policy_logprobs
     whole = deepspeed_checkpoint_weights(saved)  # the checkpoint as whole weights: base + merged adapters
     out["init_from_diff"] = max((whole[name] - merged[name]).abs().max().item() for name in merged)
     return out
@@ -135,11 +136,12 @@ def ranks(tmp_path_factory):
     hf_dir = tmp_path_factory.mktemp("hf")
     torch.manual_seed(3)
     AutoModelForCausalLM.from_config(tiny_qwen2_config(tied=False, vocab_size=VOCAB)).save_pretrained(hf_dir)
-    return run_distributed(_both, 2, str(hf_dir), str(tmp_path_factory.mktemp("runs")))
+    return hf_dir, run_distributed(_both, 2, str(hf_dir), str(tmp_path_factory.mktemp("runs")))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lora_on_deepspeed_trains_adapters_only_merges_and_resumes_bit_equal(ranks, stage):
+    _, ranks = ranks
     out = ranks[0][stage]
     # 4 layers x (q, k, v, o, gate, up, down): A (r x in) + B (out x r); hidden 64, kv 32, intermediate 128
     per_layer = RANK * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
@@ -159,6 +161,28 @@ def test_lora_on_deepspeed_trains_adapters_only_merges_and_resumes_bit_equal(ran
     assert "grad_norm" in expected and again == expected
     assert all(rank[stage]["resume_equal"] for rank in ranks)
     assert out["init_from_diff"] < 1e-6
+
+
+def test_a_deepspeed_lora_checkpoint_exports_as_a_peft_adapter(ranks, tmp_path):
+    """``tools/convert_mcore_to_hf.py --peft-adapter`` of a DeepSpeed LoRA checkpoint: peft loads it onto the base
+    and gives the trained policy's log-probs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mega.engine.deepspeed_checkpoint import export_deepspeed_lora_adapter
+
+    hf_dir, ranks = ranks
+    out = ranks[0][2]
+    files = export_deepspeed_lora_adapter(out["checkpoint"], tmp_path / "adapter")
+    assert sorted(path.name for path in files) == ["adapter_config.json", "adapter_model.safetensors"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                      tmp_path / "adapter")
+    batch = out["batch"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    real = batch["attention_mask"][:, 1:].bool()
+    assert (logprobs - out["merged_logprobs"][:, 1:])[real].abs().max().item() < 5e-5
 
 
 def test_config_accepts_lora_on_deepspeed_for_grpo_only():

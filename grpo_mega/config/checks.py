@@ -173,6 +173,9 @@ def validate_engine(cfg) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("engine=deepspeed needs the deepspeed package, which is not installed: "
                           "pip install 'grpo-mega[deepspeed]'")
+    if cfg.model.lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ConfigError("model.lora with engine=deepspeed needs the peft package, which is not installed: "
+                          "pip install 'grpo-mega[deepspeed]'")
 
 
 def validate_decode_graphs(cfg) -> None:

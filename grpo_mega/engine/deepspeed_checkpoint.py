@@ -83,17 +83,39 @@ def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.T
     """The full fp32 model weights of a DeepSpeed-engine checkpoint folder, by Hugging Face name (DeepSpeed's
     ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed; in a job every
     rank calls it (a LoRA run's base is resolved by rank 0 for all)."""
+    from grpo_mega.engine.source_weights import lora_settings
+
+    lora = lora_settings(folder)
+    weights = _saved_weights(folder)
+    return weights if lora is None else _merged_with_base(weights, lora, folder)
+
+
+def _saved_weights(folder) -> dict[str, torch.Tensor]:
+    """The fp32 tensors DeepSpeed saved (a LoRA run's: the adapters alone, under peft's module names)."""
     from grpo_mega.engine.deepspeed_setup import import_deepspeed
 
     import_deepspeed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     info = json.loads((Path(folder) / DEEPSPEED_METADATA).read_text())
-    weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(Path(folder) / DS_DIR), tag=info["tag"]))
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(Path(folder) / DS_DIR), tag=info["tag"]))
+
+
+def export_deepspeed_lora_adapter(folder: str | os.PathLike, out_dir: str | os.PathLike, *,
+                                  dtype: torch.dtype = torch.float32) -> list[Path]:
+    """Write a DeepSpeed-engine LoRA checkpoint's adapters as a PEFT adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, out_dir)``), in one process; the files written.
+    Its tensors are peft's already: only the adapter name leaves their names."""
+    from grpo_mega.checkpoint.peft_export import PEFT_PREFIX, write_peft_adapter
+    from grpo_mega.engine.deepspeed_lora import ADAPTER
     from grpo_mega.engine.source_weights import lora_settings
 
     lora = lora_settings(folder)
-    return weights if lora is None else _merged_with_base(weights, lora, folder)
+    if lora is None:
+        raise ValueError(f"{folder} is not a checkpoint of a LoRA run (model.lora.rank > 0)")
+    tensors = {PEFT_PREFIX + name.replace(f".{ADAPTER}.weight", ".weight"): tensor
+               for name, tensor in _saved_weights(folder).items() if ".lora_" in name}
+    return write_peft_adapter(Path(out_dir), lora, tensors, dtype)
 
 
 def _merged_with_base(adapters: dict[str, torch.Tensor], lora: dict, folder) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ way :class:`~grpo_mega.engine.base.NonFiniteError` is raised on every rank with 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Iterator
 
@@ -84,6 +85,8 @@ class DeepSpeedForwardEngine:
         self.gather_bucket_bytes = int(settings.gather_bucket_mb * 2**20)
         self.max_tokens_per_micro_batch = budget
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.world_size == 1:  # a one-process run (grpo-mega train --nproc 1) has no launcher to set it
+            os.environ.setdefault("LOCAL_RANK", "0")
         self.last_padding_fraction = 0.0
         self._dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         # DeepSpeed casts the fp32 module to bf16 on a GPU and partitions it (ZeRO-3).
