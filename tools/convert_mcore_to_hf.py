@@ -7,7 +7,8 @@ and keeps that config; a grpo-mega PRM checkpoint of either layout converts the 
 A checkpoint of a LoRA run (``model.lora``: adapters only) is written merged, its base (the run's model.init_from)
 with W + (alpha / rank) B A in every adapted linear. With --peft-adapter it is written instead as a PEFT adapter
 folder (adapter_config.json + adapter_model.safetensors, Hugging Face's module names q_proj ... down_proj, TP shards
-gathered; a few MB) that peft.PeftModel.from_pretrained(base, OUT) loads onto the HF base model.
+gathered; a few MB) that peft.PeftModel.from_pretrained(base, OUT) loads onto the HF base model; a LoRA checkpoint of
+engine: deepspeed (peft's adapters already) is written the same way, merged or as an adapter folder.
 
 Reads the checkpoint at --tp/--pp (any layout: dist_checkpointing reshards, whatever layout it was
 saved at) and writes safetensors shards, config.json and the tokenizer files, loadable with
