@@ -24,7 +24,7 @@ def _batch(rows, seed):
     return grpo_batch(rows=rows, seed=seed, vocab=VOCAB)
 
 
-def _policy(hf_config, hf_dir, stage):
+def _policy(hf_config, hf_dir, stage, rank=RANK):
     from test_engine_deepspeed import _optim
 
     from grpo_mega.checkpoint import HFWeights
@@ -36,7 +36,7 @@ def _policy(hf_config, hf_dir, stage):
     policy = build_policy_engine(
         hf_config, optim=_optim(), total_steps=4, max_tokens_per_micro_batch=40, engine_kind="deepspeed",
         deepspeed=DeepSpeedConfig(zero_stage=stage, gather_bucket_mb=1),
-        attach_adapters=lora_attacher(LoRAConfig(rank=RANK, alpha=ALPHA), seed=7, base=str(hf_dir)))
+        attach_adapters=lora_attacher(LoRAConfig(rank=rank, alpha=ALPHA), seed=7, base=str(hf_dir)))
     policy.load_hf_weights(HFWeights(hf_dir))  # the frozen base
     return policy
 
@@ -111,6 +111,11 @@ def _stage(hf_dir, run_dir, stage):
     keys = [key for key in expected if key != "step_seconds"]
     out["metrics"] = ({key: expected[key] for key in keys}, {key: again[key] for key in keys})
     out["resume_equal"] = all(torch.equal(tensor, expected_weights[name]) for name, tensor in resumed.export_hf_weights())
+    try:  # adapters of another rank: refused by name, not loaded halfway (DeepSpeed loads them non-strictly)
+        checkpoints.load(_policy(hf_config, hf_dir, stage, rank=2), saved, seed=7)
+        out["rank_error"] = None
+    except ValueError as error:
+        out["rank_error"] = str(error)
     out["checkpoint"], out["batch"], out["merged_logprobs"] = str(saved), batches[2], policy_logprobs
     whole = deepspeed_checkpoint_weights(saved)  # the checkpoint as whole weights: base + merged adapters
     out["init_from_diff"] = max((whole[name] - merged[name]).abs().max().item() for name in merged)
@@ -160,6 +165,7 @@ def test_lora_on_deepspeed_trains_adapters_only_merges_and_resumes_bit_equal(ran
     expected, again = out["metrics"]
     assert "grad_norm" in expected and again == expected
     assert all(rank[stage]["resume_equal"] for rank in ranks)
+    assert "holds LoRA rank=4" in out["rank_error"] and "this job has LoRA rank=2" in out["rank_error"]
     assert out["init_from_diff"] < 1e-6
 
 

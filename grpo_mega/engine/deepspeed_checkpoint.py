@@ -67,6 +67,7 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
             f"{info['zero_stage']} on {info['world_size']} processes, or start a new run from its weights "
             f"(model.init_from={folder})"
         )
+    _check_same_adapters(engine, folder)
     built = optimizer_settings(engine.optimizer)
     engine.ds.load_checkpoint(str(root), tag=info["tag"], load_optimizer_states=with_optimizer,
                               load_lr_scheduler_states=False, load_module_strict=engine.lora is None)
@@ -77,6 +78,23 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
     rng_state = torch.load(_rng_file(root, engine.rank), weights_only=True) if with_rng else None
     return {"scheduler": state["scheduler"], "extra_state": state["extra_state"], "rng_state": rng_state,
             "optimizer_changes": changes}
+
+
+def _check_same_adapters(engine, folder: Path) -> None:
+    """DeepSpeed loads the module's state non-strictly with LoRA (the base is not saved): the checkpoint's adapters
+    must be this engine's (same rank and target_modules, peft's layout), or a ValueError names the difference."""
+    from grpo_mega.engine.source_weights import lora_settings
+
+    saved = lora_settings(folder)
+    mine = engine.lora.describe() if engine.lora is not None else None
+    keys = ("rank", "target_modules", "format")
+
+    def shown(lora):
+        return "no LoRA" if lora is None else "LoRA " + ", ".join(f"{k}={lora.get(k)}" for k in keys)
+
+    if (saved is None) != (mine is None) or (saved and any(saved.get(k) != mine[k] for k in keys)):
+        raise ValueError(f"{folder} holds {shown(saved)}; this job has {shown(mine)}: set model.lora to the "
+                         "checkpoint's, or start a new run from it (model.init_from)")
 
 
 def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
