@@ -307,7 +307,6 @@ def _grpo_config(**lora) -> GRPOConfig:
     ({"rank": 8, "target_modules": ["q_proj"]}, "megatron", "'q_proj' is Hugging Face's name; megatron's is linear_qkv"),
     ({"rank": 8, "target_modules": ["linear_q"]}, "megatron", "model.lora.target_modules='linear_q'"),
     ({"rank": 8, "target_modules": []}, "megatron", "model.lora.target_modules"),
-    ({"rank": 8}, "deepspeed", "engine=megatron"),
 ])
 def test_bad_lora_settings_are_refused_in_one_line(lora, engine, message):
     from grpo_mega.config.checks import validate_lora

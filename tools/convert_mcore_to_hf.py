@@ -7,7 +7,8 @@ and keeps that config; a grpo-mega PRM checkpoint of either layout converts the 
 A checkpoint of a LoRA run (``model.lora``: adapters only) is written merged, its base (the run's model.init_from)
 with W + (alpha / rank) B A in every adapted linear. With --peft-adapter it is written instead as a PEFT adapter
 folder (adapter_config.json + adapter_model.safetensors, Hugging Face's module names q_proj ... down_proj, TP shards
-gathered; a few MB) that peft.PeftModel.from_pretrained(base, OUT) loads onto the HF base model.
+gathered; a few MB) that peft.PeftModel.from_pretrained(base, OUT) loads onto the HF base model; a LoRA checkpoint of
+engine: deepspeed (peft's adapters already) is written the same way, merged or as an adapter folder.
 
 Reads the checkpoint at --tp/--pp (any layout: dist_checkpointing reshards, whatever layout it was
 saved at) and writes safetensors shards, config.json and the tokenizer files, loadable with
@@ -152,6 +153,16 @@ def _export_deepspeed(args: argparse.Namespace, hf_config) -> None:
     start = time.perf_counter()
     _, side_files, _, _ = read_source(args.ckpt)
     dtype = torch.float32 if args.dtype == "auto" else DTYPES[args.dtype]
+    if args.peft_adapter:  # a LoRA run of engine: deepspeed holds peft's tensors already
+        from grpo_mega.checkpoint import copy_side_files
+        from grpo_mega.engine.deepspeed_checkpoint import export_deepspeed_lora_adapter
+
+        export_deepspeed_lora_adapter(_deepspeed_folder(args.ckpt), args.out, dtype=dtype)
+        copy_side_files(side_files, args.out)  # the tokenizer files; no config.json: the folder is no model
+        for name in ("config.json", "generation_config.json"):
+            (args.out / name).unlink(missing_ok=True)
+        print(f"{TOOL}: wrote {args.out} (PEFT adapter of a DeepSpeed checkpoint) in {time.perf_counter() - start:.1f} s")
+        return
     export_deepspeed_checkpoint_to_hf(_deepspeed_folder(args.ckpt), args.out, hf_config, side_files_from=side_files,
                                       dtype=dtype)
     print(f"{TOOL}: wrote {args.out} (DeepSpeed checkpoint, {str(dtype)[6:]}) in {time.perf_counter() - start:.1f} s")

@@ -114,7 +114,8 @@ def validate_world_size(parallel: ParallelConfig, world_size: int) -> None:
 
 def validate_lora(cfg) -> None:
     """``model.lora`` of a GRPO, SFT or PRM config: its ranges and target names, and what LoRA runs with so far
-    (GRPO and PRM training on the Megatron engine, from a base in ``model.init_from``, without the implicit PRM)."""
+    (GRPO training on either engine, PRM training on the Megatron engine; from a base in ``model.init_from``,
+    without the implicit PRM)."""
     lora = cfg.model.lora
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank={lora.rank} must be >= 0 (0: LoRA off)")
@@ -135,8 +136,9 @@ def validate_lora(cfg) -> None:
     if not hasattr(cfg, "algorithm") and not hasattr(cfg, "prm"):  # SFT
         raise ConfigError("model.lora is for grpo-mega train (GRPO) and grpo-mega prm train; SFT trains every "
                           "weight: set model.lora.rank=0")
-    if cfg.engine != "megatron":
-        raise ConfigError("model.lora needs engine=megatron (the DeepSpeed engine has no LoRA yet)")
+    if cfg.engine == "deepspeed" and hasattr(cfg, "prm"):
+        raise ConfigError("model.lora with engine=deepspeed trains the GRPO policy only; prm train with LoRA needs "
+                          "engine=megatron")
     if not cfg.model.init_from:
         raise ConfigError("model.lora.rank > 0 needs model.init_from: the base the adapters train on (kept frozen; "
                           "checkpoints hold the adapters and point to it)")
@@ -170,6 +172,9 @@ def validate_engine(cfg) -> None:
 
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("engine=deepspeed needs the deepspeed package, which is not installed: "
+                          "pip install 'grpo-mega[deepspeed]'")
+    if cfg.model.lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ConfigError("model.lora with engine=deepspeed needs the peft package, which is not installed: "
                           "pip install 'grpo-mega[deepspeed]'")
 
 

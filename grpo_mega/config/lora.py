@@ -1,6 +1,6 @@
-"""``model.lora``: low-rank adapters on the policy's linear layers (Megatron engine), named as Megatron-Bridge's
+"""``model.lora``: low-rank adapters on the policy's linear layers, named as Megatron-Bridge's
 ``megatron.bridge.peft.lora.LoRA`` names them (``dim`` is our ``rank``). The adapters themselves:
-``grpo_mega.lora``."""
+``grpo_mega.lora`` (Megatron engine), ``grpo_mega.engine.deepspeed_lora`` (DeepSpeed engine, peft's)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ second (down) layers. Hugging Face's q/k/v_proj, o_proj, gate/up_proj, down_proj
 
 HF_TARGET_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
                    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
-"""Hugging Face's (peft's, verl's) target names -> megatron's, for the message that refuses them."""
+"""Hugging Face's (peft's, verl's) target names -> megatron's: the message that refuses them, and the DeepSpeed
+engine's peft targets."""
 
 
 @dataclass
@@ -21,9 +22,9 @@ class LoRAConfig:
     """Low-rank adaptation (LoRA, Hu et al. 2021): each target linear W (out x in) keeps its weights frozen and
     learns W + (alpha / rank) * B A, with A (rank x in) and B (out x rank); B starts at zero, so step 0 is the base
     model. The optimizer holds only A and B; the KL reference is the base (the adapters off, no second model);
-    the weights synced to the rollout engine are merged; checkpoints hold the adapters only. Megatron engine,
-    ``grpo-mega train`` (GRPO) and ``grpo-mega prm train`` (a classifier PRM's head trained whole beside the
-    adapters)."""
+    the weights synced to the rollout engine are merged; checkpoints hold the adapters only. ``grpo-mega train``
+    (GRPO) on either engine (``engine: deepspeed``: peft's LoRA layers on the HF model, one A per HF linear) and
+    ``grpo-mega prm train`` on the Megatron engine (a classifier PRM's head trained whole beside the adapters)."""
 
     rank: int = 0
     """Rank r of the adapters; 0 (default) = LoRA off, every weight trained. RL needs little: 8-32 is usual (verl's

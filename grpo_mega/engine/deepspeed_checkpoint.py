@@ -38,7 +38,9 @@ def _rng_file(root: Path, rank: int) -> Path:
 def save_training_state(engine, folder, *, rng_state, scheduler: dict, extra_state: dict) -> None:
     """Write ``engine``'s state into ``folder`` (see the module docstring); collective."""
     root = Path(folder) / DS_DIR
-    engine.ds.save_checkpoint(str(root), tag=TAG, save_latest=False)
+    # LoRA: the adapters alone (their ZeRO optimizer state too); the frozen base is model.init_from's
+    engine.ds.save_checkpoint(str(root), tag=TAG, save_latest=False,
+                              exclude_frozen_parameters=engine.lora is not None)
     _rng_file(root, engine.rank).parent.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state, _rng_file(root, engine.rank))
     if engine.rank == 0:
@@ -65,9 +67,10 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
             f"{info['zero_stage']} on {info['world_size']} processes, or start a new run from its weights "
             f"(model.init_from={folder})"
         )
+    _check_same_adapters(engine, folder)
     built = optimizer_settings(engine.optimizer)
     engine.ds.load_checkpoint(str(root), tag=info["tag"], load_optimizer_states=with_optimizer,
-                              load_lr_scheduler_states=False, load_module_strict=True)
+                              load_lr_scheduler_states=False, load_module_strict=engine.lora is None)
     if not with_optimizer:
         engine.reload_after_weight_load()
     changes = keep_optimizer_settings(engine.optimizer, built)
@@ -77,9 +80,36 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
             "optimizer_changes": changes}
 
 
+def _check_same_adapters(engine, folder: Path) -> None:
+    """DeepSpeed loads the module's state non-strictly with LoRA (the base is not saved): the checkpoint's adapters
+    must be this engine's (same rank and target_modules, peft's layout), or a ValueError names the difference."""
+    from grpo_mega.engine.source_weights import lora_settings
+
+    saved = lora_settings(folder)
+    mine = engine.lora.describe() if engine.lora is not None else None
+    keys = ("rank", "target_modules", "format")
+
+    def shown(lora):
+        return "no LoRA" if lora is None else "LoRA " + ", ".join(f"{k}={lora.get(k)}" for k in keys)
+
+    if (saved is None) != (mine is None) or (saved and any(saved.get(k) != mine[k] for k in keys)):
+        raise ValueError(f"{folder} holds {shown(saved)}; this job has {shown(mine)}: set model.lora to the "
+                         "checkpoint's, or start a new run from it (model.init_from)")
+
+
 def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full fp32 model weights of a DeepSpeed-engine checkpoint folder, by Hugging Face name (DeepSpeed's
-    ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed."""
+    ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed; in a job every
+    rank calls it (a LoRA run's base is resolved by rank 0 for all)."""
+    from grpo_mega.engine.source_weights import lora_settings
+
+    lora = lora_settings(folder)
+    weights = _saved_weights(folder)
+    return weights if lora is None else _merged_with_base(weights, lora, folder)
+
+
+def _saved_weights(folder) -> dict[str, torch.Tensor]:
+    """The fp32 tensors DeepSpeed saved (a LoRA run's: the adapters alone, under peft's module names)."""
     from grpo_mega.engine.deepspeed_setup import import_deepspeed
 
     import_deepspeed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -87,6 +117,47 @@ def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.T
 
     info = json.loads((Path(folder) / DEEPSPEED_METADATA).read_text())
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(Path(folder) / DS_DIR), tag=info["tag"]))
+
+
+def export_deepspeed_lora_adapter(folder: str | os.PathLike, out_dir: str | os.PathLike, *,
+                                  dtype: torch.dtype = torch.float32) -> list[Path]:
+    """Write a DeepSpeed-engine LoRA checkpoint's adapters as a PEFT adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, out_dir)``), in one process; the files written.
+    Its tensors are peft's already: only the adapter name leaves their names."""
+    from grpo_mega.checkpoint.peft_export import PEFT_PREFIX, write_peft_adapter
+    from grpo_mega.engine.deepspeed_lora import ADAPTER
+    from grpo_mega.engine.source_weights import lora_settings
+
+    lora = lora_settings(folder)
+    if lora is None:
+        raise ValueError(f"{folder} is not a checkpoint of a LoRA run (model.lora.rank > 0)")
+    tensors = {PEFT_PREFIX + name.replace(f".{ADAPTER}.weight", ".weight"): tensor
+               for name, tensor in _saved_weights(folder).items() if ".lora_" in name}
+    return write_peft_adapter(Path(out_dir), lora, tensors, dtype)
+
+
+def _merged_with_base(adapters: dict[str, torch.Tensor], lora: dict, folder) -> dict[str, torch.Tensor]:
+    """A LoRA run's checkpoint (peft's adapters alone) as whole weights: its base (``lora["base"]``, the run's
+    ``model.init_from``) with W + (alpha / rank) B A for every adapted linear, in fp32."""
+    from grpo_mega.checkpoint.source import resolve_model_source
+    from grpo_mega.engine.source_weights import holds_hf_weights, source_hf_weights
+
+    if not lora.get("base"):
+        raise ValueError(f"{folder} holds LoRA adapters without a base (no lora.base in its grpo_mega_checkpoint.json)")
+    source = resolve_model_source(lora["base"])
+    if not holds_hf_weights(source):
+        raise ValueError(f"{folder}: its LoRA base {lora['base']} is not an HF folder or DeepSpeed checkpoint: "
+                         "convert it to an HF folder first (tools/convert_mcore_to_hf.py)")
+    base = source_hf_weights(source)
+    weights = {name: base[name].float() for name in base.keys()}
+    scale = float(lora["alpha"]) / int(lora["rank"])
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        prefix = name.split(".lora_A.")[0]
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        weights[f"{prefix}.weight"] = weights[f"{prefix}.weight"] + (b.float() @ a.float()) * scale
+    return weights
 
 
 def _write_hf_folder(named_tensors, out_dir: Path, hf_config, side_files_from, write: bool) -> Path:

@@ -25,6 +25,7 @@ way :class:`~grpo_mega.engine.base.NonFiniteError` is raised on every rank with 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Iterator
 
@@ -59,6 +60,8 @@ class DeepSpeedForwardEngine:
     """
 
     engine_name = "deepspeed"
+    lora = None
+    """``engine.deepspeed_lora.HFAdapters`` of a policy trained with LoRA (``model.lora``), else None."""
 
     def __init__(self, module: torch.nn.Module, *, hf_config, settings, max_tokens_per_micro_batch: int,
                  megatron_stage: Callable | None = None):
@@ -82,6 +85,8 @@ class DeepSpeedForwardEngine:
         self.gather_bucket_bytes = int(settings.gather_bucket_mb * 2**20)
         self.max_tokens_per_micro_batch = budget
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.world_size == 1:  # a one-process run (grpo-mega train --nproc 1) has no launcher to set it
+            os.environ.setdefault("LOCAL_RANK", "0")
         self.last_padding_fraction = 0.0
         self._dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         # DeepSpeed casts the fp32 module to bf16 on a GPU and partitions it (ZeRO-3).
@@ -132,8 +137,13 @@ class DeepSpeedForwardEngine:
         return next(self.module.parameters()).dtype
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The model's parameters under their Hugging Face names (tied weights once, as HF checkpoints store them)."""
-        return list(self.module.named_parameters())
+        """The model's parameters under their Hugging Face names (tied weights once, as HF checkpoints store them);
+        with LoRA the base's only (peft's ``base_layer`` left out of the names, the adapters not listed)."""
+        if self.lora is None:
+            return list(self.module.named_parameters())
+        from grpo_mega.engine.deepspeed_lora import hf_name
+
+        return [(hf_name(name), param) for name, param in self.module.named_parameters() if hf_name(name)]
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one at a time, each a new tensor; collective (every rank iterates to the end).
@@ -189,13 +199,19 @@ class DeepSpeedForwardEngine:
 class DeepSpeedEngine(DeepSpeedForwardEngine):
     """DeepSpeed ZeRO training engine behind :class:`~grpo_mega.engine.base.TrainingEngine`.
 
-    Args: as :class:`DeepSpeedForwardEngine`, plus ``optim`` (``grpo_mega.config.OptimConfig``) and
-    ``total_steps`` (the learning-rate schedule's length in trainer steps).
+    Args: as :class:`DeepSpeedForwardEngine`, plus ``optim`` (``grpo_mega.config.OptimConfig``),
+    ``total_steps`` (the learning-rate schedule's length in trainer steps) and ``lora``
+    (``grpo_mega.lora.LoRAAttacher`` of ``model.lora``, or None): peft's adapters on the model, everything else
+    frozen (``engine.deepspeed_lora``).
     """
 
     def __init__(self, module: torch.nn.Module, *, hf_config, settings, optim, total_steps: int,
-                 max_tokens_per_micro_batch: int, megatron_stage: Callable | None = None):
+                 max_tokens_per_micro_batch: int, megatron_stage: Callable | None = None, lora=None):
         self._setup(module, hf_config, settings, max_tokens_per_micro_batch, megatron_stage)
+        if lora is not None:  # before the optimizer: it and ZeRO hold the trainable (adapter) parameters only
+            from grpo_mega.engine.deepspeed_lora import HFAdapters
+
+            self.lora = HFAdapters(self.module, lora.lora, seed=lora.seed, base=lora.base)
         self.clip_grad = optim.clip_grad
         self.optimizer = build_adamw(self.module, optim)
         config = deepspeed_config(settings, clip_grad=optim.clip_grad, device=self.device,

@@ -62,8 +62,18 @@ def _gather_partitioned(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 def iter_full_weights(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, whole tensor) of every parameter of ``engine``, each a new tensor; collective at ZeRO-3 (every rank
-    iterates to the end: one all-gather per bucket), no communication for replicated parameters."""
-    for bucket in _buckets(engine.named_parameters(), bucket_bytes):
+    iterates to the end: one all-gather per bucket), no communication for replicated parameters. With LoRA the
+    base weights with the adapters merged in (``engine.deepspeed_lora.iter_merged_weights``)."""
+    if getattr(engine, "lora", None) is not None:
+        from grpo_mega.engine.deepspeed_lora import iter_merged_weights
+
+        return iter_merged_weights(engine, bucket_bytes)
+    return iter_gathered(engine.named_parameters(), bucket_bytes)
+
+
+def iter_gathered(named_params, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of each of ``named_params`` in order, each a new tensor (see ``iter_full_weights``)."""
+    for bucket in _buckets(named_params, bucket_bytes):
         partitioned = [param for _, param in bucket if _is_partitioned(param)]
         whole = iter(_gather_partitioned(partitioned)) if partitioned else iter(())
         for name, param in bucket:

@@ -168,11 +168,10 @@ def build_policy_engine(
     (``rollout.routing_replay``; Megatron engine only; the KL reference never replays). ``engine_kind="deepspeed"``:
     the HF model on a
     :class:`~grpo_mega.engine.deepspeed_engine.DeepSpeedEngine` with ``deepspeed`` (``config.DeepSpeedConfig``).
-    ``attach_adapters``: LoRA (``model.lora``, ``grpo_mega.lora.lora_attacher``); Megatron engine only."""
+    ``attach_adapters``: LoRA (``model.lora``, ``grpo_mega.lora.lora_attacher``): megatron's adapters on the
+    Megatron engine, peft's on the DeepSpeed engine's HF model (``engine.deepspeed_lora``)."""
     if engine_kind == "deepspeed":
         _check_megatron_only(sequence_parallel, recompute)
-        if attach_adapters is not None:
-            raise ValueError("model.lora needs engine=megatron (the DeepSpeed engine has no LoRA yet)")
         if routing_replay:
             raise ValueError("rollout.routing_replay needs engine=megatron (megatron-core's router replay)")
         from grpo_mega.engine.deepspeed_engine import DeepSpeedEngine
@@ -181,7 +180,7 @@ def build_policy_engine(
         module = build_hf_logprob_model(hf_config, chunk_size=logprob_chunk_size, temperature=temperature,
                                         logits_in_fp32=logits_in_fp32)
         return DeepSpeedEngine(module, hf_config=hf_config, settings=deepspeed, optim=optim, total_steps=total_steps,
-                               max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, lora=attach_adapters)
     _check_engine_kind(engine_kind)
     return build_engine(
         hf_config,

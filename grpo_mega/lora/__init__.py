@@ -12,20 +12,37 @@ zero at the start, adapters saved alone and merged for export."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from typing import Any
 
 from grpo_mega.lora.adapter import LoRAAdapter
 from grpo_mega.lora.reference import AdaptersOffReference
 from grpo_mega.lora.stage import ADAPTERS_MODULE, StageAdapters, attach_lora
 
 
-def lora_attacher(lora, *, seed: int, base: str | None = None, trained_modules: tuple[str, ...] = ()):
+@dataclasses.dataclass(frozen=True)
+class LoRAAttacher:
+    """``model.lora`` and how to attach it: called on a megatron stage it attaches the adapters (``attach_lora``);
+    the DeepSpeed engine reads ``lora``, ``seed`` and ``base`` to put peft's adapters on its HF model instead
+    (``grpo_mega.engine.deepspeed_lora``)."""
+
+    lora: Any
+    seed: int
+    base: str | None = None
+    trained_modules: tuple[str, ...] = ()
+
+    def __call__(self, stage) -> StageAdapters | None:
+        return attach_lora(stage, self.lora, seed=self.seed, base=self.base, trained_modules=self.trained_modules)
+
+
+def lora_attacher(lora, *, seed: int, base: str | None = None,
+                  trained_modules: tuple[str, ...] = ()) -> LoRAAttacher | None:
     """``stage -> StageAdapters`` for ``MegatronEngine(attach_adapters=...)`` when ``lora.rank`` > 0, else None.
     ``trained_modules``: submodules of the stage trained whole beside the adapters (a PRM's classifier head)."""
     if lora is None or not lora.enabled:
         return None
-    return functools.partial(attach_lora, lora=lora, seed=seed, base=base, trained_modules=trained_modules)
+    return LoRAAttacher(lora, seed, base, tuple(trained_modules))
 
 
-__all__ = ["ADAPTERS_MODULE", "AdaptersOffReference", "LoRAAdapter", "StageAdapters", "attach_lora",
+__all__ = ["ADAPTERS_MODULE", "AdaptersOffReference", "LoRAAdapter", "LoRAAttacher", "StageAdapters", "attach_lora",
            "lora_attacher"]
