@@ -22,7 +22,7 @@ folder, so the export lives and is pruned with its checkpoint.
 The weights: a Megatron checkpoint is loaded on this job's layout (``init_distributed``'s TP / PP: the layout the
 engine scorer would load it at) into the conversion model of ``tools/convert_mcore_to_hf.py`` and gathered tensor
 by tensor (``export_hf_weights``); rank 0 writes them in the stored dtype. A DeepSpeed one is merged by rank 0
-(``export_deepspeed_checkpoint_to_hf``). The tokenizer the PRM was trained with is saved beside them (vLLM maps
+(``export_weights_to_hf``). The tokenizer the PRM was trained with is saved beside them (vLLM maps
 ``lm_tokens``' label tokens with it). Collective: every rank of the job calls it.
 """
 
@@ -168,10 +168,11 @@ def _write_weights(source: ModelSource, out: Path) -> None:
 
     hf_config = source.hf_config
     if source.saved_by == "deepspeed":
-        from grpo_mega.engine.deepspeed_checkpoint import export_deepspeed_checkpoint_to_hf
+        from grpo_mega.engine.deepspeed_checkpoint import export_weights_to_hf
+        from grpo_mega.engine.source_weights import deepspeed_checkpoint_weights
 
         def merge() -> None:
-            export_deepspeed_checkpoint_to_hf(source.folder, out, hf_config)
+            export_weights_to_hf(deepspeed_checkpoint_weights(source.folder), out, hf_config)
 
         rank0_decides(merge)
         return
@@ -202,7 +203,8 @@ def write_megatron_weights(folder: Path, hf_config: Any, *, training_checkpoint:
     from grpo_mega.checkpoint import export_hf_weights, load_mcore_checkpoint
     from grpo_mega.checkpoint.source import locate_checkpoint
     from grpo_mega.checkpoint.weights_only import load_model_state
-    from grpo_mega.engine.source_weights import load_merged_lora_checkpoint, lora_settings
+    from grpo_mega.checkpoint.training_files import lora_settings
+    from grpo_mega.engine.source_weights import load_merged_lora_checkpoint
 
     if training_checkpoint:
         folder = locate_checkpoint(folder)
@@ -227,7 +229,8 @@ def write_peft_adapter_folder(folder: Path, hf_config: Any, out: Path | None, *,
     weights are not read. ValueError naming the folder when it holds a whole model. Returns the files written."""
     from grpo_mega.checkpoint.peft_export import gather_peft_tensors, write_peft_adapter
     from grpo_mega.checkpoint.source import locate_checkpoint
-    from grpo_mega.engine.source_weights import lora_settings, read_lora_adapters
+    from grpo_mega.checkpoint.training_files import lora_settings
+    from grpo_mega.engine.source_weights import read_lora_adapters
 
     folder = locate_checkpoint(folder)
     lora = lora_settings(folder)

@@ -60,7 +60,7 @@ def _stage(hf_dir, run_dir, stage):
     from grpo_mega.checkpoint.training import CheckpointManager
     from grpo_mega.config import DeepSpeedConfig
     from grpo_mega.engine import build_reference_engine
-    from grpo_mega.engine.deepspeed_checkpoint import deepspeed_checkpoint_weights
+    from grpo_mega.engine.source_weights import deepspeed_checkpoint_weights
     from grpo_mega.lora import AdaptersOffReference
 
     hf_config = AutoConfig.from_pretrained(hf_dir)

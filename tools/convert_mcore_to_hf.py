@@ -85,7 +85,7 @@ def preflight(args: argparse.Namespace) -> object:
     architecture_for(hf_config)
     if args.peft_adapter:
         from grpo_mega.checkpoint.source import locate_checkpoint
-        from grpo_mega.engine.source_weights import lora_settings
+        from grpo_mega.checkpoint.training_files import lora_settings
 
         if not is_training or lora_settings(locate_checkpoint(args.ckpt)) is None:
             raise ValueError(f"--peft-adapter: {args.ckpt} is not a checkpoint of a LoRA run (model.lora.rank > 0); "
@@ -148,7 +148,8 @@ def _deepspeed_folder(ckpt: Path) -> Path | None:
 
 def _export_deepspeed(args: argparse.Namespace, hf_config) -> None:
     """A checkpoint of ``engine: deepspeed``: its ZeRO partitions merged in this process (DeepSpeed's zero_to_fp32)."""
-    from grpo_mega.engine.deepspeed_checkpoint import export_deepspeed_checkpoint_to_hf
+    from grpo_mega.engine.deepspeed_checkpoint import export_weights_to_hf
+    from grpo_mega.engine.source_weights import deepspeed_checkpoint_weights
 
     start = time.perf_counter()
     _, side_files, _, _ = read_source(args.ckpt)
@@ -163,8 +164,8 @@ def _export_deepspeed(args: argparse.Namespace, hf_config) -> None:
             (args.out / name).unlink(missing_ok=True)
         print(f"{TOOL}: wrote {args.out} (PEFT adapter of a DeepSpeed checkpoint) in {time.perf_counter() - start:.1f} s")
         return
-    export_deepspeed_checkpoint_to_hf(_deepspeed_folder(args.ckpt), args.out, hf_config, side_files_from=side_files,
-                                      dtype=dtype)
+    export_weights_to_hf(deepspeed_checkpoint_weights(_deepspeed_folder(args.ckpt)), args.out, hf_config,
+                         side_files_from=side_files, dtype=dtype)
     print(f"{TOOL}: wrote {args.out} (DeepSpeed checkpoint, {str(dtype)[6:]}) in {time.perf_counter() - start:.1f} s")
 
 

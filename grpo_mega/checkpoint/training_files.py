@@ -173,3 +173,9 @@ def full_disk_error(staging: Path, step: int, error: BaseException) -> OSError |
     kept = f"the previous checkpoint {folder / previous} is untouched" if previous else "no earlier checkpoint exists"
     return OSError(errno.ENOSPC, f"the checkpoint of step {step} was not saved: no space left on the file system "
                                  f"of {staging} ({space}); {kept}")
+
+
+def lora_settings(folder: str | os.PathLike) -> dict | None:
+    """The ``lora`` entry of a training checkpoint's info (rank, alpha, target_modules, base), or None when the
+    checkpoint holds a whole model."""
+    return read_checkpoint_state(Path(folder)).get("lora")

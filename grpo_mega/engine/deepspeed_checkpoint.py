@@ -9,9 +9,10 @@ prunes as for the Megatron engine; for a DeepSpeed engine the staging folder hol
   deepspeed/grpo_mega_deepspeed.json  written last: ZeRO stage, number of processes, tag
 
 ZeRO partitions belong to one number of processes and one stage: a resume must use the same ones (a clear error
-otherwise); the weights alone load anywhere, by either engine, through :func:`deepspeed_checkpoint_weights`
-(``model.init_from``, via ``grpo_mega.engine.source_weights``; ``grpo_mega.checkpoint.source`` tells such a folder
-by its metadata file), and :func:`export_deepspeed_checkpoint_to_hf` writes them as a Hugging Face folder.
+otherwise); the weights alone load anywhere, by either engine, through
+``grpo_mega.engine.source_weights.deepspeed_checkpoint_weights`` (``model.init_from``; a LoRA run's base with its
+adapters merged; ``grpo_mega.checkpoint.source`` tells such a folder by its metadata file), and
+:func:`export_weights_to_hf` writes them as a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def load_training_state(engine, folder, *, with_optimizer: bool, with_rng: bool)
 def _check_same_adapters(engine, folder: Path) -> None:
     """DeepSpeed loads the module's state non-strictly with LoRA (the base is not saved): the checkpoint's adapters
     must be this engine's (same rank and target_modules, peft's layout), or a ValueError names the difference."""
-    from grpo_mega.engine.source_weights import lora_settings
+    from grpo_mega.checkpoint.training_files import lora_settings
 
     saved = lora_settings(folder)
     mine = engine.lora.describe() if engine.lora is not None else None
@@ -97,18 +98,7 @@ def _check_same_adapters(engine, folder: Path) -> None:
                          "checkpoint's, or start a new run from it (model.init_from)")
 
 
-def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full fp32 model weights of a DeepSpeed-engine checkpoint folder, by Hugging Face name (DeepSpeed's
-    ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed; in a job every
-    rank calls it (a LoRA run's base is resolved by rank 0 for all)."""
-    from grpo_mega.engine.source_weights import lora_settings
-
-    lora = lora_settings(folder)
-    weights = _saved_weights(folder)
-    return weights if lora is None else _merged_with_base(weights, lora, folder)
-
-
-def _saved_weights(folder) -> dict[str, torch.Tensor]:
+def saved_deepspeed_weights(folder) -> dict[str, torch.Tensor]:
     """The fp32 tensors DeepSpeed saved (a LoRA run's: the adapters alone, under peft's module names)."""
     from grpo_mega.engine.deepspeed_setup import import_deepspeed
 
@@ -126,38 +116,14 @@ def export_deepspeed_lora_adapter(folder: str | os.PathLike, out_dir: str | os.P
     Its tensors are peft's already: only the adapter name leaves their names."""
     from grpo_mega.checkpoint.peft_export import PEFT_PREFIX, write_peft_adapter
     from grpo_mega.engine.deepspeed_lora import ADAPTER
-    from grpo_mega.engine.source_weights import lora_settings
+    from grpo_mega.checkpoint.training_files import lora_settings
 
     lora = lora_settings(folder)
     if lora is None:
         raise ValueError(f"{folder} is not a checkpoint of a LoRA run (model.lora.rank > 0)")
     tensors = {PEFT_PREFIX + name.replace(f".{ADAPTER}.weight", ".weight"): tensor
-               for name, tensor in _saved_weights(folder).items() if ".lora_" in name}
+               for name, tensor in saved_deepspeed_weights(folder).items() if ".lora_" in name}
     return write_peft_adapter(Path(out_dir), lora, tensors, dtype)
-
-
-def _merged_with_base(adapters: dict[str, torch.Tensor], lora: dict, folder) -> dict[str, torch.Tensor]:
-    """A LoRA run's checkpoint (peft's adapters alone) as whole weights: its base (``lora["base"]``, the run's
-    ``model.init_from``) with W + (alpha / rank) B A for every adapted linear, in fp32."""
-    from grpo_mega.checkpoint.source import resolve_model_source
-    from grpo_mega.engine.source_weights import holds_hf_weights, source_hf_weights
-
-    if not lora.get("base"):
-        raise ValueError(f"{folder} holds LoRA adapters without a base (no lora.base in its grpo_mega_checkpoint.json)")
-    source = resolve_model_source(lora["base"])
-    if not holds_hf_weights(source):
-        raise ValueError(f"{folder}: its LoRA base {lora['base']} is not an HF folder or DeepSpeed checkpoint: "
-                         "convert it to an HF folder first (tools/convert_mcore_to_hf.py)")
-    base = source_hf_weights(source)
-    weights = {name: base[name].float() for name in base.keys()}
-    scale = float(lora["alpha"]) / int(lora["rank"])
-    for name, a in adapters.items():
-        if ".lora_A." not in name:
-            continue
-        prefix = name.split(".lora_A.")[0]
-        b = adapters[name.replace(".lora_A.", ".lora_B.")]
-        weights[f"{prefix}.weight"] = weights[f"{prefix}.weight"] + (b.float() @ a.float()) * scale
-    return weights
 
 
 def _write_hf_folder(named_tensors, out_dir: Path, hf_config, side_files_from, write: bool) -> Path:
@@ -186,12 +152,11 @@ def save_hf_checkpoint(engine, out_dir: str | os.PathLike, *, side_files_from: s
     return out_dir
 
 
-def export_deepspeed_checkpoint_to_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, hf_config, *,
-                                      side_files_from: str | os.PathLike | None = None,
-                                      dtype: torch.dtype = torch.float32) -> Path:
-    """Write a DeepSpeed-engine training checkpoint's weights (merged to fp32, then cast to ``dtype``) as a Hugging
-    Face folder, in one process. Returns the folder."""
-    weights = deepspeed_checkpoint_weights(folder)
+def export_weights_to_hf(weights: dict[str, torch.Tensor], out_dir: str | os.PathLike, hf_config, *,
+                         side_files_from: str | os.PathLike | None = None,
+                         dtype: torch.dtype = torch.float32) -> Path:
+    """Write whole HF-named weights (a DeepSpeed-engine training checkpoint's: ``grpo_mega.engine.source_weights.
+    deepspeed_checkpoint_weights``), cast to ``dtype``, as a Hugging Face folder, in one process. Returns the folder."""
     if getattr(hf_config, "tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # HF checkpoints of tied models store the embedding only
     hf_config.dtype = dtype

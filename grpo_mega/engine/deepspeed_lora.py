@@ -27,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from grpo_mega.config.lora import HF_TARGET_NAMES
+from grpo_mega.checkpoint.lora_names import HF_TARGET_NAMES
 
 ADAPTER = "default"
 """peft's adapter name (parameters ``...q_proj.lora_A.default.weight``)."""
@@ -105,22 +105,21 @@ class HFAdapters:
                 "base": self.base, "format": "peft"}
 
 
-def iter_merged_weights(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, whole tensor) of every base weight of ``engine`` with its adapter merged in, W + s B A (computed in
-    fp32, returned in W's dtype); no ``lora_`` tensor. Collective at ZeRO-3 (every rank iterates to the end):
-    parameters are gathered in buckets in module order, where a linear's W precedes its A and B, so at most one W
-    waits for its adapter."""
-    from grpo_mega.engine.deepspeed_weights import iter_gathered
-
+def iter_merged_weights(gathered: Iterator[tuple[str, torch.Tensor]], scale: float
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, whole tensor) of every base weight with its adapter merged in, W + scale B A (computed in fp32,
+    returned in W's dtype); no ``lora_`` tensor. ``gathered``: the peft model's (name, whole tensor) in module order
+    (``engine.deepspeed_weights.iter_gathered``: collective at ZeRO-3, every rank iterates to the end), where a
+    linear's W precedes its A and B, so at most one W waits for its adapter."""
     pending: dict[str, torch.Tensor] = {}  # linear's prefix -> its whole W, until B arrives
     factors: dict[str, torch.Tensor] = {}  # linear's prefix -> its whole A
-    for name, tensor in iter_gathered(engine.module.named_parameters(), bucket_bytes):
+    for name, tensor in gathered:
         if ".lora_A." in name:
             factors[name.split(".lora_A.")[0]] = tensor
         elif ".lora_B." in name:
             prefix = name.split(".lora_B.")[0]
             weight, a = pending.pop(prefix), factors.pop(prefix)
-            merged = weight.float() + (tensor.float() @ a.float()) * engine.lora.scale
+            merged = weight.float() + (tensor.float() @ a.float()) * scale
             yield f"{prefix}.weight", merged.to(weight.dtype)
         elif name.endswith(".base_layer.weight"):
             pending[name.removesuffix(".base_layer.weight")] = tensor

@@ -67,7 +67,7 @@ def iter_full_weights(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Te
     if getattr(engine, "lora", None) is not None:
         from grpo_mega.engine.deepspeed_lora import iter_merged_weights
 
-        return iter_merged_weights(engine, bucket_bytes)
+        return iter_merged_weights(iter_gathered(engine.module.named_parameters(), bucket_bytes), engine.lora.scale)
     return iter_gathered(engine.named_parameters(), bucket_bytes)
 
 

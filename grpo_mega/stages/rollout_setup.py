@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 from grpo_mega.config import GRPOConfig, validate_rollout_layout, validate_rollout_mode
+from grpo_mega.config.loading import ConfigError
 from grpo_mega.data.formats import field_settings
 from grpo_mega.data.prompts import load_prompt_dataset
 from grpo_mega.parallel import destroy_model_parallel, get_device, read_launch_env
@@ -17,11 +18,21 @@ from grpo_mega.reward.registry import build_reward_function
 from grpo_mega.rollout import build_rollout_engine
 from grpo_mega.rollout.base import load_hf_tokenizer
 from grpo_mega.rollout.engine_choice import (EngineChoice, choose_rollout_engine, parameters_from_hf_config,
-                                             refuse_hf_settings_under_vllm, vllm_installed)
+                                             vllm_installed)
 from grpo_mega.stages.answer_guard import answer_guard_of
 from grpo_mega.stages.evaluation import evaluate
 
 logger = logging.getLogger(__name__)
+
+
+def refuse_hf_settings_under_vllm(choice: EngineChoice, *, decode_graphs: str) -> None:
+    """A ConfigError when ``auto`` chose vllm but the config sets a key only the hf engine reads: the load-time check
+    (``rollout.decode_graphs`` with ``rollout.engine: vllm``) could not know the engine yet, and the setting would
+    be dropped without a word. Refused, not warned, like the vllm layout checks re-run for the same choice."""
+    if choice.engine == "vllm" and decode_graphs != "off":
+        raise ConfigError(f"rollout.decode_graphs={decode_graphs} applies to the hf engine, but rollout.engine=auto "
+                          f"chose vllm ({choice.reason}), which captures its own CUDA graphs: set rollout.engine=hf "
+                          f"to decode with it, or rollout.decode_graphs=off")
 
 
 def settle_rollout_engine(cfg: GRPOConfig) -> EngineChoice | None:
