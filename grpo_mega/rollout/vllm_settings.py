@@ -28,7 +28,8 @@ def vllm_default_batch_limits(gpu_bytes: int, gpu_name: str) -> BatchLimits:
     """vLLM 0.32's defaults for offline ``vllm.LLM`` use on a CUDA GPU (``EngineArgs.get_batch_defaults``,
     ``UsageContext.LLM_CLASS``): 16,384 tokens / 1,024 sequences on GPUs of >= 160 GiB, and on GPUs of >= 70 GiB
     other than the A100 (H100, H200); 8,192 / 256 elsewhere (A100 80 GB: larger batches cost it throughput, vllm
-    PR #17885)."""
+    PR #17885). vLLM 0.33 also puts a GB10 (compute capability 12.1) on the small tier; this function, which sees
+    no capability, does not (the engine passes the limits explicitly, so engine and plan still agree)."""
     if gpu_bytes >= 160 * GIB or (gpu_bytes >= 70 * GIB and "a100" not in gpu_name.lower()):
         return BatchLimits(max_num_batched_tokens=16384, max_num_seqs=1024)
     return BatchLimits(max_num_batched_tokens=8192, max_num_seqs=256)
