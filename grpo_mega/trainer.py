@@ -157,7 +157,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     if eval_metrics:
         harness.metrics_log.log(0, eval_metrics, advance=False)
 
-    figures_logged = False
+    # parameter and memory figures: once, with the run's first update; not again after a resume (its first row
+    # would differ from the uninterrupted run's; the first update's row, kept in metrics.jsonl, has them)
+    figures_logged = start_step > 0
     for step in harness.steps():
         timer = Timer()
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter; async: the
