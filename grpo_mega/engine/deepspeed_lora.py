@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -105,25 +105,65 @@ class HFAdapters:
                 "base": self.base, "format": "peft"}
 
 
-def iter_merged_weights(gathered: Iterator[tuple[str, torch.Tensor]], scale: float
+def merge_peft_adapters(named: Iterable[tuple[str, torch.Tensor]], scale: float
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, whole tensor) of every base weight with its adapter merged in, W + scale B A (computed in fp32,
-    returned in W's dtype); no ``lora_`` tensor. ``gathered``: the peft model's (name, whole tensor) in module order
-    (``engine.deepspeed_weights.iter_gathered``: collective at ZeRO-3, every rank iterates to the end), where a
-    linear's W precedes its A and B, so at most one W waits for its adapter."""
-    pending: dict[str, torch.Tensor] = {}  # linear's prefix -> its whole W, until B arrives
-    factors: dict[str, torch.Tensor] = {}  # linear's prefix -> its whole A
-    for name, tensor in gathered:
-        if ".lora_A." in name:
-            factors[name.split(".lora_A.")[0]] = tensor
-        elif ".lora_B." in name:
-            prefix = name.split(".lora_B.")[0]
-            weight, a = pending.pop(prefix), factors.pop(prefix)
-            merged = weight.float() + (tensor.float() @ a.float()) * scale
-            yield f"{prefix}.weight", merged.to(weight.dtype)
-        elif name.endswith(".base_layer.weight"):
-            pending[name.removesuffix(".base_layer.weight")] = tensor
+    """(HF name, whole tensor) of every weight of ``named`` with its adapter merged in: W + scale B A, computed in
+    fp32 and returned in W's dtype, under the HF name (``...q_proj.weight``); every other tensor under its HF name
+    (``base_layer`` dropped, :func:`hf_name`); no ``lora_`` tensor.
+
+    ``named``: whole tensors under the peft model's names (``...q_proj.base_layer.weight``,
+    ``...q_proj.lora_A.default.weight``, ``...q_proj.lora_B.default.weight``), an A paired with its B and W by the
+    linear's name prefix. Streamed: a linear's tensors wait only until the last of its three arrives, so in module
+    order (W, then A, then B) at most one W is held. RuntimeError naming the linears left without all three.
+    The one merge of peft-layout adapters: the DeepSpeed engine's synced / exported weights
+    (:func:`iter_merged_weights`) and a DeepSpeed LoRA checkpoint read as whole weights
+    (``engine.source_weights``); the Megatron engine's fused adapters merge in ``grpo_mega.lora``."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # linear's prefix -> {"W", "A", "B"} received so far
+    for name, tensor in named:
+        for marker, part in ((".lora_A.", "A"), (".lora_B.", "B"), (".base_layer.weight", "W")):
+            if marker in name:
+                prefix = name.split(marker)[0]
+                held = parts.setdefault(prefix, {})
+                held[part] = tensor
+                if len(held) == 3:
+                    del parts[prefix]
+                    weight = held["W"]
+                    merged = weight.float() + (held["B"].float() @ held["A"].float()) * scale
+                    yield f"{prefix}.weight", merged.to(weight.dtype)
+                break
         else:
             yield hf_name(name), tensor
-    if pending or factors:
-        raise RuntimeError(f"LoRA merge: adapted weights without their adapter: {sorted(pending)[:4]}")
+    if parts:
+        raise RuntimeError(f"LoRA merge: linears without their weight, A and B: "
+                           f"{ {prefix: sorted(held) for prefix, held in list(parts.items())[:4]} }")
+
+
+def iter_merged_weights(gathered: Iterator[tuple[str, torch.Tensor]], scale: float
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`merge_peft_adapters` of the peft model's (name, whole tensor) in module order
+    (``engine.deepspeed_weights.iter_gathered``: collective at ZeRO-3, every rank iterates to the end)."""
+    return merge_peft_adapters(gathered, scale)
+
+
+def merged_with_base(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scale: float
+                     ) -> dict[str, torch.Tensor]:
+    """Whole fp32 weights by HF name: ``base`` (HF names) with ``adapters`` (peft names, ``lora_`` tensors; other
+    tensors ignored) merged in by :func:`merge_peft_adapters`, each W next to its A and B."""
+    factors: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in adapters.items():
+        for marker in (".lora_A.", ".lora_B."):
+            if marker in name:
+                factors.setdefault(f"{name.split(marker)[0]}.weight", []).append((name, tensor))
+    unknown = sorted(name for name in factors if name not in base)
+    if unknown:
+        raise ValueError(f"LoRA adapters of linears the base does not have: {unknown[:4]}")
+
+    def peft_named():
+        for name in base.keys():
+            if name in factors:
+                yield name.removesuffix(".weight") + ".base_layer.weight", base[name].float()
+                yield from factors[name]
+            else:
+                yield name, base[name].float()
+
+    return dict(merge_peft_adapters(peft_named(), scale))

@@ -156,13 +156,6 @@ def _merged_with_base(adapters: dict[str, torch.Tensor], lora: dict, folder) -> 
     if not holds_hf_weights(source):
         raise ValueError(f"{folder}: its LoRA base {lora['base']} is not an HF folder or DeepSpeed checkpoint: "
                          "convert it to an HF folder first (tools/convert_mcore_to_hf.py)")
-    base = source_hf_weights(source)
-    weights = {name: base[name].float() for name in base.keys()}
-    scale = float(lora["alpha"]) / int(lora["rank"])
-    for name, a in adapters.items():
-        if ".lora_A." not in name:
-            continue
-        prefix = name.split(".lora_A.")[0]
-        b = adapters[name.replace(".lora_A.", ".lora_B.")]
-        weights[f"{prefix}.weight"] = weights[f"{prefix}.weight"] + (b.float() @ a.float()) * scale
-    return weights
+    from grpo_mega.engine.deepspeed_lora import merged_with_base
+
+    return merged_with_base(source_hf_weights(source), adapters, float(lora["alpha"]) / int(lora["rank"]))
