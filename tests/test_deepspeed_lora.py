@@ -87,6 +87,11 @@ def _stage(hf_dir, run_dir, stage):
     held = torch.tensor([float(sum(state["exp_avg"].numel() for state in policy.optimizer.state.values()))])
     torch.distributed.all_reduce(held)  # Adam's moments: ZeRO partitions of the trained parameters, over all ranks
     out["optimizer_params"] = int(held.item())
+    from grpo_mega.perf.parameters import parameter_figures
+
+    out["figures"] = parameter_figures(policy)  # what the trainer logs with its first update
+    out["base_params"] = sum(HFWeights(hf_dir)[name].numel() for name in HFWeights(hf_dir))
+    out["base_tensors"] = len(HFWeights(hf_dir))
     merged = {name: tensor.clone() for name, tensor in policy.export_hf_weights()}
     out["names"] = (sorted(merged), sorted(before))
     out["changed"] = sorted(name for name in merged if not torch.equal(merged[name], before[name]))
@@ -153,6 +158,20 @@ def test_lora_on_deepspeed_trains_adapters_only_merges_and_resumes_bit_equal(ran
     assert out["trainable"] == 4 * per_layer and out["frozen"] == []  # the base frozen, every adapter trained
     assert out["trainable"] <= out["optimizer_params"] < out["trainable"] + 64  # ZeRO pads its partitions
     assert out["step0_diff"] == 0.0  # B = 0: the adapted model is the base
+    # the logged figures: the whole model counted; the bytes one of the 2 ranks holds (fp32 on the CPU): every weight
+    # at ZeRO-2, its half of each at ZeRO-3; half the adapters' gradient; its partition's fp32 master copy and Adam's
+    # two moments (ZeRO pads partitions; torch's AdamW keeps a 4-byte step per tensor); ZeRO-3 in fp32 makes no
+    # master copy (its partition of the fp32 weights is the master: deepspeed/runtime/zero/stage3.py
+    # _create_fp32_partitions)
+    figures, trainable, total = out["figures"], out["trainable"], out["base_params"] + out["trainable"]
+    assert figures["model/trainable_parameters"] == trainable and figures["model/total_parameters"] == total
+    tensors = out["base_tensors"] + 4 * 14  # 4 layers x 7 linears x (A, B)
+    held = total * 4 if stage == 2 else total * 2  # ZeRO-3: ceil(numel / 2) per tensor
+    assert held <= figures["memory/parameter_bytes"] <= held + 4 * tensors
+    assert figures["memory/gradient_bytes"] == 4 * ((trainable + 1) // 2)
+    copies = 3 if stage == 2 else 2
+    state = figures["memory/optimizer_state_bytes"]
+    assert 4 * copies * trainable / 2 <= state <= 4 * copies * (trainable / 2 + 64) + 4 * tensors
     merged_names, base_names = out["names"]
     assert merged_names == base_names and not any("lora" in name or "base_layer" in name for name in merged_names)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

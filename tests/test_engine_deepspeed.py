@@ -90,6 +90,9 @@ def _zero2_and_megatron_step(hf_dir):
     out = {"logprobs": [e.forward_logprobs(_batch())[0] for e in (megatron, deepspeed, reference)]}
     out["metrics"] = [e.train_step(_batch(), _loss_fn()) for e in (megatron, deepspeed)]
     out["weights"] = [_weights(megatron), _weights(deepspeed)]
+    from grpo_mega.perf.parameters import parameter_figures
+
+    out["figures"] = parameter_figures(deepspeed)  # full training at ZeRO-2 (LoRA's: test_deepspeed_lora)
     out["moved"] = max((out["weights"][1][k] - start[k]).abs().max().item() for k in start)
 
     # A NaN loss on one rank's micro-batch: NonFiniteError on every rank, nothing applied, and training goes on.
@@ -132,6 +135,20 @@ def test_zero2_step_equals_megatron_step(ranks):
         assert math.isfinite(rank["after"]["loss"]) and rank["after"]["grad_norm"] > 0
         alone, in_batch = rank["one_row"]
         torch.testing.assert_close(alone[real[:1]], in_batch[real[:1]], atol=1e-5, rtol=0)
+
+
+def test_zero2_logs_the_parameter_figures_of_what_each_rank_holds(ranks):
+    """Full training at ZeRO-2 on 2 ranks (fp32 on the CPU): every weight trained; each rank holds every weight,
+    half the gradient, and its half of the fp32 master copy and Adam's two moments (ZeRO pads its partition;
+    torch's AdamW keeps a 4-byte step per tensor)."""
+    for rank in (r["zero2"] for r in ranks):
+        figures, weights = rank["figures"], rank["weights"][1]
+        total = sum(value.numel() for value in weights.values())  # untied: the HF model's every tensor
+        assert figures["model/trainable_parameters"] == figures["model/total_parameters"] == total
+        assert figures["memory/parameter_bytes"] == 4 * total
+        assert figures["memory/gradient_bytes"] == 4 * ((total + 1) // 2)
+        state = figures["memory/optimizer_state_bytes"]
+        assert 12 * total / 2 <= state <= 12 * (total / 2 + 64) + 4 * len(weights)
 
 
 # ----------------------------------------------------------------------------- ZeRO-3: resume, export
@@ -260,6 +277,21 @@ def test_zero3_resumes_exactly_and_exports_hf(ranks):
         assert rank["reference_diff"] < 1e-6
         assert 1e-4 < rank["init_from_step"] < 0.015
         assert "ZeRO-3" in rank["stage_error"] and "deepspeed.zero_stage=3" in rank["stage_error"]
+
+
+def test_forward_only_engine_casts_parameters_not_buffers():
+    """On a GPU the replicated forward-only engine (the KL reference at ZeRO-1/2) holds bf16 parameters; its rotary
+    ``inv_freq`` stays fp32 as in the DeepSpeed training engine, so both compute the same rotary angles."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mega.engine.deepspeed_setup import cast_parameters
+
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(tied=False, vocab_size=VOCAB))
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    cast_parameters(model, torch.device("cpu"), torch.bfloat16)
+    assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)  # bf16 would round it: 1/10000^(k/8)
 
 
 # ----------------------------------------------------------------------------- configuration errors

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from grpo_mega.engine.base import LossFn, NonFiniteError
 from grpo_mega.engine.batching import is_padding, padding_micro_batch, rank_micro_batches
-from grpo_mega.engine.deepspeed_setup import build_adamw, deepspeed_config, import_deepspeed
+from grpo_mega.engine.deepspeed_setup import build_adamw, cast_parameters, deepspeed_config, import_deepspeed
 from grpo_mega.engine.lr_schedule import build_lr_schedule, restore_lr_schedule
 from grpo_mega.engine.step_records import (
     finish_step_metrics,
@@ -72,7 +72,7 @@ class DeepSpeedForwardEngine:
                                       train=False)
             self.ds, *_ = self.deepspeed.initialize(model=self.module, config=config)
         else:
-            self.ds = self.module.to(self.device, self._dtype)
+            self.ds = cast_parameters(self.module, self.device, self._dtype)
         self.ds.eval()
 
     def _setup(self, module, hf_config, settings, budget, megatron_stage) -> None:
@@ -274,6 +274,20 @@ class DeepSpeedEngine(DeepSpeedForwardEngine):
         """Move the schedule to ``position`` (default: the saved ``num_steps``), keeping this engine's settings;
         returns the settings that changed, as ``"name old -> new"``."""
         return restore_lr_schedule(self.scheduler, saved, position)
+
+    # ----------------------------------------------------------------- what it trains and holds
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the whole model (``engine.deepspeed_figures``)."""
+        from grpo_mega.engine.deepspeed_figures import parameter_counts
+
+        return parameter_counts(self.module)
+
+    def static_memory_bytes(self) -> dict[str, int]:
+        """{"parameters", "gradients", "optimizer_state"}: bytes THIS rank holds, its ZeRO partitions at ZeRO-2/3
+        (gradients, optimizer state) and ZeRO-3 (parameters) (``engine.deepspeed_figures``)."""
+        from grpo_mega.engine.deepspeed_figures import static_memory_bytes
+
+        return static_memory_bytes(self)
 
     # ----------------------------------------------------------------- checkpoints and weights
     def save_training_state(self, folder, *, rng_state, scheduler: dict, extra_state: dict) -> None:

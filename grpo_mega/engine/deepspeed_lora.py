@@ -11,7 +11,7 @@ What the engine does with them (as the Megatron engine's ``grpo_mega.lora.StageA
 - the KL reference is the base: :meth:`HFAdapters.disabled` switches every adapter off (peft's
   ``enable_adapters(False)``), the model is the frozen base exactly;
 - exported weights (sync to the rollout engine, HF folders) are merged, W + s B A, under the HF names
-  (``base_layer`` dropped, no ``lora_`` tensor): :func:`iter_merged_weights`, W gathered with its A and B at ZeRO-3;
+  (``base_layer`` dropped, no ``lora_`` tensor): :func:`merge_peft_adapters`, W gathered with its A and B at ZeRO-3;
 - checkpoints hold the adapters alone (``save_checkpoint(exclude_frozen_parameters=True)``; the base comes from
   ``model.init_from`` again on resume).
 
@@ -115,9 +115,10 @@ def merge_peft_adapters(named: Iterable[tuple[str, torch.Tensor]], scale: float
     ``...q_proj.lora_A.default.weight``, ``...q_proj.lora_B.default.weight``), an A paired with its B and W by the
     linear's name prefix. Streamed: a linear's tensors wait only until the last of its three arrives, so in module
     order (W, then A, then B) at most one W is held. RuntimeError naming the linears left without all three.
-    The one merge of peft-layout adapters: the DeepSpeed engine's synced / exported weights
-    (:func:`iter_merged_weights`) and a DeepSpeed LoRA checkpoint read as whole weights
-    (``engine.source_weights``); the Megatron engine's fused adapters merge in ``grpo_mega.lora``."""
+    The one merge of peft-layout adapters: the DeepSpeed engine's synced / exported weights (the peft model's
+    tensors from ``engine.deepspeed_weights.iter_gathered``: collective at ZeRO-3, every rank iterates to the end)
+    and a DeepSpeed LoRA checkpoint read as whole weights (:func:`merged_with_base`); the Megatron engine's fused
+    adapters merge in ``grpo_mega.lora``."""
     parts: dict[str, dict[str, torch.Tensor]] = {}  # linear's prefix -> {"W", "A", "B"} received so far
     for name, tensor in named:
         for marker, part in ((".lora_A.", "A"), (".lora_B.", "B"), (".base_layer.weight", "W")):
@@ -136,13 +137,6 @@ def merge_peft_adapters(named: Iterable[tuple[str, torch.Tensor]], scale: float
     if parts:
         raise RuntimeError(f"LoRA merge: linears without their weight, A and B: "
                            f"{ {prefix: sorted(held) for prefix, held in list(parts.items())[:4]} }")
-
-
-def iter_merged_weights(gathered: Iterator[tuple[str, torch.Tensor]], scale: float
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`merge_peft_adapters` of the peft model's (name, whole tensor) in module order
-    (``engine.deepspeed_weights.iter_gathered``: collective at ZeRO-3, every rank iterates to the end)."""
-    return merge_peft_adapters(gathered, scale)
 
 
 def merged_with_base(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], scale: float

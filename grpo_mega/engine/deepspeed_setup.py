@@ -92,6 +92,19 @@ def deepspeed_config(settings, *, clip_grad: float, device: torch.device, world_
     return config
 
 
+def cast_parameters(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``module`` moved to ``device`` with its floating-point parameters in ``dtype`` and its buffers left in their
+    own dtype, as DeepSpeed casts the training engine's module (deepspeed/runtime/engine.py
+    ``_cast_module_mixed_precision``: buffers are cast only with ``buffer_dtype`` set). ``module.to(device, dtype)``
+    would also round the rotary ``inv_freq`` buffer to bf16 on a GPU, so a replicated forward-only engine (the KL
+    reference at ZeRO-1/2, a PRM) would compute other rotary angles than the policy it is compared with."""
+    module.to(device)
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return module
+
+
 def adamw_param_groups(module: torch.nn.Module) -> list[dict]:
     """Megatron's weight-decay split: no decay (``wd_mult`` 0) on biases and 1-D parameters (norms), decay on the
     rest. ``wd_mult`` is read by the learning-rate schedule (megatron's ``OptimizerParamScheduler``)."""

@@ -63,11 +63,11 @@ def _gather_partitioned(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 def iter_full_weights(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, whole tensor) of every parameter of ``engine``, each a new tensor; collective at ZeRO-3 (every rank
     iterates to the end: one all-gather per bucket), no communication for replicated parameters. With LoRA the
-    base weights with the adapters merged in (``engine.deepspeed_lora.iter_merged_weights``)."""
+    base weights with the adapters merged in (``engine.deepspeed_lora.merge_peft_adapters``)."""
     if getattr(engine, "lora", None) is not None:
-        from grpo_mega.engine.deepspeed_lora import iter_merged_weights
+        from grpo_mega.engine.deepspeed_lora import merge_peft_adapters
 
-        return iter_merged_weights(iter_gathered(engine.module.named_parameters(), bucket_bytes), engine.lora.scale)
+        return merge_peft_adapters(iter_gathered(engine.module.named_parameters(), bucket_bytes), engine.lora.scale)
     return iter_gathered(engine.named_parameters(), bucket_bytes)
 
 

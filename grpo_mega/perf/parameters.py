@@ -1,4 +1,4 @@
-"""What a Megatron policy trains and what its training state holds, logged once per run in the metrics row of its
+"""What a policy trains and what its training state holds, logged once per run in the metrics row of its
 first update (a LoRA policy against full training, issue 78):
 
 - ``model/total_parameters``: every parameter of the whole model (all TP / PP ranks, each tensor once; LoRA's
@@ -7,7 +7,9 @@ first update (a LoRA policy against full training, issue 78):
 - ``memory/parameter_bytes``, ``memory/gradient_bytes``, ``memory/optimizer_state_bytes``: what the fullest rank
   holds of each (``grpo_mega.engine.distributed_optimizer.static_memory_bytes``: the weights, the DDP gradient
   buffers, the fp32 master copies and Adam's moments). Adam allocates its moments at its first step, hence the
-  first update's row.
+  first update's row. The DeepSpeed engine (ZeRO) gives the same figures: the model counted whole, the bytes those
+  of one rank (every rank holds as much), its ZeRO partitions: the optimizer state at every stage, the gradients
+  from ZeRO-2, the parameters at ZeRO-3 (``grpo_mega.engine.deepspeed_figures`` says how each is counted).
 
 Collective: every rank calls :func:`parameter_figures` after the same update.
 """
@@ -57,11 +59,18 @@ def _reduced(values: list[float], *, group=None, op=dist.ReduceOp.SUM) -> list[f
 
 
 def parameter_figures(engine) -> dict[str, float]:
-    """The module docstring's figures of a Megatron training engine (``engine.stage``, ``static_memory_bytes``);
-    {} for an engine without them (the DeepSpeed engine: ZeRO partitions its parameters and state its own way)."""
-    if not hasattr(engine, "static_memory_bytes") or not hasattr(engine, "stage"):
+    """The module docstring's figures of a training engine: a Megatron engine (``engine.stage``,
+    ``static_memory_bytes``) or the DeepSpeed engine (its own ``parameter_counts`` of the whole model and
+    ``static_memory_bytes`` of what each rank holds: its ZeRO partitions, ``grpo_mega.engine.deepspeed_figures``);
+    {} for an engine without them."""
+    if not hasattr(engine, "static_memory_bytes"):
         return {}
-    trainable, total = parameter_counts(engine.stage)
+    if hasattr(engine, "parameter_counts"):  # the DeepSpeed engine: data-parallel only, every rank sees the whole
+        trainable, total = engine.parameter_counts()
+    elif hasattr(engine, "stage"):
+        trainable, total = parameter_counts(engine.stage)
+    else:
+        return {}
     held = engine.static_memory_bytes()
     largest = _reduced([held["parameters"], held["gradients"], held["optimizer_state"]], op=dist.ReduceOp.MAX)
     return {"model/trainable_parameters": float(trainable), "model/total_parameters": float(total),
