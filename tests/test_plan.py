@@ -327,3 +327,16 @@ def test_prm_read_from_an_hf_folder_or_a_grpo_mega_checkpoint(tmp_path, monkeypa
     saved = {"model": {"hf_config": "configs/models/qwen2.5-math-prm-7b"}}
     monkeypatch.setattr(source, "checkpoint_config", lambda path: saved)
     assert _prm_hf_config(str(tmp_path)) == hf
+
+
+def test_the_deepspeed_engine_is_not_planned():
+    """grpo-mega plan models the megatron engine only; with LoRA its message says the adapter count differs."""
+    from grpo_mega.plan import plan_config
+
+    cfg = GRPOConfig()
+    cfg.engine = "deepspeed"
+    with pytest.raises(ConfigError, match="plan with engine=megatron$"):
+        plan_config(cfg, gpus_per_node=8, gpu_memory_gib=80)
+    cfg.model.lora.rank = 16
+    with pytest.raises(ConfigError, match="one A per fused linear, where peft's on DeepSpeed have one per q, k, v"):
+        plan_config(cfg, gpus_per_node=8, gpu_memory_gib=80)

@@ -101,8 +101,12 @@ def plan_config(cfg, *, gpus_per_node: int, gpu_memory_gib: float, nodes: int = 
     config's header names (``grpo_mega.plan.settings.documented_shape``), planned with while
     ``process_reward.prm`` is not there (said in a note)."""
     if cfg.engine != "megatron":
+        # a plan at engine=megatron is a guide only: ZeRO partitions otherwise, and peft's LoRA (one A per HF
+        # linear) trains more parameters than megatron's (one A per fused linear, the plan's count)
+        lora_note = (" (its LoRA adapters then count one A per fused linear, where peft's on DeepSpeed have one per "
+                     "q, k, v, gate and up projection)") if cfg.model.lora.enabled else ""
         raise ConfigError(f"engine={cfg.engine!r}: grpo-mega plan models the megatron engine (DeepSpeed's ZeRO "
-                          "partitions differently); plan with engine=megatron")
+                          f"partitions differently); plan with engine=megatron{lora_note}")
     hardware = Hardware(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, nodes=nodes, gpu_name=gpu_name)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     dp = data_parallel_size(cfg, hardware)
