@@ -31,6 +31,7 @@ from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.checkpoint.rng import rng_state_kept
 from grpo_mega.checkpoint.source import resolve_model_source
 from grpo_mega.config import GRPOConfig
+from grpo_mega.config.checks import check_lora_imports
 from grpo_mega.data.prompts import PromptBatches
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine, build_reference_engine
@@ -86,6 +87,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     (``grpo_mega.rollout_worker``) and the others train here; batches come from the rollout world
     (``grpo_mega.stages.rollout_feed``) instead of the rollout stage, and weights go to it instead of the engine."""
     alg = cfg.algorithm
+    check_lora_imports(cfg)  # peft, for LoRA on DeepSpeed: named before anything is built
     settle_rollout_engine(cfg)  # rollout.engine: auto -> the faster engine on this device, for both roles
     split = None
     if cfg.rollout.mode == "async":
