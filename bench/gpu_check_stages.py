@@ -62,8 +62,8 @@ def driver_problem(torch_cuda: str | None, driver_cuda: int | None) -> str | Non
         needed = {11: "450.80", 12: "525.60", 13: "580.65"}.get(major, f"one that supports CUDA {major}.0")
         return (f"the NVIDIA driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}, but torch "
                 f"{_torch_version()} is built for CUDA {torch_cuda}: update the driver to >= {needed}, or install a "
-                f"torch built for CUDA {driver_cuda // 1000}.x (vLLM 0.32.0, the tested one, needs torch 2.13.0, "
-                "which PyPI builds for CUDA 13.0)")
+                f"torch built for CUDA {driver_cuda // 1000}.x (the gpu extra's vLLM pins its torch: 0.33.0 "
+                "torch 2.14.0, 0.32.0 torch 2.13.0, which PyPI builds for CUDA 13.0; docs/clusters.md, Versions)")
     return None
 
 

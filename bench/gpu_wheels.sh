@@ -5,8 +5,12 @@
 #   python3 bench/gpu_check.py --out gpu_check.json
 # Usage: bench/gpu_wheels.sh [WHEEL_DIR (default .whl)] [PYTHON_VERSION of the GPU machine (default 3.12)]
 # PIP_PYTHON: the Python whose pip downloads here (default python3; e.g. .venv/bin/python where python3 has no pip)
-# megatron-core is pinned as in pyproject.toml; omegaconf needs antlr4-python3-runtime 4.9.x, which PyPI has as a
-# source archive only, so it is built into a wheel here (pure Python).
+# megatron-core 0.16.1: the one the H200 run used (pyproject.toml admits up to 0.19; docs/clusters.md, "Versions").
+# omegaconf needs antlr4-python3-runtime 4.9.x (latex2sympy2_extended, math-verify's pin, takes 4.9.3 too), which PyPI
+# has as a source archive only, so it is built into a wheel here (pure Python).
+# Never vLLM (nor torch or transformers): each vLLM release pins its torch exactly (the gpu extra's 0.33.0: torch
+# 2.14.0; 0.32.0: 2.13.0), which would replace the machine's CUDA torch, and its wheels are too large to carry. The
+# check runs on the machine's own torch and transformers, its vllm stages not run ("vLLM is not installed").
 set -euo pipefail
 out=${1:-.whl}
 py=${2:-3.12}

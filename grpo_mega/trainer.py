@@ -31,12 +31,13 @@ from grpo_mega.checkpoint.initial_weights import load_initial_weights
 from grpo_mega.checkpoint.rng import rng_state_kept
 from grpo_mega.checkpoint.source import resolve_model_source
 from grpo_mega.config import GRPOConfig
+from grpo_mega.config.checks import check_lora_imports
 from grpo_mega.data.prompts import PromptBatches
 from grpo_mega.data.tokenizer import load_tokenizer
 from grpo_mega.engine import build_policy_engine, build_reference_engine
 from grpo_mega.engine.base import NonFiniteError
 from grpo_mega.harness.lifecycle import RunHarness
-from grpo_mega.harness.resume import grpo_state
+from grpo_mega.harness.resume import OneTimeFigures, grpo_state
 from grpo_mega.lora import AdaptersOffReference, lora_attacher
 from grpo_mega.model.config_map import load_model_hf_config
 from grpo_mega.parallel import get_device
@@ -86,6 +87,7 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     (``grpo_mega.rollout_worker``) and the others train here; batches come from the rollout world
     (``grpo_mega.stages.rollout_feed``) instead of the rollout stage, and weights go to it instead of the engine."""
     alg = cfg.algorithm
+    check_lora_imports(cfg)  # peft, for LoRA on DeepSpeed: named before anything is built
     settle_rollout_engine(cfg)  # rollout.engine: auto -> the faster engine on this device, for both roles
     split = None
     if cfg.rollout.mode == "async":
@@ -120,7 +122,8 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
     source = resolve_model_source(cfg.model.init_from) if cfg.model.init_from else None
     if cfg.model.lora.enabled:  # the frozen base, under a resumed run's adapters too (checkpoints hold only those)
         load_initial_weights(policy, source)
-    start_step = harness.start(policy, state=grpo_state(train_prompts, feed),
+    figures = OneTimeFigures()
+    start_step = harness.start(policy, state=grpo_state(train_prompts, feed, figures),
                                initial_weights=lambda: _load_initial_weights(policy, source, implicit_prm, cfg),
                                shown=GRPO_SHOWN, companions=implicit_prm.companions() if implicit_prm else None)
     # Set-up after a resume restored the generators (engines built with a random initialisation) must not draw
@@ -158,8 +161,10 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
         harness.metrics_log.log(0, eval_metrics, advance=False)
 
     # parameter and memory figures: once, with the run's first update; not again after a resume (its first row
-    # would differ from the uninterrupted run's; the first update's row, kept in metrics.jsonl, has them)
-    figures_logged = start_step > 0
+    # would differ from the uninterrupted run's; the first update's row, kept in metrics.jsonl, has them). The flag
+    # is kept in checkpoints; a checkpoint older than it is taken to follow an update, as before the flag.
+    if figures.logged is None:
+        figures.logged = start_step > 0
     for step in harness.steps():
         timer = Timer()
         # 1. prompts -> G completions -> rewards (per completion, per step) -> dynamic-sampling filter; async: the
@@ -193,9 +198,9 @@ def train(cfg: GRPOConfig) -> dict[str, float]:
                 harness.fail_step(step, {**metrics, "actor/loss": error.loss, "actor/grad_norm": error.grad_norm})
                 raise
             metrics.update(_batch_metrics(groups, batch, alg))
-            if not figures_logged:  # once, after Adam's first step allocated its moments (grpo_mega.perf.parameters)
+            if not figures.logged:  # once, after Adam's first step allocated its moments (grpo_mega.perf.parameters)
                 metrics.update(parameter_figures(policy))
-                figures_logged = True
+                figures.logged = True
         # 4. weight sync to the rollout engine, also without an update: a sleeping vLLM has discarded its weights;
         # async: the new version goes to the rollout world, which takes it when its schedule needs it
         with timer("sync"), failure_phase("sync", bounded=True):

@@ -138,13 +138,34 @@ def run_prm_command(args, argv: list[str]) -> int:
     return 0
 
 
+LABEL_COUNTS = ("n", "samples_per_prompt", "max_new_tokens", "generation_batch_size", "tp", "prompt_length")
+"""``prm label``'s counts that must be >= 1 (``--max-prompts``: grpo_mega.cli's count check)."""
+
+
+def check_prm_flags(args) -> None:
+    """What ``prm label / eval`` can tell from their flags alone: ValueError naming the flag for a ``label`` count
+    below 1, an ``eval`` given neither ``--data`` nor ``--policy``, or ``--policy`` without ``--prompts``. The ranks
+    check the same again (``run_label``, ``run_eval``: a job started under torchrun or srun skips this process)."""
+    if args.prm_command == "label":
+        for name in LABEL_COUNTS:
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    elif args.prm_command == "eval":
+        if args.data is None and args.policy is None:
+            raise ValueError("give --data (step-labelled rows) and/or --policy with --prompts (best-of-N)")
+        if args.policy is not None and args.prompts is None:
+            raise ValueError("--policy needs --prompts (prompts with gold answers)")
+
+
 def check_prm_arguments(args) -> None:
-    """What ``prm label / score / eval`` can tell from their paths alone, without torch: ValueError naming the flag
-    for a model path that is no model (``--prm``, ``--policy``, ``--completer``), a causal LM as ``--prm`` without
-    ``--layout``, and for ``score`` a ``--data`` file that is no step-labelled data (read as the ranks read it)."""
+    """What ``prm label / score / eval`` can tell from their flags and paths alone, without torch: ValueError naming
+    the flag for a bad count or a missing input (:func:`check_prm_flags`), a model path that is no model (``--prm``,
+    ``--policy``, ``--completer``), a causal LM as ``--prm`` without ``--layout``, and for ``score`` a ``--data``
+    file that is no step-labelled data (read as the ranks read it)."""
     from grpo_mega.checkpoint.training_files import find_checkpoint_folder, weights_format
     from prm.spec import check_layout_is_known
 
+    check_prm_flags(args)
     for flag in ("prm", "policy", "completer"):
         path = getattr(args, flag, None)
         if path is None:

@@ -66,6 +66,23 @@ def test_prm_label_max_prompts_0(files):
     assert line == "grpo-mega prm label: error: --max-prompts 0 must be >= 1"
 
 
+@pytest.mark.parametrize("flag", ["--n", "--samples-per-prompt"])
+def test_prm_label_counts_below_1(files, flag):
+    line = refused(files, "prm", "label", "--policy", str(files["policy"]), "--data", str(files["prompts"]),
+                   "--out", "labels.jsonl", flag, "0")
+    assert line == f"grpo-mega prm label: {flag} must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("given, message", [
+    ((), "give --data (step-labelled rows) and/or --policy with --prompts (best-of-N)"),
+    (("--policy", "POLICY"), "--policy needs --prompts (prompts with gold answers)")])
+def test_prm_eval_without_its_inputs(files, given, message):
+    given = [str(files["policy"]) if word == "POLICY" else word for word in given]
+    line = refused(files, "prm", "eval", "--prm", str(files["policy"]), "--layout", "likelihood", *given,
+                   "--out", "report.json")
+    assert line == f"grpo-mega prm eval: {message}"
+
+
 def test_prm_score_of_a_causal_lm_without_layout(files):
     line = refused(files, "prm", "score", "--prm", str(files["policy"]), "--data", str(files["prompts"]),
                    "--out", "scores.jsonl")

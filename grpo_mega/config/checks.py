@@ -178,6 +178,21 @@ def validate_engine(cfg) -> None:
                           "pip install 'grpo-mega[deepspeed]'")
 
 
+def check_lora_imports(cfg) -> None:
+    """In a rank, after torch's import: ``model.lora`` with ``engine=deepspeed`` takes its adapters from peft, which
+    must import. :func:`validate_engine` only finds it before launch (importing it there would import torch); a
+    broken install or a folder named ``peft`` ahead on the path fails here, naming the key, before any engine is
+    built, instead of as a bare ImportError from inside the engine."""
+    if not (cfg.model.lora.enabled and cfg.engine == "deepspeed"):
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"model.lora with engine=deepspeed needs the peft package, which does not import "
+                          f"({error}): pip install 'grpo-mega[deepspeed]', or engine=megatron (its own adapters)"
+                          ) from None
+
+
 def validate_decode_graphs(cfg) -> None:
     """``rollout.decode_graphs``: a mode of the hf engine's decode loop; the CUDA graph / compile modes need CUDA."""
     mode = cfg.rollout.decode_graphs

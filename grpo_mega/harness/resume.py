@@ -10,6 +10,8 @@ trainer                          state            what it is
 GRPO, ``rollout.mode: colocated`` ``prompts``        the prompt order and position (``data.prompts.PromptBatches``)
 GRPO, ``rollout.mode: async``     ``rollout_feed``   the weight version and batches in flight
                                                    (``stages.rollout_feed.RolloutFeed``)
+GRPO, both                       ``figures``        whether the one-time parameter / memory figures were logged
+                                                   (:class:`OneTimeFigures`; optional: older checkpoints lack it)
 SFT                              (none)           its batches depend only on the seed and the step
 PRM training                     (none)           the same
 =============================== ================ ==========================================================
@@ -17,7 +19,8 @@ PRM training                     (none)           the same
 ``TRAINER_STATE`` is that table; :func:`trainer_state` builds a trainer's state from it (and refuses any other set
 of names), :func:`restore` and :func:`save` are the only readers and writers of it, called by ``RunHarness``. A
 checkpoint whose state names are another trainer's is refused with the trainer that saved it named, before any
-state is loaded into the run's objects.
+state is loaded into the run's objects. A name in ``OPTIONAL_STATE`` came after checkpoints without it were
+written: such a checkpoint still resumes, that holder left as it was built.
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ class StateHolder(Protocol):
 
 
 TRAINER_STATE: dict[str, tuple[str, ...]] = {
-    "grpo": ("prompts",),
-    "grpo_async": ("rollout_feed",),
+    "grpo": ("prompts", "figures"),
+    "grpo_async": ("rollout_feed", "figures"),
     "sft": (),
     "prm": (),
 }
 """Trainer -> the names of the state its checkpoints hold beside the engine."""
+
+OPTIONAL_STATE = frozenset({"figures"})
+"""State names a checkpoint may lack (saved before they existed); their holders then keep what they were built with."""
 
 TRAINER_TITLES = {"grpo": "GRPO with rollout.mode: colocated", "grpo_async": "GRPO with rollout.mode: async",
                   "sft": "SFT", "prm": "PRM training"}
@@ -69,14 +75,34 @@ def trainer_state(trainer: str, **holders: StateHolder) -> TrainerState:
     return TrainerState(trainer, dict(holders))
 
 
-def grpo_state(prompts: StateHolder, feed: StateHolder | None) -> TrainerState:
-    """GRPO's state: the prompt order when colocated, the rollout feed (``feed`` not None) in async mode."""
-    return trainer_state("grpo", prompts=prompts) if feed is None else trainer_state("grpo_async", rollout_feed=feed)
+class OneTimeFigures:
+    """Whether the run logged its one-time figures (``grpo_mega.perf.parameters``: parameters, memory), which go
+    with its first update. Kept in checkpoints: a run whose steps up to its checkpoint all skipped the update (every
+    group filtered) logs them after a resume, a run that logged them does not again (its rows stay the
+    uninterrupted run's). ``logged`` is None until set or restored: a checkpoint saved before this flag existed."""
+
+    def __init__(self) -> None:
+        self.logged: bool | None = None
+
+    def state_dict(self) -> dict:
+        return {"logged": bool(self.logged)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.logged = bool(state["logged"])
+
+
+def grpo_state(prompts: StateHolder, feed: StateHolder | None, figures: OneTimeFigures) -> TrainerState:
+    """GRPO's state: the prompt order when colocated, the rollout feed (``feed`` not None) in async mode; and
+    whether the one-time ``figures`` were logged."""
+    if feed is None:
+        return trainer_state("grpo", prompts=prompts, figures=figures)
+    return trainer_state("grpo_async", rollout_feed=feed, figures=figures)
 
 
 def _saver_of(names: set[str]) -> str:
-    """Which trainer saves exactly ``names`` beside its engine, in words."""
-    savers = [TRAINER_TITLES[t] for t, saved in TRAINER_STATE.items() if set(saved) == names]
+    """Which trainer saves exactly ``names`` beside its engine (optional names aside), in words."""
+    savers = [TRAINER_TITLES[t] for t, saved in TRAINER_STATE.items()
+              if set(saved) - OPTIONAL_STATE == names - OPTIONAL_STATE]
     return " or ".join(savers) if savers else "a trainer of another version"
 
 
@@ -99,13 +125,14 @@ def restore(checkpoints: CheckpointManager, engine, state: TrainerState, *, resu
     loaded = checkpoints.load(engine, resume_from, seed=seed, companions=companions)
     saved = loaded.extra_state or {}
     for name in state.holders:
-        if name not in saved:
+        if name not in saved and name not in OPTIONAL_STATE:
             raise ConfigError(  # the run's settings against its checkpoint's: cause=config, not retried
                 f"{resume_from} holds no {name!r} state (it holds {sorted(saved)}): it was saved by "
                 f"{_saver_of(set(saved))}, this run is {TRAINER_TITLES[state.trainer]}; continue it with its own "
                 f"settings, or start a new run from its weights with model.init_from={resume_from}")
     for name, holder in state.holders.items():
-        holder.load_state_dict(saved[name])
+        if name in saved:
+            holder.load_state_dict(saved[name])
     logger.info("resumed from %s at step %d", resume_from, loaded.step)
     return Resumed(loaded.step, Path(resume_from), loaded.config)
 

@@ -9,8 +9,9 @@ harness), from the resolved config as a plain dict (its ``trainer`` section: ``r
   ``trainer.resume=none`` unless ``trainer.overwrite=true``, which moves it aside whole to
   ``<run_dir>.old-<time>`` (nothing is deleted);
 - ``trainer.resume=auto`` (the default) continues the same run: one whose config differs in a setting that changes
-  what is trained (:data:`IDENTITY_KEYS`: the model, the data, the rewards and process supervision, KL) or what a
-  step is (:data:`STEP_KEYS`: the group size, the rollout batch, the updates per step) is refused in one line naming
+  what is trained (:data:`IDENTITY_KEYS`: the model and its LoRA adapters, the data, the rewards and process
+  supervision, KL) or what a step is (:data:`STEP_KEYS`: the group size, the rollout batch, the updates per step)
+  is refused in one line naming
   every such key, unless ``trainer.allow_config_change`` names it (or ``trainer.resume_with_changes=true`` allows
   them all); the learning rate, the step count, the layout and the rest may change (the run harness lists every
   change on resume and keeps each config: ``grpo_mega.run.config_history``);
@@ -30,7 +31,7 @@ from grpo_mega.run.checkpoints import checksum_problem, newest_complete, recorde
 from grpo_mega.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, STATE_FILE
 from grpo_mega.run.writable import run_dir_problem
 
-IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "data.", "reward.",
+IDENTITY_KEYS = ("engine", "model.hf_config", "model.tokenizer", "model.lora.", "data.", "reward.",
                  "process_reward.", "prm.", "algorithm.supervision", "algorithm.step_credit", "algorithm.use_kl_loss",
                  "algorithm.kl_loss_coef", "algorithm.kl_estimator")
 """The settings that change what a run trains (a dotted key, or a section with its dot): a resumed run keeps them."""
@@ -42,6 +43,9 @@ optimizer steps it takes (epochs, mini-batches), SFT / PRM training's examples p
 a change are not the same unit, so the metrics curve, ``total_steps`` and the schedule would no longer mean what
 they did: a resumed run keeps them too, unless ``trainer.allow_config_change`` names them."""
 GUARDED_KEYS = IDENTITY_KEYS + STEP_KEYS
+ADAPTER_SHAPE_KEYS = ("model.lora.rank", "model.lora.target_modules")
+"""The guarded settings no allowance changes on a resume: a checkpoint's LoRA adapters (rank 0: none, the whole
+model) load into adapters of their own shape only."""
 ALLOW_KEY = "trainer.allow_config_change"
 FREE_KEYS = ("data.eval_file", "data.eval_format", "data.max_eval_prompts", "data.on_bad_row")
 """Settings under :data:`IDENTITY_KEYS` that only evaluate or report, which a resumed run may change."""
@@ -103,6 +107,13 @@ def check_run_folder(config: dict[str, Any], *, act: bool = True) -> RunFolderVe
     checkpoint = Path(resume) if inside else newest_readable(run_dir)
     previous = _saved_config(checkpoint / CONFIG_FILE if checkpoint is not None else run_dir / CONFIG_FILE)
     changed = [] if previous is None else changed_identity(previous, config, run_dir)
+    reshaped = [change for change in changed if change[0] in ADAPTER_SHAPE_KEYS]
+    if reshaped:
+        shown = "; ".join(f"{key}: {show_value(old)} -> {show_value(new)}" for key, old, new in reshaped)
+        raise RunFolderError(
+            f"trainer.run_dir={run_dir} holds a run with other LoRA adapters ({shown}): its checkpoint loads into "
+            f"adapters of its own shape only (rank 0: none); set model.lora as the run had it, or "
+            f"trainer.resume=none trainer.overwrite=true to move it aside and start again, or another trainer.run_dir")
     refused = [] if allow_changes else [change for change in changed if not _allowed(change[0], allowed)]
     if refused:
         shown = "; ".join(f"{key}: {show_value(old)} -> {show_value(new)}" for key, old, new in refused)
@@ -178,8 +189,9 @@ def changed_identity(previous: dict, current: dict, run_dir: Path) -> list[tuple
     for flat in (old, new):
         if flat.get("model.tokenizer") is None:
             flat["model.tokenizer"] = flat.get("model.hf_config")
+    lora_off = not old.get("model.lora.rank") and not new.get("model.lora.rank")  # its settings apply to nothing
     keys = sorted(key for key in set(old) | set(new)
-                  if _guarded(key)
+                  if _guarded(key) and not (lora_off and key.startswith("model.lora."))
                   and not (isinstance(old.get(key), str) and "/" in old[key] and _inside(Path(old[key]), run_dir)))
     return [(key, old.get(key), new.get(key)) for key in keys
             if key in old and not _same(old.get(key), new.get(key)) and not _equivalent(key, old[key], new.get(key))]
