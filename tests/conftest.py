@@ -69,6 +69,16 @@ SLOW_FILES = {
     "test_prm_lora.py": 50,
     "test_pipeline_command_lifetime.py": 60,  # 137 s at load average ~20 (2026-12-07)
     "test_rollout_trainer_lost.py": 30,  # 33-52 s under load (2026-12-07)
+    # Files that start commands of their own, which alphabetical order put among the last queued (the very
+    # last, test_warning_filters, is two interpreters importing megatron-core). Estimated from their CPU seconds
+    # alone (`/usr/bin/time pytest FILE`, less the ~8.6 s a file of 6 in-process tests takes: start-up,
+    # collection, the fork server), 2026-12-07: queued ahead of the in-process files, which fill in at the end.
+    "test_forked_command.py": 20,  # 31 s of CPU
+    "test_warning_filters.py": 15,  # 23 s of CPU
+    "test_train_console.py": 11,  # 20 s of CPU
+    "test_import_weight.py": 15,  # these three: 28 s, 18 s and 17 s together at load average ~8 (2026-12-07)
+    "test_config_overrides.py": 10,
+    "test_failure_lines.py": 10,
 }
 
 

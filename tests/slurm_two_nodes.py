@@ -104,8 +104,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# This cluster's own munged; requeued jobs wait for the job credential to expire before they start again.
-AuthInfo=socket={MUNGE_SOCKET},cred_expire=10
+# This cluster's own munged; requeued jobs wait for the job credential to expire before they start again (5 s:
+# the least Slurm takes, as on tests/slurm_cluster.py's cluster).
+AuthInfo=socket={MUNGE_SOCKET},cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

@@ -243,7 +243,7 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
         subprocess.run(["scancel", "--signal=USR1", "--batch", prm_job], check=True, timeout=30)
         _wait_for(lambda: "requeueing" in prm_log.read_text(), 120, "the batch script to requeue the job", prm_log)
         labelled = labels.read_text()
-        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=10 on the test
+        # A requeued job starts again after the job credential lifetime (AuthInfo=cred_expire=5 on the test
         # cluster); the GRPO job stays held: the requeued PRM job has not completed.
         _wait_for(lambda: "SLURM_RESTART_COUNT=1" in prm_log.read_text(), 240, "the PRM job to restart", prm_log)
         assert held(), _job(grpo_job)

@@ -73,7 +73,7 @@ def _submit(cluster, task, run_dir: Path, log_dir: Path, *extra: str) -> tuple[s
 
 def _state_after_restart(cluster, job_id: str, log: Path) -> str:
     """The job's final state, once it has restarted (a requeued job starts again after the job credential lifetime,
-    AuthInfo=cred_expire=10 on the cluster) and finished."""
+    AuthInfo=cred_expire=5 on the cluster) and finished."""
     _wait_for(lambda: "SLURM_RESTART_COUNT=1" in log.read_text(), 240, "the job to restart", log)
     running = {None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"}
     return _wait_for(lambda: (s := _job(cluster, job_id).get("JobState")) not in running and s, 300,
