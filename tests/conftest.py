@@ -44,7 +44,9 @@ SLOW_FILES = {
     "test_run_folder_guard.py": 52,
     "test_resume_config_changes.py": 50,  # these two: estimated from runs alone (2026-12-07), as the guard's file
     "test_stop_at_once.py": 80,
-    "test_gpu_install.py": 100,  # two pip resolutions (vLLM 0.33 and 0.32 routes) since 2026-12-07
+    "test_gpu_install.py": 100,
+    "test_one_time_figures_resume.py": 15,  # these two: 12-36 s and 10-19 s alone under load (2026-12-07)
+    "test_lora_first_tries.py": 12,  # two pip resolutions (vLLM 0.33 and 0.32 routes) since 2026-12-07
     "test_turn_loop_vllm.py": 60,  # these four: estimated from runs alone (2026-12-07)
     "test_tool_sandbox.py": 35,
     "test_group_step_adam_resume.py": 30,
