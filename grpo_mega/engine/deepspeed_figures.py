@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from grpo_mega.engine.held_bytes import storages, torch_optimizer_tensors
+
 
 def _whole_numel(param: torch.nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))  # a ZeRO-3 parameter's whole size
@@ -42,34 +44,13 @@ def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> int:
     """Bytes of ``optimizer``'s parameters and state (the torch optimizer ZeRO steps: its parameters are ZeRO's fp32
     master partitions, its state Adam's moments of them), each storage once; a tensor that is a model parameter's
     own storage is the model's (counted with the parameters)."""
-    model_storage = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
-    model_storage |= {p.ds_tensor.untyped_storage().data_ptr() for p in module.parameters() if hasattr(p, "ds_tensor")}
-    seen: set[int] = set()
-    total = 0
-    held = [p for group in optimizer.param_groups for p in group["params"]] + _tensors(list(optimizer.state.values()))
-    for tensor in held:
-        if tensor.numel() == 0:
-            continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in model_storage or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+    params = list(module.parameters())
+    model = storages(params) | storages(p.ds_tensor for p in params if hasattr(p, "ds_tensor"))
+    return sum(size for ptr, size in storages(torch_optimizer_tensors(optimizer)).items() if ptr not in model)
 
 
 def static_memory_bytes(engine) -> dict[str, int]:

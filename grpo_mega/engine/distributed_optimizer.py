@@ -12,10 +12,10 @@ can be checked against the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from megatron.core import parallel_state as mpu
+
+from grpo_mega.engine.held_bytes import storages, torch_optimizer_tensors
 
 
 CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -76,18 +76,6 @@ def shards_optimizer_state(requested: bool) -> bool:
     return bool(requested) and mpu.get_data_parallel_world_size() > 1
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """{storage address: bytes} of the tensors' storages, each storage once (views share one)."""
-    found: dict[int, int] = {}
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        if storage.nbytes() > 0:
-            found[storage.data_ptr()] = storage.nbytes()
-    return found
-
-
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """The tensors of megatron's (possibly chained) optimizer: the parameters it updates (fp32 master copies
     or shards of them, or the model's own fp32 parameters) and its state (Adam moments, step counts)."""
@@ -96,10 +84,7 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
         inner = getattr(sub, "optimizer", None)
         if inner is None:  # a stub optimizer (a rank without trainable parameters)
             continue
-        for group in inner.param_groups:
-            tensors.extend(group["params"])
-        for state in inner.state.values():
-            tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
+        tensors.extend(torch_optimizer_tensors(inner))
     return tensors
 
 
@@ -112,13 +97,13 @@ def static_memory_bytes(stage: torch.nn.Module, ddp_model: torch.nn.Module, opti
     - ``optimizer_state``: what the optimizer adds: fp32 master copies of 16-bit parameters (an fp32 model is its
       own master), Adam's moments and step counts. Adam allocates its moments at the first step, so count after one.
     """
-    parameters = _storages(stage.parameters())
+    parameters = storages(stage.parameters())
     buffers = list(getattr(ddp_model, "buffers", [])) + list(getattr(ddp_model, "expert_parallel_buffers", []))
-    gradients = _storages(buffer.grad_data for buffer in buffers)
-    gradients.update(_storages(getattr(p, "main_grad", None) for p in stage.parameters()))
+    gradients = storages(buffer.grad_data for buffer in buffers)
+    gradients.update(storages(getattr(p, "main_grad", None) for p in stage.parameters()))
     gradients = {ptr: size for ptr, size in gradients.items() if ptr not in parameters}
     optimizer_state = {
-        ptr: size for ptr, size in _storages(_optimizer_tensors(optimizer)).items()
+        ptr: size for ptr, size in storages(_optimizer_tensors(optimizer)).items()
         if ptr not in parameters and ptr not in gradients
     }
     return {
