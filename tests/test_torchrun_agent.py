@@ -39,3 +39,28 @@ def test_rendezvous_events_get_their_caller_s_name_without_a_walk_of_the_stack(m
     assert close() == "close"
     with pytest.raises(AssertionError, match="inspect.stack"):
         original()
+
+
+def test_an_exit_without_teardown_still_joins_threads_runs_exit_functions_and_flushes():
+    """grpo_mega.run.torchrun's end (``module_main.exit_without_teardown``): what the interpreter's own exit does that
+    anyone can see is done, in its order; only the freeing of the modules is left out."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)  # this checkout's grpo_mega, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    script = ("import atexit, sys, threading, time\n"
+              "from grpo_mega.run.module_main import exit_without_teardown\n"
+              "atexit.register(lambda: print('exit function', flush=False))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=False))).start()\n"
+              "sys.stdout.write('unflushed ')\n"
+              "sys.stderr.write('err unflushed')\n"
+              "exit_without_teardown(3)\n"
+              "print('not reached')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert result.returncode == 3
+    assert result.stdout == "unflushed thread done\nexit function\n"
+    assert result.stderr == "err unflushed"

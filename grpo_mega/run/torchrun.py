@@ -261,4 +261,6 @@ def _launch(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from grpo_mega.run.module_main import exit_without_teardown
+
+    exit_without_teardown(main())  # the ranks have ended: nothing is left to free but torch's modules
