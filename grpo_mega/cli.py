@@ -36,7 +36,15 @@ from grpo_mega.run.torchrun import relaunch_with_torchrun  # noqa: E402
 from grpo_mega.run.library_warnings import quiet_libraries  # noqa: E402
 
 
-def _parser() -> argparse.ArgumentParser:
+OWN_COMMANDS = ("train", "sft", "eval", "quickstart", "plan")
+"""The commands of this module's parser (``prm``'s come from ``prm.cli``)."""
+
+
+def _parser(first_word: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. For a command line whose ``first_word`` is one of :data:`OWN_COMMANDS`, ``prm`` is
+    only named (in the usage line of an error): its subcommands' options are defined by modules that import the
+    config's (omegaconf, the PRM's metrics: 0.1-0.15 s of CPU on the 2-core machine, paid by every command's process
+    before it hands its work off, 2026-12-08)."""
     parser = argparse.ArgumentParser(prog="grpo-mega", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "GRPO (outcome or process supervision)"), ("sft", "supervised fine-tuning")):
@@ -104,16 +112,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--sampling-rounds", type=float, default=1.0,
                       help="mean generation rounds per step for --steps (dynamic sampling; default 1)")
     plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
-    from prm.cli import add_prm_commands
+    if first_word in OWN_COMMANDS:
+        commands.add_parser("prm")
+    else:
+        from prm.cli import add_prm_commands
 
-    add_prm_commands(commands)
+        add_prm_commands(commands)
     return parser
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     """The command line, its ``key=value`` overrides taken wherever they stand among the options (argparse takes
     one run of them: ``a=b --nproc 2 c=d`` would leave ``c=d`` unrecognized)."""
-    parser = _parser()
+    parser = _parser(argv[0] if argv else None)  # the top level has no option but --help: the command comes first
     args, rest = parser.parse_known_args(argv)
     strays = [item for item in rest if item.startswith("-") or not hasattr(args, "overrides")]
     if strays:
