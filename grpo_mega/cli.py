@@ -31,20 +31,15 @@ from pathlib import Path  # noqa: E402
 
 from grpo_mega.run.forked_command import can_run_forked  # noqa: E402
 from grpo_mega.run.lifeline import end_with_the_launcher  # noqa: E402
+from grpo_mega.run.module_main import end_without_torch_s_teardown  # noqa: E402
 from grpo_mega.run.launcher import under_launcher  # noqa: E402
 from grpo_mega.run.torchrun import relaunch_with_torchrun  # noqa: E402
 from grpo_mega.run.library_warnings import quiet_libraries  # noqa: E402
 
 
-OWN_COMMANDS = ("train", "sft", "eval", "quickstart", "plan")
-"""The commands of this module's parser (``prm``'s come from ``prm.cli``)."""
-
-
 def _parser(first_word: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser. For a command line whose ``first_word`` is one of :data:`OWN_COMMANDS`, ``prm`` is
-    only named (in the usage line of an error): its subcommands' options are defined by modules that import the
-    config's (omegaconf, the PRM's metrics: 0.1-0.15 s of CPU on the 2-core machine, paid by every command's process
-    before it hands its work off, 2026-12-08)."""
+    """The command line's parser; ``prm`` only named (in an error's usage line) for another command's: its options'
+    modules import the config's (0.1-0.15 s of CPU a command's process, before it hands its work off, 2026-12-08)."""
     parser = argparse.ArgumentParser(prog="grpo-mega", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "GRPO (outcome or process supervision)"), ("sft", "supervised fine-tuning")):
@@ -112,7 +107,7 @@ def _parser(first_word: str | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--sampling-rounds", type=float, default=1.0,
                       help="mean generation rounds per step for --steps (dynamic sampling; default 1)")
     plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
-    if first_word in OWN_COMMANDS:
+    if first_word in commands.choices:
         commands.add_parser("prm")
     else:
         from prm.cli import add_prm_commands
@@ -247,13 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_forked("grpo_mega.cli", argv)
         code = _run_command(args, argv)
-        if command_line and is_a_programs_own_process() and "torch" in sys.modules:
-            from grpo_mega.run.module_main import exit_without_teardown
-
-            # its work done in this process (one process, or a rank torchrun started as an interpreter): it ends as
-            # a rank forked from a server does, without the interpreter's teardown of torch, megatron-core and
-            # transformers (1.7 s of CPU on the 2-core machine, 2026-12-08)
-            exit_without_teardown(code)
+        if command_line:  # its work done in this process (one process, a rank torchrun started as an interpreter)
+            end_without_torch_s_teardown(code)
         return code
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:

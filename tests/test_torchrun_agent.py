@@ -64,3 +64,4 @@ def test_an_exit_without_teardown_still_joins_threads_runs_exit_functions_and_fl
     assert result.returncode == 3
     assert result.stdout == "unflushed thread done\nexit function\n"
     assert result.stderr == "err unflushed"
+
