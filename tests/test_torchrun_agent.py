@@ -65,3 +65,29 @@ def test_an_exit_without_teardown_still_joins_threads_runs_exit_functions_and_fl
     assert result.stdout == "unflushed thread done\nexit function\n"
     assert result.stderr == "err unflushed"
 
+
+def test_a_module_run_in_a_forked_process_runs_its_own_finalizers_not_the_server_s(tmp_path):
+    """``module_main.run_module_as_main`` in a process forked from a server: the folder a finalizer of the server's
+    would delete (as wandb's temporary folders, made at its import) stays; the module's own finalizer runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "probe_module.py").write_text(
+        "import weakref\nclass Thing: pass\nthing = Thing()\n"
+        "weakref.finalize(thing, print, \"the module's finalizer\", flush=True)\n")
+    script = ("import multiprocessing, os, sys, tempfile\n"
+              "from grpo_mega.run.module_main import run_module_as_main\n"
+              "server_folder = tempfile.TemporaryDirectory(prefix='server-')\n"
+              "def forked():\n"
+              "    sys.exit(run_module_as_main('probe_module', [])[0])\n"
+              "process = multiprocessing.get_context('fork').Process(target=forked)\n"
+              "process.start(); process.join()\n"
+              "print(os.path.isdir(server_folder.name), process.exitcode, flush=True)\n")
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}  # no torch import
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "the module's finalizer\nTrue 0\n"

@@ -15,10 +15,12 @@ def run_module_as_main(module: str, arguments: list[str] | tuple[str, ...]) -> t
     """Run ``module`` as ``__main__`` with ``sys.argv`` = its file and ``arguments`` (``runpy``), after setting
     torch's intra-op threads from ``OMP_NUM_THREADS`` (OpenMP read it when the server imported torch, not from this
     process's environment). As the interpreter does: an uncaught exception prints its traceback (exit status 1),
-    the ``atexit`` handlers run, the standard streams are flushed. Returns (the exit status, a ``SystemExit``'s
+    the ``atexit`` handlers run (not the server's ``weakref.finalize`` callbacks: :func:`_leave_the_server_s_finalizers`),
+    the standard streams are flushed. Returns (the exit status, a ``SystemExit``'s
     code as given; whether an uncaught Ctrl-C ended the module, see :func:`end_by_sigint`)."""
     import runpy
 
+    _leave_the_server_s_finalizers()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch
@@ -39,6 +41,18 @@ def run_module_as_main(module: str, arguments: list[str] | tuple[str, ...]) -> t
     atexit._run_exitfuncs()
     flush_standard_streams()
     return code, interrupted
+
+
+def _leave_the_server_s_finalizers() -> None:
+    """Keep the ``weakref.finalize`` callbacks this process inherited from its fork server from running at its exit:
+    they are the server's, for objects its preload made. torch's ~190 operator libraries were deregistered in every
+    forked process (0.04 s of CPU each, 3 processes a command, 2026-12-08), and wandb's two temporary folders were
+    deleted under the server, and under every other process forked from it, by the first forked process to end.
+    The module's own finalizers, registered from here on, run."""
+    import weakref
+
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.atexit = False
 
 
 def exit_without_teardown(code: int) -> None:
