@@ -31,12 +31,15 @@ from pathlib import Path  # noqa: E402
 
 from grpo_mega.run.forked_command import can_run_forked  # noqa: E402
 from grpo_mega.run.lifeline import end_with_the_launcher  # noqa: E402
+from grpo_mega.run.module_main import end_without_torch_s_teardown  # noqa: E402
 from grpo_mega.run.launcher import under_launcher  # noqa: E402
 from grpo_mega.run.torchrun import relaunch_with_torchrun  # noqa: E402
 from grpo_mega.run.library_warnings import quiet_libraries  # noqa: E402
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(first_word: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``prm`` only named (in an error's usage line) for another command's: its options'
+    modules import the config's (0.1-0.15 s of CPU a command's process, before it hands its work off, 2026-12-08)."""
     parser = argparse.ArgumentParser(prog="grpo-mega", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "GRPO (outcome or process supervision)"), ("sft", "supervised fine-tuning")):
@@ -104,16 +107,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--sampling-rounds", type=float, default=1.0,
                       help="mean generation rounds per step for --steps (dynamic sampling; default 1)")
     plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
-    from prm.cli import add_prm_commands
+    if first_word in commands.choices:
+        commands.add_parser("prm")
+    else:
+        from prm.cli import add_prm_commands
 
-    add_prm_commands(commands)
+        add_prm_commands(commands)
     return parser
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     """The command line, its ``key=value`` overrides taken wherever they stand among the options (argparse takes
     one run of them: ``a=b --nproc 2 c=d`` would leave ``c=d`` unrecognized)."""
-    parser = _parser()
+    parser = _parser(argv[0] if argv else None)  # the top level has no option but --help: the command comes first
     args, rest = parser.parse_known_args(argv)
     strays = [item for item in rest if item.startswith("-") or not hasattr(args, "overrides")]
     if strays:
@@ -235,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             from grpo_mega.run.forked_command import run_forked
 
             return run_forked("grpo_mega.cli", argv)
-        return _run_command(args, argv)
+        code = _run_command(args, argv)
+        if command_line:  # its work done in this process (one process, a rank torchrun started as an interpreter)
+            end_without_torch_s_teardown(code)
+        return code
     except KeyboardInterrupt:  # before a run's own handling took over, or a command without a run folder
         if _launch_rank() == 0:
             print(_interrupted_line(args, argv), file=sys.stderr, flush=True)

@@ -8,7 +8,8 @@ pays it twice and the test suite starts hundreds of ranks. ``grpo_mega.run.torch
 
 - the module runs as ``__main__`` with ``sys.argv`` = its file and the arguments (``runpy``), its exit status is the
   process's, an uncaught exception prints its traceback and exits 1, an uncaught Ctrl-C ends by SIGINT, and the
-  ``atexit`` handlers run (multiprocessing's children would otherwise skip them);
+  ``atexit`` handlers run (multiprocessing's children would otherwise skip them; not the ``weakref.finalize``
+  callbacks of the server's own objects, ``grpo_mega.run.module_main``);
 - the rank leads a session and process group of its own (torchrun's ranks do: ``start_new_session``), so a
   terminal's Ctrl-C reaches the agent, which forwards it, and ``grpo_mega.run.reaper`` finds the rank's helpers;
 - it ends with its launcher, however the launcher ends (``grpo_mega.run.lifeline``: SIGKILL on the death of its

@@ -189,6 +189,24 @@ def _stop_signals_once() -> None:
     api._terminate_process_handler = terminate_once  # looked up when the agent starts the ranks
 
 
+def _name_rendezvous_events_cheaply() -> None:
+    """Have torch's rendezvous name the events it records by their caller from the caller's frame, not from
+    ``inspect.stack()``: it names each event (9 a job: join, keep-alive, completion, close) before it checks whether
+    events are recorded at all (by default they are not), and ``inspect.stack()`` reads the source of every frame
+    and finds each frame's module by a scan of ``sys.modules``. Where a command's work was forked from a preloaded
+    server (``grpo_mega.run.forked_command``: 4,000 modules) that was 1.5-3 s of CPU a command, before the ranks
+    started and after they ended (measured 2026-12-08). The name is the same: the function ``depth`` frames up."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # frame 0 is this function's, as inspect.stack()[0] is
+        except ValueError:  # fewer frames than that
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = get_method_name  # looked up by name at each call
+
+
 def _fork_ranks_when_they_can() -> None:
     """Have torchrun fork the ranks of a ``-m`` command from a preloaded server where they can be
     (``grpo_mega.run.forked_ranks``): its ``config_from_args`` gives the agent :func:`forked_ranks.run_rank` as
@@ -222,6 +240,7 @@ def _launch(argv: list[str] | None) -> int:
     import_torch_holding_ctrl_c()  # before the agent's loggers' import (torch's own swallowed a Ctrl-C)
     _quiet_agent_logs()
     _stop_signals_once()
+    _name_rendezvous_events_cheaply()
     _fork_ranks_when_they_can()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -242,4 +261,6 @@ def _launch(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from grpo_mega.run.module_main import exit_without_teardown
+
+    exit_without_teardown(main())  # the ranks have ended: nothing is left to free but torch's modules
