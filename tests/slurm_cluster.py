@@ -209,7 +209,8 @@ def slurm_cluster():
     # A run stopped hard (the machine or session ended mid-test) leaves its daemons' state behind: a job it recovers
     # as RUNNING holds the node ("alloc") with no process behind it and every new job pends for good. This cluster
     # is the tests' own, so it starts empty.
-    if ours and shutil.which("scancel"):
+    # Only where our slurmctld runs: against none, scancel retries its connection for ~18 s before it gives up.
+    if ours and shutil.which("scancel") and daemon_pid(STATE / "slurmctld.pid") is not None:
         _cancel_every_job()
     _stop_daemons(munge=False)
     shutil.rmtree(STATE, ignore_errors=True)
