@@ -1,7 +1,9 @@
 """Node loss on the two-node SLURM job, over trials (issue 37): tests/test_slurm_two_nodes.py's
-``test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes`` run ``--trials`` times (every process of the job on
-the second node SIGKILLed after step 3; the job must requeue itself as a transient fault within 2 x the 20 s timeout
-+ torchrun's grace, resume on both nodes from the last complete checkpoint and complete with every step logged once).
+``test_a_two_node_job_stops_on_usr1_then_survives_the_loss_of_either_node`` run ``--trials`` times (after a USR1
+stop and its resume, every process of the job on the second node SIGKILLed, then, resumed, those on the first; each
+time the job must requeue itself as a transient fault within 2 x the 20 s timeout + torchrun's grace, resume on both
+nodes from the last complete checkpoint, and it must complete with every step logged once). A trial's figures are
+the second node's loss (the first).
 
     .venv/bin/python bench/node_loss.py [--trials 5] [--out bench/results/faults.json]
 
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST = "tests/test_slurm_two_nodes.py::test_a_lost_node_requeues_the_job_which_resumes_on_both_nodes"
+TEST = "tests/test_slurm_two_nodes.py::test_a_two_node_job_stops_on_usr1_then_survives_the_loss_of_either_node"
 
 
 def main() -> int:
@@ -38,7 +40,8 @@ def main() -> int:
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                                  f"--basetemp={args.work / f'trial{number}'}", TEST],
                                 cwd=ROOT, capture_output=True, text=True)
-        found = re.search(r"node loss: requeued ([\d.]+) s after the kill; resumed from step (\d+)", result.stdout)
+        found = re.search(r"node loss \([^)]*\): requeued ([\d.]+) s after the kill; named \[[^]]*\]; "
+                          r"resumed from step (\d+)", result.stdout)
         trial = {"trial": number, "passed": result.returncode == 0,
                  "seconds_to_requeue": float(found.group(1)) if found else None,
                  "resumed_from_step": int(found.group(2)) if found else None,

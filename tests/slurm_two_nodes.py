@@ -157,7 +157,7 @@ def _in_node(index: int, *command: str, hostname: bool = True) -> list[str]:
 
 
 def _pids() -> list[Path]:
-    return [STATE / f"slurmd-{n}.pid" for n in NODES] + [STATE / "slurmctld.pid", MUNGE_SOCKET.parent / "munged.pid"]
+    return [STATE / "slurmctld.pid", *(STATE / f"slurmd-{n}.pid" for n in NODES), MUNGE_SOCKET.parent / "munged.pid"]
 
 
 def _stop() -> None:

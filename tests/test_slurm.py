@@ -1,9 +1,10 @@
-"""launch/slurm/* on a real one-node SLURM cluster (installed with apt when missing, see slurm_cluster.py): a
-2-step training job completes; pipeline.sh chains labels + PRM training and GRPO as dependent jobs, and its PRM job,
-told to stop (USR1 to the batch shell, as --signal=B:USR1@300 does before the time limit), saves, requeues itself
-and resumes from the saved step; faults (issue 37): a rank SIGKILLed mid-run makes the job requeue itself and
-resume, a corrupt data row fails it without a requeue. The same stop-requeue-resume of a GRPO job (train.sbatch),
-and a lost node, run across two nodes in test_slurm_two_nodes.py."""
+"""launch/slurm/* on a real one-node SLURM cluster (installed with apt when missing, see slurm_cluster.py):
+pipeline.sh chains labels + PRM training and GRPO as dependent jobs, and its PRM job, told to stop (USR1 to the batch
+shell, as --signal=B:USR1@300 does before the time limit), saves, requeues itself and resumes from the saved step,
+then its 2-step GRPO job (train.sbatch) completes without a restart; faults (issue 37): a rank SIGKILLed mid-run
+makes the job requeue itself and resume, a corrupt data row fails it without a requeue. The same
+stop-requeue-resume of a GRPO job (train.sbatch), and a lost node, run across two nodes in
+test_slurm_two_nodes.py."""
 
 import json
 import os
@@ -136,15 +137,6 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_train_sbatch_runs_two_steps_on_one_node(cluster, task, tmp_path):
-    run_dir = tmp_path / "run"
-    _, state, text = _run_to_the_end(tmp_path, *_overrides(task, run_dir, "trainer.total_steps=2"))
-    assert state == "COMPLETED", text[-4000:]
-    assert "SLURM_RESTART_COUNT=0" in text
-    assert _steps(run_dir) == [1, 2]
-
-
-@pytest.mark.slow
 def test_convert_sbatch_runs_one_task_per_tensor_parallel_rank(cluster, tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -217,7 +209,9 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
     env = _job_env(PRM_CONFIG=str(PRM_CONFIG), GRPO_CONFIG=str(CONFIG), **_label_env(task, prm_policy, labels),
                    PRM_SBATCH=" ".join([*cpu_node_options(), f"--output={tmp_path}/%x-%j.out"]),
                    GRPO_SBATCH=" ".join([*cpu_node_options(), f"--output={tmp_path}/%x-%j.out"]))
-    grpo = _overrides(task, grpo_run, "trainer.total_steps=1", "algorithm.supervision=process",
+    # Two GRPO steps: this job is also the suite's plain train.sbatch run (submitted, run to the end on one node
+    # without a restart, every step logged), which a test of its own would pay a whole job's start-up for.
+    grpo = _overrides(task, grpo_run, "trainer.total_steps=2", "algorithm.supervision=process",
                       "process_reward.source=prm", f"process_reward.prm={prm_run}")
     args = [*_prm_overrides(task, prm_policy, prm_run, total), "--", *grpo]
     result = subprocess.run(["bash", str(PIPELINE), *args], cwd=REPO, env=env, capture_output=True, text=True,
@@ -272,9 +266,13 @@ def test_pipeline_labels_trains_the_prm_through_a_requeue_then_runs_process_supe
     assert _logged_steps(prm_run) == list(range(1, total + 1))
     assert json.loads((prm_run / "checkpoints" / f"step_{total:06d}" / "complete.json").read_text())["step"] == total
 
-    # The GRPO step scored its rollouts' steps with the PRM.
-    [grpo_row] = read_metrics(grpo_run / "metrics.jsonl")
-    assert grpo_row["step"] == 1 and "timing_s/prm" in grpo_row, sorted(grpo_row)
+    # The GRPO job ran once, both steps, and each scored its rollouts' steps with the PRM.
+    grpo_text = grpo_log.read_text()
+    assert "SLURM_RESTART_COUNT=0" in grpo_text and "SLURM_RESTART_COUNT=1" not in grpo_text, grpo_text[-4000:]
+    assert _job(grpo_job)["Restarts"] == "0"
+    grpo_rows = read_metrics(grpo_run / "metrics.jsonl")
+    assert [row["step"] for row in grpo_rows] == [1, 2]
+    assert all("timing_s/prm" in row for row in grpo_rows), [sorted(row) for row in grpo_rows]
 
 
 # ----------------------------------------------------------------------------- faults: the requeue policy
