@@ -59,8 +59,8 @@ def _close(expected: list[list[float]], got: list[list[float]]) -> None:
 
 
 @pytest.mark.slow
-def test_a_trained_prm_scores_on_vllm_from_its_run_directory_exported_once(prm_task, trained_run, engine_scores,  # noqa: F811
-                                                                          tmp_path):
+def test_a_trained_prm_scores_on_vllm_from_its_run_directory_exported_once(
+        prm_task, trained_run, engine_scores, tmp_path):  # noqa: F811
     from prm.export import EXPORT_DIR, MANIFEST
 
     data, expected = prm_task["heldout"], engine_scores
@@ -110,8 +110,8 @@ def test_prm_eval_and_best_of_n_on_vllm_give_the_engines_figures(prm_task, train
 
 
 @pytest.mark.slow
-def test_a_converted_megatron_folder_is_exported_beside_its_weights(prm_task, trained_run, engine_scores,  # noqa: F811
-                                                                   tmp_path):
+def test_a_converted_megatron_folder_is_exported_beside_its_weights(
+        prm_task, trained_run, engine_scores, tmp_path):  # noqa: F811
     """``tools/convert_hf_to_mcore.py``'s folder (what the error before this change told users to export by hand),
     made from the run's HF conversion, scores on vLLM as megatron scores the run itself (both conversions are
     bit-exact in the stored fp32; an HF folder's own vLLM scoring: test_prm_vllm_scorer)."""
