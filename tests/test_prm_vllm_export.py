@@ -10,8 +10,6 @@ import importlib.util
 import json
 import platform
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,17 +109,19 @@ def test_prm_eval_and_best_of_n_on_vllm_give_the_engines_figures(prm_task, train
 
 @pytest.mark.slow
 def test_a_converted_megatron_folder_is_exported_beside_its_weights(
-        prm_task, trained_run, engine_scores, tmp_path):  # noqa: F811
+        prm_task, trained_run, engine_scores, tmp_path, monkeypatch):  # noqa: F811
     """``tools/convert_hf_to_mcore.py``'s folder (what the error before this change told users to export by hand),
     made from the run's HF conversion, scores on vLLM as megatron scores the run itself (both conversions are
     bit-exact in the stored fp32; an HF folder's own vLLM scoring: test_prm_vllm_scorer)."""
-    tools = Path(__file__).resolve().parents[1] / "tools"
+    # The tools in this process, as test_prm_conversion runs them (a one-rank job runs here: run_as_the_only_rank):
+    # no interpreter start importing torch, transformers and megatron-core again per tool.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import convert_hf_to_mcore
+    import convert_mcore_to_hf
+
     hf = tmp_path / "hf"
-    for command in (["convert_mcore_to_hf.py", "--ckpt", str(trained_run), "--out", str(hf)],
-                    ["convert_hf_to_mcore.py", "--hf", str(hf), "--out", str(tmp_path / "mcore")]):
-        result = subprocess.run([sys.executable, str(tools / command[0]), *command[1:]], capture_output=True,
-                                text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+    convert_mcore_to_hf.main(["--ckpt", str(trained_run), "--out", str(hf)])
+    convert_hf_to_mcore.main(["--hf", str(hf), "--out", str(tmp_path / "mcore")])
     got, _ = _score(tmp_path / "mcore", prm_task["heldout"], tmp_path / "mcore.jsonl", "vllm")
     _close(engine_scores, got)
     assert json.loads((tmp_path / "mcore" / "hf_export" / "export.json").read_text())["source"]["file"] == \
