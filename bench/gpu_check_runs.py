@@ -266,12 +266,15 @@ def stage_grpo_vllm(work: Path, task: dict, device: str, settings: dict) -> dict
 
 # ----------------------------------------------------------------------------- 5. conversion vs HF logits
 def stage_conversion(work: Path, device: str) -> dict:
-    """The SFT checkpoint -> HF folder -> megatron checkpoint again, then megatron vs transformers logits."""
+    """The SFT checkpoint -> HF folder -> megatron checkpoint again, then megatron vs transformers logits. On a GPU
+    each tool runs as the command a user types; on the CPU (the test suite's run) in this process
+    (:func:`_tool_in_process`)."""
     hf_dir, mcore_dir = work / "sft_hf", work / "sft_mcore"
-    _tool("convert_mcore_to_hf.py", "--ckpt", str(work / "sft"), "--out", str(hf_dir), "--dtype", "float32")
-    _tool("convert_hf_to_mcore.py", "--hf", str(hf_dir), "--out", str(mcore_dir))
-    output = _tool("compare_with_hf.py", "--hf", str(hf_dir), "--ckpt", str(mcore_dir), "--seq-len", "64",
-                   "--atol", "1e-3")
+    tool = _tool if device == "cuda" else _tool_in_process
+    tool("convert_mcore_to_hf.py", "--ckpt", str(work / "sft"), "--out", str(hf_dir), "--dtype", "float32")
+    tool("convert_hf_to_mcore.py", "--hf", str(hf_dir), "--out", str(mcore_dir))
+    output = tool("compare_with_hf.py", "--hf", str(hf_dir), "--ckpt", str(mcore_dir), "--seq-len", "64",
+                  "--atol", "1e-3")
     return {"compare_output": [line.strip() for line in output.splitlines()
                                if line.startswith(("max |logit", "cosine", "next-token", "PASS"))]}
 
@@ -285,3 +288,24 @@ def _tool(script: str, *args: str) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{script} exited with {done.returncode}:\n{output[-3000:]}")
     return output
+
+
+def _tool_in_process(script: str, *args: str) -> str:
+    """``tools/<script>``'s ``main`` in this process, which has imported what it needs (its one-rank job runs here:
+    ``run_as_the_only_rank``, which leaves no process group), instead of an interpreter importing torch,
+    transformers and megatron-core again (~8 s of CPU each on a 2-core machine); its printed output, or RuntimeError
+    with the output's end where it exits (``fail``, or compare_with_hf's exit 1)."""
+    import contextlib
+    import importlib
+    import io
+
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            importlib.import_module(Path(script).stem).main(list(args))
+    except SystemExit as error:
+        raise RuntimeError(f"{script} exited with {error.code}:\n{output.getvalue()[-3000:]}") from None
+    return output.getvalue()

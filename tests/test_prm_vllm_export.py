@@ -10,8 +10,6 @@ import importlib.util
 import json
 import platform
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,14 @@ def trained_run(prm_task, tmp_path_factory):  # noqa: F811
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def engine_scores(prm_task, trained_run, tmp_path_factory) -> list[list[float]]:  # noqa: F811
+    """The megatron engine's step scores of the held-out rows under the trained run (``prm score --scorer engine``):
+    what every vLLM scoring of that PRM, from its run directory or a converted folder, must give."""
+    scores, _ = _score(trained_run, prm_task["heldout"], tmp_path_factory.mktemp("engine") / "engine.jsonl", "engine")
+    return scores
+
+
 def _score(prm: Path, data: Path, out: Path, scorer: str) -> tuple[list[list[float]], str]:
     result = run_grpo_mega("prm", "score", "--prm", str(prm), "--data", str(data), "--step-tag", STEP_TAG,
                            "--scorer", scorer, "--out", str(out), timeout=600)
@@ -51,11 +57,11 @@ def _close(expected: list[list[float]], got: list[list[float]]) -> None:
 
 
 @pytest.mark.slow
-def test_a_trained_prm_scores_on_vllm_from_its_run_directory_exported_once(prm_task, trained_run, tmp_path):  # noqa: F811
+def test_a_trained_prm_scores_on_vllm_from_its_run_directory_exported_once(
+        prm_task, trained_run, engine_scores, tmp_path):  # noqa: F811
     from prm.export import EXPORT_DIR, MANIFEST
 
-    data = prm_task["heldout"]
-    expected, _ = _score(trained_run, data, tmp_path / "engine.jsonl", "engine")
+    data, expected = prm_task["heldout"], engine_scores
     got, log = _score(trained_run, data, tmp_path / "vllm.jsonl", "vllm")
     _close(expected, got)
     export = trained_run / "checkpoints" / "step_000002" / EXPORT_DIR
@@ -102,19 +108,22 @@ def test_prm_eval_and_best_of_n_on_vllm_give_the_engines_figures(prm_task, train
 
 
 @pytest.mark.slow
-def test_a_converted_megatron_folder_is_exported_beside_its_weights(prm_task, trained_run, tmp_path):  # noqa: F811
-    """``tools/convert_hf_to_mcore.py``'s folder (what the error before this change told users to export by hand)."""
-    tools = Path(__file__).resolve().parents[1] / "tools"
+def test_a_converted_megatron_folder_is_exported_beside_its_weights(
+        prm_task, trained_run, engine_scores, tmp_path, monkeypatch):  # noqa: F811
+    """``tools/convert_hf_to_mcore.py``'s folder (what the error before this change told users to export by hand),
+    made from the run's HF conversion, scores on vLLM as megatron scores the run itself (both conversions are
+    bit-exact in the stored fp32; an HF folder's own vLLM scoring: test_prm_vllm_scorer)."""
+    # The tools in this process, as test_prm_conversion runs them (a one-rank job runs here: run_as_the_only_rank):
+    # no interpreter start importing torch, transformers and megatron-core again per tool.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import convert_hf_to_mcore
+    import convert_mcore_to_hf
+
     hf = tmp_path / "hf"
-    for command in (["convert_mcore_to_hf.py", "--ckpt", str(trained_run), "--out", str(hf)],
-                    ["convert_hf_to_mcore.py", "--hf", str(hf), "--out", str(tmp_path / "mcore")]):
-        result = subprocess.run([sys.executable, str(tools / command[0]), *command[1:]], capture_output=True,
-                                text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-    data = prm_task["heldout"]
-    expected, _ = _score(hf, data, tmp_path / "hf.jsonl", "vllm")
-    got, _ = _score(tmp_path / "mcore", data, tmp_path / "mcore.jsonl", "vllm")
-    _close(expected, got)
+    convert_mcore_to_hf.main(["--ckpt", str(trained_run), "--out", str(hf)])
+    convert_hf_to_mcore.main(["--hf", str(hf), "--out", str(tmp_path / "mcore")])
+    got, _ = _score(tmp_path / "mcore", prm_task["heldout"], tmp_path / "mcore.jsonl", "vllm")
+    _close(engine_scores, got)
     assert json.loads((tmp_path / "mcore" / "hf_export" / "export.json").read_text())["source"]["file"] == \
         "grpo_mega_model.json"
 

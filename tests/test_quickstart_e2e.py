@@ -4,8 +4,6 @@ them (all on 2 processes) -> eval, and writes its summary."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -128,16 +126,18 @@ def _hf_nll(model_dir: Path, rows: list[dict]) -> float:
 
 
 @pytest.mark.slow
-def test_trained_policy_exports_to_hugging_face(fast_quickstart, tmp_path):
+def test_trained_policy_exports_to_hugging_face(fast_quickstart, tmp_path, monkeypatch):
     """A training checkpoint (the quickstart's SFT run) converts to an HF folder whose loss matches the trainer's,
     and scores steps as a likelihood PRM as transformers computes them from that folder."""
     run_dir, _ = fast_quickstart
     sft_dir, train_file = run_dir / "sft", run_dir / "data" / "train.jsonl"
     hf_out = tmp_path / "hf"
-    tool = Path(__file__).resolve().parent.parent / "tools" / "convert_mcore_to_hf.py"
-    export = subprocess.run([sys.executable, str(tool), "--ckpt", str(sft_dir), "--out", str(hf_out)],
-                            capture_output=True, text=True, timeout=600)
-    assert export.returncode == 0, export.stderr[-3000:]
+    # tools/convert_mcore_to_hf.py in this process, as test_prm_conversion runs it (its one-rank job runs here):
+    # no interpreter start importing torch, transformers and megatron-core again
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    import convert_mcore_to_hf
+
+    convert_mcore_to_hf.main(["--ckpt", str(sft_dir), "--out", str(hf_out)])
     rows = [json.loads(line) for line in train_file.read_text().splitlines()[:64]]
     final_nll = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()][-1]["sft/nll"]
     hf_nll = _hf_nll(hf_out, rows)
