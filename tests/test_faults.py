@@ -35,6 +35,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from faults import rank_pid  # noqa: E402  (bench/faults.py)
 TIMEOUT_S = 15
+STOPPED_TIMEOUT_S = 10
+"""trainer.collective_timeout_s of the stopped-rank test, which waits it out (15 s before: 15 of the test's 37 s in
+CI); still several times a tiny step, the longest honest wait of one rank for the other there. Measured at load
+average 8: the job ended 13.7 s after the SIGSTOP at 8 s, 22.9 s at 15 s."""
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +118,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
     run_dir = tmp_path / "grpo"
     command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(REPO / "configs/quickstart_grpo.yaml"),
                "--nproc", "2", *tiny_run_overrides(task, run_dir, "trainer.total_steps=100",
-                                                   f"trainer.collective_timeout_s={TIMEOUT_S}")]
+                                                   f"trainer.collective_timeout_s={STOPPED_TIMEOUT_S}")]
     # without the suite's shared fork server: rank_pid finds a forked rank through its launcher's own server
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                            env=without_offer())
@@ -129,7 +133,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
         assert stopped is not None
         os.kill(stopped, signal.SIGSTOP)  # a hang: the process lives, holds its sockets, and answers nothing
         start = time.monotonic()
-        output, _ = job.communicate(timeout=TIMEOUT_S + 90)
+        output, _ = job.communicate(timeout=STOPPED_TIMEOUT_S + 90)
         elapsed = time.monotonic() - start
     finally:
         if stopped is not None:
@@ -140,10 +144,10 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0
-    assert elapsed < 2 * TIMEOUT_S, f"the job took {elapsed:.0f} s to end"
+    assert elapsed < 2 * STOPPED_TIMEOUT_S, f"the job took {elapsed:.0f} s to end"
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["rank"] == 0 and failure["cause"] == "collective_timeout" and failure["step"] >= 2
-    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in failure["exception"]
+    assert f"Timed out waiting {STOPPED_TIMEOUT_S * 1000}ms" in failure["exception"]
     assert "grpo-mega train: rank 0" in output and "failed (cause=collective_timeout)" in output
 
 
