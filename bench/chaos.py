@@ -53,7 +53,8 @@ from chaos_faults import (KINDS, PLANTED, PROGRAM, STOPS, AttemptStart, DiskFill
                           planted_env, poll_attempt, rank_pid, record_attempt, step_reached, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
-from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV, is_offered, without_offer  # noqa: E402
+from faults import offered_server  # noqa: E402  (bench/faults.py)
+from grpo_mega.run.shared_fork_server import without_offer  # noqa: E402
 
 GRACE_S = 10
 RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2", "algorithm.response_length=12",
@@ -260,11 +261,6 @@ def supervisor(args, task, work: Path, env: dict, disk: Path | None, cluster):
     shared = offered_server(env) if args.ranks == "forked" else None
     return Supervisor(command(task, run_dir, args), run_dir, logs, env if shared else without_offer(env), args.timeout,
                       disk, lead, RANK_PROGRAMS[args.ranks], shared)
-
-
-def offered_server(env: dict) -> int | None:
-    """The pid of the shared fork server (``grpo_mega.run.shared_fork_server``) offered in ``env``; None: none runs."""
-    return int(env[SHARED_FORK_SERVER_ENV].partition(":")[0]) if is_offered(env) else None
 
 
 def summarise(schedule: list[Fault], checks: dict, run: dict) -> dict:

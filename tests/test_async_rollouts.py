@@ -206,10 +206,10 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
 
 
 def _started_until_step(command, run_dir, step):
-    """The job of ``command``, started and left running once its step ``step`` is logged (without the suite's shared
-    fork server: its ranks are found through its launcher, rank_pid and _kill_whole_job)."""
+    """The job of ``command``, started and left running once its step ``step`` is logged (its ranks forked from the
+    suite's shared fork server, which rank_pid is told: no server of the job's own to start and preload)."""
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env=without_offer(_environment()))
+                           env=_environment())
     while not any(r["step"] == step for r in _rows(run_dir)):
         assert job.poll() is None, job.stderr.read()[-3000:]
         time.sleep(0.05)
@@ -241,7 +241,7 @@ def test_staleness_1_stopped_by_sigterm_then_by_sigusr1_on_the_rollout_rank_alon
     stops the job as if it had the signal itself (before, the rollout rank recorded the signal and the run went on to
     its end). One run meets both, so the second stop also starts from a resume."""
     sys.path.insert(0, str(TESTS.parent / "bench"))
-    from faults import rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
+    from faults import offered_server, rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
 
     settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
     command = _command(task, stopped, 2, *settings)
@@ -259,7 +259,7 @@ def test_staleness_1_stopped_by_sigterm_then_by_sigusr1_on_the_rollout_rank_alon
         f"step_{first_stop:06d}", stderr[-3000:]
 
     job = _started_until_step(command, stopped, first_stop + 1)
-    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli")
+    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli", shared_server=offered_server())
     assert rollout_rank is not None
     os.kill(rollout_rank, signal.SIGUSR1)
     _, stderr = job.communicate(timeout=120)
