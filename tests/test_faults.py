@@ -27,13 +27,12 @@ import pytest
 from grpo_mega.run.failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
 from grpo_mega.run.metrics import read_metrics
 from grpo_mega.run.procfs import alive
-from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from faults import rank_pid  # noqa: E402  (bench/faults.py)
+from faults import offered_server, rank_pid  # noqa: E402  (bench/faults.py)
 TIMEOUT_S = 15
 STOPPED_TIMEOUT_S = 10
 """trainer.collective_timeout_s of the stopped-rank test, which waits it out (15 s before: 15 of the test's 37 s in
@@ -109,8 +108,9 @@ def test_a_timeout_that_is_not_positive_is_a_config_error():
 
 
 def _rank_pid(rank: int, run_dir: Path) -> int | None:
-    """The pid of the trainer process of ``rank`` in the job writing to ``run_dir`` (not torchrun itself)."""
-    return rank_pid(rank, run_dir, b"grpo_mega.cli")
+    """The pid of the trainer process of ``rank`` in the job writing to ``run_dir`` (not torchrun itself), forked
+    from the suite's shared fork server where it offers one."""
+    return rank_pid(rank, run_dir, b"grpo_mega.cli", shared_server=offered_server())
 
 
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_path):
@@ -119,9 +119,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_pat
     command = [sys.executable, "-m", "grpo_mega.cli", "train", "--config", str(REPO / "configs/quickstart_grpo.yaml"),
                "--nproc", "2", *tiny_run_overrides(task, run_dir, "trainer.total_steps=100",
                                                    f"trainer.collective_timeout_s={STOPPED_TIMEOUT_S}")]
-    # without the suite's shared fork server: rank_pid finds a forked rank through its launcher's own server
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                           env=without_offer())
+    # the ranks forked from the suite's shared fork server (no server of the job's own to start and preload)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     stopped = None
     try:
         metrics = run_dir / "metrics.jsonl"
