@@ -53,6 +53,7 @@ from chaos_faults import (KINDS, PLANTED, PROGRAM, STOPS, AttemptStart, DiskFill
                           planted_env, poll_attempt, rank_pid, record_attempt, step_reached, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
+from faults import offered_server  # noqa: E402  (bench/faults.py)
 from grpo_mega.run.shared_fork_server import without_offer  # noqa: E402
 
 GRACE_S = 10
@@ -90,7 +91,8 @@ def command(task, run_dir: Path, args) -> list[str]:
     """The local launcher's command: 2 ranks on this machine running bench/fault_inject.py. ``--ranks interpreters``
     (the recorded schedules): torch's torchrun, each rank a new interpreter; ``--ranks forked``: the launcher
     ``grpo-mega train --nproc 2`` execs (``grpo_mega.run.torchrun``), its ranks forked from a server that imported
-    torch, megatron-core and transformers once per attempt (``grpo_mega.run.forked_ranks``: CPU builds of torch)."""
+    torch, megatron-core and transformers once per attempt (``grpo_mega.run.forked_ranks``: CPU builds of torch), or
+    once in all where this process offers a shared one (``grpo_mega.run.shared_fork_server``: the test suite)."""
     if args.ranks == "forked":
         launcher = ["-m", "grpo_mega.run.torchrun", "--standalone", "--nproc-per-node=2", "-m", "--",
                     RANK_PROGRAMS["forked"].decode()]
@@ -104,10 +106,12 @@ class Supervisor:
     """Runs the command attempt after attempt in one run folder, one fault per attempt, and records each."""
 
     def __init__(self, argv: list[str], run_dir: Path, logs: Path, env: dict, timeout: int, disk: Path | None,
-                 rollout_lead: int = 0, program: bytes = PROGRAM):
+                 rollout_lead: int = 0, program: bytes = PROGRAM, shared_server: int | None = None):
         self.argv, self.run_dir, self.logs, self.env, self.disk = argv, run_dir, logs, env, disk
         self.program = program
         """The ranks' program on the launcher's command line (rank_pid)."""
+        self.shared_server = shared_server
+        """The pid of the shared fork server the attempts' ranks are forked from (rank_pid); None: their own."""
         self.rollout_lead = rollout_lead
         """ROLLOUT_LEAD of the variant: added to the earliest trigger of a fault planted on the rollout rank."""
         self.limit = 2 * timeout + GRACE_S + 60
@@ -140,7 +144,8 @@ class Supervisor:
             hung = True
             job.kill()
             job.wait()
-        while (pids := [p for p in (rank_pid(r, self.run_dir, self.program) for r in range(2)) if p]):
+        while (pids := [p for p in (rank_pid(r, self.run_dir, self.program, self.shared_server) for r in range(2))
+                        if p]):
             if time.monotonic() > deadline:
                 hung = True
                 for pid in pids:
@@ -178,7 +183,7 @@ class Supervisor:
             if reached:
                 time.sleep(fault.delay_s)
                 if job.poll() is None:
-                    fault_at = inject(fault, job.pid, self.run_dir, disk_fill, self.program)
+                    fault_at = inject(fault, job.pid, self.run_dir, disk_fill, self.program, self.shared_server)
             ended, hung = self.end(job)
             if disk_fill is not None:
                 disk_fill.release_after(fault.record, self.run_dir)
@@ -250,9 +255,12 @@ def supervisor(args, task, work: Path, env: dict, disk: Path | None, cluster):
     if cluster is not None:
         return chaos_slurm.SlurmSupervisor(cluster, overrides(task, run_dir, args), GRPO_CONFIG, run_dir, logs, env,
                                            args.timeout, disk, lead, ROLLOUT_RANK)
-    # The ranks among the command's descendants, where rank_pid finds them: a server of its own (no shared one's offer)
-    return Supervisor(command(task, run_dir, args), run_dir, logs, without_offer(env), args.timeout, disk, lead,
-                      RANK_PROGRAMS[args.ranks])
+    # Forked ranks from the shared fork server this process offers, if it does (the tests: no server of each attempt's
+    # own to start and preload, 6-7 s of CPU per attempt; rank_pid knows them by their parent); else among the
+    # command's descendants, where rank_pid finds them: a server of its own (no shared one's offer)
+    shared = offered_server(env) if args.ranks == "forked" else None
+    return Supervisor(command(task, run_dir, args), run_dir, logs, env if shared else without_offer(env), args.timeout,
+                      disk, lead, RANK_PROGRAMS[args.ranks], shared)
 
 
 def summarise(schedule: list[Fault], checks: dict, run: dict) -> dict:

@@ -242,9 +242,10 @@ class DiskFill:
 
 
 def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | None,
-           program: bytes = PROGRAM) -> float | None:
-    """Send an external fault to the running job (``program``: what its ranks run, for rank_pid); returns its time
-    (None: its rank was already gone)."""
+           program: bytes = PROGRAM, shared_server: int | None = None) -> float | None:
+    """Send an external fault to the running job (``program``: what its ranks run, and ``shared_server``: the
+    shared fork server its ranks are forked from, if any, for rank_pid); returns its time (None: its rank was
+    already gone)."""
     kind = fault.kind
     if kind == "disk_full":
         if disk_fill is None:
@@ -258,7 +259,7 @@ def inject(fault: Fault, agent_pid: int, run_dir: Path, disk_fill: DiskFill | No
         os.kill(agent_pid, signal.SIGTERM)
         return time.time()
     rank = 0 if kind == "store_lost" else fault.rank
-    pid = rank_pid(rank, run_dir, program)
+    pid = rank_pid(rank, run_dir, program, shared_server)
     if pid is None:
         return None
     if kind == "store_lost":  # the node that hosts the store: its agent and its rank together

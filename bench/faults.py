@@ -103,10 +103,21 @@ def _forked_by_launcher(pid: str, program: bytes, run_dir: bytes) -> bool:
     return program in launcher_command and run_dir in launcher_command
 
 
-def rank_pid(rank: int, run_dir: Path, program: bytes = b"fault_inject.py") -> int | None:
+def offered_server(environ=os.environ) -> int | None:
+    """The pid of the shared fork server (``grpo_mega.run.shared_fork_server``) offered in ``environ``, whose forked
+    ranks :func:`rank_pid` finds given it; None: none runs."""
+    from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV, is_offered
+
+    return int(environ[SHARED_FORK_SERVER_ENV].partition(":")[0]) if is_offered(environ) else None
+
+
+def rank_pid(rank: int, run_dir: Path, program: bytes = b"fault_inject.py",
+             shared_server: int | None = None) -> int | None:
     """The pid of the process of ``rank`` (not torchrun itself) running ``program`` for ``run_dir``: a rank torchrun
     started as an interpreter by its command line and environment, one forked from the launcher's preloaded server
-    (``grpo_mega.run.forked_ranks``, CPU torch) by its name and its launcher's command line."""
+    (``grpo_mega.run.forked_ranks``, CPU torch) by its name and its launcher's command line. ``shared_server``: the
+    pid of the shared fork server (``grpo_mega.run.shared_fork_server``) whose offer the caller's job took, its one
+    job at a time: a rank of that name forked by it is the job's (nothing of the job is in its command line)."""
     folder = str(run_dir).encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -118,7 +129,9 @@ def rank_pid(rank: int, run_dir: Path, program: bytes = b"fault_inject.py") -> i
         if (program in cmdline and folder in cmdline
                 and b"torch.distributed.run" not in cmdline and f"RANK={rank}".encode() in environ):
             return int(pid)
-        if name == rank_process_name(str(rank)) and _forked_by_launcher(pid, program, folder):
+        if name == rank_process_name(str(rank)) and (
+                _forked_by_launcher(pid, program, folder)
+                or (shared_server is not None and _parent(pid)[0] == str(shared_server))):
             return int(pid)
     return None
 

@@ -183,7 +183,7 @@ def _run_training(args) -> int:
     if args.nproc > 1 and not launched:
         return relaunch_with_torchrun(args.nproc, ["grpo_mega.cli", args.command, "--config", args.config, *args.overrides])
     import_torch_holding_ctrl_c()  # after the checks (they stay torch-free): a Ctrl-C in torch's import was lost
-    from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly
+    from grpo_mega.run.control import EXIT_STOPPED_EARLY, StoppedEarly, StoppedWithTheRun
     from grpo_mega.run.reaper import reap_group_when_rank_exits
 
     reap_group_when_rank_exits()  # the rank's helper processes end with it, however it ends
@@ -194,7 +194,8 @@ def _run_training(args) -> int:
     try:
         run(cfg)
     except StoppedEarly as stopped:  # a checkpoint was saved; the same command resumes (exit status 3)
-        print(f"grpo-mega {args.command}: {stopped}", file=sys.stderr)
+        if not isinstance(stopped, StoppedWithTheRun):  # the ranks that stopped the run say it
+            print(f"grpo-mega {args.command}: {stopped}", file=sys.stderr)
         return EXIT_STOPPED_EARLY
     except (Exception, KeyboardInterrupt) as error:  # one line; the traceback in failure.json and tracebacks/
         from grpo_mega.run.failure import exit_status, report_failure

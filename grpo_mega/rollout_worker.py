@@ -8,7 +8,9 @@ Its loop, top to bottom (``run_rollout_worker``; the schedule is ``grpo_mega.sta
    (``k = rollout.max_staleness``), evaluating the versions the evaluation schedule names as they arrive; then the
    rollout stage of colocated mode (prompts -> G completions -> outcome rewards -> PRM step rewards -> dynamic
    sampling) and the batch to the trainer, with its metrics and the version that made it;
-3. after the last step: the remaining versions (the last one's evaluation), then ``stop`` -> ``bye``.
+3. after the last step: the remaining versions (the last one's evaluation), then ``stop`` -> ``bye``; a ``stop``
+   before it (the trainer stopped the run early: a signal, the time limit) -> ``bye``, and exit status 3 as the
+   trainer's (``grpo_mega.run.control.StoppedWithTheRun``).
 
 Rewards and PRM scoring run here, off the training ranks' critical path: the PRM is a forward-only model like the
 rollout engine, the scores it gives belong to the batch they are sent with, and the trainer's devices keep only
@@ -43,7 +45,7 @@ from grpo_mega.parallel.roles import RoleSplit
 from grpo_mega.rollout.base import decode_response
 from grpo_mega.rollout.bridge import Bridge
 from grpo_mega.rollout.link import RolloutLink, TrainerStopped
-from grpo_mega.run.control import StopRequests
+from grpo_mega.run.control import StoppedWithTheRun, StopRequests
 from grpo_mega.run.failure import phase, set_step
 from grpo_mega.run.progress import SkippedRows, collect_skipped_rows
 from grpo_mega.run.watchdog import PhaseWatchdog
@@ -100,6 +102,7 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
                                    "metrics": run_evaluation(cfg, engine, eval_records, version)}, key=version)
         return time.perf_counter() - began
 
+    stopped_at = None
     try:
         take_weights()
         for step in range(start["first_step"], total + 1):
@@ -129,6 +132,7 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
             raise RuntimeError(f"the trainer sent {kind!r} after the last weights version, where 'stop' was due")
     except TrainerStopped:
         logger.info("rollout world: the trainer stopped the run at version %d", link.version)
+        stopped_at = link.version
     link.send("bye")
     link.settle()
     watchdog.close()
@@ -136,4 +140,6 @@ def run_rollout_worker(cfg: GRPOConfig, split: RoleSplit) -> dict[str, float]:
     close_rollout_engine(engine)
     destroy_distributed()
     collect_skipped_rows(None)
+    if stopped_at is not None and stopped_at < total:  # exit as the trainer does (3), not 0: StoppedWithTheRun
+        raise StoppedWithTheRun(stopped_at, "the trainer stopped the run")
     return {}

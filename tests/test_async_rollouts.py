@@ -206,10 +206,10 @@ def test_staleness_1_killed_mid_run_resumes_exactly_with_the_batch_in_flight(tas
 
 
 def _started_until_step(command, run_dir, step):
-    """The job of ``command``, started and left running once its step ``step`` is logged (without the suite's shared
-    fork server: its ranks are found through its launcher, rank_pid and _kill_whole_job)."""
+    """The job of ``command``, started and left running once its step ``step`` is logged (its ranks forked from the
+    suite's shared fork server, which rank_pid is told: no server of the job's own to start and preload)."""
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env=without_offer(_environment()))
+                           env=_environment())
     while not any(r["step"] == step for r in _rows(run_dir)):
         assert job.poll() is None, job.stderr.read()[-3000:]
         time.sleep(0.05)
@@ -235,26 +235,31 @@ def test_staleness_1_stopped_by_sigterm_then_by_sigusr1_on_the_rollout_rank_alon
 
     SIGTERM to the job (as SLURM's preemption sends it) once step 1 is logged: the trainer saves the step in flight
     with the batch the rollout rank already made for the next step, ends the rollout rank (whose own copy of the
-    signal only says the same) and stops. Then, once the resumed run has logged a step of its own, SIGUSR1 to the
-    rollout rank only (a preemption notice on the rollout node alone): the rollout world passes it on with its next
-    batch, the trainer saves and stops the job as if it had the signal itself (before, the rollout rank recorded the
-    signal and the run went on to its end). One run meets both, so the second stop also starts from a resume."""
+    signal only says the same) and stops, and the job ends with them (not when torchrun's agent kills a rank 30 s
+    later). Then, once the resumed run has logged a step of its own, SIGUSR1 to the rollout rank only (a preemption
+    notice on the rollout node alone): the rollout world passes it on with its next batch, the trainer saves and
+    stops the job as if it had the signal itself (before, the rollout rank recorded the signal and the run went on to
+    its end). One run meets both, so the second stop also starts from a resume."""
     sys.path.insert(0, str(TESTS.parent / "bench"))
-    from faults import rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
+    from faults import offered_server, rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
 
     settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
     command = _command(task, stopped, 2, *settings)
     job = _started_until_step(command, stopped, 1)
     job.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
     _, stderr = job.communicate(timeout=120)
     # torchrun, signalled itself, exits non-zero whatever its ranks did; the trainer's own line says it saved
     assert job.returncode != 0 and "stopped after step" in stderr, stderr[-3000:]
+    # and it ends once its ranks have: the rollout rank exits as the trainer does (status 3), where a status 0 left it
+    # waiting for torchrun's shutting-down agent to read it, which SIGKILLed it 30 s after the signal
+    assert time.monotonic() - signalled < 25, stderr[-3000:]
     first_stop = int(re.search(r"grpo-mega train: stopped after step (\d+)", stderr).group(1))
     assert 1 <= first_stop < 4 and (stopped / "checkpoints" / "latest").read_text().strip() == \
         f"step_{first_stop:06d}", stderr[-3000:]
 
     job = _started_until_step(command, stopped, first_stop + 1)
-    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli")
+    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli", shared_server=offered_server())
     assert rollout_rank is not None
     os.kill(rollout_rank, signal.SIGUSR1)
     _, stderr = job.communicate(timeout=120)

@@ -15,7 +15,6 @@ import pytest
 
 from dist_utils import run_distributed
 from grpo_mega.run.metrics import read_metrics
-from grpo_mega.run.shared_fork_server import without_offer
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
@@ -60,20 +59,43 @@ def straight_and_killed_runs(task, root: Path, *common: str,
     interrupted = root / "interrupted"
     latest = interrupted / "checkpoints" / "latest"
     with open(root / "first.log", "w") as log:
-        # without the suite's shared fork server: the ranks are killed as the job's descendants
-        job = subprocess.Popen(_cli(task, interrupted, *common), stdout=log, stderr=log, start_new_session=True,
-                               env=without_offer())
+        job = subprocess.Popen(_cli(task, interrupted, *common), stdout=log, stderr=log, start_new_session=True)
         while job.poll() is None and not (latest.exists() and latest.read_text().strip() == "step_000002"):
             time.sleep(0.05)
-        # The whole job, mid step 3, as a scheduler would: torchrun's workers run in their own process groups.
-        for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
-            process.kill()
+        # The whole job, mid step 3, as a scheduler would: torchrun's workers run in their own process groups, forked
+        # from the suite's shared fork server (no server of the job's own to start and preload), so not among the
+        # launcher's descendants: rank_pid finds them (and a server of the job's own, its ranks, among those)
+        _kill_with_descendants([job.pid, *filter(None, (_rank_pid(rank, interrupted) for rank in range(2)))])
         job.wait()
     assert latest.read_text().strip() == "step_000002", (root / "first.log").read_text()[-3000:]
     resumed = subprocess.run(_cli(task, interrupted, *common), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
     return straight, interrupted, resumed
+
+
+def _rank_pid(rank: int, run_dir: Path) -> int | None:
+    """The pid of ``rank`` of the job writing to ``run_dir``: bench/faults.py's rank_pid, told the shared server."""
+    sys.path.insert(0, str(CONFIG.parents[1] / "bench"))
+    from faults import offered_server, rank_pid
+
+    return rank_pid(rank, run_dir, b"grpo_mega.cli", shared_server=offered_server())
+
+
+def _kill_with_descendants(pids: list[int]) -> None:
+    """SIGKILL the processes ``pids`` and all their descendants, listed first (none gets to start another)."""
+    processes = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            processes += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def assert_runs_equal(straight: Path, interrupted: Path, steps: int) -> dict:

@@ -53,6 +53,14 @@ class StoppedEarly(Exception):
         self.step, self.reason = step, reason
 
 
+class StoppedWithTheRun(StoppedEarly):
+    """This rank ended because the ranks that decide stopped the run early (the rollout world, told ``stop`` by the
+    trainer before the last step): the same exit status as theirs, :data:`EXIT_STOPPED_EARLY`, and no line of its
+    own (they say why). Not status 0: a rank forked by torchrun's agent that returns 0 waits for the agent to read
+    its return value, which an agent shutting the job down on a SIGTERM never does; it SIGKILLed the rollout rank 30
+    s later (every preemption of an async run on CPU torch: 31.7 s from the SIGTERM to the exit, 4.7 s after)."""
+
+
 def job_end_time(environ=os.environ) -> float | None:
     """The UNIX time the job must end: ``SLURM_JOB_END_TIME`` under SLURM, else None."""
     value = environ.get("SLURM_JOB_END_TIME")
