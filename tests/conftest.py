@@ -17,16 +17,16 @@ import pytest
 # Approximate seconds of the slowest files under `make test` (2 cores, measured 2026-12-03 from pytest's junit XML of
 # a whole run at e2111a6); only their order matters, and a file missing here just runs after them.
 SLOW_FILES = {
-    "test_prm_vllm_export.py": 215,
+    "test_prm_vllm_export.py": 150,  # 215 before the module fixture and in-process tools (2026-12-08: -22 % CPU)
     "test_quickstart_e2e.py": 255,
-    "test_async_rollouts.py": 209,
+    "test_async_rollouts.py": 170,  # 209 before the SIGTERM-stopped rollout rank ended at once (2026-12-08)
     "test_implicit_prm_run.py": 172,
-    "test_chaos.py": 144,
+    "test_chaos.py": 95,  # 144 before the attempts forked from the shared server (2026-12-08: -37 % CPU)
     "test_prm_commands.py": 142,
-    "test_slurm.py": 141,
+    "test_slurm.py": 120,  # 141 before the idle scancel and the merged train job went (2026-12-08)
     "test_qwen3_moe.py": 141,
-    "test_slurm_two_nodes.py": 139,
-    "test_gpu_check.py": 126,
+    "test_slurm_two_nodes.py": 100,  # 139 with 6 job starts; 4 since 2026-12-08
+    "test_gpu_check.py": 90,  # 126 before the conversion stage ran its tools in-process on the CPU (2026-12-08)
     "test_prm_vllm_scorer.py": 99,
     "test_readme_small_model.py": 92,
     "test_trainer_hardening.py": 85,
