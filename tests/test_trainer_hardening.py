@@ -144,7 +144,9 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(task, straight_run, 
         assert [bool(s) for s in startup] == [row["step"] in firsts for row in rows]
         for first in filter(None, startup):
             # imports: the rank's own (torch, megatron-core and transformers come preloaded into a forked rank: launch)
-            assert set(first) == phases and first["launch"] > 0.5 and first["imports"] > 0, first
+            # launch: from the user's command (0.3 s since the agent's start-up cuts of 2026-12-08), not the rank's
+            # own start (~0 for a forked rank)
+            assert set(first) == phases and first["launch"] > 0.1 and first["imports"] > 0, first
             assert first["total"] == pytest.approx(sum(v for k, v in first.items() if k != "total"))
 
 
