@@ -53,8 +53,7 @@ from chaos_faults import (KINDS, PLANTED, PROGRAM, STOPS, AttemptStart, DiskFill
                           planted_env, poll_attempt, rank_pid, record_attempt, step_reached, trigger_now)
 from fault_setup import GRPO_CONFIG, build_fault_task  # noqa: E402
 
-from faults import offered_server  # noqa: E402  (bench/faults.py)
-from grpo_mega.run.shared_fork_server import without_offer  # noqa: E402
+from grpo_mega.run.shared_fork_server import offered_server_pid, without_offer  # noqa: E402
 
 GRACE_S = 10
 RUN = ["algorithm.rollout_batch_size=4", "algorithm.num_return_sequences_in_group=2", "algorithm.response_length=12",
@@ -258,7 +257,7 @@ def supervisor(args, task, work: Path, env: dict, disk: Path | None, cluster):
     # Forked ranks from the shared fork server this process offers, if it does (the tests: no server of each attempt's
     # own to start and preload, 6-7 s of CPU per attempt; rank_pid knows them by their parent); else among the
     # command's descendants, where rank_pid finds them: a server of its own (no shared one's offer)
-    shared = offered_server(env) if args.ranks == "forked" else None
+    shared = offered_server_pid(env) if args.ranks == "forked" else None
     return Supervisor(command(task, run_dir, args), run_dir, logs, env if shared else without_offer(env), args.timeout,
                       disk, lead, RANK_PROGRAMS[args.ranks], shared)
 

@@ -103,14 +103,6 @@ def _forked_by_launcher(pid: str, program: bytes, run_dir: bytes) -> bool:
     return program in launcher_command and run_dir in launcher_command
 
 
-def offered_server(environ=os.environ) -> int | None:
-    """The pid of the shared fork server (``grpo_mega.run.shared_fork_server``) offered in ``environ``, whose forked
-    ranks :func:`rank_pid` finds given it; None: none runs."""
-    from grpo_mega.run.shared_fork_server import SHARED_FORK_SERVER_ENV, is_offered
-
-    return int(environ[SHARED_FORK_SERVER_ENV].partition(":")[0]) if is_offered(environ) else None
-
-
 def rank_pid(rank: int, run_dir: Path, program: bytes = b"fault_inject.py",
              shared_server: int | None = None) -> int | None:
     """The pid of the process of ``rank`` (not torchrun itself) running ``program`` for ``run_dir``: a rank torchrun

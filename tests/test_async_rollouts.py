@@ -23,7 +23,7 @@ from grpo_mega.rollout.base import Completion
 from grpo_mega.rollout.bridge import pack_bucket, unpack_bucket
 from grpo_mega.run.metrics import read_metrics
 from grpo_mega.run.procfs import alive
-from grpo_mega.run.shared_fork_server import without_offer
+from grpo_mega.run.shared_fork_server import offered_server_pid, without_offer
 from grpo_mega.stages.rollout import RolloutBatch
 from grpo_mega.stages.rollout_feed import batch_from_state, batch_state, generating_version
 from tiny_task import build_tiny_task, tiny_run_overrides
@@ -241,7 +241,7 @@ def test_staleness_1_stopped_by_sigterm_then_by_sigusr1_on_the_rollout_rank_alon
     stops the job as if it had the signal itself (before, the rollout rank recorded the signal and the run went on to
     its end). One run meets both, so the second stop also starts from a resume."""
     sys.path.insert(0, str(TESTS.parent / "bench"))
-    from faults import offered_server, rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
+    from faults import rank_pid  # bench/faults.py: a rank's pid, forked or an interpreter
 
     settings, whole, stopped = K1, uninterrupted_k1, tmp_path / "stopped"
     command = _command(task, stopped, 2, *settings)
@@ -259,7 +259,7 @@ def test_staleness_1_stopped_by_sigterm_then_by_sigusr1_on_the_rollout_rank_alon
         f"step_{first_stop:06d}", stderr[-3000:]
 
     job = _started_until_step(command, stopped, first_stop + 1)
-    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli", shared_server=offered_server())
+    rollout_rank = rank_pid(1, stopped, program=b"grpo_mega.cli", shared_server=offered_server_pid())
     assert rollout_rank is not None
     os.kill(rollout_rank, signal.SIGUSR1)
     _, stderr = job.communicate(timeout=120)

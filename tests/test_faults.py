@@ -27,12 +27,13 @@ import pytest
 from grpo_mega.run.failure import POSITION, classify, failure_line, note_signal, phase, record_failure, set_step
 from grpo_mega.run.metrics import read_metrics
 from grpo_mega.run.procfs import alive
+from grpo_mega.run.shared_fork_server import offered_server_pid
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from faults import offered_server, rank_pid  # noqa: E402  (bench/faults.py)
+from faults import rank_pid  # noqa: E402  (bench/faults.py)
 TIMEOUT_S = 15
 STOPPED_TIMEOUT_S = 10
 """trainer.collective_timeout_s of the stopped-rank test, which waits it out (15 s before: 15 of the test's 37 s in
@@ -110,7 +111,7 @@ def test_a_timeout_that_is_not_positive_is_a_config_error():
 def _rank_pid(rank: int, run_dir: Path) -> int | None:
     """The pid of the trainer process of ``rank`` in the job writing to ``run_dir`` (not torchrun itself), forked
     from the suite's shared fork server where it offers one."""
-    return rank_pid(rank, run_dir, b"grpo_mega.cli", shared_server=offered_server())
+    return rank_pid(rank, run_dir, b"grpo_mega.cli", shared_server=offered_server_pid())
 
 
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_cause(tmp_path):

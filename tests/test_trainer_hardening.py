@@ -15,6 +15,7 @@ import pytest
 
 from dist_utils import run_distributed
 from grpo_mega.run.metrics import read_metrics
+from grpo_mega.run.shared_fork_server import offered_server_pid
 from tiny_task import build_tiny_task, tiny_run_overrides
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_grpo.yaml"
@@ -77,9 +78,9 @@ def straight_and_killed_runs(task, root: Path, *common: str,
 def _rank_pid(rank: int, run_dir: Path) -> int | None:
     """The pid of ``rank`` of the job writing to ``run_dir``: bench/faults.py's rank_pid, told the shared server."""
     sys.path.insert(0, str(CONFIG.parents[1] / "bench"))
-    from faults import offered_server, rank_pid
+    from faults import rank_pid
 
-    return rank_pid(rank, run_dir, b"grpo_mega.cli", shared_server=offered_server())
+    return rank_pid(rank, run_dir, b"grpo_mega.cli", shared_server=offered_server_pid())
 
 
 def _kill_with_descendants(pids: list[int]) -> None:

@@ -65,8 +65,8 @@ class SharedForkServer:
         self._server._stop()
 
 
-def _offered_server(environ) -> tuple[str, bytes] | None:
-    """(socket path, key) of the server offered in ``environ``, if it runs and may serve this process."""
+def _offered_server(environ) -> tuple[int, str, bytes] | None:
+    """(pid, socket path, key) of the server offered in ``environ``, if it runs and may serve this process."""
     offer = environ.get(SHARED_FORK_SERVER_ENV, "")
     pid, _, rest = offer.partition(":")
     key, _, address = rest.partition(":")
@@ -75,7 +75,7 @@ def _offered_server(environ) -> tuple[str, bytes] | None:
     try:
         if not (alive(pid) and stat.S_ISSOCK(os.stat(address).st_mode)):
             return None
-        return address, bytes.fromhex(key)
+        return int(pid), address, bytes.fromhex(key)
     except (OSError, ValueError):
         return None
 
@@ -83,6 +83,13 @@ def _offered_server(environ) -> tuple[str, bytes] | None:
 def is_offered(environ=os.environ) -> bool:
     """Whether ``environ`` offers a running server this process may use (see :func:`use_if_offered`)."""
     return _offered_server(environ) is not None
+
+
+def offered_server_pid(environ=os.environ) -> int | None:
+    """The pid of the server offered in ``environ`` where this process may use it (:func:`is_offered`), else None:
+    the parent of the ranks forked for a command that took the offer (``bench/faults.py``'s ``rank_pid``)."""
+    offered = _offered_server(environ)
+    return None if offered is None else offered[0]
 
 
 def use_if_offered(environ=os.environ) -> bool:
@@ -94,7 +101,7 @@ def use_if_offered(environ=os.environ) -> bool:
     offered = _offered_server(environ)
     if offered is None:
         return False
-    address, key = offered
+    _, address, key = offered
     server = multiprocessing.forkserver._forkserver
     with server._lock:
         # A process forked from the server (a command's work, grpo_mega.run.forked_command) finds the server's own
